@@ -1,0 +1,37 @@
+# Two user-facing targets: `make train` (the embedded default run) and `make test`.
+# Both build the same virtual environment: it reuses a system torch (e.g. a CUDA
+# build) through --system-site-packages and installs the CPU wheel only when none
+# is importable; megaft itself is installed without build isolation so pip never
+# pulls a second torch into a throwaway build environment.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.megaft-installed
+# torch's CPU wheel lies here on the project's machines; harmless elsewhere.
+WHEELS := $(wildcard /opt/wheels)
+FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
+TEST_ARGS ?=
+
+.PHONY: install train test bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h)
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(FIND_LINKS) torch==2.13.0
+	$(PIP) install $(FIND_LINKS) -r requirements.txt
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+train: $(STAMP)
+	$(VENV)/bin/megaft-train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(TEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.kernels.adamw_cpu
+
+clean:
+	rm -rf build *.egg-info megaft/*.so outputs

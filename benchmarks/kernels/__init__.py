@@ -1,0 +1,1 @@
+"""Kernel microbenchmarks, one module per kernel family and device."""

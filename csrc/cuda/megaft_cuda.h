@@ -1,0 +1,34 @@
+/* The small C ABI of megaft's CUDA kernels (the .cu files in csrc/cuda).
+ *
+ * The kernels are plain CUDA C++ with no torch headers, so they compile with bare
+ * nvcc (tests/test_csrc_compile.py does so for sm_80 and sm_90) and could be
+ * linked into a non-torch program. The torch binding (bindings.cpp) checks the
+ * tensors and passes raw pointers and the current stream. Every function returns a
+ * cudaError_t as int: 0 (cudaSuccess) or the launch error. This header is valid C.
+ */
+#ifndef MEGAFT_CUDA_H_
+#define MEGAFT_CUDA_H_
+
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One fused AdamW step, in place, over n float32 elements of p, m (exp_avg) and v
+ * (exp_avg_sq), with decoupled weight decay and bias correction; step counts from
+ * 1. The hyperparameters come as doubles and the per-step scalars (bias
+ * corrections, step size) are computed in double on the host, then rounded to
+ * float once, as torch.optim.AdamW does with Python floats. Pointers may have any
+ * alignment (16-byte aligned ones take the float4 path) and must not overlap. */
+int megaft_adamw_fp32(float* p, const float* g, float* m, float* v, int64_t n,
+                      int64_t step, double lr, double beta1, double beta2, double eps,
+                      double weight_decay, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MEGAFT_CUDA_H_ */

@@ -1,0 +1,117 @@
+"""The run's root config, its registration in Hydra's ConfigStore, and validation.
+
+Each component owns its dataclass next to its code; this module assembles them,
+registers `base_<group>` schemas (conf/<group>/*.yaml extend them), resolves the
+fields that depend on files (HF config.json, the tokenizer) and validates
+everything once, before any rank starts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from megaft.data.config import DataConfig, build_tokenizer, check_data
+from megaft.models.config import ModelConfig, check_model
+from megaft.optim.config import OptimConfig, check_optim
+from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
+from megaft.training.config import TrainConfig, check_train
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local: start nproc ranks here (torchrun/Slurm set their own env)
+    nproc: int = 2  # ranks to start with the local launcher
+    timeout_s: int = 300  # process-group timeout: a hung or dead rank fails the others after this
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    precision: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights and loss)
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+
+
+class ConfigError(ValueError):
+    """Every problem of a config, one per line, each with its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, node in (("model", ModelConfig), ("parallel", ParallelConfig), ("optim", OptimConfig),
+                        ("data", DataConfig), ("launcher", LauncherConfig)):
+        cs.store(group=group, name=f"base_{group}", node=node)
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill the fields that come from files: the HF architecture of model.init_from and
+    the vocabulary size of the tokenizer. Call after the files were validated."""
+    if cfg.model.init_from:
+        from megaft.models.hf import hf_model_config
+
+        hf = hf_model_config(cfg.model.init_from)
+        hf.init_from, hf.max_seq_len = cfg.model.init_from, min(hf.max_seq_len, cfg.model.max_seq_len)
+        hf.dropout, hf.make_vocab_size_divisible_by = cfg.model.dropout, cfg.model.make_vocab_size_divisible_by
+        hf.name = cfg.model.name if cfg.model.name != "tiny" else os.path.basename(cfg.model.init_from.rstrip("/"))
+        cfg.model = hf
+    elif cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = build_tokenizer(cfg.data, init_from=None).get_vocab_size()
+    return cfg
+
+
+def _model_file_problems(init_from: str) -> list[str]:
+    if not os.path.isdir(init_from):
+        return [f"model.init_from={init_from!r} is not a directory; fix: point it at a Hugging Face "
+                "Llama checkpoint directory (config.json, *.safetensors, tokenizer.json)"]
+    problems = []
+    if not os.path.isfile(os.path.join(init_from, "config.json")):
+        problems.append(f"{os.path.join(init_from, 'config.json')} is missing; fix: save the model with "
+                        "save_pretrained or copy its config.json")
+    if not any(os.path.isfile(os.path.join(init_from, f))
+               for f in ("model.safetensors", "model.safetensors.index.json")):
+        problems.append(f"{init_from} has neither model.safetensors nor model.safetensors.index.json; "
+                        "fix: save with safe_serialization=True")
+    return problems
+
+
+def validate(cfg: Config, world_size: int) -> list[str]:
+    """All problems of `cfg` for a world of `world_size` ranks (empty when valid).
+
+    Architecture checks run on the resolved config (HF config.json, tokenizer
+    vocabulary), so they are skipped only when model.init_from's files are missing.
+    """
+    problems = check_parallel(cfg.parallel, world_size)
+    problems += check_optim(cfg.optim)
+    problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))
+    problems += check_data(cfg.data, init_from=cfg.model.init_from)
+    if cfg.precision not in ("fp32", "bf16"):
+        problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32 or bf16")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        problems.append(f"device={cfg.device!r} is unknown; fix: auto, cpu or cuda")
+    if cfg.model.init_from:
+        file_problems = _model_file_problems(cfg.model.init_from)
+        problems += file_problems
+        if file_problems:  # the architecture lives in the missing files
+            return problems
+    tokenizer_ok = not any("tokenizer" in p for p in problems)
+    try:
+        if cfg.model.init_from or tokenizer_ok:
+            resolve(cfg)
+    except (OSError, ValueError) as exc:
+        return problems + [str(exc)]
+    problems += check_model(cfg.model, cfg.parallel.tp)
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
+                        "fix: lower data.seq_len or raise model.max_seq_len")
+    return problems

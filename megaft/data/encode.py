@@ -1,0 +1,66 @@
+"""Examples -> token ids plus a per-token loss mask."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from tokenizers import Tokenizer
+
+
+class Encoded(NamedTuple):
+    """One tokenized example.
+
+    `target[i]` says whether token i is a prediction target, i.e. whether the
+    loss counts predicting `ids[i]` from the tokens before it. `target[0]` is
+    always False: nothing in the example precedes it, and in a packed stream
+    this keeps an example's first token from being "predicted" from the end of
+    the unrelated previous example.
+    """
+
+    ids: list[int]
+    target: list[bool]
+
+
+def encode_example(tok: Tokenizer, ex: dict, eos_id: Optional[int]) -> Encoded:
+    """Tokenize one example (a dict from `read_jsonl` or a generated task).
+
+    text: `ids = tok.encode(text).ids` exactly as the tokenizer gives them,
+    special tokens included as its post-processor adds them (e.g. Llama's BOS)
+    and nothing appended; every token after the first is a target. Plain text
+    is treated as a document to continue, so no EOS is forced onto it.
+
+    prompt/completion: `tok.encode(prompt).ids` (with the post-processor's
+    special tokens, so a BOS starts the prompt) + `tok.encode(completion,
+    add_special_tokens=False).ids` + `[eos_id]` when eos_id is not None. Only
+    the completion tokens and the EOS are targets, so the model learns to
+    answer and to stop, and is never trained to produce prompts. The two parts
+    are tokenized separately so the mask boundary is exact; put any separating
+    space in the completion (" Paris"), as HF chat/SFT data usually does.
+    """
+    first = tok.encode(ex["text"] if "text" in ex else ex["prompt"]).ids
+    answer = None if "text" in ex else tok.encode(ex["completion"], add_special_tokens=False).ids
+    return _assemble(first, answer, eos_id)
+
+
+def encode_examples(tok: Tokenizer, examples: list[dict], eos_id: Optional[int]) -> list[Encoded]:
+    """`encode_example` over a list, in order; batched through `encode_batch`
+    (the tokenizers library parallelizes it), with identical results."""
+    firsts = tok.encode_batch([ex["text"] if "text" in ex else ex["prompt"] for ex in examples])
+    pcs = [i for i, ex in enumerate(examples) if "text" not in ex]
+    answers = [None] * len(examples)
+    encoded = tok.encode_batch([examples[i]["completion"] for i in pcs], add_special_tokens=False)
+    for i, enc in zip(pcs, encoded):
+        answers[i] = enc.ids
+    return [_assemble(f.ids, a, eos_id) for f, a in zip(firsts, answers)]
+
+
+def _assemble(first: list[int], answer: Optional[list[int]], eos_id: Optional[int]) -> Encoded:
+    """Join text (answer None) or prompt + completion ids and build the mask."""
+    if answer is None:
+        return Encoded(first, [i > 0 for i in range(len(first))])
+    if eos_id is not None:
+        answer = answer + [eos_id]
+    target = [False] * len(first) + [True] * len(answer)
+    if target:
+        target[0] = False  # an empty prompt: the first token has nothing to be predicted from
+    return Encoded(first + answer, target)

@@ -1,0 +1,108 @@
+"""JSONL example files: one JSON object per line, in one of two forms.
+
+    {"text": "..."}                          plain text, every token is a target
+    {"prompt": "...", "completion": "..."}   only the completion is a target
+
+Other keys are ignored; blank lines are skipped. Every other deviation is an
+error naming the file and the 1-based line number, with its fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator, Optional
+
+from megaft.data.errors import DataError
+
+FORMS = ('{"text": str}', '{"prompt": str, "completion": str}')
+_FIX_FORM = f"fix: write each line as {FORMS[0]} or {FORMS[1]}"
+
+
+def parse_example(line: str) -> dict:
+    """Parse one non-blank line into `{"text": ...}` or `{"prompt": ..., "completion": ...}`.
+
+    Raises DataError with "problem; fix: ..." (no file or line: callers add them).
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"invalid JSON ({e}); "
+                        "fix: write one complete JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"expected a JSON object, got {type(obj).__name__}; {_FIX_FORM}")
+    has_text, has_pc = "text" in obj, ("prompt" in obj or "completion" in obj)
+    if has_text and has_pc:
+        raise DataError("has both 'text' and 'prompt'/'completion'; fix: keep one form per line")
+    if not has_text and not has_pc:
+        keys = ", ".join(map(repr, obj)) or "none"
+        raise DataError(f"has neither 'text' nor 'prompt'+'completion' (keys: {keys}); {_FIX_FORM}")
+    keys = ("text",) if has_text else ("prompt", "completion")
+    for key in keys:
+        if key not in obj:
+            other = "prompt" if key == "completion" else "completion"
+            raise DataError(f"has '{other}' but no '{key}'; fix: add a \"{key}\" string")
+        if not isinstance(obj[key], str):
+            raise DataError(f"'{key}' must be a string, got {type(obj[key]).__name__}; "
+                            f"fix: quote the value as a JSON string")
+    return {k: obj[k] for k in keys}
+
+
+def scan_jsonl(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
+    """Yield `(line_number, example, None)` or `(line_number, None, problem)` for
+    every non-blank line. A missing file or a file without examples is one
+    problem with line number 0."""
+    if not os.path.isfile(path):
+        yield 0, None, "file not found; fix: check the path (relative paths are resolved " \
+                       "from the directory the run starts in)"
+        return
+    found = False
+    with open(path, "rb") as f:  # bytes, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, None, f"not valid UTF-8 ({e}); fix: re-encode the file as UTF-8"
+                continue
+            if not line.strip():
+                continue
+            found = True
+            try:
+                yield lineno, parse_example(line), None
+            except DataError as e:
+                yield lineno, None, str(e)
+    if not found:
+        yield 0, None, "no examples (the file is empty or blank); fix: add at least one line"
+
+
+def _where(path: str, lineno: int) -> str:
+    return f"{path}:{lineno}" if lineno else path
+
+
+def read_jsonl(path: str, max_lines: Optional[int] = None) -> list[dict]:
+    """Read the examples of a JSONL file in file order, at most `max_lines` of them.
+
+    Returns dicts holding only "text" or only "prompt" and "completion".
+    Raises DataError("FILE:LINE: problem; fix: ...") at the first malformed line.
+    """
+    examples = []
+    for lineno, ex, problem in scan_jsonl(path):
+        if problem is not None:
+            raise DataError(f"{_where(path, lineno)}: {problem}")
+        examples.append(ex)
+        if max_lines is not None and len(examples) >= max_lines:
+            break
+    return examples
+
+
+def jsonl_problems(path: str, limit: int = 20) -> list[str]:
+    """Every malformed line of a JSONL file as "FILE:LINE: problem; fix: ...".
+
+    Reports the first `limit` and then one line counting the rest, so a file
+    with a systematic error does not drown the other problems.
+    """
+    problems = [f"{_where(path, n)}: {p}" for n, _, p in scan_jsonl(path) if p is not None]
+    if len(problems) > limit:
+        rest = len(problems) - limit
+        problems = problems[:limit] + [f"{path}: {rest} more malformed lines not shown"]
+    return problems

@@ -1,0 +1,1 @@
+"""Starting ranks: the local launcher and the environment torchrun sets."""

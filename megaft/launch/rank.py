@@ -1,0 +1,48 @@
+"""Body of one rank: device, process group, grid, then the trainer."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megaft.config import Config
+from megaft.launch.env import DistEnv
+from megaft.parallel.config import resolve_dp
+from megaft.parallel.grid import ParallelGrid
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but torch sees no CUDA GPU; fix: device=cpu or a CUDA build of torch")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0) -> dict:
+    """Initialize the process group of `env`, build the grid and train; returns the summary."""
+    from megaft.training.loop import Trainer
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = pick_device(cfg.device, env.local_rank)
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+    try:
+        grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                                  dp=resolve_dp(cfg.parallel, env.world_size), device=device)
+        return Trainer(cfg, grid, run_dir).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def local_worker(local_rank: int, cfg: Config, run_dir: str, nproc: int, init_file: str) -> None:
+    """Entry of a rank started by the local launcher (torch.multiprocessing)."""
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    run_rank(cfg, run_dir, DistEnv(local_rank, nproc, local_rank, f"file://{init_file}"), threads)

@@ -1,0 +1,88 @@
+"""ColumnParallelLinear and RowParallelLinear (Megatron's names and semantics).
+
+Weights are [out, in] like nn.Linear. Column splits `out` over tp ranks; Row splits
+`in` and expects its input already split. With sequence parallel the activations
+outside these layers are split along the sequence (dim 1 of [batch, seq, hidden]).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaft.layers.shard import mark_sequence_parallel, mark_sharded, padded_size
+from megaft.parallel.comm import (
+    Group, copy_to_tp, gather_from_sp, gather_from_tp, group_size, reduce_from_tp,
+    reduce_scatter_to_sp,
+)
+
+
+def column_input(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a column-parallel region: f (copy_to_tp) or, with sequence parallel, the
+    sequence all-gather. Layers that share one input (q/k/v, gate/up) call it once
+    and are built with `shared_input=True`, saving a collective per extra layer."""
+    return gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its output rows.
+
+    Input: replicated (or a sequence shard with `sequence_parallel`, gathered here).
+    Output: this rank's columns, or all of them with `gather_output`. `out_features`
+    that tp does not divide is an error unless `pad_to` is given: then it is padded to a
+    multiple of pad_to * tp; padded outputs are zero
+    weights and the caller masks or drops them (see the vocabulary head).
+    With `shared_input` the caller has already applied `column_input`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool = False, pad_to: Optional[int] = None,
+                 shared_input: bool = False):
+        super().__init__()
+        tp = group_size(group)
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.shared_input = shared_input
+        self.in_features, self.out_features = in_features, out_features
+        padded = padded_size(out_features, (pad_to or 1) * tp)
+        if padded != out_features and pad_to is None:
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} not divisible by tp={tp}")
+        self.weight = mark_sharded(nn.Parameter(torch.empty(padded // tp, in_features)), 0, out_features, padded)
+        self.bias = None
+        if bias:
+            self.bias = mark_sharded(nn.Parameter(torch.zeros(padded // tp)), 0, out_features, padded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.shared_input:
+            x = column_input(x, self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its input columns; x is already split.
+
+    Partial products are summed with an all-reduce, or with sequence parallel a
+    reduce-scatter along the sequence. The bias is added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = False,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        tp = group_size(group)
+        if in_features % tp:
+            raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={tp}")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // tp)), 1, in_features, in_features)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features))
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,28 @@
+"""Hugging Face Llama interop: import a checkpoint directory, export one.
+
+An HF checkpoint is a directory with config.json, model.safetensors (or shards
+listed in model.safetensors.index.json) and tokenizer.json. Parameter names map
+one to one: ours plus a `model.` prefix, except `lm_head.weight` (absent when the
+embeddings are tied). Import reads each rank's slice only (hf_load.py); export
+gathers over tp and one rank writes (hf_export.py).
+
+    cfg = hf_model_config(path, base=cfg)            # shapes from config.json
+    model = Llama(cfg, group=grid.tp_group)
+    load_hf_weights(model, path, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    ...
+    export_hf(model, cfg, out, tokenizer_json=path, tp_group=grid.tp_group,
+              is_writer=grid.rank == 0)               # every tp rank calls it
+
+Rope parameters: transformers 5 writes `rope_parameters: {rope_type, rope_theta,
+...}`; older configs have top-level `rope_theta` and `rope_scaling`. Both are read;
+export writes both, so transformers 4 and 5 load the result.
+"""
+from megaft.models.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf, hf_config_dict
+from megaft.models.hf_load import (
+    HFCheckpointError, checkpoint_files, hf_model_config, hf_name, load_hf_weights, read_hf_config,
+)
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES", "HFCheckpointError", "checkpoint_files", "export_hf", "hf_config_dict",
+    "hf_model_config", "hf_name", "load_hf_weights", "read_hf_config",
+]

@@ -1,0 +1,225 @@
+"""Read a Hugging Face Llama checkpoint: config.json -> ModelConfig, safetensors -> shards.
+
+Each tp rank reads only its slice of every sharded tensor (`safe_open(...).get_slice`),
+so a rank never holds a full copy of the model in memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from megaft.layers.shard import full_shape, shard_of
+from megaft.models.config import ModelConfig
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+LLAMA_LIKE = ("llama",)  # model_types whose weights and math are exactly Llama's
+ROPE_TYPES = ("default", "llama3")
+# HF config fields kept in ModelConfig.extra so that export writes them back.
+EXTRA_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_LIST_LIMIT = 20  # names listed in an error before "... and N more"
+
+
+class HFCheckpointError(ValueError):
+    """An HF checkpoint is unusable; the message names the file and tensor."""
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> its name in an HF LlamaForCausalLM state dict."""
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_LIST_LIMIT])
+    return shown + (f" ... and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else "")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The parsed PATH/config.json, with a clear error when missing or not JSON."""
+    file = os.path.join(path, CONFIG)
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise HFCheckpointError(f"{file}: not found; fix: point model.init_from at an HF Llama "
+                                "checkpoint directory (config.json + *.safetensors)") from None
+    except (OSError, ValueError) as e:
+        raise HFCheckpointError(f"{file}: cannot read it as JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise HFCheckpointError(f"{file}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
+def _rope(raw: dict[str, Any], file: str) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, scaling) from transformers 5's `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling` (whose type key may be "type")."""
+    params = dict(raw.get("rope_parameters") or {})
+    if not params:
+        params = dict(raw.get("rope_scaling") or {})
+        if "rope_theta" in raw:
+            params["rope_theta"] = raw["rope_theta"]
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta", 10000.0))
+    if kind not in ROPE_TYPES:
+        raise HFCheckpointError(f"{file}: rope type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None
+    return theta, {"rope_type": kind, **params}
+
+
+def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """ModelConfig of the HF Llama checkpoint in directory `path`.
+
+    Shape fields come from config.json; the rest (dropout, init, vocab padding) from
+    `base` (default ModelConfig()). `max_seq_len` is min(base.max_seq_len,
+    max_position_embeddings): the rotary cache covers what training uses, not the
+    model's whole context (131072 for Llama 3.1). bos/eos/pad ids and
+    max_position_embeddings are kept in `extra` for export.
+    """
+    base = base or ModelConfig()
+    raw, file = read_hf_config(path), os.path.join(path, CONFIG)
+    if raw.get("model_type") not in LLAMA_LIKE:
+        raise HFCheckpointError(f"{file}: model_type {raw.get('model_type')!r} is not supported; "
+                                f"megaft imports {', '.join(LLAMA_LIKE)} checkpoints")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise HFCheckpointError(f"{file}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if k not in raw]
+    if missing:
+        raise HFCheckpointError(f"{file}: missing {', '.join(missing)}")
+    theta, scaling = _rope(raw, file)
+    n_heads = raw["num_attention_heads"]
+    max_pos = raw.get("max_position_embeddings") or base.max_seq_len
+    return dataclasses.replace(
+        base,
+        name=os.path.basename(os.path.normpath(path)),
+        dim=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+        ffn_dim=raw["intermediate_size"],
+        vocab_size=raw["vocab_size"],
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=min(base.max_seq_len, max_pos),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        init_from=str(path),
+        extra={**base.extra, **{k: raw[k] for k in EXTRA_KEYS if k in raw}},
+    )
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Every tensor name of the checkpoint in `path` -> the safetensors file holding it."""
+    index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HFCheckpointError(f"{index}: cannot read its weight_map ({e!r})") from e
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise HFCheckpointError(f"{file}: listed in {index} but not found")
+        return files
+    if os.path.isfile(single):
+        with safe_open(single, "pt") as f:
+            return {name: single for name in f.keys()}
+    raise HFCheckpointError(f"{path}: no {SINGLE} or {INDEX}; fix: save the model with "
+                            "safetensors (save_pretrained does by default)")
+
+
+def _source(path: str) -> str:
+    """The file that lists the checkpoint's tensors (for error messages)."""
+    index = os.path.join(path, INDEX)
+    return index if os.path.isfile(index) else os.path.join(path, SINGLE)
+
+
+def _read_local(f, name: str, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's shard of tensor `name` in the param's dtype, reading only its rows;
+    padding rows are zero."""
+    spec = shard_of(param)
+    sl = f.get_slice(name)
+    if spec is None:
+        return sl[:].to(param.dtype)
+    start, end = spec.real_bounds(tp_rank, tp_size)
+    local = torch.zeros(param.shape, dtype=param.dtype)
+    if end > start:  # a rank may own only padding rows when the vocabulary is tiny
+        index = (slice(None),) * spec.dim + (slice(start, end),)
+        local.narrow(spec.dim, 0, end - start).copy_(sl[index])
+    return local
+
+
+def _by_file(wanted: dict[str, str], files: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(file, our param names stored in it) for the wanted tensors the checkpoint has."""
+    by_file: dict[str, list[str]] = {}
+    for name, hf in wanted.items():
+        if hf in files:
+            by_file.setdefault(files[hf], []).append(name)
+    return sorted(by_file.items())
+
+
+def _check_tp(model: nn.Module, tp_size: int) -> None:
+    for name, param in model.named_parameters():
+        spec = shard_of(param)
+        if spec is not None and param.shape[spec.dim] * tp_size != spec.padded:
+            raise ValueError(f"{name} was built for tp={spec.padded // param.shape[spec.dim]}, "
+                             f"not tp_size={tp_size}")
+
+
+def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int, strict: bool) -> dict[str, str]:
+    """Map our param names -> HF names after checking names and shapes; every problem at once."""
+    wanted = {name: hf_name(name) for name, _ in model.named_parameters()}
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    problems = []
+    missing = [hf for hf in wanted.values() if hf not in files]
+    if missing:
+        problems.append(f"{_source(path)}: tensors missing from the checkpoint: {_names(missing)}")
+    # HF omits lm_head when tied, but some tied checkpoints still carry a copy: ignore it.
+    ignored = {"lm_head.weight"} if tied else set()
+    known = set(wanted.values()) | ignored
+    extra = sorted(n for n in files if n not in known and not n.endswith("rotary_emb.inv_freq"))
+    if extra and strict:
+        problems.append(f"{_source(path)}: unexpected tensors (not in the model; strict=False ignores them): "
+                        f"{_names(extra)}")
+    for file, names in _by_file(wanted, files):
+        with safe_open(file, "pt") as f:
+            for name in names:
+                found = tuple(f.get_slice(wanted[name]).get_shape())
+                expected = full_shape(model.get_parameter(name), tp_size)
+                if found != expected:
+                    problems.append(f"{file}: tensor {wanted[name]} has shape {list(found)}, "
+                                    f"expected {list(expected)} from config.json")
+    if problems:
+        raise HFCheckpointError("cannot load the HF checkpoint:\n  " + "\n  ".join(problems))
+    return wanted
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str, *, tp_rank: int, tp_size: int, strict: bool = True) -> None:
+    """Fill a built (tp-sharded) Llama with the weights of the HF checkpoint in `path`.
+
+    Reads model.safetensors or model.safetensors.index.json; each rank reads only the
+    rows of its shard, zero-fills vocabulary padding and casts to the parameter's
+    dtype. Every name and shape is checked before any parameter changes; `strict`
+    also rejects checkpoint tensors the model lacks (rotary inv_freq buffers aside).
+    """
+    _check_tp(model, tp_size)
+    files = checkpoint_files(path)
+    wanted = _check(model, files, path, tp_size, strict)
+    for file, names in _by_file(wanted, files):
+        with safe_open(file, "pt") as f:  # each file opened once
+            for name in names:
+                param = model.get_parameter(name)
+                param.copy_(_read_local(f, wanted[name], param, tp_rank, tp_size))

@@ -1,0 +1,39 @@
+"""Deterministic initialization that does not depend on the tensor-parallel degree.
+
+Every parameter's FULL tensor is drawn from a generator seeded by (seed, name) and
+each rank keeps its shard, so tp=1, 2, 4 start from the same model (what the
+parallel-equivalence tests and users comparing configs need).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from megaft.layers.shard import full_shape, local_from_full
+from megaft.models.config import ModelConfig
+
+# Output projections of each residual branch get std / sqrt(2 * n_layers) (GPT-2, Megatron).
+_SCALED = ("o_proj.weight", "down_proj.weight")
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_params(model: nn.Module, cfg: ModelConfig, *, seed: int, tp_rank: int, tp_size: int) -> None:
+    for name, param in model.named_parameters():
+        shape = full_shape(param, tp_size)
+        if name.endswith("norm.weight"):
+            full = torch.ones(shape)
+        elif name.endswith(".bias"):
+            full = torch.zeros(shape)
+        else:
+            std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(_SCALED) else cfg.init_std
+            gen = torch.Generator().manual_seed(_seed_for(seed, name))
+            full = torch.randn(shape, generator=gen) * std
+        param.copy_(local_from_full(full, param, tp_rank, tp_size).to(param.device))

@@ -1,0 +1,128 @@
+"""Llama-style decoder built from megaft.layers (tensor parallel over `group`).
+
+Activations are [batch, seq, hidden]; with sequence parallel the residual stream
+between blocks is a sequence shard [batch, seq / tp, hidden]. Parameter names
+follow the Hugging Face layout (see megaft.models.hf) with `layers.N.` prefixes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
+from megaft.layers.linear import column_input
+from megaft.models.config import ModelConfig
+from megaft.models.rope import apply_rope, inv_frequencies, rope_tables
+from megaft.parallel.comm import Group, group_size
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; each tp rank owns n_heads/tp query and n_kv_heads/tp kv heads."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool):
+        super().__init__()
+        tp, hd = group_size(group), cfg.hd
+        self.group, self.sp = group, sequence_parallel
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads // tp, hd
+        col = dict(group=group, bias=cfg.attention_bias, sequence_parallel=sequence_parallel, shared_input=True)
+        self.q_proj = ColumnParallelLinear(cfg.dim, cfg.n_heads * hd, **col)
+        self.k_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * hd, **col)
+        self.v_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * hd, **col)
+        self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
+                                        sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = column_input(x, self.group, self.sp)
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up split by columns, down by rows."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = group, sequence_parallel
+        col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True)
+        self.gate_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
+        self.up_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
+        self.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.dim, group=group, bias=cfg.mlp_bias,
+                                           sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = column_input(x, self.group, self.sp)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.dropout = cfg.dropout
+        self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=sequence_parallel)
+        self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=sequence_parallel)
+        self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x, cos, sin):
+        h = self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + F.dropout(h, self.dropout, self.training)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + F.dropout(h, self.dropout, self.training)
+
+
+class Llama(nn.Module):
+    """The decoder. `forward` returns this rank's vocabulary slice of the logits,
+    [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building")
+        self.cfg, self.group, self.sp = cfg, group, sequence_parallel and group_size(group) > 1
+        pad = cfg.make_vocab_size_divisible_by
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, group=group, pad_to=pad,
+                                                   sequence_parallel=self.sp)
+        self.layers = nn.ModuleList(Block(cfg, group=group, sequence_parallel=self.sp) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=self.sp)
+        self.lm_head = ColumnParallelLinear(cfg.dim, cfg.vocab_size, group=group, sequence_parallel=self.sp,
+                                            pad_to=pad)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(inv_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling), cfg.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.embed_tokens.vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        tp = group_size(self.group)
+        pad = -seq % tp if self.sp else 0
+        if pad:  # sequence shards need seq % tp == 0; causal attention ignores right padding
+            input_ids = F.pad(input_ids, (0, pad))
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.lm_head(self.norm(x))[:, :seq]
+
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum over target tokens (labels != -100) of the cross-entropy, fp32.
+
+        Callers divide by the target count of the whole global batch, which keeps the
+        token-weighted mean exact however the batch is split into micro-batches."""
+        logits = self(input_ids)
+        losses = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), group=self.group,
+            vocab_start=self.vocab_start, vocab_size=self.cfg.vocab_size)
+        return losses.sum()

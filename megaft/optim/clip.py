@@ -1,0 +1,39 @@
+"""Global gradient-norm clipping that is exact across tensor-parallel shards.
+
+Sharded parameters contribute their local sum of squares, summed over tp ranks;
+replicated parameters (norms, row biases) hold the same full gradient on every
+tp rank and are counted once, not tp times.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaft.layers.shard import shard_of
+from megaft.parallel.comm import Group, all_reduce
+
+
+@torch.no_grad()
+def grad_norm(params: list[torch.nn.Parameter], tp_group: Group) -> torch.Tensor:
+    """L2 norm of the full model's gradient (fp32 scalar, equal on every rank)."""
+    device = params[0].device
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().float().pow(2).sum()
+        if shard_of(p) is None:
+            replicated += sq
+        else:
+            sharded += sq
+    return (all_reduce(sharded, tp_group) + replicated).sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(flat_grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by min(1, max_norm / (norm + 1e-6)), torch.nn.utils' rule."""
+    if max_norm <= 0:
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in flat_grads:
+        g.mul_(coef)

@@ -1,0 +1,34 @@
+"""OptimConfig (`optim.*`): AdamW, warmup + cosine schedule, clipping, kernel choice."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FUSED_BACKENDS = ("auto", "torch", "cpu", "cuda")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate, reached after warmup
+    min_lr: float = 3e-4  # floor of the cosine decay
+    warmup_steps: int = 20  # linear warmup from lr/warmup_steps to lr
+    weight_decay: float = 0.1  # decoupled; applied to matrices, not norms or biases
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
+    fused: str = "auto"  # AdamW kernel: auto | torch | cpu (megaft._C) | cuda (megaft._cuda)
+
+
+def check_optim(cfg: OptimConfig) -> list[str]:
+    errors = []
+    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
+        errors.append(f"optim.lr={cfg.lr}, optim.min_lr={cfg.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+    if cfg.warmup_steps < 0:
+        errors.append(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        errors.append(f"optim.beta1={cfg.beta1}, optim.beta2={cfg.beta2} must be in [0, 1)")
+    if cfg.clip_grad < 0:
+        errors.append(f"optim.clip_grad={cfg.clip_grad} must be >= 0 (0 disables clipping)")
+    if cfg.fused not in FUSED_BACKENDS:
+        errors.append(f"optim.fused={cfg.fused!r} is unknown; fix: one of {', '.join(FUSED_BACKENDS)}")
+    return errors

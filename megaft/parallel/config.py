@@ -1,0 +1,46 @@
+"""Parallel degrees as the user sets them (`parallel.*`) and their validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel degree: ranks that split each linear layer
+    pp: int = 1  # pipeline-parallel degree: stages the layers are split into
+    dp: Optional[int] = None  # data-parallel degree; None = world_size // (tp * pp)
+    sequence_parallel: bool = False  # split norms/dropout regions along the sequence over tp
+    backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
+
+
+def resolve_dp(cfg: ParallelConfig, world_size: int) -> int:
+    """dp as set, or derived from the world size when left unset."""
+    if cfg.dp is not None:
+        return cfg.dp
+    return max(world_size // max(cfg.tp * cfg.pp, 1), 1)
+
+
+def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
+    """Every problem with the parallel degrees against `world_size`, each with its fix."""
+    errors = []
+    for axis in ("tp", "pp", "dp"):
+        value = getattr(cfg, axis)
+        if value is not None and value < 1:
+            errors.append(f"parallel.{axis}={value} must be >= 1; fix: set parallel.{axis} to a positive integer")
+    if errors:
+        return errors
+    dp = resolve_dp(cfg, world_size)
+    if cfg.tp * cfg.pp * dp != world_size:
+        derived = "" if cfg.dp is not None else " (dp derived as world_size // (tp*pp))"
+        errors.append(
+            f"world size {world_size} != tp*pp*dp = {cfg.tp}*{cfg.pp}*{dp}{derived}; "
+            f"fix: start tp*pp*dp ranks (launcher.nproc or Slurm tasks) or change parallel.tp/pp/dp"
+        )
+    if cfg.pp != 1:
+        errors.append(
+            f"parallel.pp={cfg.pp}: pipeline parallelism is not available yet; fix: set parallel.pp=1"
+        )
+    if cfg.backend not in ("auto", "nccl", "gloo"):
+        errors.append(f"parallel.backend={cfg.backend!r} is unknown; fix: use auto, nccl or gloo")
+    return errors

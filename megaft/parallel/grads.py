@@ -1,0 +1,30 @@
+"""Gradient reductions after backward: sequence-parallel partials over tp, then dp."""
+from __future__ import annotations
+
+import torch
+
+from megaft.layers.shard import is_sequence_parallel
+from megaft.parallel.comm import Group, all_reduce, group_size
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group: Group) -> None:
+    """Sum the partial grads of replicated params applied to sequence shards (norm
+    weights, row biases) over tp, with one coalesced all-reduce (as Megatron does)."""
+    grads = [p.grad for p in params if is_sequence_parallel(p) and p.grad is not None]
+    if not grads or group_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def reduce_dp_grads(flat_grads: list[torch.Tensor], dp_group: Group) -> None:
+    """Sum over dp. Each rank's loss is already divided by the global batch's target
+    count, so the sum is the exact token-weighted mean gradient."""
+    for g in flat_grads:
+        all_reduce(g, dp_group)

@@ -1,0 +1,87 @@
+"""ParallelGrid: the tp/dp/pp process groups of one rank, built once and passed explicitly.
+
+Rank order follows Megatron: tp varies fastest, then dp, then pp, so a rank's
+coordinates are `arange(world).view(pp, dp, tp)` and tensor-parallel groups stay
+inside a node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class Axis(StrEnum):
+    TP = "tp"
+    DP = "dp"
+    PP = "pp"
+
+
+@dataclass(frozen=True)
+class ParallelGrid:
+    """Sizes, this rank's coordinates and one process group per axis.
+
+    A group is None only in the single-process grid; collectives treat a None group
+    and a group of size 1 as the identity.
+    """
+
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    rank: int
+    device: torch.device
+    backend: str
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.dp_size)
+
+    def size(self, axis: Axis) -> int:
+        return {Axis.TP: self.tp_size, Axis.DP: self.dp_size, Axis.PP: self.pp_size}[Axis(axis)]
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelGrid":
+        """The grid of a world of one process, without torch.distributed."""
+        return cls(tp_size=1, dp_size=1, pp_size=1, rank=0, device=torch.device(device), backend="none")
+
+    @classmethod
+    def build(cls, *, tp: int, dp: int, pp: int, device: torch.device | str) -> "ParallelGrid":
+        """Create every group of every axis; torch.distributed must be initialized.
+
+        All ranks call new_group for every group in the same order (a collective
+        requirement), keeping only the groups that contain them.
+        """
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if tp * dp * pp != world:
+            raise ValueError(f"world size {world} != tp*pp*dp = {tp}*{pp}*{dp}")
+        ranks = torch.arange(world).view(pp, dp, tp)
+        groups = {}
+        # Moving `axis` last and flattening the rest enumerates that axis's groups.
+        for axis, dim in ((Axis.TP, 2), (Axis.DP, 1), (Axis.PP, 0)):
+            for members in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+                group = dist.new_group(members)
+                if rank in members:
+                    groups[axis] = group
+        return cls(
+            tp_size=tp, dp_size=dp, pp_size=pp, rank=rank, device=torch.device(device),
+            backend=dist.get_backend(), tp_group=groups[Axis.TP], dp_group=groups[Axis.DP],
+            pp_group=groups[Axis.PP],
+        )

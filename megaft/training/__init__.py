@@ -1,0 +1,1 @@
+"""The training loop, evaluation and run-directory metrics."""

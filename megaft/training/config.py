@@ -1,0 +1,36 @@
+"""TrainConfig (`train.*`): steps, batch arithmetic, evaluation and output."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # optimizer steps; 0 = only evaluate
+    micro_batch_size: int = 32  # sequences per forward/backward on one rank
+    global_batch_size: int = 64  # sequences per optimizer step over all dp ranks
+    eval_every: int = 50  # evaluate every N steps (and at step 0, before any update)
+    eval_batch_size: int = 64  # eval sequences per forward
+    seed: int = 0  # model initialization and dropout
+    export_hf: bool = False  # write the final model as a Hugging Face directory (run_dir/hf)
+    progress: bool = True  # progress bar on stdout (rank 0)
+
+
+def accumulation_steps(cfg: TrainConfig, dp: int) -> int:
+    """Micro-batches per rank per optimizer step: global / (micro * dp)."""
+    return cfg.global_batch_size // (cfg.micro_batch_size * dp)
+
+
+def check_train(cfg: TrainConfig, dp: int) -> list[str]:
+    errors = []
+    for name in ("micro_batch_size", "global_batch_size", "eval_every", "eval_batch_size"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"train.{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.max_steps < 0:
+        errors.append(f"train.max_steps={cfg.max_steps} must be >= 0 (0 = only evaluate)")
+    if not errors and dp >= 1 and cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        errors.append(
+            f"train.global_batch_size={cfg.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size * dp = {cfg.micro_batch_size} * {dp}; fix: make it one, e.g. "
+            f"{cfg.micro_batch_size * dp * max(1, cfg.global_batch_size // (cfg.micro_batch_size * dp))}")
+    return errors

@@ -1,0 +1,52 @@
+"""Evaluation: token-weighted eval loss on whole lines, and a task's exact-match accuracy.
+
+Eval batches are split round-robin over dp ranks; sums are all-reduced, so the
+result does not depend on the parallel config.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from tokenizers import Tokenizer
+
+from megaft.data import Task, count_targets
+from megaft.models.generate import greedy_generate
+from megaft.models.llama import Llama
+from megaft.parallel.comm import all_reduce
+from megaft.parallel.grid import ParallelGrid
+
+
+@torch.no_grad()
+def eval_loss(model: Llama, batches: list[tuple[torch.Tensor, torch.Tensor]], grid: ParallelGrid,
+              autocast) -> Optional[float]:
+    """Mean next-token cross-entropy over every target token of the eval lines."""
+    if not batches:
+        return None
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, targets
+    for inputs, labels in batches[grid.dp_rank::grid.dp_size]:
+        with autocast():
+            loss = model.loss_sum(inputs.to(grid.device), labels.to(grid.device))
+        totals[0] += loss.double()
+        totals[1] += count_targets(labels)
+    model.train(was_training)
+    all_reduce(totals, grid.dp_group)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+
+
+@torch.no_grad()
+def eval_accuracy(model: Llama, task: Task, tok: Tokenizer, eos_id: Optional[int], grid: ParallelGrid,
+                  autocast) -> float:
+    """Exact-match accuracy of greedy completions of the task's held-out prompts."""
+    examples = task.eval[grid.dp_rank::grid.dp_size]
+    prompts = [tok.encode(ex["prompt"]).ids for ex in examples]
+    with autocast():
+        outs = greedy_generate(model, prompts, max_new_tokens=task.max_new_tokens, eos_id=eos_id,
+                               device=grid.device)
+    preds = [tok.decode(ids) for ids in outs]
+    correct = torch.tensor([task.score(preds, examples) * len(examples), len(examples)],
+                           dtype=torch.float64, device=grid.device)
+    all_reduce(correct, grid.dp_group)
+    return (correct[0] / correct[1]).item() if correct[1] > 0 else 0.0

@@ -1,0 +1,175 @@
+"""The training loop of one rank: micro-batches, reductions, clipping, AdamW, eval.
+
+The global batch of each step is a pure function of (data seed, step), identical
+on every rank; a rank takes its dp slice and splits it into micro-batches. Each
+micro-batch's summed token loss is divided by the target count of the WHOLE
+global batch, so the accumulated, dp-summed gradient is exactly the gradient of
+the token-weighted mean loss for any (tp, dp, micro-batch) split.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Optional
+
+import torch
+from tqdm import tqdm
+
+from megaft.config import Config
+from megaft.data import (
+    PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
+)
+from megaft.models.llama import Llama
+from megaft.optim import AdamW, FlatParams, clip_grad_norm_, grad_norm, lr_at
+from megaft.parallel.comm import all_reduce
+from megaft.parallel.grads import reduce_dp_grads, sync_sequence_parallel_grads
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.evaluate import eval_accuracy, eval_loss
+from megaft.training.metrics import MetricsLog, write_summary
+
+
+def build_model(cfg: Config, grid: ParallelGrid) -> Llama:
+    """The sharded model on this rank's device: HF weights or a tp-independent init."""
+    model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=cfg.parallel.sequence_parallel)
+    if cfg.model.init_from:
+        from megaft.models.hf import load_hf_weights
+
+        load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    else:
+        from megaft.models.init import init_params
+
+        init_params(model, cfg.model, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    return model.to(grid.device)
+
+
+class Trainer:
+    """Owns the model, optimizer and data of one rank for one run."""
+
+    def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str):
+        self.cfg, self.grid, self.run_dir = cfg, grid, run_dir
+        self.is_writer = grid.rank == 0
+        # Dropout differs across dp replicas but matches across tp ranks (replicated activations).
+        torch.manual_seed(cfg.train.seed + 1000 * grid.dp_rank)
+        self.tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
+        self.eos_id, pad_id = special_ids(self.tok, cfg.model.extra.get("eos_token_id"))
+        examples = load_examples(cfg.data)
+        self.task = examples.task
+        self.stream = PackedStream(encode_examples(self.tok, examples.train, self.eos_id), cfg.data.seq_len,
+                                   cfg.data.seed)
+        self.eval_batches = eval_batches(encode_examples(self.tok, examples.eval, self.eos_id),
+                                         cfg.train.eval_batch_size, pad_id, max_len=cfg.model.max_seq_len)
+        self.model = build_model(cfg, grid)
+        self.flat = FlatParams(self.model, weight_decay=cfg.optim.weight_decay, device=grid.device)
+        self.optimizer = AdamW(self.flat, cfg.optim)
+        self.metrics = MetricsLog(run_dir, enabled=self.is_writer)
+
+    def autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.grid.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, grid = self.cfg.train, self.grid
+        inputs, labels = self.stream.global_batch(step, cfg.global_batch_size)
+        n_targets = max(count_targets(labels), 1)
+        share = cfg.global_batch_size // grid.dp_size
+        rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=grid.device)
+        for mb_in, mb_lab in zip(inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)):
+            with self.autocast():
+                loss = self.model.loss_sum(mb_in.to(grid.device), mb_lab.to(grid.device))
+            (loss / n_targets).backward()
+            loss_sum += loss.detach().double()
+        params = self.flat.params
+        sync_sequence_parallel_grads(params, grid.tp_group)
+        grads = [g.grad for g in self.flat.groups]
+        reduce_dp_grads(grads, grid.dp_group)
+        norm = grad_norm(params, grid.tp_group)
+        clip_grad_norm_(grads, norm, self.cfg.optim.clip_grad)
+        lr = lr_at(step, self.cfg.optim, cfg.max_steps)
+        self.optimizer.step(lr)
+        self.flat.zero_grad()
+        all_reduce(loss_sum, grid.dp_group)
+        return {"loss": (loss_sum / n_targets).item(), "lr": lr, "grad_norm": norm.item(),
+                "tokens": int(inputs.numel())}
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        record: dict[str, Any] = {"step": step}
+        loss = eval_loss(self.model, self.eval_batches, self.grid, self.autocast)
+        if loss is not None:
+            record["eval_loss"] = loss
+        if self.task is not None:
+            record["eval_accuracy"] = eval_accuracy(self.model, self.task, self.tok, self.eos_id, self.grid,
+                                                    self.autocast)
+        self.metrics.write(**record)
+        return record
+
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg.train
+        start = time.perf_counter()
+        last_eval = self.evaluate(0)
+        bar = tqdm(total=cfg.max_steps, disable=not (self.is_writer and cfg.progress), desc="train",
+                   dynamic_ncols=True, mininterval=1.0)
+        bar.set_postfix(self._postfix(None, last_eval))
+        last: Optional[dict[str, float]] = None
+        tokens, train_time = 0, 0.0
+        for step in range(cfg.max_steps):
+            t0 = time.perf_counter()
+            last = self.train_step(step)
+            dt = time.perf_counter() - t0
+            tokens, train_time = tokens + last["tokens"], train_time + dt
+            self.metrics.write(step=step + 1, loss=last["loss"], lr=last["lr"], grad_norm=last["grad_norm"],
+                               tokens_per_s=last["tokens"] / dt)
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
+                last_eval = self.evaluate(step + 1)
+            bar.update(1)
+            bar.set_postfix(self._postfix(last, last_eval))
+        bar.close()
+        summary = self._summary(last, last_eval, tokens, train_time, time.perf_counter() - start)
+        if self.cfg.train.export_hf:
+            self.export()
+        if self.is_writer:
+            write_summary(self.run_dir, summary)
+        self.metrics.close()
+        return summary
+
+    def export(self) -> None:
+        import os
+
+        from megaft.data.tokenizer import tokenizer_file
+        from megaft.models.hf import export_hf
+
+        tok_json = None
+        if self.cfg.data.tokenizer or self.cfg.model.init_from:
+            tok_json = tokenizer_file(self.cfg.data.tokenizer or self.cfg.model.init_from)
+        elif self.is_writer:
+            tok_json = os.path.join(self.run_dir, "tokenizer.json")
+            self.tok.save(tok_json)
+        export_hf(self.model, self.cfg.model, os.path.join(self.run_dir, "hf"), tokenizer_json=tok_json,
+                  tp_group=self.grid.tp_group, is_writer=self.is_writer)
+
+    @staticmethod
+    def _postfix(train: Optional[dict[str, float]], ev: dict[str, Any]) -> dict[str, str]:
+        out = {}
+        if train is not None:
+            out["loss"] = f"{train['loss']:.4f}"
+        if "eval_loss" in ev:
+            out["eval"] = f"{ev['eval_loss']:.4f}"
+        if "eval_accuracy" in ev:
+            out["acc"] = f"{ev['eval_accuracy']:.1%}"
+        return out
+
+    def _summary(self, last, last_eval, tokens, train_time, wall) -> dict[str, Any]:
+        grid = self.grid
+        summary: dict[str, Any] = {
+            "steps": self.cfg.train.max_steps, "final_loss": last["loss"] if last else None,
+            "tokens": tokens, "tokens_per_s": tokens / train_time if train_time else None,
+            "wall_s": wall, "world_size": grid.world_size, "tp": grid.tp_size, "dp": grid.dp_size,
+            "pp": grid.pp_size, "sequence_parallel": self.cfg.parallel.sequence_parallel,
+            "precision": self.cfg.precision, "device": str(grid.device), "model": self.cfg.model.name,
+            "params": sum(p.numel() for p in self.flat.params),
+        }
+        summary.update({k: v for k, v in last_eval.items() if k != "step"})
+        if grid.device.type == "cuda":
+            summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(grid.device)
+        return summary

@@ -1,0 +1,33 @@
+"""Run-directory outputs: metrics.jsonl (one JSON object per line) and summary.json."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+
+class MetricsLog:
+    """Appends train/eval lines to run_dir/metrics.jsonl; only the writer rank writes."""
+
+    def __init__(self, run_dir: str, *, enabled: bool):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.enabled = enabled
+        self._file: Optional[Any] = open(self.path, "a", buffering=1) if enabled else None
+
+    def write(self, **record: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def write_summary(run_dir: str, summary: dict[str, Any]) -> None:
+    """summary.json, written atomically (temp file + rename) so readers never see half."""
+    path = os.path.join(run_dir, "summary.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)

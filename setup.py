@@ -1,0 +1,148 @@
+"""Build megaft: the Python package, the Hydra configs and two compiled extensions.
+
+    megaft._C     C++ CPU ops (csrc/cpu/*.cpp), always built
+    megaft._cuda  CUDA ops (csrc/cuda/*.cu + bindings.cpp), built when torch has CUDA
+                  and nvcc is found; MEGAFT_CUDA=1 forces it (error if impossible),
+                  MEGAFT_CUDA=0 skips it
+
+Install without build isolation so the build sees the torch you run with (pip would
+otherwise build against a second, throwaway torch):
+    pip install --no-build-isolation -e .
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as e:  # typically pip's isolated build environment
+    sys.exit(f"megaft's setup.py needs torch to build its extensions ({e}). Install torch "
+             "first, then: pip install --no-build-isolation -e .")
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# -O3 plus: no errno from sqrt (lets GCC vectorize it), no implicit fma contraction
+# (the kernels write every fma they want, to match torch's rounding), OpenMP so that
+# at::parallel_for actually runs in parallel (ATen's OpenMP backend is a header
+# template compiled into the extension). No -march=native: the inner loops carry
+# their own ISA clones (see csrc/cpu/adamw.cpp), so the build runs on any x86-64.
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+NVCC_FLAGS = ["-O3"]  # never --use_fast_math: it would change sqrt/div rounding
+
+
+def _sources(*patterns: str) -> list[str]:
+    """Sorted paths (relative, as setuptools wants them) matching the patterns."""
+    return sorted(p for pat in patterns for p in glob.glob(pat, root_dir=ROOT))
+
+
+def _openmp_flags() -> list[str]:
+    """-fopenmp when the C++ compiler accepts it (GCC/clang with libgomp/libomp)."""
+    cxx = os.environ.get("CXX", "c++")
+    probe = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+    try:
+        ok = subprocess.run([cxx, "-fopenmp", "-x", "c++", "-", "-o", os.devnull],
+                            input=probe, text=True, capture_output=True).returncode == 0
+    except OSError:
+        ok = False
+    if not ok:
+        print("megaft: the C++ compiler lacks OpenMP; megaft._C will run single-threaded")
+    return ["-fopenmp"] if ok else []
+
+
+def _nvcc() -> str | None:
+    """Path of nvcc: torch's CUDA_HOME (set only for a CUDA torch), else PATH."""
+    if cpp_extension.CUDA_HOME:
+        path = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+        return path if os.path.exists(path) else None
+    return shutil.which("nvcc")
+
+
+def _want_cuda() -> bool:
+    """Build megaft._cuda? Auto-detect unless MEGAFT_CUDA says 0 or 1."""
+    # MEGAFT_BUILD_CUDA is accepted as an alias (the name STYLE.md uses).
+    flag = os.environ.get("MEGAFT_CUDA", os.environ.get("MEGAFT_BUILD_CUDA", "")).strip()
+    if flag not in ("", "0", "1"):
+        sys.exit(f"error: MEGAFT_CUDA must be 0, 1 or unset, got {flag!r}")
+    if flag == "0":
+        return False
+    missing = []
+    if not torch.version.cuda:
+        missing.append(f"torch {torch.__version__} is a CPU-only build (torch.version.cuda "
+                       "is None); install a CUDA build of torch")
+    if _nvcc() is None:
+        missing.append("nvcc was not found (set CUDA_HOME to the CUDA toolkit or put "
+                       "its bin/ on PATH)")
+    if flag == "1" and missing:
+        sys.exit("error: MEGAFT_CUDA=1 asks for megaft._cuda, but " + "; and ".join(missing)
+                 + ". Fix that, or build without it: MEGAFT_CUDA=0.")
+    return not missing
+
+
+def _check_cuda_versions() -> None:
+    """apex's guard: nvcc and torch's CUDA must share the major version, or the
+    extension links against one runtime and runs against another."""
+    out = subprocess.check_output([_nvcc(), "-V"], text=True)
+    nvcc_version = re.search(r"release (\d+)\.(\d+)", out).group(1, 2)
+    torch_version = torch.version.cuda.split(".")[:2]
+    if nvcc_version[0] != torch_version[0]:
+        sys.exit(f"error: nvcc is CUDA {'.'.join(nvcc_version)} but torch was built with "
+                 f"CUDA {torch.version.cuda}; point CUDA_HOME at a {torch_version[0]}.x "
+                 "toolkit or install a matching torch")
+    # No GPU visible (a login or build node): compile for A100 and H100.
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+
+
+def _extensions() -> list:
+    """The table of extensions: (name, sources, condition) rows."""
+    with_cuda = _want_cuda()
+    rows = [
+        ("megaft._C", _sources("csrc/cpu/*.cpp"), True),
+        ("megaft._cuda", _sources("csrc/cuda/*.cu", "csrc/cuda/bindings.cpp"), with_cuda),
+    ]
+    if with_cuda:
+        _check_cuda_versions()
+    openmp = _openmp_flags()
+    modules = []
+    for name, sources, condition in rows:
+        if not condition:
+            print(f"megaft: not building {name}")
+            continue
+        if name == "megaft._cuda":
+            modules.append(cpp_extension.CUDAExtension(
+                name, sources, include_dirs=[os.path.join(ROOT, "csrc/cuda")],
+                extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS}))
+        else:
+            modules.append(cpp_extension.CppExtension(
+                name, sources, extra_compile_args={"cxx": CXX_FLAGS + openmp},
+                extra_link_args=openmp))
+    return modules
+
+
+setup(
+    name="megaft",
+    version="0.1.0",
+    description="Slurm-oriented LLM fine-tuning: tensor/pipeline/data parallel, "
+                "compiled kernels, Hydra sweeps",
+    python_requires=">=3.10",
+    # conf/ sits at the top level (Hydra users expect it there) and ships as
+    # megaft.conf, so installed code finds its YAML with importlib.resources.
+    packages=find_packages(include=["megaft", "megaft.*"]) + ["megaft.conf"],
+    package_dir={"megaft.conf": "conf"},
+    package_data={"megaft.conf": ["*.yaml", "**/*.yaml"]},
+    # torch is deliberately absent: it is installed first (CPU or CUDA build), and
+    # listing it here lets pip replace it with another build.
+    install_requires=["numpy", "hydra-core>=1.3", "omegaconf>=2.3", "safetensors",
+                      "tokenizers", "tqdm"],
+    entry_points={"console_scripts": ["megaft-train = megaft.train:main"]},
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)

@@ -1,0 +1,9 @@
+"""Shared test setup: make tests/ importable (multirank helpers) and keep torch to
+one thread per process, since multi-rank tests put several ranks on CI's 2 cores."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+torch.set_num_threads(1)

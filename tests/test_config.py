@@ -1,0 +1,107 @@
+"""Bad input is a clear error raised before any rank starts, listing every problem."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megaft.config import Config, validate
+from train_cases import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_valid_default_has_no_problems():
+    assert validate(Config(), 2) == []
+
+
+def test_tp_that_does_not_divide_heads():
+    cfg = Config()
+    cfg.parallel.tp, cfg.launcher.nproc = 3, 3
+    problems = validate(cfg, 3)
+    assert any("parallel.tp=3 does not divide model.n_heads=4" in p for p in problems), problems
+
+
+def test_world_size_mismatch_and_bad_degree_reported_together():
+    cfg = Config()
+    cfg.parallel.tp, cfg.parallel.dp = 2, 2
+    cfg.optim.fused = "gpu"
+    problems = validate(cfg, 2)
+    assert any("world size 2 != tp*pp*dp = 2*1*2" in p for p in problems), problems
+    assert any("optim.fused='gpu'" in p for p in problems), problems
+    cfg.parallel.tp = 0
+    assert any("parallel.tp=0 must be >= 1" in p for p in validate(cfg, 2))
+
+
+def test_batch_arithmetic():
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.parallel.tp, cfg.parallel.dp = 10, 4, 1, 2
+    problems = validate(cfg, 2)
+    assert any("global_batch_size=10 is not a multiple of train.micro_batch_size * dp = 4 * 2" in p
+               for p in problems), problems
+
+
+def test_missing_checkpoint_files(tmp_path):
+    cfg = Config()
+    cfg.model.init_from = str(tmp_path)
+    problems = validate(cfg, 2)
+    assert any(f"{tmp_path}/config.json is missing" in p for p in problems), problems
+    assert any("neither model.safetensors nor model.safetensors.index.json" in p for p in problems), problems
+    cfg.model.init_from = str(tmp_path / "nope")
+    assert any("is not a directory" in p for p in validate(cfg, 2))
+
+
+def test_malformed_jsonl_line_named(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2=" "completion": "4"}\n')
+    cfg = Config()
+    cfg.data.path = str(path)
+    problems = validate(cfg, 2)
+    assert any(f"{path}:2" in p for p in problems), problems
+
+
+def _cli(tmp_path, *overrides):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "megaft.train", f"hydra.run.dir={tmp_path}/run", "train.progress=false",
+           *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_reports_every_problem_and_starts_nothing(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    out = _cli(tmp_path, "parallel.tp=3", f"data.path={bad}", "data.tokenizer=/no/such/tokenizer.json")
+    assert out.returncode == 2, out.stderr
+    assert "parallel.tp=3 does not divide model.n_heads=4" in out.stderr and "3*1*1" in out.stderr
+    assert f"{bad}:2" in out.stderr and "/no/such/tokenizer.json" in out.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no rank started
+
+
+def test_cli_trains_on_two_local_ranks(tmp_path):
+    """The entry point end to end: local launcher, 2 gloo ranks, tp=2, run directory contract."""
+    out = _cli(tmp_path, "model.dim=64", "model.n_layers=1", "data.task_train_size=500",
+               "data.task_eval_size=16", "train.max_steps=3", "train.eval_every=2", "data.seq_len=32")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert set(train[0]) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+    assert [r["step"] for r in evals] == [0, 2, 3] and "eval_accuracy" in evals[0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["tp"] == 2 and summary["world_size"] == 2 and summary["steps"] == 3
+    assert summary["final_loss"] == pytest.approx(train[-1]["loss"])
+
+
+def test_max_steps_zero_only_evaluates(tmp_path):
+    os.makedirs(tmp_path, exist_ok=True)
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.loop import Trainer
+
+    cfg = small_config(steps=0)
+    summary = Trainer(cfg, ParallelGrid.single(), str(tmp_path)).fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["step"] == 0 and "eval_loss" in rows[0]
+    assert summary["final_loss"] is None and summary["eval_loss"] == pytest.approx(rows[0]["eval_loss"])
