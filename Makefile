@@ -24,8 +24,11 @@ $(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*/*.cpp csrc/
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
+# NCCL cannot put two ranks on one GPU: with exactly one, train on a single rank.
+ONE_GPU = $(PY) -c "import torch; print('parallel=single launcher.nproc=1' if torch.cuda.device_count() == 1 else '')"
+
 train: $(STAMP)
-	$(VENV)/bin/megaft-train $(ARGS)
+	$(VENV)/bin/megaft-train $$($(ONE_GPU)) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(TEST_ARGS)

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # at::parallel_for actually runs in parallel (ATen's OpenMP backend is a header
 # template compiled into the extension). No -march=native: the inner loops carry
 # their own ISA clones (see csrc/cpu/adamw.cpp), so the build runs on any x86-64.
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-ffp-contract=off"]  # -g0: debug info made _C 11 MB
 NVCC_FLAGS = ["-O3"]  # never --use_fast_math: it would change sqrt/div rounding
 
 
@@ -95,7 +95,11 @@ def _check_cuda_versions() -> None:
         sys.exit(f"error: nvcc is CUDA {'.'.join(nvcc_version)} but torch was built with "
                  f"CUDA {torch.version.cuda}; point CUDA_HOME at a {torch_version[0]}.x "
                  "toolkit or install a matching torch")
-    # No GPU visible (a login or build node): compile for A100 and H100.
+
+
+def _default_cuda_archs() -> None:
+    """With no GPU visible (a login or build node) torch cannot pick the arch:
+    compile for A100 and H100 unless TORCH_CUDA_ARCH_LIST says otherwise."""
     if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
 
@@ -109,20 +113,19 @@ def _extensions() -> list:
     ]
     if with_cuda:
         _check_cuda_versions()
+        _default_cuda_archs()
     openmp = _openmp_flags()
     modules = []
     for name, sources, condition in rows:
         if not condition:
             print(f"megaft: not building {name}")
             continue
-        if name == "megaft._cuda":
-            modules.append(cpp_extension.CUDAExtension(
-                name, sources, include_dirs=[os.path.join(ROOT, "csrc/cuda")],
-                extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS}))
-        else:
-            modules.append(cpp_extension.CppExtension(
-                name, sources, extra_compile_args={"cxx": CXX_FLAGS + openmp},
-                extra_link_args=openmp))
+        make = (cpp_extension.CUDAExtension if any(s.endswith(".cu") for s in sources)
+                else cpp_extension.CppExtension)
+        modules.append(make(
+            name, sources, include_dirs=[os.path.join(ROOT, os.path.dirname(sources[0]))],
+            extra_compile_args={"cxx": CXX_FLAGS + openmp, "nvcc": NVCC_FLAGS},
+            extra_link_args=openmp))
     return modules
 
 

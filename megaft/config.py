@@ -60,11 +60,8 @@ def resolve(cfg: Config) -> Config:
     if cfg.model.init_from:
         from megaft.models.hf import hf_model_config
 
-        hf = hf_model_config(cfg.model.init_from)
-        hf.init_from, hf.max_seq_len = cfg.model.init_from, min(hf.max_seq_len, cfg.model.max_seq_len)
-        hf.dropout, hf.make_vocab_size_divisible_by = cfg.model.dropout, cfg.model.make_vocab_size_divisible_by
-        hf.name = cfg.model.name if cfg.model.name != "tiny" else os.path.basename(cfg.model.init_from.rstrip("/"))
-        cfg.model = hf
+        # Shape fields from config.json; dropout, init and padding stay as configured.
+        cfg.model = hf_model_config(cfg.model.init_from, base=cfg.model)
     elif cfg.model.vocab_size == 0:
         cfg.model.vocab_size = build_tokenizer(cfg.data, init_from=None).get_vocab_size()
     return cfg
@@ -85,8 +82,22 @@ def _model_file_problems(init_from: str) -> list[str]:
     return problems
 
 
+def check_local_launch(cfg: Config) -> list[str]:
+    """Problems of starting launcher.nproc ranks on this machine."""
+    import torch
+
+    if cfg.launcher.nproc < 1:
+        return [f"launcher.nproc={cfg.launcher.nproc} must be >= 1"]
+    gpus = torch.cuda.device_count()
+    if cfg.device != "cpu" and gpus and cfg.launcher.nproc > gpus:
+        return [f"launcher.nproc={cfg.launcher.nproc} ranks but {gpus} GPU(s): NCCL needs one GPU per rank; "
+                f"fix: launcher.nproc<={gpus} (with matching parallel.tp/dp) or device=cpu"]
+    return []
+
+
 def validate(cfg: Config, world_size: int) -> list[str]:
     """All problems of `cfg` for a world of `world_size` ranks (empty when valid).
+    Resolves `cfg` in place (see `resolve`) when its files are usable.
 
     Architecture checks run on the resolved config (HF config.json, tokenizer
     vocabulary), so they are skipped only when model.init_from's files are missing.

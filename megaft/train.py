@@ -11,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, register_configs, validate
+from megaft.config import Config, ConfigError, check_local_launch, register_configs, validate
 
 log = logging.getLogger("megaft")
 register_configs()
@@ -29,7 +29,7 @@ def run(cfg: Config, run_dir: str) -> None:
 
     env = external_env()
     world = env.world_size if env else cfg.launcher.nproc
-    problems = validate(cfg, world)
+    problems = validate(cfg, world) + ([] if env else check_local_launch(cfg))
     if problems:
         raise ConfigError(problems)
     os.makedirs(run_dir, exist_ok=True)

@@ -43,3 +43,10 @@ def train_parallel_runs(rank: int, world: int, root: str) -> None:
         os.makedirs(run_dir, exist_ok=True)
         grid = ParallelGrid.build(tp=tp, dp=dp, pp=1, device="cpu")
         Trainer(cfg, grid, run_dir).fit()
+
+
+def train_single_bf16(run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    cfg = small_config(steps=5)
+    cfg.precision = "bf16"
+    Trainer(cfg, ParallelGrid.single(), run_dir).fit()

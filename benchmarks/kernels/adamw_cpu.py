@@ -1,11 +1,12 @@
 """CPU AdamW step: torch.optim.AdamW (foreach, fused) against megaft._C.
 
-    python -m benchmarks.kernels.adamw_cpu [--sizes 10e6,30e6,100e6] [--reps 10]
-                                           [--json out.json]
+    python -m benchmarks.kernels.adamw_cpu [--sizes 10e6,30e6,100e6] [--reps 15]
+                                           [--threads N] [--json out.json]
 
 First validates megaft._C against torch.optim.AdamW (llm.c's rule: no timing of a
 wrong kernel), then times one optimizer step per provider: median (p20, p80) over
---reps after --warmup steps, on torch.get_num_threads() threads. Every provider
+--reps after --warmup steps, providers taking turns, on torch.get_num_threads()
+threads. Every provider
 updates one flat fp32 buffer of N elements; torch's optimizers get it as a single
 nn.Parameter, their best case (no per-tensor overhead). GB/s counts the minimum
 traffic, 28 bytes/param: read p, g, m, v and write p, m, v.
@@ -79,15 +80,19 @@ def validate(n: int = 1_000_003, steps: int = 3) -> None:
     torch.testing.assert_close(v, state["exp_avg_sq"], rtol=1e-6, atol=1e-7)
 
 
-def time_steps(step, warmup: int, reps: int) -> list[float]:
-    """Milliseconds per call of ``step`` (synchronous CPU code: a wall clock is exact)."""
-    for _ in range(warmup):  # the first torch step also allocates the state
-        step()
-    times = []
+def time_interleaved(steps: dict, warmup: int, reps: int) -> dict[str, list[float]]:
+    """Milliseconds per step for each provider, taking turns rep by rep so that load
+    from other processes on a shared node hits every provider alike (synchronous
+    CPU code: a wall clock is exact)."""
+    for step in steps.values():
+        for _ in range(warmup):  # the first torch step also allocates the state
+            step()
+    times = {name: [] for name in steps}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
     return times
 
 
@@ -98,20 +103,17 @@ def quantile(xs: list[float], q: float) -> float:
 def run(sizes: list[int], warmup: int, reps: int) -> list[dict]:
     rows = []
     for n in sizes:
-        ms = {}
-        for provider in PROVIDERS:
-            step = setup(provider, n)
-            times = time_steps(step, warmup, reps)
-            del step
-            gc.collect()  # free this provider's ~16 bytes/param before the next
-            ms[provider] = statistics.median(times)
+        # All providers live at once: ~16 bytes/param each plus foreach temporaries.
+        times = time_interleaved({p: setup(p, n) for p in PROVIDERS}, warmup, reps)
+        gc.collect()
+        ms = {p: statistics.median(t) for p, t in times.items()}
+        for provider, t in times.items():
             rows.append(dict(kernel="adamw", provider=provider, mode="step", numel=n,
-                             dtype="float32", ms_p50=ms[provider], ms_p20=quantile(times, .2),
-                             ms_p80=quantile(times, .8),
-                             gbps=BYTES_PER_PARAM * n / (ms[provider] * 1e-3) / 1e9))
-        for row in rows[-len(PROVIDERS):]:
-            row["speedup_vs_fused"] = ms["torch.fused"] / row["ms_p50"]
-            row["speedup_vs_foreach"] = ms["torch.foreach"] / row["ms_p50"]
+                             dtype="float32", ms_p50=ms[provider], ms_p20=quantile(t, .2),
+                             ms_p80=quantile(t, .8),
+                             gbps=BYTES_PER_PARAM * n / (ms[provider] * 1e-3) / 1e9,
+                             speedup_vs_fused=ms["torch.fused"] / ms[provider],
+                             speedup_vs_foreach=ms["torch.foreach"] / ms[provider]))
     return rows
 
 
@@ -139,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10e6,30e6,100e6",
                     help="comma-separated parameter counts (floats allowed: 1e7)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     ap.add_argument("--json", help="write the rows and the environment to this file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
 
     env = environment()

@@ -9,6 +9,8 @@ the token-weighted mean loss for any (tp, dp, micro-batch) split.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import time
 from typing import Any, Optional
 
@@ -19,6 +21,7 @@ from megaft.config import Config
 from megaft.data import (
     PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
 )
+from megaft.layers.shard import full_shape
 from megaft.models.llama import Llama
 from megaft.optim import AdamW, FlatParams, clip_grad_norm_, grad_norm, lr_at
 from megaft.parallel.comm import all_reduce
@@ -134,8 +137,6 @@ class Trainer:
         return summary
 
     def export(self) -> None:
-        import os
-
         from megaft.data.tokenizer import tokenizer_file
         from megaft.models.hf import export_hf
 
@@ -159,6 +160,10 @@ class Trainer:
             out["acc"] = f"{ev['eval_accuracy']:.1%}"
         return out
 
+    def model_params(self) -> int:
+        """Parameters of the whole (unsharded, unpadded) model."""
+        return sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.flat.params)
+
     def _summary(self, last, last_eval, tokens, train_time, wall) -> dict[str, Any]:
         grid = self.grid
         summary: dict[str, Any] = {
@@ -167,7 +172,7 @@ class Trainer:
             "wall_s": wall, "world_size": grid.world_size, "tp": grid.tp_size, "dp": grid.dp_size,
             "pp": grid.pp_size, "sequence_parallel": self.cfg.parallel.sequence_parallel,
             "precision": self.cfg.precision, "device": str(grid.device), "model": self.cfg.model.name,
-            "params": sum(p.numel() for p in self.flat.params),
+            "params": self.model_params(),
         }
         summary.update({k: v for k, v in last_eval.items() if k != "step"})
         if grid.device.type == "cuda":

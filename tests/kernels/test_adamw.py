@@ -147,6 +147,17 @@ def test_cpu_rejects_aliasing_and_bad_step():
         cpu_backend(p, g, m, torch.zeros(64), step=0, **HPARAMS[0])
 
 
+def test_auto_logs_its_choice_once(monkeypatch, caplog):
+    import megaft.kernels.adamw as adamw
+
+    monkeypatch.setattr(adamw, "_logged", set())
+    p, g, m, v = torch.zeros(8), torch.ones(8), torch.zeros(8), torch.zeros(8)
+    with caplog.at_level("INFO", logger=adamw.__name__):
+        for step in (1, 2):
+            adamw_step_(p, g, m, v, step=step, **HPARAMS[0])
+    assert [r.getMessage() for r in caplog.records] == ["adamw backend=auto on cpu: using 'cpu'"]
+
+
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("triton", torch.device("cpu"))
