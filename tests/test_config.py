@@ -105,3 +105,16 @@ def test_max_steps_zero_only_evaluates(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["step"] == 0 and "eval_loss" in rows[0]
     assert summary["final_loss"] is None and summary["eval_loss"] == pytest.approx(rows[0]["eval_loss"])
+
+
+def test_torchrun_runs_the_same_entry_point(tmp_path):
+    """Under torchrun each process is one rank (RANK/WORLD_SIZE from its env)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megaft.train", f"hydra.run.dir={tmp_path}/run", "train.progress=false", "model.dim=64",
+           "model.n_layers=1", "data.task_train_size=500", "data.task_eval_size=16", "train.max_steps=2",
+           "data.seq_len=32", "launcher.nproc=1"]  # nproc is ignored: torchrun decides the world
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tp"] == 2

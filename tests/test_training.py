@@ -4,7 +4,7 @@ import os
 import pytest
 
 from multirank import spawn
-from train_cases import PARALLEL_RUNS, read_metrics, train_parallel_runs, train_single
+from train_cases import PARALLEL_RUNS, read_metrics, read_rows, train_parallel_runs, train_single
 
 # fp32: tp/dp reorder the sums inside matmuls and reductions, so losses agree to
 # rounding, compounded over 20 AdamW steps; 1e-5 relative is the issue's bound.
@@ -38,6 +38,17 @@ def test_loss_curve_matches_single_process(runs, name):
         assert g == pytest.approx(w, rel=RTOL), f"{name} step {step}: {g} vs {w}"
     for g, w in zip(got_eval, want_eval):
         assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=RTOL), name
+        assert g["eval_accuracy"] == w["eval_accuracy"], name  # same greedy decodes
+
+
+@pytest.mark.parametrize("name", [r[0] for r in PARALLEL_RUNS])
+def test_grad_norm_matches_single_process(runs, name):
+    """Clipping sees the full model's norm: tp shards summed, replicated norms counted once."""
+    want = [r["grad_norm"] for r in read_rows(os.path.join(runs, "single")) if "grad_norm" in r]
+    got = [r["grad_norm"] for r in read_rows(os.path.join(runs, name)) if "grad_norm" in r]
+    assert len(got) == len(want) == 20
+    assert got == pytest.approx(want, rel=RTOL)
+    assert want[0] > 1.0  # clip_grad=1.0 really clips at the start
 
 
 def test_bf16_tracks_fp32(runs, tmp_path):

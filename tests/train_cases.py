@@ -23,10 +23,14 @@ def small_config(steps: int = 20, micro: int = 8) -> Config:
     return resolve(cfg)
 
 
+def read_rows(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 def read_metrics(run_dir: str) -> tuple[list[float], list[dict]]:
     """(train losses by step, eval records) from run_dir/metrics.jsonl."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_rows(run_dir)
     return [r["loss"] for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
 
 
