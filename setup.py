@@ -123,7 +123,7 @@ def _extensions() -> list:
         make = (cpp_extension.CUDAExtension if any(s.endswith(".cu") for s in sources)
                 else cpp_extension.CppExtension)
         modules.append(make(
-            name, sources, include_dirs=[os.path.join(ROOT, os.path.dirname(sources[0]))],
+            name, sources, include_dirs=[os.path.join(ROOT, os.path.dirname(sources[0])), os.path.join(ROOT, "csrc", "include")],
             extra_compile_args={"cxx": CXX_FLAGS + openmp, "nvcc": NVCC_FLAGS},
             extra_link_args=openmp))
     return modules

@@ -7,6 +7,7 @@ so nothing but the CUDA toolkit is needed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,3 +48,33 @@ def test_c_abi_header_is_plain_c(tmp_path):
            str(src), "-o", str(tmp_path / "abi.o")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+
+
+def _cuda_include() -> Path:
+    """The toolkit's include dir (nvcc may be a wrapper script outside the toolkit)."""
+    homes = [os.environ.get("CUDA_HOME"), Path(NVCC).resolve().parents[1], "/usr/local/cuda"]
+    for home in filter(None, homes):
+        if (Path(home) / "include" / "cuda_runtime_api.h").exists():
+            return Path(home) / "include"
+    pytest.fail(f"no CUDA include dir with cuda_runtime_api.h among {homes}; set CUDA_HOME")
+
+
+@needs_nvcc
+def test_cuda_binding_compiles_against_torch_headers(tmp_path):
+    """csrc/cuda/bindings.cpp (the torch side of megaft._cuda) type-checks with the host
+    compiler. A CPU build of torch lacks one generated CUDA header; an empty stand-in
+    is enough for a syntax and type check (nothing is linked)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    cuda_include = _cuda_include()
+    root = CUDA_DIR.parent
+    cmd = ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *(f"-I{p}" for p in include_paths()),
+           f"-I{sysconfig.get_paths()['include']}", f"-I{cuda_include}", f"-I{root / 'include'}",
+           f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", str(CUDA_DIR / "bindings.cpp")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"

@@ -13,6 +13,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "adamw_checks.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -85,19 +87,6 @@ void adamw_range(float* __restrict__ p, const float* __restrict__ g,
   }
 }
 
-void check_operand(const at::Tensor& t, const char* name, const at::Tensor& param) {
-  TORCH_CHECK(t.defined(), "adamw_step_: ", name, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "adamw_step_ (megaft._C): ", name,
-              " must be a CPU tensor, got device ", t.device(),
-              "; use backend='cuda' for CUDA tensors");
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "adamw_step_: ", name,
-              " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "adamw_step_: ", name,
-              " must be contiguous (a flat buffer); call .contiguous() first");
-  TORCH_CHECK(t.sizes() == param.sizes(), "adamw_step_: ", name, " has shape ",
-              t.sizes(), " but param has shape ", param.sizes());
-}
-
 }  // namespace
 
 // Work unit: 32768 floats = 128 KiB per array (~1 MB of traffic, ~0.1 ms). Tensors
@@ -107,24 +96,8 @@ constexpr int64_t kBlock = 32768;
 void adamw_step_(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                  at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1,
                  double beta2, double eps, double weight_decay) {
-  TORCH_CHECK(param.defined(), "adamw_step_: param is undefined");
-  check_operand(param, "param", param);
-  check_operand(grad, "grad", param);
-  check_operand(exp_avg, "exp_avg", param);
-  check_operand(exp_avg_sq, "exp_avg_sq", param);
-  const void* ptrs[4] = {param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                         exp_avg_sq.data_ptr()};
-  for (int i = 0; i < 4; ++i)
-    for (int j = i + 1; j < 4; ++j)
-      TORCH_CHECK(param.numel() == 0 || ptrs[i] != ptrs[j],
-                  "adamw_step_: param, grad, exp_avg and exp_avg_sq must be four "
-                  "distinct buffers (two of them share memory)");
-  TORCH_CHECK(step >= 1, "adamw_step_: step counts from 1, got ", step);
-  TORCH_CHECK(lr >= 0.0, "adamw_step_: invalid lr ", lr);
-  TORCH_CHECK(eps >= 0.0, "adamw_step_: invalid eps ", eps);
-  TORCH_CHECK(0.0 <= beta1 && beta1 < 1.0, "adamw_step_: invalid beta1 ", beta1);
-  TORCH_CHECK(0.0 <= beta2 && beta2 < 1.0, "adamw_step_: invalid beta2 ", beta2);
-  TORCH_CHECK(weight_decay >= 0.0, "adamw_step_: invalid weight_decay ", weight_decay);
+  check_adamw_args(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                   /*cuda=*/false, "megaft._C");
 
   const AdamwScalars s = make_scalars(step, lr, beta1, beta2, eps, weight_decay);
   float* p = param.data_ptr<float>();
