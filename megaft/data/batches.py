@@ -33,11 +33,15 @@ class PackedStream:
     `numpy.random.default_rng([seed, e])`, and concatenates their ids and target
     masks; the stream is epoch 0, then epoch 1, ... with no gap. Sequence k is
     the window of seq_len + 1 tokens starting at stream position k * seq_len:
-    input = window[:-1], labels = window[1:] (-100 where the token is not a
-    target). Windows overlap by one token, as in Megatron's GPTDataset, so the
-    inputs of consecutive sequences concatenate to the stream itself and every
-    target token is predicted exactly once per epoch, apart from the very first
-    token of the stream. Windows run across example and epoch boundaries.
+    input = window[:-1], labels = window[1:]. Windows overlap by one token, as in
+    Megatron's GPTDataset, so the inputs of consecutive sequences concatenate to
+    the stream itself, and run across example and epoch boundaries.
+
+    A label is -100 where its token is not a target, and also where its example
+    has a prompt (`Encoded.prompt_len > 0`) that starts before the window: a
+    completion whose question was cut off cannot be predicted, and training on
+    it would teach the model to answer questions it never saw. Text examples
+    are never cut this way, as in pretraining.
     """
 
     def __init__(self, encoded: list[Encoded], seq_len: int, seed: int, cache_epochs: int = 2):
@@ -46,37 +50,53 @@ class PackedStream:
         self.seq_len, self.seed, self.cache_epochs = seq_len, seed, cache_epochs
         self._ids = [np.asarray(e.ids, dtype=np.int64) for e in encoded]
         self._target = [np.asarray(e.target, dtype=bool) for e in encoded]
-        self.tokens_per_epoch = sum(len(a) for a in self._ids)
+        self._has_prompt = np.array([e.prompt_len > 0 for e in encoded], dtype=bool)
+        self._lens = np.array([len(e.ids) for e in encoded], dtype=np.int64)
+        self.tokens_per_epoch = int(self._lens.sum())
         if self.tokens_per_epoch == 0:
             raise ValueError("PackedStream needs at least one token; the examples are all empty")
-        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        # A prompted example's targets count only in a window holding its start, so
+        # tokens past seq_len + 1 of it are never trained: say so once, up front.
+        too_long = int((self._has_prompt & (self._lens > seq_len + 1)).sum())
+        if too_long:
+            warnings.warn(f"{too_long} of {len(encoded)} prompt/completion examples are longer "
+                          f"than seq_len + 1 = {seq_len + 1} tokens; their tokens past that are "
+                          "never trained; fix: raise data.seq_len")
+        self._epochs: OrderedDict[int, tuple[np.ndarray, ...]] = OrderedDict()
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, target) of one epoch, packed once and kept in a small LRU cache:
-        steps advance monotonically, so only the current and next epoch are hot."""
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, target, start) of one epoch, packed once and kept in a small LRU
+        cache (steps advance monotonically, so only two epochs are hot). start[i]
+        is the in-epoch offset of the first token of token i's example when that
+        example has a prompt, else -1."""
         if epoch in self._epochs:
             self._epochs.move_to_end(epoch)
             return self._epochs[epoch]
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self._ids))
+        lens = self._lens[order]
+        offsets = np.cumsum(lens) - lens
+        start = np.repeat(np.where(self._has_prompt[order], offsets, -1), lens)
         packed = (np.concatenate([self._ids[i] for i in order]),
-                  np.concatenate([self._target[i] for i in order]))
+                  np.concatenate([self._target[i] for i in order]), start)
         self._epochs[epoch] = packed
         while len(self._epochs) > self.cache_epochs:
             self._epochs.popitem(last=False)
         return packed
 
-    def tokens(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, target) of stream positions [start, stop)."""
-        ids, target = [], []
-        pos = start
-        while pos < stop:
+    def tokens(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, target, start) of stream positions [begin, end); start holds the
+        stream position where a prompted token's example begins, else -1."""
+        parts = []
+        pos = begin
+        while pos < end:
             epoch, offset = divmod(pos, self.tokens_per_epoch)
-            e_ids, e_target = self._epoch(epoch)
-            end = min(self.tokens_per_epoch, offset + stop - pos)
-            ids.append(e_ids[offset:end])
-            target.append(e_target[offset:end])
-            pos += end - offset
-        return np.concatenate(ids), np.concatenate(target)
+            arrays = self._epoch(epoch)
+            stop = min(self.tokens_per_epoch, offset + end - pos)
+            ids, target, start = (a[offset:stop] for a in arrays)
+            start = np.where(start >= 0, start + epoch * self.tokens_per_epoch, -1)
+            parts.append((ids, target, start))
+            pos += stop - offset
+        return tuple(np.concatenate(p) for p in zip(*parts))
 
     def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequences step*size ... (step+1)*size - 1 as (input_ids, labels),
@@ -87,11 +107,13 @@ class PackedStream:
         parallel share and micro-batches out of it.
         """
         n = self.seq_len
-        start = step * size * n
-        ids, target = self.tokens(start, start + size * n + 1)
-        labels = np.where(target[1:], ids[1:], IGNORE_INDEX)
-        return (torch.from_numpy(ids[:-1].reshape(size, n)),
-                torch.from_numpy(labels.reshape(size, n)))
+        first = step * size * n
+        ids, target, start = self.tokens(first, first + size * n + 1)
+        window = first + n * np.arange(size, dtype=np.int64)[:, None]  # where each row begins
+        start = start[1:].reshape(size, n)
+        keep = target[1:].reshape(size, n) & ~((start >= 0) & (start < window))
+        labels = np.where(keep, ids[1:].reshape(size, n), IGNORE_INDEX)
+        return torch.from_numpy(ids[:-1].reshape(size, n)), torch.from_numpy(labels)
 
     def epoch_at(self, step: int, size: int) -> float:
         """How many epochs the first `step` global batches consumed (for logging)."""

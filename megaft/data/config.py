@@ -65,10 +65,10 @@ def _task_problems(cfg: DataConfig) -> list[str]:
     spec, problems = TASKS[cfg.task], []
     if cfg.task_train_size < 1:
         problems.append(f"data.task_train_size={cfg.task_train_size}; fix: set it >= 1")
-    if not 0 <= cfg.task_eval_size < spec.num_prompts:
-        problems.append(f"data.task_eval_size={cfg.task_eval_size} but task {cfg.task!r} has "
-                        f"{spec.num_prompts} distinct prompts; "
-                        f"fix: set it in [0, {spec.num_prompts})")
+    if not 0 <= cfg.task_eval_size <= spec.max_eval_size:
+        problems.append(f"data.task_eval_size={cfg.task_eval_size} but task {cfg.task!r} "
+                        f"holds out at most half its {spec.num_prompts} prompts; "
+                        f"fix: set it in [0, {spec.max_eval_size}]")
     return problems
 
 

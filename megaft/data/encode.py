@@ -15,10 +15,16 @@ class Encoded(NamedTuple):
     always False: nothing in the example precedes it, and in a packed stream
     this keeps an example's first token from being "predicted" from the end of
     the unrelated previous example.
+
+    `prompt_len` is the number of leading tokens every target needs in view
+    (the prompt of a prompt/completion example; 0 for text, whose tokens are
+    worth predicting from any amount of context). Packing drops the targets of
+    an example whose prompt a window cut off.
     """
 
     ids: list[int]
     target: list[bool]
+    prompt_len: int = 0
 
 
 def encode_example(tok: Tokenizer, ex: dict, eos_id: Optional[int]) -> Encoded:
@@ -63,4 +69,4 @@ def _assemble(first: list[int], answer: Optional[list[int]], eos_id: Optional[in
     target = [False] * len(first) + [True] * len(answer)
     if target:
         target[0] = False  # an empty prompt: the first token has nothing to be predicted from
-    return Encoded(first + answer, target)
+    return Encoded(first + answer, target, len(first))

@@ -7,14 +7,14 @@ inside a node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
-class Axis(StrEnum):
+class Axis(str, Enum):
     TP = "tp"
     DP = "dp"
     PP = "pp"

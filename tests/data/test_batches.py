@@ -6,63 +6,83 @@ import torch
 from megaft.data import Encoded, PackedStream, count_targets, eval_batches
 
 # Example k starts with the unique id 100 + k, so the stream can be parsed back into
-# examples; lengths differ and masks vary, so a misplaced window shows.
-EXAMPLES = [
-    Encoded([100 + k] + [k] * (k % 4 + 1) + [7] * (k % 3),
-            [False] + [(k + i) % 2 == 0 for i in range(k % 4 + 1 + k % 3)])
-    for k in range(9)
-]
+# examples; lengths differ and masks vary, so a misplaced window shows. Odd examples
+# are prompt/completion (a 2-token prompt), even ones are text with a varied mask.
+def example(k):
+    n = 2 + k % 4 + k % 3
+    ids = [100 + k] + [k] * (n - 1)
+    if k % 2:
+        return Encoded(ids, [False, False] + [True] * (n - 2), prompt_len=2)
+    return Encoded(ids, [False] + [(k + i) % 2 == 0 for i in range(n - 1)])
+
+
+EXAMPLES = [example(k) for k in range(9)]
 TOKENS = sum(len(e.ids) for e in EXAMPLES)
 
 
 def parse_epoch(ids, target):
-    """Split one epoch's stream back into example indices; asserts it is a permutation."""
-    order, pos = [], 0
+    """Split one epoch's stream back into example indices; asserts it is a permutation.
+    Also returns, per token, the in-epoch start of its example when prompted, else -1."""
+    order, starts, pos = [], [], 0
     while pos < len(ids):
         k = ids[pos] - 100
         ex = EXAMPLES[k]
         assert ids[pos:pos + len(ex.ids)] == ex.ids and target[pos:pos + len(ex.ids)] == ex.target
         order.append(k)
+        starts += [pos if ex.prompt_len else -1] * len(ex.ids)
         pos += len(ex.ids)
     assert sorted(order) == list(range(len(EXAMPLES)))
-    return order
+    return order, starts
 
 
 def reference_stream(stream, epochs):
-    """(ids, target) of the first `epochs` epochs, each checked to be a permutation."""
-    ids, target, orders = [], [], []
+    """(ids, target, start, orders) of the first `epochs` epochs, each checked to be a
+    permutation; start[i] is the stream position of a prompted token's example, else -1."""
+    ids, target, start, orders = [], [], [], []
     for e in range(epochs):
-        e_ids, e_target = stream.tokens(e * TOKENS, (e + 1) * TOKENS)
+        e_ids, e_target, _ = stream.tokens(e * TOKENS, (e + 1) * TOKENS)
         e_ids, e_target = e_ids.tolist(), e_target.tolist()
-        orders.append(parse_epoch(e_ids, e_target))
+        order, starts = parse_epoch(e_ids, e_target)
+        orders.append(order)
         ids += e_ids
         target += e_target
-    return ids, target, orders
+        start += [s + e * TOKENS if s >= 0 else -1 for s in starts]
+    return ids, target, start, orders
+
+
+def expected_labels(ids, target, start, window, seq_len):
+    """Labels of the window starting at stream position `window`: the next token where it
+    is a target and its example's prompt is not cut off by the window start."""
+    n = range(window + 1, window + seq_len + 1)
+    return [ids[i] if target[i] and not 0 <= start[i] < window else -100 for i in n]
 
 
 def test_epochs_are_shuffled_permutations_and_depend_on_the_seed():
     stream = PackedStream(EXAMPLES, seq_len=5, seed=3)
     assert stream.tokens_per_epoch == TOKENS
-    _, _, orders = reference_stream(stream, 4)
+    *_, orders = reference_stream(stream, 4)
     assert len({tuple(o) for o in orders}) > 1  # reshuffled each epoch
-    _, _, other = reference_stream(PackedStream(EXAMPLES, seq_len=5, seed=4), 4)
+    *_, other = reference_stream(PackedStream(EXAMPLES, seq_len=5, seed=4), 4)
     assert other != orders
 
 
+@pytest.mark.filterwarnings("ignore:.*longer than seq_len")  # short windows on purpose
 @pytest.mark.parametrize("seq_len,size", [(5, 3), (16, 8), (1, 2), (TOKENS, 1)])
 def test_global_batch_is_the_windowed_stream(seq_len, size):
     stream = PackedStream(EXAMPLES, seq_len=seq_len, seed=11)
     steps = 6  # with these sizes the batches run across several epoch boundaries
-    ids, target, _ = reference_stream(stream, steps * size * seq_len // TOKENS + 2)
+    ids, target, start, _ = reference_stream(stream, steps * size * seq_len // TOKENS + 2)
+    cut = 0
     for step in range(steps):
         x, y = stream.global_batch(step, size)
         assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (size, seq_len)
         for r in range(size):
-            start = (step * size + r) * seq_len  # windows overlap by one token
-            window = ids[start:start + seq_len + 1]
-            assert x[r].tolist() == window[:-1]
-            assert y[r].tolist() == [t if m else -100 for t, m in
-                                     zip(window[1:], target[start + 1:start + seq_len + 1])]
+            window = (step * size + r) * seq_len  # windows overlap by one token
+            assert x[r].tolist() == ids[window:window + seq_len]
+            labels = expected_labels(ids, target, start, window, seq_len)
+            assert y[r].tolist() == labels
+            cut += sum(target[i] and l == -100 for i, l in enumerate(labels, window + 1))
+    assert seq_len == TOKENS or cut > 0  # some windows did cut a prompt off
     # Inputs of consecutive batches concatenate to the stream itself.
     flat = torch.cat([stream.global_batch(s, size)[0].flatten() for s in range(steps)])
     assert flat.tolist() == ids[:steps * size * seq_len]
@@ -75,9 +95,33 @@ def test_labels_are_inputs_shifted_with_ignore_exactly_at_non_targets():
     following = torch.cat([x[:, 1:], torch.cat([x[1:, :1], nx[:1, :1]])], dim=1)
     mask = y != -100
     assert torch.equal(y[mask], following[mask])
-    _, target = stream.tokens(2 * 6 * 7 + 1, 3 * 6 * 7 + 1)
-    assert mask.flatten().tolist() == target.tolist()
-    assert count_targets(y) == int(target.sum())
+    _, target, start = stream.tokens(2 * 6 * 7 + 1, 3 * 6 * 7 + 1)
+    window = 2 * 6 * 7 + 7 * torch.arange(6).repeat_interleave(7)
+    cut = (torch.from_numpy(start) >= 0) & (torch.from_numpy(start) < window)
+    assert mask.flatten().tolist() == (torch.from_numpy(target) & ~cut).tolist()
+    assert count_targets(y) == int(mask.sum())
+
+
+def test_text_examples_are_never_cut_and_every_target_is_predicted_once_per_epoch():
+    text = [Encoded(e.ids, [False] + [True] * (len(e.ids) - 1)) for e in EXAMPLES]
+    stream = PackedStream(text, seq_len=4, seed=2)
+    steps = TOKENS * 3 // 4  # three epochs, in batches of one sequence
+    total = sum(count_targets(stream.global_batch(s, 1)[1]) for s in range(steps))
+    # The very first token of the stream is never a label; all others are exactly once.
+    assert total == 3 * (TOKENS - len(EXAMPLES))
+
+
+@pytest.mark.filterwarnings("ignore:.*longer than seq_len")  # short windows on purpose
+def test_a_completion_is_trained_only_in_the_window_that_holds_its_prompt():
+    ex = Encoded([1, 2, 3, 4, 5, 6], [False, False, False, True, True, True], prompt_len=3)
+    stream = PackedStream([ex], seq_len=4, seed=0)
+    # Stream: 1 2 3 4 5 6 | 1 2 3 4 5 6 | ...; windows start at 0, 4, 8, ...
+    x, y = stream.global_batch(0, 4)
+    assert x.tolist() == [[1, 2, 3, 4], [5, 6, 1, 2], [3, 4, 5, 6], [1, 2, 3, 4]]
+    assert y.tolist() == [[-100, -100, 4, 5],        # prompt 1 2 3 in view: 4 and 5 trained
+                          [-100, -100, -100, -100],  # 6: prompt cut off; then 1 2 3: prompt
+                          [-100, -100, -100, -100],  # 4 5 6 of the copy whose prompt began at 6
+                          [-100, -100, 4, 5]]
 
 
 def test_global_batch_is_a_pure_function_of_seed_step_and_size():
@@ -131,3 +175,10 @@ def test_eval_batches_truncate_long_lines_with_a_warning():
         [(x, y)] = eval_batches(encoded, batch_size=4, pad_id=0, max_len=4)
     assert x.tolist() == [[1, 2, 3, 4], [1, 2, 0, 0]]
     assert y.tolist() == [[2, 3, 4, 5], [2, 3, -100, -100]]
+
+
+def test_prompted_examples_longer_than_a_window_are_reported():
+    long = Encoded([1] * 10, [False] * 3 + [True] * 7, prompt_len=3)
+    with pytest.warns(UserWarning, match=r"1 of 2 prompt/completion examples are longer than "
+                                         r"seq_len \+ 1 = 9 tokens"):
+        PackedStream([long, EXAMPLES[1]], seq_len=8, seed=0)

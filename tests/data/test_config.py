@@ -47,10 +47,12 @@ def test_check_data_reports_every_problem_at_once(tmp_path):
 
 
 def test_check_data_task_sizes():
-    problems = check_data(DataConfig(task="addition", task_train_size=0, task_eval_size=10000))
+    problems = check_data(DataConfig(task="addition", task_train_size=0, task_eval_size=5001))
     assert len(problems) == 2
     assert problems[0].startswith("data.task_train_size=0; fix: ")
-    assert problems[1].startswith("data.task_eval_size=10000 but task 'addition' has 10000")
+    assert problems[1].startswith("data.task_eval_size=5001 but task 'addition' holds out at most")
+    assert problems[1].endswith("fix: set it in [0, 5000]")
+    assert check_data(DataConfig(task="addition", task_eval_size=5000)) == []
 
 
 def test_file_data_outside_the_task_alphabet_needs_a_tokenizer(tmp_path):

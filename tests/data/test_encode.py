@@ -14,22 +14,22 @@ def ids(s):
 
 def test_prompt_completion_targets_only_completion_and_eos():
     enc = encode_example(TOK, {"prompt": "12+3=", "completion": "51"}, EOS)
-    assert enc == Encoded(ids("12+3=51") + [EOS], [False] * 5 + [True] * 3)
+    assert enc == Encoded(ids("12+3=51") + [EOS], [False] * 5 + [True] * 3, prompt_len=5)
 
 
 def test_prompt_completion_without_eos_appends_nothing():
     enc = encode_example(TOK, {"prompt": "ab", "completion": "c"}, None)
-    assert enc == Encoded(ids("abc"), [False, False, True])
+    assert enc == Encoded(ids("abc"), [False, False, True], prompt_len=2)
 
 
 def test_empty_prompt_keeps_first_token_untargeted():
     enc = encode_example(TOK, {"prompt": "", "completion": "ab"}, EOS)
-    assert enc == Encoded(ids("ab") + [EOS], [False, True, True])
+    assert enc == Encoded(ids("ab") + [EOS], [False, True, True], prompt_len=0)
 
 
 def test_text_targets_every_token_after_the_first_and_appends_nothing():
     enc = encode_example(TOK, {"text": "abc 12"}, EOS)
-    assert enc == Encoded(ids("abc 12"), [False] + [True] * 5)
+    assert enc == Encoded(ids("abc 12"), [False] + [True] * 5, prompt_len=0)
 
 
 def bos_tokenizer():
@@ -45,7 +45,7 @@ def bos_tokenizer():
 def test_special_tokens_come_from_the_post_processor_on_prompt_and_text_only():
     tok = bos_tokenizer()
     enc = encode_example(tok, {"prompt": "the capital is", "completion": "Paris"}, 2)
-    assert enc == Encoded([1, 3, 4, 5, 6, 2], [False, False, False, False, True, True])
+    assert enc == Encoded([1, 3, 4, 5, 6, 2], [False, False, False, False, True, True], 4)
     enc = encode_example(tok, {"text": "the capital"}, 2)
     assert enc == Encoded([1, 3, 4], [False, True, True])
 

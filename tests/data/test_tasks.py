@@ -18,6 +18,9 @@ def test_addition_answers_are_the_reversed_zero_padded_sum():
         a, b = int(prompt[:2]), int(prompt[3:5])
         assert len(completion) == 3 == task.max_new_tokens
         assert int(completion[::-1]) == a + b
+    # Operands are digit-count balanced: single-digit ones are common, two-digit ones too.
+    operands = [int(ex["prompt"][i:i + 2]) for ex in task.train for i in (0, 3)]
+    assert 0.4 < sum(x < 10 for x in operands) / len(operands) < 0.7
     assert {"prompt": "07+45=", "completion": "250"} == {
         "prompt": "07+45=", "completion": TASKS["addition"].answer("07+45=")}
 
@@ -72,5 +75,9 @@ def test_unknown_task_and_oversized_eval():
     with pytest.raises(DataError,
                        match=r"unknown task 'nope'; fix: use one of \['addition', 'reverse'"):
         make_task("nope", 1, 1, 0)
-    with pytest.raises(DataError, match="has only 10000 distinct prompts"):
-        make_task("addition", 1, 10000, 0)
+    with pytest.raises(DataError, match="holds out at most 5000 of its 10000 prompts"):
+        make_task("addition", 1, 5001, 0)
+    # The largest allowed hold-out still generates quickly and stays disjoint.
+    task = make_task("addition", 2000, 5000, 0)
+    assert len({ex["prompt"] for ex in task.eval}) == 5000
+    assert not {ex["prompt"] for ex in task.eval} & {ex["prompt"] for ex in task.train}

@@ -1,0 +1,1 @@
+"""Pipeline schedule benchmarks: ``python -m benchmarks.pipeline --simulate``."""
