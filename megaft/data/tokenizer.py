@@ -8,7 +8,7 @@ never need to know which kind they hold.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -62,13 +62,16 @@ def char_tokenizer(alphabet: str) -> Tokenizer:
     return tok
 
 
-def special_ids(tok: Tokenizer, eos_token_id: Optional[int] = None) -> tuple[Optional[int], int]:
+def special_ids(tok: Tokenizer, eos_token_id: Union[int, list[int], None] = None) -> tuple[Optional[int], int]:
     """`(eos_id, pad_id)` for a tokenizer.
 
-    eos: `eos_token_id` when given (an HF config.json's), else the first of
+    eos: `eos_token_id` when given (an HF config.json's; Llama 3.1 lists several, and
+    the first, <|end_of_text|>, is the one appended to completions), else the first of
     EOS_CANDIDATES the vocabulary holds, else None. pad: `<pad>` when present,
     else eos, else 0; padding is always masked out of the loss, so any id works.
     """
+    if isinstance(eos_token_id, (list, tuple)):
+        eos_token_id = eos_token_id[0] if eos_token_id else None
     eos = eos_token_id
     if eos is None:
         eos = next((i for i in map(tok.token_to_id, EOS_CANDIDATES) if i is not None), None)

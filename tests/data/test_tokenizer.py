@@ -67,3 +67,11 @@ def test_special_ids():
     # Neither eos nor pad: (None, 0).
     assert special_ids(word_tokenizer(["<unk>", "a"])) == (None, 0)
     assert special_ids(word_tokenizer(["<unk>", "<pad>"])) == (None, 1)
+
+
+def test_special_ids_takes_the_first_of_an_eos_list():
+    """Llama 3.1's config.json lists several eos ids; the first is appended to completions."""
+    tok = char_tokenizer("ab")
+    assert special_ids(tok, [7, 8, 9])[0] == 7
+    assert special_ids(tok, 5)[0] == 5
+    assert special_ids(tok, [])[0] == tok.token_to_id("<eos>")
