@@ -13,7 +13,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 TEST_ARGS ?=
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench clean slurm-up slurm-down
 
 install: $(STAMP)
 
@@ -30,8 +30,19 @@ ONE_GPU = $(PY) -c "import torch; print('parallel=single launcher.nproc=1' if to
 train: $(STAMP)
 	$(VENV)/bin/megaft-train $$($(ONE_GPU)) $(ARGS)
 
+# As root, start the single-host Slurm (slurm/cluster.sh) so tests/slurm runs; where it
+# cannot start, tests/slurm skips or fails with the reason. The cluster stays up afterwards.
+SLURM_UP = if [ "$$(id -u)" = 0 ]; then slurm/cluster.sh up >/dev/null || echo "make: slurm/cluster.sh up failed (exit $$?); tests/slurm will say why"; fi
+
 test: $(STAMP)
+	@$(SLURM_UP)
 	$(PY) -m pytest -q tests $(TEST_ARGS)
+
+slurm-up:
+	slurm/cluster.sh up
+
+slurm-down:
+	slurm/cluster.sh down
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.kernels.adamw_cpu

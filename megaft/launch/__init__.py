@@ -1,1 +1,1 @@
-"""Starting ranks: the local launcher and the environment torchrun sets."""
+"""Starting ranks: the local launcher, and the environment torchrun or srun sets (env.py)."""
