@@ -37,18 +37,18 @@ def _job_env() -> dict:
 def slurm_cluster():
     """Yields the environment for Slurm client commands and jobs (see _job_env, plus SLURM_CONF)."""
     if not os.path.exists(PYTHON):
-        pytest.skip(f"{PYTHON} missing: the Slurm tests run the project's venv (make install)")
+        pytest.skip(reason=f"{PYTHON} missing: the Slurm tests run the project's venv (make install)")
     if _node_ready():
         yield _job_env()
         return
     if os.geteuid() != 0:
-        pytest.skip("no Slurm cluster answers and starting one needs root: run `sudo slurm/cluster.sh up`")
+        pytest.skip(reason="no Slurm cluster answers and starting one needs root: run `sudo slurm/cluster.sh up`")
     started = time.monotonic()
     out = subprocess.run([CLUSTER_SH, "up"], capture_output=True, text=True, timeout=900)
     if out.returncode == NOT_ROOT:
-        pytest.skip(f"slurm/cluster.sh up: {out.stderr.strip()}")
+        pytest.skip(reason=f"slurm/cluster.sh up: {out.stderr.strip()}")
     if out.returncode == NO_PACKAGES:
-        pytest.skip(f"Slurm's Debian packages cannot be installed here: {out.stderr.strip()[-1500:]}")
+        pytest.skip(reason=f"Slurm's Debian packages cannot be installed here: {out.stderr.strip()[-1500:]}")
     if out.returncode != 0:
         pytest.fail(f"slurm/cluster.sh up failed ({out.returncode}):\n{out.stdout}\n{out.stderr}", pytrace=False)
     env = _job_env()
