@@ -118,3 +118,15 @@ def test_torchrun_runs_the_same_entry_point(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["tp"] == 2
+
+
+def test_explicit_unavailable_adamw_kernel_is_a_config_error():
+    from megaft.kernels import _ext
+
+    cfg = Config()
+    cfg.optim.fused = "cuda"
+    problems = validate(cfg, 2)
+    if _ext.CUDA.available:
+        assert not any("optim.fused" in p for p in problems)
+    else:
+        assert any("optim.fused=cuda: megaft._cuda is not available" in p for p in problems), problems

@@ -31,4 +31,11 @@ def check_optim(cfg: OptimConfig) -> list[str]:
         errors.append(f"optim.clip_grad={cfg.clip_grad} must be >= 0 (0 disables clipping)")
     if cfg.fused not in FUSED_BACKENDS:
         errors.append(f"optim.fused={cfg.fused!r} is unknown; fix: one of {', '.join(FUSED_BACKENDS)}")
+    elif cfg.fused in ("cpu", "cuda"):  # an explicit kernel must exist: no silent fallback
+        from megaft.kernels import _ext
+
+        ext = _ext.C if cfg.fused == "cpu" else _ext.CUDA
+        if not ext.available:
+            errors.append(f"optim.fused={cfg.fused}: {ext.name} is not available ({ext.error}); fix: rebuild "
+                          "with `pip install --no-build-isolation -e .` (MEGAFT_CUDA=1 for CUDA) or optim.fused=auto")
     return errors
