@@ -14,6 +14,9 @@ class TrainConfig:
     seed: int = 0  # model initialization and dropout
     export_hf: bool = False  # write the final model as a Hugging Face directory (run_dir/hf)
     progress: bool = True  # progress bar on stdout (rank 0)
+    save_every: int = 0  # checkpoint every N steps and at the last step into run_dir/checkpoints; 0 = never
+    keep_last: int = 2  # keep the newest N checkpoints, delete older ones; 0 = keep all
+    resume: bool = True  # start from the newest complete checkpoint in run_dir/checkpoints, if any
 
 
 def accumulation_steps(cfg: TrainConfig, dp: int) -> int:
@@ -28,6 +31,12 @@ def check_train(cfg: TrainConfig, dp: int) -> list[str]:
             errors.append(f"train.{name}={getattr(cfg, name)} must be >= 1")
     if cfg.max_steps < 0:
         errors.append(f"train.max_steps={cfg.max_steps} must be >= 0 (0 = only evaluate)")
+    if cfg.save_every < 0:
+        errors.append(f"train.save_every={cfg.save_every} must be >= 0 (0 = no checkpoints); fix: e.g. "
+                      "train.save_every=100")
+    if cfg.keep_last < 0:
+        errors.append(f"train.keep_last={cfg.keep_last} must be >= 0 (0 = keep every checkpoint); fix: e.g. "
+                      "train.keep_last=2")
     if not errors and dp >= 1 and cfg.global_batch_size % (cfg.micro_batch_size * dp):
         errors.append(
             f"train.global_batch_size={cfg.global_batch_size} is not a multiple of "

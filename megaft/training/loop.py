@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from megaft import checkpoint
 from megaft.config import Config
 from megaft.data import (
     PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
@@ -65,6 +66,7 @@ class Trainer:
         self.flat = FlatParams(self.model, weight_decay=cfg.optim.weight_decay, device=grid.device)
         self.optimizer = AdamW(self.flat, cfg.optim)
         self.metrics = MetricsLog(run_dir, enabled=self.is_writer)
+        self.checkpoint_dir = os.path.join(run_dir, "checkpoints")
 
     def autocast(self):
         if self.cfg.precision == "bf16":
@@ -107,16 +109,43 @@ class Trainer:
         self.metrics.write(**record)
         return record
 
-    def fit(self) -> dict[str, Any]:
+    def resume(self) -> int:
+        """Load the newest complete checkpoint when train.resume is on; the step to continue from."""
+        if not self.cfg.train.resume:
+            return 0
+        step = checkpoint.load_latest(self.checkpoint_dir, self.flat, self.optimizer, self.grid)
+        if step is None:
+            return 0
+        if self.is_writer:
+            checkpoint.trim_metrics(self.metrics.path, step)
+        return step
+
+    def maybe_save(self, done: int, end: int) -> None:
+        """Checkpoint after `done` steps every train.save_every steps and when the run stops at `end`."""
+        every = self.cfg.train.save_every
+        if every and (done % every == 0 or done == end):
+            state = checkpoint.capture(self.flat, self.optimizer, self.grid, done)
+            checkpoint.save(self.checkpoint_dir, done, state, self.grid, keep_last=self.cfg.train.keep_last)
+
+    def fit(self, stop_after: Optional[int] = None) -> dict[str, Any]:
+        """Train to train.max_steps, resuming from a checkpoint when there is one.
+
+        `stop_after` ends the run early after that many steps, as a preempted job
+        would, saving a checkpoint there (when train.save_every > 0); the LR
+        schedule still follows max_steps, so a resumed run continues exactly.
+        """
         cfg = self.cfg.train
         start = time.perf_counter()
-        last_eval = self.evaluate(0)
-        bar = tqdm(total=cfg.max_steps, disable=not (self.is_writer and cfg.progress), desc="train",
-                   dynamic_ncols=True, mininterval=1.0)
+        first = self.resume()
+        end = cfg.max_steps if stop_after is None else min(stop_after, cfg.max_steps)
+        # A resumed run evaluated at `first` already (its lines are in metrics.jsonl).
+        last_eval = self.evaluate(0) if first == 0 else {"step": first}
+        bar = tqdm(total=cfg.max_steps, initial=first, disable=not (self.is_writer and cfg.progress),
+                   desc="train", dynamic_ncols=True, mininterval=1.0)
         bar.set_postfix(self._postfix(None, last_eval))
         last: Optional[dict[str, float]] = None
         tokens, train_time = 0, 0.0
-        for step in range(cfg.max_steps):
+        for step in range(first, end):
             t0 = time.perf_counter()
             last = self.train_step(step)
             dt = time.perf_counter() - t0
@@ -125,6 +154,7 @@ class Trainer:
                                tokens_per_s=last["tokens"] / dt)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 last_eval = self.evaluate(step + 1)
+            self.maybe_save(step + 1, end)  # after eval, so the saved RNG state is the next step's
             bar.update(1)
             bar.set_postfix(self._postfix(last, last_eval))
         bar.close()
