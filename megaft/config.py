@@ -16,7 +16,7 @@ from megaft.data.config import DataConfig, build_tokenizer, check_data
 from megaft.models.config import ModelConfig, check_model
 from megaft.optim.config import OptimConfig, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
-from megaft.training.config import TrainConfig, check_train
+from megaft.training.config import TrainConfig, accumulation_steps, check_train
 
 
 @dataclass
@@ -95,6 +95,21 @@ def check_local_launch(cfg: Config) -> list[str]:
     return []
 
 
+def _pipeline_problems(cfg: Config, world_size: int) -> list[str]:
+    from megaft.pipeline.partition import check_pipeline
+
+    par = cfg.parallel
+    if par.pp < 1:
+        return []  # reported by check_parallel
+    dp = resolve_dp(par, world_size)
+    problems = check_pipeline(par.pp, par.vpp, par.schedule, par.pp_layers, cfg.model.n_layers,
+                              max(accumulation_steps(cfg.train, dp), 1))
+    if par.pp > 1 and cfg.train.export_hf:
+        problems.append("train.export_hf is not supported with parallel.pp > 1 yet; fix: export from a pp=1 "
+                        "run or set train.export_hf=false")
+    return problems
+
+
 def validate(cfg: Config, world_size: int) -> list[str]:
     """All problems of `cfg` for a world of `world_size` ranks (empty when valid).
     Resolves `cfg` in place (see `resolve`) when its files are usable.
@@ -122,6 +137,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     except (OSError, ValueError) as exc:
         return problems + [str(exc)]
     problems += check_model(cfg.model, cfg.parallel.tp)
+    problems += _pipeline_problems(cfg, world_size)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
                         "fix: lower data.seq_len or raise model.max_seq_len")

@@ -13,8 +13,11 @@ from megaft.parallel.comm import Group, all_reduce
 
 
 @torch.no_grad()
-def grad_norm(params: list[torch.nn.Parameter], tp_group: Group) -> torch.Tensor:
-    """L2 norm of the full model's gradient (fp32 scalar, equal on every rank)."""
+def grad_norm(params: list[torch.nn.Parameter], tp_group: Group, pp_group: Group = None) -> torch.Tensor:
+    """L2 norm of the full model's gradient (fp32 scalar, equal on every rank).
+
+    Under pipeline parallelism each rank passes the params it owns (a tied copy left
+    out) and the squares are summed over `pp_group` too."""
     device = params[0].device
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
@@ -26,7 +29,7 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group: Group) -> torch.Tensor
             replicated += sq
         else:
             sharded += sq
-    return (all_reduce(sharded, tp_group) + replicated).sqrt()
+    return all_reduce(all_reduce(sharded, tp_group) + replicated, pp_group).sqrt()
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -10,6 +10,9 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree: ranks that split each linear layer
     pp: int = 1  # pipeline-parallel degree: stages the layers are split into
     dp: Optional[int] = None  # data-parallel degree; None = world_size // (tp * pp)
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pp rank; > 1 needs schedule=interleaved
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
+    pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
     sequence_parallel: bool = False  # split norms/dropout regions along the sequence over tp
     backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
 
@@ -36,10 +39,6 @@ def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
         errors.append(
             f"world size {world_size} != tp*pp*dp = {cfg.tp}*{cfg.pp}*{dp}{derived}; "
             f"fix: start tp*pp*dp ranks (launcher.nproc or Slurm tasks) or change parallel.tp/pp/dp"
-        )
-    if cfg.pp != 1:
-        errors.append(
-            f"parallel.pp={cfg.pp}: pipeline parallelism is not available yet; fix: set parallel.pp=1"
         )
     if cfg.backend not in ("auto", "nccl", "gloo"):
         errors.append(f"parallel.backend={cfg.backend!r} is unknown; fix: use auto, nccl or gloo")

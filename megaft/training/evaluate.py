@@ -37,6 +37,26 @@ def eval_loss(model: Llama, batches: list[tuple[torch.Tensor, torch.Tensor]], gr
 
 
 @torch.no_grad()
+def pipeline_eval_loss(runtime, batches: list[tuple[torch.Tensor, torch.Tensor]], grid: ParallelGrid,
+                       autocast) -> Optional[float]:
+    """`eval_loss` under pipeline parallelism: each batch goes forward stage after stage
+    (`PipelineRuntime.forward_loss`); the last stage's sum is shared over pp, then dp."""
+    if not batches:
+        return None
+    model = runtime.model
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, targets
+    for inputs, labels in batches[grid.dp_rank::grid.dp_size]:
+        totals[0] += runtime.forward_loss(inputs, labels, autocast)
+        totals[1] += count_targets(labels)
+    model.train(was_training)
+    all_reduce(totals[:1], grid.pp_group)
+    all_reduce(totals, grid.dp_group)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+
+
+@torch.no_grad()
 def eval_accuracy(model: Llama, task: Task, tok: Tokenizer, eos_id: Optional[int], grid: ParallelGrid,
                   autocast) -> float:
     """Exact-match accuracy of greedy completions of the task's held-out prompts."""

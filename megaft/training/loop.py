@@ -28,17 +28,27 @@ from megaft.optim import AdamW, FlatParams, clip_grad_norm_, grad_norm, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grads import reduce_dp_grads, sync_sequence_parallel_grads
 from megaft.parallel.grid import ParallelGrid
-from megaft.training.evaluate import eval_accuracy, eval_loss
+from megaft.pipeline.runtime import PipelineRuntime
+from megaft.pipeline.stage import StageModel, build_embedding_group, sync_tied_grads
+from megaft.training.config import accumulation_steps
+from megaft.training.evaluate import eval_accuracy, eval_loss, pipeline_eval_loss
 from megaft.training.metrics import MetricsLog, write_summary
 
 
-def build_model(cfg: Config, grid: ParallelGrid) -> Llama:
-    """The sharded model on this rank's device: HF weights or a tp-independent init."""
-    model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=cfg.parallel.sequence_parallel)
+def build_model(cfg: Config, grid: ParallelGrid) -> Llama | StageModel:
+    """The sharded model on this rank's device: HF weights or a tp-independent init.
+    Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names)."""
+    par = cfg.parallel
+    if grid.pp_size > 1:
+        model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
+                           group=grid.tp_group, sequence_parallel=par.sequence_parallel)
+    else:
+        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel)
     if cfg.model.init_from:
         from megaft.models.hf import load_hf_weights
 
-        load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+        load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size,
+                        strict=grid.pp_size == 1)
     else:
         from megaft.models.init import init_params
 
@@ -65,6 +75,11 @@ class Trainer:
         self.model = build_model(cfg, grid)
         self.flat = FlatParams(self.model, weight_decay=cfg.optim.weight_decay, device=grid.device)
         self.optimizer = AdamW(self.flat, cfg.optim)
+        self.pipeline: Optional[PipelineRuntime] = None
+        if grid.pp_size > 1:
+            self.pipeline = PipelineRuntime(self.model, grid, cfg.parallel.schedule,
+                                            accumulation_steps(cfg.train, grid.dp_size), cfg.parallel.vpp)
+            self.embedding_group = build_embedding_group(grid) if cfg.model.tie_embeddings else None
         self.metrics = MetricsLog(run_dir, enabled=self.is_writer)
         self.checkpoint_dir = os.path.join(run_dir, "checkpoints")
 
@@ -79,17 +94,26 @@ class Trainer:
         n_targets = max(count_targets(labels), 1)
         share = cfg.global_batch_size // grid.dp_size
         rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=grid.device)
-        for mb_in, mb_lab in zip(inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)):
-            with self.autocast():
-                loss = self.model.loss_sum(mb_in.to(grid.device), mb_lab.to(grid.device))
-            (loss / n_targets).backward()
-            loss_sum += loss.detach().double()
+        micro_in, micro_lab = inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.train_step(list(micro_in), list(micro_lab), n_targets, self.autocast)
+            sync_tied_grads(self.model, self.embedding_group)
+            all_reduce(loss_sum, grid.pp_group)  # the last stage's loss, on every pp rank
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=grid.device)
+            for mb_in, mb_lab in zip(micro_in, micro_lab):
+                with self.autocast():
+                    loss = self.model.loss_sum(mb_in.to(grid.device), mb_lab.to(grid.device))
+                (loss / n_targets).backward()
+                loss_sum += loss.detach().double()
         params = self.flat.params
         sync_sequence_parallel_grads(params, grid.tp_group)
         grads = [g.grad for g in self.flat.groups]
         reduce_dp_grads(grads, grid.dp_group)
-        norm = grad_norm(params, grid.tp_group)
+        if self.pipeline is not None:
+            norm = grad_norm(self.model.norm_params(), grid.tp_group, grid.pp_group)
+        else:
+            norm = grad_norm(params, grid.tp_group)
         clip_grad_norm_(grads, norm, self.cfg.optim.clip_grad)
         lr = lr_at(step, self.cfg.optim, cfg.max_steps)
         self.optimizer.step(lr)
@@ -100,10 +124,13 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
-        loss = eval_loss(self.model, self.eval_batches, self.grid, self.autocast)
+        if self.pipeline is not None:
+            loss = pipeline_eval_loss(self.pipeline, self.eval_batches, self.grid, self.autocast)
+        else:
+            loss = eval_loss(self.model, self.eval_batches, self.grid, self.autocast)
         if loss is not None:
             record["eval_loss"] = loss
-        if self.task is not None:
+        if self.task is not None and self.pipeline is None:  # greedy generation needs the whole model (pp=1)
             record["eval_accuracy"] = eval_accuracy(self.model, self.task, self.tok, self.eos_id, self.grid,
                                                     self.autocast)
         self.metrics.write(**record)
@@ -192,7 +219,11 @@ class Trainer:
 
     def model_params(self) -> int:
         """Parameters of the whole (unsharded, unpadded) model."""
-        return sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.flat.params)
+        if self.pipeline is None:
+            return sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.flat.params)
+        local = sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.model.norm_params())
+        total = torch.tensor(float(local), dtype=torch.float64, device=self.grid.device)
+        return int(all_reduce(total, self.grid.pp_group).item())
 
     def _summary(self, last, last_eval, tokens, train_time, wall) -> dict[str, Any]:
         grid = self.grid
