@@ -77,6 +77,24 @@ class Block(nn.Module):
         return x + F.dropout(h, self.dropout, self.training)
 
 
+def make_embedding(cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(cfg.vocab_size, cfg.dim, group=group, pad_to=cfg.make_vocab_size_divisible_by,
+                                  sequence_parallel=sequence_parallel)
+
+
+def make_head(cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> ColumnParallelLinear:
+    """The vocabulary-parallel output projection, padded like the embedding."""
+    return ColumnParallelLinear(cfg.dim, cfg.vocab_size, group=group, sequence_parallel=sequence_parallel,
+                                pad_to=cfg.make_vocab_size_divisible_by)
+
+
+def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
+    """cos/sin tables as non-persistent buffers (they follow .to(device), never saved)."""
+    cos, sin = rope_tables(inv_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling), cfg.max_seq_len)
+    module.register_buffer("rope_cos", cos, persistent=False)
+    module.register_buffer("rope_sin", sin, persistent=False)
+
+
 class Llama(nn.Module):
     """The decoder. `forward` returns this rank's vocabulary slice of the logits,
     [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
@@ -86,18 +104,13 @@ class Llama(nn.Module):
         if cfg.vocab_size < 1:
             raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building")
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and group_size(group) > 1
-        pad = cfg.make_vocab_size_divisible_by
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, group=group, pad_to=pad,
-                                                   sequence_parallel=self.sp)
+        self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
         self.layers = nn.ModuleList(Block(cfg, group=group, sequence_parallel=self.sp) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=self.sp)
-        self.lm_head = ColumnParallelLinear(cfg.dim, cfg.vocab_size, group=group, sequence_parallel=self.sp,
-                                            pad_to=pad)
+        self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(inv_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling), cfg.max_seq_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        register_rope(self, cfg)
 
     @property
     def vocab_start(self) -> int:

@@ -19,11 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megaft.layers import ColumnParallelLinear, RMSNorm, VocabParallelEmbedding
+from megaft.layers import RMSNorm
 from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
 from megaft.models.config import ModelConfig
-from megaft.models.llama import Block
-from megaft.models.rope import inv_frequencies, rope_tables
+from megaft.models.llama import Block, make_embedding, make_head, register_rope
 from megaft.parallel.comm import Group, all_reduce, group_rank, group_size
 from megaft.pipeline.partition import stage_layers
 
@@ -43,21 +42,16 @@ class StageModel(nn.Module):
         self.stage_ranges = stage_layers(cfg.n_layers, self.n_stages, pp_layers)
         self.is_first, self.is_last = 0 in self.stages, self.last_stage in self.stages
         self.tied_copy = cfg.tie_embeddings and self.is_last and not self.is_first
-        pad = cfg.make_vocab_size_divisible_by
         if self.is_first or self.tied_copy:  # registered first so the tied weight keeps this name
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, group=group, pad_to=pad,
-                                                       sequence_parallel=self.sp)
+            self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
         self.layers = nn.ModuleDict({str(i): Block(cfg, group=group, sequence_parallel=self.sp)
                                      for s in self.stages for i in self.stage_ranges[s]})
         if self.is_last:
             self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=self.sp)
-            self.lm_head = ColumnParallelLinear(cfg.dim, cfg.vocab_size, group=group, sequence_parallel=self.sp,
-                                                pad_to=pad)
+            self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp)
             if cfg.tie_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(inv_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling), cfg.max_seq_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        register_rope(self, cfg)
 
     def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the activations between stages for a [batch, seq] micro-batch."""

@@ -75,7 +75,7 @@ def test_triton_matches_reference_gpu(shape, dtype, out_tol, grad_tol):
 def test_non_contiguous_inputs():
     """gate and up as column halves of one fused gate/up projection output."""
     if _triton.unavailable_reason(torch.device("cpu")) is not None:
-        pytest.skip("triton cannot run on CPU here")
+        pytest.skip(reason="triton cannot run on CPU here")
     gen = torch.Generator().manual_seed(1)
     gate, up = torch.randn(6, 2 * 37, generator=gen).chunk(2, dim=-1)
     dy = torch.randn(6, 37, generator=gen)
