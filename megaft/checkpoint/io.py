@@ -19,6 +19,8 @@ import shutil
 import warnings
 from typing import Any, Optional
 
+from megaft.fileio import write_json_atomic
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")  # a `.tmp` suffix never matches: unfinished writes are invisible
@@ -61,12 +63,7 @@ def write_manifest(tmp_dir: str, step: int, layout: dict[str, int]) -> dict[str,
             path = os.path.join(tmp_dir, name)
             files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
     manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files}
-    tmp = os.path.join(tmp_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(tmp_dir, MANIFEST))
+    write_json_atomic(os.path.join(tmp_dir, MANIFEST), manifest)
     return manifest
 
 

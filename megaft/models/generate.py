@@ -47,14 +47,14 @@ def greedy_generate(model: Llama, prompts: list[list[int]], *, max_new_tokens: i
     model.eval()
     for idxs in by_len.values():
         ids = torch.tensor([prompts[i] for i in idxs], dtype=torch.long, device=device)
-        done = torch.zeros(len(idxs), dtype=torch.bool, device=device)
+        done = [False] * len(idxs)
         for _ in range(max_new_tokens):
             nxt = _argmax(model, model(ids)[:, -1])
-            for j, i in enumerate(idxs):
-                if not done[j] and (eos_id is None or nxt[j].item() != eos_id):
-                    out[i].append(int(nxt[j]))
-            done |= nxt == eos_id if eos_id is not None else torch.zeros_like(done)
-            if bool(done.all()):
+            for j, token in enumerate(nxt.tolist()):  # one host copy per step, not per row
+                done[j] = done[j] or token == eos_id
+                if not done[j]:
+                    out[idxs[j]].append(token)
+            if all(done):
                 break
             ids = torch.cat([ids, nxt.unsqueeze(1)], dim=1)
     model.train(was_training)

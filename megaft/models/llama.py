@@ -15,7 +15,7 @@ from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
 from megaft.layers.linear import column_input
 from megaft.models.config import ModelConfig
 from megaft.models.rope import apply_rope, inv_frequencies, rope_tables
-from megaft.parallel.comm import Group, group_size
+from megaft.parallel.comm import Group, group_rank, group_size
 
 
 class Attention(nn.Module):
@@ -95,6 +95,28 @@ def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
     module.register_buffer("rope_sin", sin, persistent=False)
 
 
+def prepare_ids(input_ids: torch.Tensor, cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Check the length and, with sequence parallel, right-pad to a multiple of tp
+    (sequence shards need seq % tp == 0; causal attention ignores right padding)."""
+    seq = input_ids.shape[1]
+    if seq > cfg.max_seq_len:
+        raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={cfg.max_seq_len}")
+    pad = -seq % group_size(group) if sequence_parallel else 0
+    return F.pad(input_ids, (0, pad)) if pad else input_ids
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, group: Group, vocab_size: int) -> torch.Tensor:
+    """Sum over target tokens (labels != -100) of the cross-entropy of this rank's
+    vocabulary slice of the logits [batch, seq, V/tp], fp32.
+
+    Callers divide by the target count of the whole global batch, which keeps the
+    token-weighted mean exact however the batch is split into micro-batches."""
+    local = logits.shape[-1]
+    losses = vocab_parallel_cross_entropy(logits.reshape(-1, local), labels.reshape(-1), group=group,
+                                          vocab_start=group_rank(group) * local, vocab_size=vocab_size)
+    return losses.sum()
+
+
 class Llama(nn.Module):
     """The decoder. `forward` returns this rank's vocabulary slice of the logits,
     [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
@@ -118,24 +140,11 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq = input_ids.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        tp = group_size(self.group)
-        pad = -seq % tp if self.sp else 0
-        if pad:  # sequence shards need seq % tp == 0; causal attention ignores right padding
-            input_ids = F.pad(input_ids, (0, pad))
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(prepare_ids(input_ids, self.cfg, group=self.group, sequence_parallel=self.sp))
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.lm_head(self.norm(x))[:, :seq]
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum over target tokens (labels != -100) of the cross-entropy, fp32.
-
-        Callers divide by the target count of the whole global batch, which keeps the
-        token-weighted mean exact however the batch is split into micro-batches."""
-        logits = self(input_ids)
-        losses = vocab_parallel_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), group=self.group,
-            vocab_start=self.vocab_start, vocab_size=self.cfg.vocab_size)
-        return losses.sum()
+        """Summed token loss of a micro-batch (see `token_loss_sum`)."""
+        return token_loss_sum(self(input_ids), labels, group=self.group, vocab_size=self.cfg.vocab_size)

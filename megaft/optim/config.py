@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FUSED_BACKENDS = ("auto", "torch", "cpu", "cuda")
+from megaft.kernels.adamw import BACKENDS as FUSED_BACKENDS  # one list: the kernel front's
 
 
 @dataclass

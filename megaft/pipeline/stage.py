@@ -16,14 +16,12 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megaft.layers import RMSNorm
-from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
 from megaft.models.config import ModelConfig
-from megaft.models.llama import Block, make_embedding, make_head, register_rope
-from megaft.parallel.comm import Group, all_reduce, group_rank, group_size
+from megaft.models.llama import Block, make_embedding, make_head, prepare_ids, register_rope, token_loss_sum
+from megaft.parallel.comm import Group, all_reduce, group_size
 from megaft.pipeline.partition import stage_layers
 
 
@@ -64,20 +62,13 @@ class StageModel(nn.Module):
         """Stage `stage` on `x` (input ids on stage 0, activations otherwise); the last
         stage returns the summed token loss against `labels` (as `Llama.loss_sum`)."""
         if stage == 0:
-            seq = x.shape[1]
-            if seq > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-            pad = -seq % group_size(self.group) if self.sp else 0
-            x = self.embed_tokens(F.pad(x, (0, pad)) if pad else x)
+            x = self.embed_tokens(prepare_ids(x, self.cfg, group=self.group, sequence_parallel=self.sp))
         for i in self.stage_ranges[stage]:
             x = self.layers[str(i)](x, self.rope_cos, self.rope_sin)
         if stage != self.last_stage:
             return x
         logits = self.lm_head(self.norm(x))[:, :labels.shape[1]]
-        losses = vocab_parallel_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), group=self.group,
-            vocab_start=group_rank(self.group) * self.lm_head.weight.shape[0], vocab_size=self.cfg.vocab_size)
-        return losses.sum()
+        return token_loss_sum(logits, labels, group=self.group, vocab_size=self.cfg.vocab_size)
 
     def tied_weight(self) -> Optional[nn.Parameter]:
         """The tied embedding weight when this rank holds one of its two copies (pp > 1)."""

@@ -5,6 +5,8 @@ import json
 import os
 from typing import Any, Optional
 
+from megaft.fileio import write_json_atomic
+
 
 class MetricsLog:
     """Appends train/eval lines to run_dir/metrics.jsonl; only the writer rank writes."""
@@ -25,9 +27,5 @@ class MetricsLog:
 
 
 def write_summary(run_dir: str, summary: dict[str, Any]) -> None:
-    """summary.json, written atomically (temp file + rename) so readers never see half."""
-    path = os.path.join(run_dir, "summary.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    """summary.json, written atomically so readers never see half of it."""
+    write_json_atomic(os.path.join(run_dir, "summary.json"), summary)

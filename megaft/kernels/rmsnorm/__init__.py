@@ -3,27 +3,22 @@
     torch   reference.py: torch ops, the specification (= megaft.layers.norm.RMSNorm)
     triton  triton.py: one-row-per-program forward, dx + partial-dw backward
 
-``backend="auto"`` takes triton for CUDA tensors when triton imports, else torch
-(the CPU path stays torch), and logs that choice once. An explicit backend that
-cannot run raises with the reason, never a silent fallback; on CPU, triton runs
-only under ``TRITON_INTERPRET=1`` (tests).
+Backend choice: ``megaft.kernels._triton.resolve`` (auto = triton on CUDA, torch on CPU).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from megaft.kernels import _triton
 from megaft.kernels.rmsnorm import reference
 
-__all__ = ["BACKENDS", "rmsnorm", "resolve_backend"]
+__all__ = ["rmsnorm", "resolve_backend"]
 
-BACKENDS = _triton.BACKENDS
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend ("torch" or "triton") for tensors on ``device``."""
-    return _triton.resolve("rmsnorm", backend, device)
+# The shared dispatch rule (auto, explicit, errors) with this op's name in messages.
+resolve_backend = functools.partial(_triton.resolve, "rmsnorm")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto",

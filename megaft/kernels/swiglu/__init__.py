@@ -3,27 +3,22 @@
     torch   reference.py: torch ops, the specification
     triton  triton.py: elementwise forward and backward kernels
 
-``backend="auto"`` takes triton for CUDA tensors when triton imports, else torch
-(the CPU path stays torch), and logs that choice once. An explicit backend that
-cannot run raises with the reason, never a silent fallback; on CPU, triton runs
-only under ``TRITON_INTERPRET=1`` (tests).
+Backend choice: ``megaft.kernels._triton.resolve`` (auto = triton on CUDA, torch on CPU).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from megaft.kernels import _triton
 from megaft.kernels.swiglu import reference
 
-__all__ = ["BACKENDS", "swiglu", "resolve_backend"]
+__all__ = ["swiglu", "resolve_backend"]
 
-BACKENDS = _triton.BACKENDS
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend ("torch" or "triton") for tensors on ``device``."""
-    return _triton.resolve("swiglu", backend, device)
+# The shared dispatch rule (auto, explicit, errors) with this op's name in messages.
+resolve_backend = functools.partial(_triton.resolve, "swiglu")
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
