@@ -1,7 +1,7 @@
 """Build megaft: the Python package, the Hydra configs and two compiled extensions.
 
     megaft._C     C++ CPU ops (csrc/cpu/*.cpp), always built
-    megaft._cuda  CUDA ops (csrc/cuda/*.cu + bindings.cpp), built when torch has CUDA
+    megaft._cuda  CUDA ops (csrc/cuda/*.cu + the torch bindings csrc/cuda/*.cpp), built when torch has CUDA
                   and nvcc is found; MEGAFT_CUDA=1 forces it (error if impossible),
                   MEGAFT_CUDA=0 skips it
 
@@ -109,7 +109,7 @@ def _extensions() -> list:
     with_cuda = _want_cuda()
     rows = [
         ("megaft._C", _sources("csrc/cpu/*.cpp"), True),
-        ("megaft._cuda", _sources("csrc/cuda/*.cu", "csrc/cuda/bindings.cpp"), with_cuda),
+        ("megaft._cuda", _sources("csrc/cuda/*.cu", "csrc/cuda/*.cpp"), with_cuda),
     ]
     if with_cuda:
         _check_cuda_versions()
@@ -137,14 +137,17 @@ setup(
     python_requires=">=3.10",
     # conf/ sits at the top level (Hydra users expect it there) and ships as
     # megaft.conf, so installed code finds its YAML with importlib.resources.
-    packages=find_packages(include=["megaft", "megaft.*"]) + ["megaft.conf"],
+    # hydra_plugins is Hydra's namespace package (no __init__.py): Hydra scans it for
+    # the Slurm launcher (`hydra/launcher=slurm`); listed so editable installs map it too.
+    packages=find_packages(include=["megaft", "megaft.*"]) + ["megaft.conf", "hydra_plugins",
+                                                              "hydra_plugins.megaft_slurm_launcher"],
     package_dir={"megaft.conf": "conf"},
     package_data={"megaft.conf": ["*.yaml", "**/*.yaml"]},
     # torch is deliberately absent: it is installed first (CPU or CUDA build), and
     # listing it here lets pip replace it with another build.
     install_requires=["numpy", "hydra-core>=1.3", "omegaconf>=2.3", "safetensors",
-                      "tokenizers", "tqdm"],
-    entry_points={"console_scripts": ["megaft-train = megaft.train:main"]},
+                      "tokenizers", "tqdm", "submitit", "matplotlib"],
+    entry_points={"console_scripts": ["megaft-train = megaft.train:main", "megaft-report = megaft.report:main"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from megaft.data.config import DataConfig, build_tokenizer, check_data
+from megaft.kernels.config import KernelsConfig, check_kernels
 from megaft.models.config import ModelConfig, check_model
 from megaft.optim.config import OptimConfig, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
@@ -23,7 +24,10 @@ from megaft.training.config import TrainConfig, accumulation_steps, check_train
 class LauncherConfig:
     name: str = "local"  # local: start nproc ranks here (torchrun/Slurm set their own env)
     nproc: int = 2  # ranks to start with the local launcher
-    timeout_s: int = 300  # process-group timeout: a hung or dead rank fails the others after this
+    timeout_s: int = 300  # seconds: a collective waiting on a hung or dead rank fails after this
+    max_requeue: int = 3  # Slurm requeues after a preemption signal (counted by SLURM_RESTART_COUNT)
+    world_size: int = 0  # Slurm sweeps (hydra/launcher=slurm): ranks per job; 0 = tp*pp*dp (dp unset = 1)
+    nodes: int = 0  # Slurm sweeps: nodes per job; 0 = the preset's, else as few as hold the ranks
 
 
 @dataclass
@@ -34,8 +38,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    precision: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights and loss)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast compute, fp32 weights and loss; fp16 adds loss scaling)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
 
 class ConfigError(ValueError):
@@ -50,7 +55,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in (("model", ModelConfig), ("parallel", ParallelConfig), ("optim", OptimConfig),
-                        ("data", DataConfig), ("launcher", LauncherConfig)):
+                        ("data", DataConfig), ("launcher", LauncherConfig), ("kernels", KernelsConfig)):
         cs.store(group=group, name=f"base_{group}", node=node)
 
 
@@ -82,6 +87,24 @@ def _model_file_problems(init_from: str) -> list[str]:
     return problems
 
 
+def check_launcher(cfg: LauncherConfig) -> list[str]:
+    """Timeout and requeue bounds (megaft.launch.preempt, megaft.launch.health)."""
+    problems = []
+    if cfg.timeout_s < 1:
+        problems.append(f"launcher.timeout_s={cfg.timeout_s} must be >= 1 second; fix: e.g. launcher.timeout_s=300")
+    if cfg.max_requeue < 0:
+        problems.append(f"launcher.max_requeue={cfg.max_requeue} must be >= 0 (0 = never requeue); fix: e.g. "
+                        "launcher.max_requeue=3")
+    return problems
+
+
+def _device_type(device: str) -> str:
+    """"cpu" or "cuda": where the ranks of a run with `device` will compute."""
+    import torch
+
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def check_local_launch(cfg: Config) -> list[str]:
     """Problems of starting launcher.nproc ranks on this machine."""
     import torch
@@ -102,12 +125,8 @@ def _pipeline_problems(cfg: Config, world_size: int) -> list[str]:
     if par.pp < 1:
         return []  # reported by check_parallel
     dp = resolve_dp(par, world_size)
-    problems = check_pipeline(par.pp, par.vpp, par.schedule, par.pp_layers, cfg.model.n_layers,
-                              max(accumulation_steps(cfg.train, dp), 1))
-    if par.pp > 1 and cfg.train.export_hf:
-        problems.append("train.export_hf is not supported with parallel.pp > 1 yet; fix: export from a pp=1 "
-                        "run or set train.export_hf=false")
-    return problems
+    return check_pipeline(par.pp, par.vpp, par.schedule, par.pp_layers, cfg.model.n_layers,
+                          max(accumulation_steps(cfg.train, dp), 1))
 
 
 def validate(cfg: Config, world_size: int) -> list[str]:
@@ -118,13 +137,26 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     vocabulary), so they are skipped only when model.init_from's files are missing.
     """
     problems = check_parallel(cfg.parallel, world_size)
-    problems += check_optim(cfg.optim)
+    problems += check_optim(cfg.optim, device=cfg.device)
     problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))
     problems += check_data(cfg.data, init_from=cfg.model.init_from)
-    if cfg.precision not in ("fp32", "bf16"):
-        problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32 or bf16")
+    problems += check_launcher(cfg.launcher)
+    problems += [f"launcher.{k}={v} must be >= 0 (0 = derive); fix: a positive count or 0"
+                 for k, v in (("world_size", cfg.launcher.world_size), ("nodes", cfg.launcher.nodes)) if v < 0]
+    if cfg.precision not in ("fp32", "bf16", "fp16"):
+        problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
+    if cfg.parallel.zero == 2 and cfg.parallel.pp > 1 and cfg.model.tie_embeddings:
+        problems.append("parallel.zero=2 with parallel.pp>1 and model.tie_embeddings: the tied copies' grads are "
+                        "summed before the dp reduction, which zero=2 does not keep; fix: parallel.zero=1")
+    if cfg.parallel.zero == 3:  # layers are gathered by module hooks; these paths read whole params directly
+        for on, name in ((cfg.train.export_hf, "train.export_hf"),
+                         (cfg.kernels.fused_linear_cross_entropy, "kernels.fused_linear_cross_entropy")):
+            if on:
+                problems.append(f"parallel.zero=3 does not support {name} yet; fix: parallel.zero=2 or turn it off")
     if cfg.device not in ("auto", "cpu", "cuda"):
         problems.append(f"device={cfg.device!r} is unknown; fix: auto, cpu or cuda")
+    else:
+        problems += check_kernels(cfg.kernels, _device_type(cfg.device))
     if cfg.model.init_from:
         file_problems = _model_file_problems(cfg.model.init_from)
         problems += file_problems

@@ -1,4 +1,12 @@
-"""Configs and rank functions for the pipeline-parallel training tests."""
+"""Configs and rank functions for the pipeline-parallel training tests.
+
+Besides the loss curves (metrics.jsonl), every run records, in one spawn:
+* `grads_<rank>.pt`: this rank's gradients at the first optimizer step, by full
+  parameter name and at full (tp-gathered, unpadded) shape, written by the
+  tp_rank 0 / dp_rank 0 rank of each pp stage (see `capture_first_grads`);
+* with `export` in its spec, `RUN_DIR/hf` (train.export_hf) and `generated.json`: greedy
+  completions of a few fixed prompts, generated through the pipeline.
+"""
 from __future__ import annotations
 
 import json
@@ -8,46 +16,91 @@ import torch
 import torch.distributed as dist
 
 from megaft.config import Config
+from megaft.layers.shard import shard_of
+from megaft.parallel.comm import all_gather
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
 from train_cases import small_config
 
 STEPS = 10
+PROMPTS = [[3, 5, 7, 9], [4, 4, 4, 4], [11, 2, 6]]  # token ids; same on every rank
+NEW_TOKENS = 6
 
 # name -> parallel settings; each rank function builds a new grid per config.
-# References (pp=1, one process): "ref" and "ref_tied".
+# References (pp=1, one process): "ref", "ref_tied" and "ref_l8" (8 layers, for pp*vpp = 8).
 PP2_RUNS = {
     "gpipe": dict(pp=2, schedule="gpipe"),
-    "1f1b": dict(pp=2, schedule="1f1b"),
+    "1f1b": dict(pp=2, schedule="1f1b", export=True),
     "interleaved": dict(pp=2, vpp=2, schedule="interleaved"),
     "uneven": dict(pp=2, schedule="1f1b", pp_layers=[3, 1]),
-    "tied": dict(pp=2, schedule="1f1b", tied=True),
-    "tp2_pp1": dict(tp=2),  # grad-norm reference for the tp=2 runs (same tp rounding, no pipeline)
+    "tied": dict(pp=2, schedule="1f1b", tied=True, export=True),
+    "tp2_pp1": dict(tp=2, export=True),  # reference for the tp=2 runs (same tp rounding, no pipeline)
 }
 RANK4_RUNS = {
-    "pp2_tp2": dict(pp=2, tp=2, schedule="1f1b"),
+    "pp2_tp2": dict(pp=2, tp=2, schedule="1f1b", export=True),
     "pp2_tp2_sp_interleaved": dict(pp=2, tp=2, vpp=2, schedule="interleaved", sequence_parallel=True),
     "pp2_dp2_tied": dict(pp=2, dp=2, schedule="1f1b", tied=True),
     "pp4_1f1b": dict(pp=4, schedule="1f1b"),
     "pp4_gpipe_tied": dict(pp=4, schedule="gpipe", tied=True),
+    "pp4_interleaved": dict(pp=4, vpp=2, schedule="interleaved", layers=8, export=True),
 }
+REFERENCES = {"ref": dict(export=True), "ref_tied": dict(tied=True, export=True), "ref_l8": dict(layers=8, export=True)}
 
 
-def pipeline_config(tied: bool = False, **par) -> Config:
-    """The tiny model with 4 layers, 10 steps, 4 micro-batches of 4 per step (dp=1)."""
+def reference_of(spec: dict) -> str:
+    """The pp=1 single-process run with the same model as `spec`."""
+    if spec.get("tied"):
+        return "ref_tied"
+    return "ref_l8" if spec.get("layers") == 8 else "ref"
+
+
+def pipeline_config(tied: bool = False, layers: int = 4, export: bool = False, **par) -> Config:
+    """The tiny model with `layers` layers, 10 steps, 4 micro-batches of 4 per step (dp=1)."""
     cfg = small_config(steps=STEPS, micro=4)
-    cfg.model.n_layers, cfg.model.tie_embeddings = 4, tied
-    cfg.train.eval_every = 5
+    cfg.model.n_layers, cfg.model.tie_embeddings = layers, tied
+    cfg.train.eval_every, cfg.train.export_hf = 5, export
     for key, value in par.items():
         setattr(cfg.parallel, key, value)
     return cfg
 
 
+def capture_first_grads(trainer: Trainer, path: str) -> None:
+    """Wrap the optimizer so its first step saves the gradients it is about to apply
+    (after pp/tied/dp reductions and clipping) by name, at full shape, to `path`."""
+    grid, step = trainer.grid, trainer.optimizer.step
+    writer = grid.tp_rank == 0 and grid.dp_rank == 0
+
+    def first_step(*args, **kwargs):
+        grads = {}
+        for name, p in trainer.model.named_parameters():
+            g = p.grad.detach()
+            spec = shard_of(p)
+            if spec is not None:  # collective over tp: every tp rank gathers
+                g = all_gather(g.contiguous(), spec.dim, grid.tp_group).narrow(spec.dim, 0, spec.full)
+            grads[name] = g.cpu().clone()
+        if writer:
+            torch.save(grads, path)
+        trainer.optimizer.step = step  # only the first step
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = first_step
+
+
+def _run(name: str, spec: dict, root: str, grid: ParallelGrid) -> Trainer:
+    run_dir = os.path.join(root, name)
+    os.makedirs(run_dir, exist_ok=True)
+    spec = dict(spec)
+    cfg = pipeline_config(**spec)
+    cfg.parallel.dp = grid.dp_size
+    trainer = Trainer(cfg, grid, run_dir)
+    capture_first_grads(trainer, os.path.join(run_dir, f"grads_{grid.rank}.pt"))
+    trainer.fit()
+    return trainer
+
+
 def train_reference(root: str) -> None:
-    for name, tied in (("ref", False), ("ref_tied", True)):
-        run_dir = os.path.join(root, name)
-        os.makedirs(run_dir, exist_ok=True)
-        Trainer(pipeline_config(tied=tied), ParallelGrid.single(), run_dir).fit()
+    for name, spec in REFERENCES.items():
+        _run(name, spec, root, ParallelGrid.single())
 
 
 def _tied_copies_equal(trainer: Trainer) -> bool:
@@ -61,20 +114,25 @@ def _tied_copies_equal(trainer: Trainer) -> bool:
     return all(torch.equal(copies[0], c) for c in copies[1:])
 
 
+def _generate(trainer: Trainer, run_dir: str) -> None:
+    """Greedy completions of PROMPTS through the pipeline, written by rank 0."""
+    from megaft.models.generate import pipeline_greedy_generate
+
+    outs = pipeline_greedy_generate(trainer.pipeline, PROMPTS, max_new_tokens=NEW_TOKENS, eos_id=None)
+    if trainer.grid.rank == 0:
+        with open(os.path.join(run_dir, "generated.json"), "w") as f:
+            json.dump(outs, f)
+
+
 def train_pipeline_runs(rank: int, world: int, root: str, runs: dict) -> None:
     for name, spec in runs.items():
-        spec = dict(spec)
-        tied = spec.pop("tied", False)
-        cfg = pipeline_config(tied=tied, **spec)
-        tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        dp = world // (tp * pp)
-        cfg.parallel.dp = dp
+        tp, pp = spec.get("tp", 1), spec.get("pp", 1)
+        grid = ParallelGrid.build(tp=tp, dp=world // (tp * pp), pp=pp, device="cpu")
+        trainer = _run(name, spec, root, grid)
         run_dir = os.path.join(root, name)
-        os.makedirs(run_dir, exist_ok=True)
-        grid = ParallelGrid.build(tp=tp, dp=dp, pp=pp, device="cpu")
-        trainer = Trainer(cfg, grid, run_dir)
-        trainer.fit()
-        if tied:
+        if spec.get("export") and pp > 1:
+            _generate(trainer, run_dir)
+        if spec.get("tied"):
             ok = torch.tensor([float(_tied_copies_equal(trainer))])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             if rank == 0:

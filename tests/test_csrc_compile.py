@@ -43,7 +43,12 @@ def test_c_abi_header_is_plain_c(tmp_path):
     src = tmp_path / "abi.c"
     src.write_text('#include "megaft_cuda.h"\n'
                    "int (*fn)(float*, const float*, float*, float*, int64_t, int64_t, double,"
-                   " double, double, double, double, cudaStream_t) = megaft_adamw_fp32;\n")
+                   " double, double, double, double, cudaStream_t) = megaft_adamw_fp32;\n"
+                   "int (*multi)(int64_t, void* const*, const void* const*, float* const*,"
+                   " float* const*, float* const*, const int64_t*, const int64_t*,"
+                   " const double*, const double*, double, double, double, int, int,"
+                   " cudaStream_t) = megaft_adamw_multi_tensor;\n"
+                   "enum megaft_adamw_dtype bf16 = MEGAFT_ADAMW_BF16;\n")
     cmd = [NVCC, "-c", f"-I{CUDA_DIR}", "-Xcompiler", "-std=c11,-Wall,-Werror,-pedantic",
            str(src), "-o", str(tmp_path / "abi.o")]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -76,5 +81,38 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
     cmd = ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *(f"-I{p}" for p in include_paths()),
            f"-I{sysconfig.get_paths()['include']}", f"-I{cuda_include}", f"-I{root / 'include'}",
            f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", str(CUDA_DIR / "bindings.cpp")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
+
+
+@needs_nvcc
+def test_kernels_abi_header_is_plain_c(tmp_path):
+    # csrc/cuda/megaft_kernels.h (RMSNorm, SwiGLU, RoPE) is C too: take each launcher's address.
+    src = tmp_path / "kernels_abi.c"
+    src.write_text('#include "megaft_kernels.h"\n'
+                   "void* fns[] = {(void*)megaft_rmsnorm_fwd, (void*)megaft_rmsnorm_bwd,"
+                   " (void*)megaft_swiglu_fwd, (void*)megaft_swiglu_bwd, (void*)megaft_rope};\n"
+                   "megaft_dtype t = MEGAFT_BF16;\n")
+    cmd = [NVCC, "-c", f"-I{CUDA_DIR}", "-Xcompiler", "-std=c11,-Wall,-Werror",
+           str(src), "-o", str(tmp_path / "kernels_abi.o")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+
+
+@needs_nvcc
+def test_kernel_ops_binding_compiles_against_torch_headers(tmp_path):
+    """csrc/cuda/kernel_ops.cpp (torch.ops.megaft.{rmsnorm,swiglu,rope}_*) type-checks
+    like bindings.cpp does above."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    root = CUDA_DIR.parent
+    cmd = ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *(f"-I{p}" for p in include_paths()),
+           f"-I{sysconfig.get_paths()['include']}", f"-I{_cuda_include()}", f"-I{root / 'include'}",
+           f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", str(CUDA_DIR / "kernel_ops.cpp")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"

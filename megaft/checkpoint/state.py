@@ -4,8 +4,9 @@ A rank's shard holds its flat fp32 parameter buffers (FlatParams groups, i.e. it
 tp shard of every weight), AdamW's exp_avg/exp_avg_sq/step_count, its RNG states
 and the step. The data stream and the LR schedule are pure functions of the
 step, so the step is the whole data position. The layout (tp/dp/pp, world size
-and this rank's coordinates) is saved too: loading at another layout needs
-resharding, which is not implemented, and is refused with a clear error.
+and this rank's coordinates) and an index of the flat buffers (names, offsets, tp
+splits) are saved too: loading at another layout reshards (megaft.checkpoint.reshard,
+parallel.zero=0) or is refused with a clear error.
 
 Protocol (every rank calls both functions; all collectives are over the world):
 save: rank 0 makes `step_N.tmp/` -> barrier -> each rank writes its shard ->
@@ -29,7 +30,7 @@ from megaft.parallel.grid import ParallelGrid
 
 
 class LayoutMismatchError(RuntimeError):
-    """The checkpoint was saved with another parallel layout (resharding is not supported yet)."""
+    """The checkpoint was saved with another parallel layout and cannot be resharded into this one."""
 
 
 def layout(grid: ParallelGrid) -> dict[str, int]:
@@ -41,14 +42,22 @@ def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int) -
     rng = {"cpu": torch.get_rng_state()}
     if grid.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(grid.device)
+    gatherer = getattr(optimizer, "gatherer", None)  # ZeRO-3: gather the params to save them whole
+    if gatherer is not None:
+        gatherer.acquire_all()
+    # a copy under ZeRO-3: on CPU .cpu() would alias the buffers that release_all() frees
+    params = [g.data.to("cpu", copy=gatherer is not None) for g in flat.groups]
+    if gatherer is not None:
+        gatherer.release_all()
     return {
         "step": step,
         "layout": layout(grid),
         "coords": {"rank": grid.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank},
-        "params": [g.data.cpu() for g in flat.groups],
+        "params": params,
         "exp_avg": [m.cpu() for m in optimizer.exp_avg],
         "exp_avg_sq": [v.cpu() for v in optimizer.exp_avg_sq],
         "step_count": optimizer.step_count,
+        "scaler": optimizer.scaler.state_dict() if getattr(optimizer, "scaler", None) else None,  # fp16
         "rng": rng,
     }
 
@@ -60,18 +69,33 @@ def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: Par
     if want != got:
         raise ValueError(f"checkpoint parameter buffers have shapes {got}, this model has {want}; fix: resume "
                          "with the model config the checkpoint was saved with")
+    want = [tuple(m.shape) for m in optimizer.exp_avg]
+    got = [tuple(t.shape) for t in state["exp_avg"]]
+    if want != got:  # ZeRO shards the moments over dp: another stage, another shape
+        raise ValueError(f"checkpoint optimizer state has shapes {got}, this run {want} (parallel.zero or "
+                         "parallel.bucket_mb differs); fix: resume with the parallel.zero and parallel.bucket_mb "
+                         "the checkpoint was saved with")
+    gatherer = getattr(optimizer, "gatherer", None)  # ZeRO-3: load whole buffers, keep own chunks
+    if gatherer is not None:
+        gatherer.acquire_all()
     with torch.no_grad():
         for dst, src in zip([g.data for g in flat.groups] + optimizer.exp_avg + optimizer.exp_avg_sq,
                             state["params"] + state["exp_avg"] + state["exp_avg_sq"]):
             dst.copy_(src)
+    if gatherer is not None:
+        optimizer.reload_param_shards()
+        gatherer.release_all()
     optimizer.step_count = state["step_count"]
+    if getattr(optimizer, "scaler", None) and state.get("scaler"):
+        optimizer.scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and grid.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], grid.device)
     return int(state["step"])
 
 
-def check_layout(saved: dict[str, int], grid: ParallelGrid, path: str) -> None:
+def check_layout(saved: dict[str, int], grid: ParallelGrid, path: str,
+                 why: str = "resharding needs the model (megaft.checkpoint.reshard)") -> None:
     """Raise LayoutMismatchError unless `saved` (a manifest's layout) matches this run's grid."""
     now = layout(grid)
     if saved == now:
@@ -82,36 +106,52 @@ def check_layout(saved: dict[str, int], grid: ParallelGrid, path: str) -> None:
 
     raise LayoutMismatchError(
         f"checkpoint {path} was saved with {fmt(saved)} (world size {saved['world_size']}), resuming with "
-        f"{fmt(now)} (world size {now['world_size']}): resharding is not supported yet; fix: resume with "
+        f"{fmt(now)} (world size {now['world_size']}): {why}; fix: resume with "
         f"parallel.tp={saved['tp']} parallel.dp={saved['dp']} parallel.pp={saved['pp']}, or start in a new run "
         "directory, or set train.resume=false")
 
 
-def _barrier(grid: ParallelGrid) -> None:
+def barrier(grid: ParallelGrid) -> None:
     if grid.world_size > 1:
         dist.barrier()
 
 
-def save(root: str, step: int, state: dict[str, Any], grid: ParallelGrid, *, keep_last: int) -> str:
-    """Write this rank's `state` into checkpoint `step` under root; all ranks must call it."""
-    final = io.step_dir(root, step)
-    tmp = final + ".tmp"
+def prepare(root: str, step: int, grid: ParallelGrid) -> str:
+    """Rank 0 makes an empty `step_N.tmp/`; returns it on every rank (one barrier, all ranks)."""
+    tmp = io.step_dir(root, step) + ".tmp"
     if grid.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a run that died mid-save
         os.makedirs(tmp)
-    _barrier(grid)  # the directory exists before anyone writes into it
-    path = os.path.join(tmp, io.shard_name(grid.rank))
-    with open(path, "wb") as f:
+    barrier(grid)  # the directory exists before anyone writes into it
+    return tmp
+
+
+def write_shard(tmp: str, state: dict[str, Any], rank: int) -> None:
+    """This rank's shard, flushed to disk (no collectives: the async writer's thread calls it)."""
+    with open(os.path.join(tmp, io.shard_name(rank)), "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    _barrier(grid)  # every shard is on disk before the manifest vouches for it
-    if grid.rank == 0:
-        io.write_manifest(tmp, step, layout(grid))
-        io.publish(tmp, final)
-        io.prune(root, keep_last)
-    _barrier(grid)  # nobody races ahead (e.g. into the next save or a resume) before it is visible
+
+
+def publish(root: str, step: int, tmp: str, saved_layout: dict[str, int], *, keep_last: int) -> str:
+    """Rank 0 only, once every shard is on disk: manifest, atomic rename, prune."""
+    final = io.step_dir(root, step)
+    io.write_manifest(tmp, step, saved_layout)
+    io.publish(tmp, final)
+    io.prune(root, keep_last)
     return final
+
+
+def save(root: str, step: int, state: dict[str, Any], grid: ParallelGrid, *, keep_last: int) -> str:
+    """Write this rank's `state` into checkpoint `step` under root; all ranks must call it."""
+    tmp = prepare(root, step, grid)
+    write_shard(tmp, state, grid.rank)
+    barrier(grid)  # every shard is on disk before the manifest vouches for it
+    if grid.rank == 0:
+        publish(root, step, tmp, layout(grid), keep_last=keep_last)
+    barrier(grid)  # nobody races ahead (e.g. into the next save or a resume) before it is visible
+    return io.step_dir(root, step)
 
 
 def _agree(step: int, grid: ParallelGrid) -> int:
@@ -123,10 +163,12 @@ def _agree(step: int, grid: ParallelGrid) -> int:
     return int(t.item())
 
 
-def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGrid) -> Optional[int]:
+def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGrid,
+                model: Optional[torch.nn.Module] = None) -> Optional[int]:
     """Load the newest complete checkpoint under root into this rank; its step, or None if none.
 
-    Only rank 0 reads every byte (checksums); the others trust its choice.
+    Only rank 0 reads every byte (checksums); the others trust its choice. A checkpoint
+    of another tp/pp/dp layout is resharded when `model` is given (parallel.zero=0).
     """
     step = -1
     if grid.rank == 0:
@@ -136,7 +178,15 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
     if step < 0:
         return None
     path = io.step_dir(root, step)
-    check_layout(io.read_manifest(path)["layout"], grid, path)
+    manifest = io.read_manifest(path)
+    if manifest["layout"] != layout(grid) and model is not None:
+        from megaft.checkpoint.reshard import load_resharded
+
+        try:
+            return load_resharded(path, manifest, model, flat, optimizer, grid)
+        except ValueError as exc:
+            check_layout(manifest["layout"], grid, path, why=f"cannot reshard: {exc}")
+    check_layout(manifest["layout"], grid, path)
     state = torch.load(os.path.join(path, io.shard_name(grid.rank)), map_location="cpu", weights_only=False)
     return restore(state, flat, optimizer, grid)
 

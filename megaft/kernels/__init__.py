@@ -1,6 +1,11 @@
 """Kernel families, one sub-package each: a torch reference (the specification),
-compiled backends (C++ CPU in megaft._C, CUDA in megaft._cuda) and a dispatching
-front taking ``backend="auto"|"torch"|"cpu"|"cuda"``.
+compiled backends (Triton, C++ CPU in megaft._C, CUDA C++ in megaft._cuda) and a
+dispatching front taking ``backend=``.
 
-``megaft.kernels._ext`` imports the extensions once and explains missing ones.
+    rmsnorm, swiglu, rope   auto | torch | triton | cuda   (megaft.kernels.dispatch)
+    cross_entropy           auto | torch | triton, plain and fused with the head projection
+    adamw                   auto | torch | cpu | cuda | triton
+
+``megaft.kernels.config.KernelsConfig`` (the ``kernels`` config group) picks the model's
+backends; ``megaft.kernels._ext`` imports the extensions once and explains missing ones.
 """

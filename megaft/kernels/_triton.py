@@ -5,26 +5,18 @@ interpreter (``TRITON_INTERPRET=1`` in the environment *before* triton is first
 imported), which is how the tests check them on machines without a GPU; the CPU
 path of ``backend="auto"`` is always torch.
 
-:func:`resolve` is the dispatch rule shared by the Triton kernel families:
-``auto`` takes triton for CUDA tensors when triton imports, else torch, and logs
-the choice once per (op, device); an explicit ``"triton"`` that cannot run raises
-with the reason (never a silent fallback).
+:func:`unavailable_reason` feeds the dispatch rule shared by the kernel fronts,
+:func:`megaft.kernels.dispatch.resolve` (auto|torch|triton|cuda).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
 from types import ModuleType
 
 import torch
-
-log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "torch", "triton")
-_logged: set[tuple[str, str, str]] = set()
 
 
 @functools.cache
@@ -56,26 +48,6 @@ def unavailable_reason(device: torch.device) -> str | None:
                 "only interpreted (set TRITON_INTERPRET=1 before triton is imported, "
                 "for tests), otherwise use backend='torch' or 'auto'")
     return f"triton kernels do not run on device type {device.type!r}"
-
-
-def resolve(op: str, backend: str, device: torch.device) -> str:
-    """The concrete backend ("torch" or "triton") for op ``op`` on ``device``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{op} backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "triton":
-        why = unavailable_reason(device)
-        if why is not None:
-            raise RuntimeError(f"{op} backend 'triton' is not available: {why}")
-        return "triton"
-    why = unavailable_reason(device) if device.type == "cuda" else "the CPU path is torch"
-    choice = "triton" if why is None else "torch"
-    if (op, device.type, choice) not in _logged:
-        _logged.add((op, device.type, choice))
-        log.info("%s backend=auto on %s: using %r%s", op, device.type, choice,
-                 f" ({why})" if why else "")
-    return choice
 
 
 def load(family: str) -> ModuleType:

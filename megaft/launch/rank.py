@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 from megaft.config import Config
+from megaft.launch import health
 from megaft.launch.env import DistEnv
+from megaft.launch.preempt import PreemptFlag, requeue
 from megaft.parallel.config import resolve_dp
 from megaft.parallel.grid import ParallelGrid
 
@@ -23,23 +25,44 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
 
 
 def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0) -> dict:
-    """Initialize the process group of `env`, build the grid and train; returns the summary."""
+    """Initialize the process group of `env`, build the grid and train; returns the summary.
+
+    The preemption handlers go in first, so a SIGUSR1 during start-up is not fatal.
+    After a signal stopped training (every rank saved), rank 0 requeues the Slurm job.
+    A failed collective is re-raised as RankFailureError naming the dead or hung rank.
+    """
     from megaft.training.loop import Trainer
 
     if threads:
         torch.set_num_threads(threads)
-    device = pick_device(cfg.device, env.local_rank)
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
-    try:
-        grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                                  dp=resolve_dp(cfg.parallel, env.world_size), device=device)
-        return Trainer(cfg, grid, run_dir).fit()
-    finally:
-        dist.destroy_process_group()
+    with PreemptFlag() as flag:
+        device = pick_device(cfg.device, env.local_rank)
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        # The one timeout of every collective, world and subgroups (gloo and NCCL alike): it bounds how
+        # long a dead or hung rank can stall the others.
+        timeout = datetime.timedelta(seconds=cfg.launcher.timeout_s)
+        dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+        try:
+            grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                                      dp=resolve_dp(cfg.parallel, env.world_size), device=device, timeout=timeout)
+            summary = Trainer(cfg, grid, run_dir).fit(flag=flag)
+        except Exception as exc:
+            if env.world_size > 1 and health.is_comm_failure(exc):
+                raise health.diagnose(exc, run_dir, env.rank, env.world_size, cfg.launcher.timeout_s) from exc
+            if env.world_size > 1:
+                health.report_crash(exc, run_dir, env.rank)
+            raise
+        finally:
+            dist.destroy_process_group()
+    if summary.get("requeue") and env.rank == 0:
+        requeue(cfg.launcher.max_requeue)
+    elif summary.get("stopped_by") and env.rank == 0:
+        print(f"megaft: stopped by {summary['stopped_by']} after saving a checkpoint; not requeued (SIGTERM: "
+              "Slurm decides whether the job comes back); run again in the same directory to resume", flush=True)
+    return summary
 
 
 def local_worker(local_rank: int, cfg: Config, run_dir: str, nproc: int, init_file: str) -> None:

@@ -4,6 +4,12 @@ Every tp rank takes part in gathering each parameter (one all-gather per sharded
 tensor, a safetensors shard at a time, so peak memory is one shard); only the
 writer rank touches the disk. The directory appears complete or not at all: it
 is written under a temporary name beside `out_dir` and renamed at the end.
+
+Under pipeline parallelism each pp stage's writer (its tp_rank 0) writes its own
+tensors into its own safetensors files of the sharded layout, so no rank ever holds
+the whole model; the first stage's writer adds config.json, the index and the
+tokenizer. That needs `out_dir`'s parent on a file system every pp rank sees (a
+Slurm run directory is). The tied embedding's copy on the last stage is not written.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from torch import nn
 from megaft.layers.shard import full_shape, shard_of
 from megaft.models.config import ModelConfig
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE, hf_name
-from megaft.parallel.comm import Group, all_gather, group_size
+from megaft.parallel.comm import Group, all_gather, group_rank, group_size
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, like save_pretrained)
 # Files a tokenizer.json usually travels with; copied when present beside it.
@@ -125,7 +131,7 @@ def _copy_tokenizer(tokenizer_json: str, tmp: str) -> None:
 @torch.no_grad()
 def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_json: Optional[str],
               tp_group: Group, is_writer: bool, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              dtype: Optional[torch.dtype] = None) -> str:
+              dtype: Optional[torch.dtype] = None, pp_group: Group = None) -> str:
     """Write `model` (tp-sharded over `tp_group`) as an HF Llama checkpoint in `out_dir`.
 
     Collective: every rank of `tp_group` must call it. The writer rank writes
@@ -134,7 +140,14 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
     copy of `tokenizer_json` (a file or a directory holding tokenizer.json); an
     existing `out_dir` is replaced. `dtype` casts the weights (default: as trained).
     Returns `out_dir` once the writer has finished (the tp group waits for it).
+
+    With a `pp_group` of more than one rank, `model` is this rank's `StageModel`;
+    every rank of the tp and pp groups calls it, `is_writer` marks each stage's
+    writer (tp_rank 0 of the first dp replica), see the module docstring.
     """
+    if group_size(pp_group) > 1:
+        return _export_stages(model, cfg, out_dir, tokenizer_json=tokenizer_json, tp_group=tp_group,
+                              pp_group=pp_group, is_writer=is_writer, max_shard_bytes=max_shard_bytes, dtype=dtype)
     out_dir = os.path.abspath(out_dir)
     params = list(model.named_parameters())
     tp_size = group_size(tp_group)
@@ -171,4 +184,66 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
         raise
     if tp_size > 1:
         dist.barrier(group=tp_group)  # the directory exists for every tp rank on return
+    return out_dir
+
+
+def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_group: Group,
+                  dtype: Optional[torch.dtype]) -> tuple[dict[str, str], int]:
+    """Gather and (on a writer, `tmp` set) save `shards` as files first+1.. of total_files;
+    returns (weight map, bytes written)."""
+    weight_map, nbytes = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
+        tensors = {}
+        for name, p in shard:
+            full = _full(p, tp_group)  # collective over tp
+            if tmp:
+                tensors[hf_name(name)] = full.to("cpu", dtype or full.dtype).contiguous()
+        if tmp:
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    return weight_map, nbytes
+
+
+@torch.no_grad()
+def _export_stages(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_json: Optional[str],
+                   tp_group: Group, pp_group: Group, is_writer: bool, max_shard_bytes: int,
+                   dtype: Optional[torch.dtype]) -> str:
+    """`export_hf` under pp: each stage writes its own files, the first stage publishes."""
+    out_dir = os.path.abspath(out_dir)
+    skip = "embed_tokens.weight" if getattr(model, "tied_copy", False) else None  # the first stage writes it
+    params = [(n, p) for n, p in model.named_parameters() if n != skip]
+    shards = _plan(params, group_size(tp_group), dtype, max_shard_bytes)
+    first_stage = group_rank(pp_group) == 0
+    publisher = first_stage and is_writer
+    counts: list = [None] * group_size(pp_group)
+    dist.all_gather_object(counts, len(shards), group=pp_group)
+    box = [None]  # the temporary directory, chosen by the publisher, known to every stage
+    if publisher:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, 0), group=pp_group)
+    tmp = box[0] if is_writer else None
+    try:
+        written = _write_shards(shards, sum(counts[:group_rank(pp_group)]), sum(counts), tmp, tp_group, dtype)
+        everything: list = [None] * group_size(pp_group)
+        dist.all_gather_object(everything, written, group=pp_group)
+        if publisher:
+            weight_map = {k: v for wm, _ in everything for k, v in wm.items()}
+            with open(os.path.join(tmp, CONFIG), "w") as f:
+                json.dump(hf_config_dict(cfg, dtype or params[0][1].dtype), f, indent=2)
+            with open(os.path.join(tmp, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": sum(n for _, n in everything)}, "weight_map": weight_map},
+                          f, indent=2)
+            if tokenizer_json:
+                _copy_tokenizer(tokenizer_json, tmp)
+            _publish(tmp, out_dir)
+    except BaseException:
+        if publisher and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier(group=pp_group)  # published before any stage returns
+    if group_size(tp_group) > 1:
+        dist.barrier(group=tp_group)
     return out_dir

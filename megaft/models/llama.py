@@ -3,28 +3,43 @@
 Activations are [batch, seq, hidden]; with sequence parallel the residual stream
 between blocks is a sequence shard [batch, seq / tp, hidden]. Parameter names
 follow the Hugging Face layout (see megaft.models.hf) with `layers.N.` prefixes.
+
+RMSNorm (with the residual add fused in front of the post-attention norm), RoPE,
+SwiGLU and the loss go through the kernel fronts (megaft.kernels) with the backend
+of `kernels` (a KernelsConfig, passed down explicitly; None = the torch references).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaft.kernels.config import KernelsConfig
+from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
+from megaft.kernels.rope import rope
+from megaft.kernels.swiglu import swiglu
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
 from megaft.layers.linear import column_input
 from megaft.models.config import ModelConfig
-from megaft.models.rope import apply_rope, inv_frequencies, rope_tables
+from megaft.models.rope import inv_frequencies, rope_tables
 from megaft.parallel.comm import Group, group_rank, group_size
+
+
+def op_backend(kernels: Optional[KernelsConfig], op: str) -> str:
+    """The kernel backend of `op` ("torch", the reference, without a kernels config)."""
+    return "torch" if kernels is None else kernels.for_op(op)
 
 
 class Attention(nn.Module):
     """Grouped-query attention; each tp rank owns n_heads/tp query and n_kv_heads/tp kv heads."""
 
-    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+                 kernels: Optional[KernelsConfig] = None):
         super().__init__()
         tp, hd = group_size(group), cfg.hd
-        self.group, self.sp = group, sequence_parallel
+        self.group, self.sp, self.rope_backend = group, sequence_parallel, op_backend(kernels, "rope")
         self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads // tp, hd
         col = dict(group=group, bias=cfg.attention_bias, sequence_parallel=sequence_parallel, shared_input=True)
         self.q_proj = ColumnParallelLinear(cfg.dim, cfg.n_heads * hd, **col)
@@ -39,7 +54,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.n_heads, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        q, k = rope(q, k, cos[:s], sin[:s], self.rope_backend)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
 
@@ -47,9 +62,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate/up split by columns, down by rows."""
 
-    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+                 kernels: Optional[KernelsConfig] = None):
         super().__init__()
-        self.group, self.sp = group, sequence_parallel
+        self.group, self.sp, self.swiglu_backend = group, sequence_parallel, op_backend(kernels, "swiglu")
         col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True)
         self.gate_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
         self.up_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
@@ -58,23 +74,31 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = column_input(x, self.group, self.sp)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_backend))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+                 kernels: Optional[KernelsConfig] = None):
         super().__init__()
         self.dropout = cfg.dropout
-        self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=sequence_parallel)
-        self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=sequence_parallel)
-        self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel)
+        self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
+        self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
+        self.post_attention_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
+        self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
 
     def forward(self, x, cos, sin):
         h = self.self_attn(self.input_layernorm(x), cos, sin)
-        x = x + F.dropout(h, self.dropout, self.training)
-        h = self.mlp(self.post_attention_layernorm(x))
-        return x + F.dropout(h, self.dropout, self.training)
+        # The attention residual add is fused into the next norm: (norm(h + x), h + x). h is cast
+        # to the residual stream's dtype first (bf16 under autocast, x fp32), as `x + h` would.
+        h = F.dropout(h, self.dropout, self.training).to(x.dtype)
+        normed, x = self.post_attention_layernorm(h, residual=x)
+        return x + F.dropout(self.mlp(normed), self.dropout, self.training)
+
+
+def make_norm(cfg: ModelConfig, *, sequence_parallel: bool, kernels: Optional[KernelsConfig] = None) -> RMSNorm:
+    return RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=sequence_parallel,
+                   backend=op_backend(kernels, "rmsnorm"))
 
 
 def make_embedding(cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> VocabParallelEmbedding:
@@ -105,15 +129,33 @@ def prepare_ids(input_ids: torch.Tensor, cfg: ModelConfig, *, group: Group, sequ
     return F.pad(input_ids, (0, pad)) if pad else input_ids
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, group: Group, vocab_size: int) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, group: Group, vocab_size: int,
+                   kernels: Optional[KernelsConfig] = None) -> torch.Tensor:
     """Sum over target tokens (labels != -100) of the cross-entropy of this rank's
     vocabulary slice of the logits [batch, seq, V/tp], fp32.
 
     Callers divide by the target count of the whole global batch, which keeps the
     token-weighted mean exact however the batch is split into micro-batches."""
     local = logits.shape[-1]
-    losses = vocab_parallel_cross_entropy(logits.reshape(-1, local), labels.reshape(-1), group=group,
-                                          vocab_start=group_rank(group) * local, vocab_size=vocab_size)
+    losses = cross_entropy(logits.reshape(-1, local), labels.reshape(-1), group=group,
+                           vocab_start=group_rank(group) * local, vocab_size=vocab_size,
+                           backend=op_backend(kernels, "cross_entropy"))
+    return losses.sum()
+
+
+def fused_head_loss_sum(hidden: torch.Tensor, head: ColumnParallelLinear, labels: torch.Tensor, *,
+                        vocab_size: int, kernels: KernelsConfig) -> torch.Tensor:
+    """`token_loss_sum(head(hidden), labels)` without the logits of the whole micro-batch:
+    the head's projection and the loss run `kernels.ce_chunk_tokens` tokens at a time
+    (megaft.kernels.cross_entropy.linear_cross_entropy). `hidden` is the final norm's
+    output (a sequence shard under sequence parallel, gathered here as the head would)."""
+    if head.bias is not None:
+        raise ValueError("the fused linear cross-entropy supports a head without bias only")
+    h = column_input(hidden, head.group, head.sequence_parallel)[:, :labels.shape[1]]
+    local = head.weight.shape[0]
+    losses = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, labels.reshape(-1), group=head.group,
+                                  vocab_start=group_rank(head.group) * local, vocab_size=vocab_size,
+                                  backend=op_backend(kernels, "cross_entropy"), chunk=kernels.ce_chunk_tokens)
     return losses.sum()
 
 
@@ -121,14 +163,17 @@ class Llama(nn.Module):
     """The decoder. `forward` returns this rank's vocabulary slice of the logits,
     [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
 
-    def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
+                 kernels: Optional[KernelsConfig] = None):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building")
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and group_size(group) > 1
+        self.kernels = kernels
         self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
-        self.layers = nn.ModuleList(Block(cfg, group=group, sequence_parallel=self.sp) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=self.sp)
+        self.layers = nn.ModuleList(Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
+                                    for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
         self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -138,13 +183,21 @@ class Llama(nn.Module):
     def vocab_start(self) -> int:
         return self.embed_tokens.vocab_start
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        seq = input_ids.shape[1]
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (sequence-sharded and right-padded under sequence parallel)."""
         x = self.embed_tokens(prepare_ids(input_ids, self.cfg, group=self.group, sequence_parallel=self.sp))
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        return self.lm_head(self.norm(x))[:, :seq]
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden(input_ids))[:, :input_ids.shape[1]]
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of a micro-batch (see `token_loss_sum`)."""
-        return token_loss_sum(self(input_ids), labels, group=self.group, vocab_size=self.cfg.vocab_size)
+        """Summed token loss of a micro-batch (see `token_loss_sum`); with
+        kernels.fused_linear_cross_entropy the logits are never built whole."""
+        if self.kernels is not None and self.kernels.fused_linear_cross_entropy:
+            return fused_head_loss_sum(self.hidden(input_ids), self.lm_head, labels,
+                                       vocab_size=self.cfg.vocab_size, kernels=self.kernels)
+        return token_loss_sum(self(input_ids), labels, group=self.group, vocab_size=self.cfg.vocab_size,
+                              kernels=self.kernels)

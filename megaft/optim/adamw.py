@@ -1,23 +1,52 @@
-"""AdamW over FlatParams: one fused kernel call per buffer per step."""
+"""AdamW over FlatParams (plain dp, ZeRO stage 0): one fused kernel call per buffer per step."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from megaft.kernels.adamw import adamw_step_
+from megaft.optim.clip import grad_norm
 from megaft.optim.config import OptimConfig
 from megaft.optim.flat import FlatParams
+from megaft.parallel.comm import Group
+from megaft.parallel.grads import sync_sequence_parallel_grads
 
 
 class AdamW:
     """Decoupled-weight-decay Adam (Loshchilov & Hutter) with fp32 state.
 
     `optim.fused` picks the kernel (megaft.kernels.adamw): auto, torch, cpu, cuda.
+    `norm_params` are the parameters the grad norm counts (under pp: all but the
+    last stage's tied copy); default: all. `scaler` (fp16) is saved in checkpoints.
     """
 
-    def __init__(self, flat: FlatParams, cfg: OptimConfig):
+    def __init__(self, flat: FlatParams, cfg: OptimConfig, *, norm_params: Optional[list] = None):
         self.flat, self.cfg, self.step_count = flat, cfg, 0
+        self.norm_params = flat.params if norm_params is None else norm_params
         self.exp_avg = [torch.zeros_like(g.data) for g in flat.groups]
         self.exp_avg_sq = [torch.zeros_like(g.data) for g in flat.groups]
+        self.scaler = None
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients the step applies (flat buffers), for clipping and inf checks."""
+        return [g.grad for g in self.flat.groups]
+
+    def sync_sequence_parallel(self, tp_group: Group) -> None:
+        sync_sequence_parallel_grads(self.flat.params, tp_group)
+
+    def grad_norm(self, tp_group: Group, pp_group: Group) -> torch.Tensor:
+        return grad_norm(self.norm_params, tp_group, pp_group)
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for params, grads and optimizer state (fp32 throughout)."""
+        return {"params": sum(g.data.nbytes for g in self.flat.groups),
+                "grads": sum(g.grad.nbytes for g in self.flat.groups),
+                "optimizer": sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq)}
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -16,10 +16,14 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
-    fused: str = "auto"  # AdamW kernel: auto | torch | cpu (megaft._C) | cuda (megaft._cuda)
+    loss_scale: float = 65536.0  # precision=fp16: initial dynamic loss scale (halved on each inf/nan step)
+    loss_scale_window: int = 1000  # precision=fp16: finite steps in a row before the scale doubles
+    fused: str = "auto"  # AdamW kernel: auto | torch | cpu (megaft._C) | cuda (megaft._cuda) | triton
 
 
-def check_optim(cfg: OptimConfig) -> list[str]:
+def check_optim(cfg: OptimConfig, device: str | None = None) -> list[str]:
+    """Every problem of ``cfg``; ``device`` (the run's auto|cpu|cuda) lets the
+    fused-kernel check say whether an explicit Triton kernel can run there."""
     errors = []
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
         errors.append(f"optim.lr={cfg.lr}, optim.min_lr={cfg.min_lr}: need 0 <= min_lr <= lr and lr > 0")
@@ -29,8 +33,13 @@ def check_optim(cfg: OptimConfig) -> list[str]:
         errors.append(f"optim.beta1={cfg.beta1}, optim.beta2={cfg.beta2} must be in [0, 1)")
     if cfg.clip_grad < 0:
         errors.append(f"optim.clip_grad={cfg.clip_grad} must be >= 0 (0 disables clipping)")
+    if cfg.loss_scale <= 0 or cfg.loss_scale_window < 1:
+        errors.append(f"optim.loss_scale={cfg.loss_scale}, optim.loss_scale_window={cfg.loss_scale_window}: need "
+                      "loss_scale > 0 and loss_scale_window >= 1; fix: e.g. 65536 and 1000")
     if cfg.fused not in FUSED_BACKENDS:
         errors.append(f"optim.fused={cfg.fused!r} is unknown; fix: one of {', '.join(FUSED_BACKENDS)}")
+    elif cfg.fused == "triton":
+        errors += _check_fused_triton(device)
     elif cfg.fused in ("cpu", "cuda"):  # an explicit kernel must exist: no silent fallback
         from megaft.kernels import _ext
 
@@ -39,3 +48,18 @@ def check_optim(cfg: OptimConfig) -> list[str]:
             errors.append(f"optim.fused={cfg.fused}: {ext.name} is not available ({ext.error}); fix: rebuild "
                           "with `pip install --no-build-isolation -e .` (MEGAFT_CUDA=1 for CUDA) or optim.fused=auto")
     return errors
+
+
+def _check_fused_triton(device: str | None) -> list[str]:
+    """optim.fused=triton needs triton, and CUDA tensors unless Triton's CPU
+    interpreter is on (tests): never a silent fallback to another kernel."""
+    import torch
+
+    from megaft.kernels import _triton
+
+    on_cuda = device == "cuda" or (device in (None, "auto") and torch.cuda.is_available())
+    why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
+    if why is None:
+        return []
+    return [f"optim.fused=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
+            f"{why}. fix: optim.fused=auto (or run on GPUs)"]

@@ -2,53 +2,117 @@
 
 One buffer per weight-decay group lets the optimizer run one fused kernel over the
 whole model (megaft._C / megaft._cuda take flat tensors) and the data-parallel
-reduction run one collective. Autograd accumulates into the existing `.grad`
-views in place, so the buffers always hold the gradients.
+reduction run a few large collectives. Autograd accumulates into the existing
+`.grad` views in place, so the buffers always hold the gradients.
+
+Each buffer is cut into buckets (`parallel.bucket_mb`) for the dp reduction.
+Parameters are laid out in REVERSE model order, because backward produces the
+last layers' gradients first: the first bucket of a buffer is the first to be
+ready. Every bucket is padded with zeros to a multiple of dp, so ZeRO shards a
+bucket into dp equal chunks (Megatron's distributed optimizer layout); a rank's
+shard of a buffer is its chunk of every bucket.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 
 @dataclass
-class FlatGroup:
+class Bucket:
+    """A contiguous range [start, stop) of one group's buffer; (stop - start) % dp == 0."""
+
+    group: int  # index into FlatParams.groups
+    start: int
+    stop: int
     params: list[nn.Parameter]
+    offsets: list[int]  # each param's start in the group's buffer
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class FlatGroup:
+    params: list[nn.Parameter]  # in buffer order (reverse model order)
     data: torch.Tensor  # flat fp32 values; every param's .data is a view into it
-    grad: torch.Tensor  # flat fp32 gradients; every param's .grad is a view into it
+    grad: torch.Tensor | None  # flat fp32 gradients (views in .grad); None when grads are not kept (ZeRO-2)
     weight_decay: float
+    buckets: list[Bucket] = field(default_factory=list)
 
 
-def _flatten(params: list[nn.Parameter], weight_decay: float, device: torch.device) -> FlatGroup:
-    total = sum(p.numel() for p in params)
-    data = torch.zeros(total, dtype=torch.float32, device=device)
-    grad = torch.zeros(total, dtype=torch.float32, device=device)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        data[offset:offset + n].copy_(p.detach().reshape(-1))
-        p.data = data[offset:offset + n].view_as(p)
-        p.grad = grad[offset:offset + n].view_as(p)
+def plan_buckets(sizes: list[int], cap: int, multiple: int) -> list[tuple[int, int, list[int], list[int]]]:
+    """Cut params of `sizes` (buffer order) into buckets of at least `cap` elements (the
+    last may be smaller; cap <= 0: one bucket), each padded to a multiple of `multiple`.
+    Returns (start, stop, param indices, param offsets) per bucket."""
+    plan, start, idx, offs, offset = [], 0, [], [], 0
+    for i, n in enumerate(sizes):
+        idx.append(i)
+        offs.append(offset)
         offset += n
-    return FlatGroup(params, data, grad, weight_decay)
+        if (cap > 0 and offset - start >= cap) or i == len(sizes) - 1:
+            stop = start + -(-(offset - start) // multiple) * multiple
+            plan.append((start, stop, idx, offs))
+            start = offset = stop
+            idx, offs = [], []
+    return plan
+
+
+def _flatten(index: int, params: list[nn.Parameter], weight_decay: float, device: torch.device, *, cap: int,
+             multiple: int, keep_grads: bool) -> FlatGroup:
+    params = params[::-1]  # backward order: the first-ready grads form the first bucket
+    plan = plan_buckets([p.numel() for p in params], cap, multiple)
+    total = plan[-1][1] if plan else 0
+    data = torch.zeros(total, dtype=torch.float32, device=device)
+    grad = torch.zeros(total, dtype=torch.float32, device=device) if keep_grads else None
+    group = FlatGroup(params, data, grad, weight_decay)
+    for start, stop, idx, offs in plan:
+        group.buckets.append(Bucket(index, start, stop, [params[i] for i in idx], offs))
+        for i, off in zip(idx, offs):
+            p, n = params[i], params[i].numel()
+            data[off:off + n].copy_(p.detach().reshape(-1))
+            p.data = data[off:off + n].view_as(p)
+            p.grad = grad[off:off + n].view_as(p) if keep_grads else None
+    return group
 
 
 class FlatParams:
-    """Groups: matrices (weight decay) and vectors (norms, biases: no decay)."""
+    """Groups: matrices (weight decay) and vectors (norms, biases: no decay).
 
-    def __init__(self, model: nn.Module, *, weight_decay: float, device: torch.device):
+    `bucket_numel` (0: one bucket per group) and `multiple` (dp under ZeRO, else 1)
+    shape the buckets; `keep_grads=False` leaves `.grad` unset (ZeRO-2 keeps only
+    the reduced shard, see megaft.parallel.buckets)."""
+
+    def __init__(self, model: nn.Module, *, weight_decay: float, device: torch.device, bucket_numel: int = 0,
+                 multiple: int = 1, keep_grads: bool = True, units: list[list[nn.Parameter]] | None = None):
         params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        self.groups = [g for g in (_flatten(decay, weight_decay, device), _flatten(no_decay, 0.0, device))
-                       if g.params]
+        # ZeRO-3 passes `units` (a layer's params each): one buffer per unit and decay class,
+        # so a layer's parameters can be gathered and freed on their own.
+        split = [params] if units is None else units
+        groups = []
+        for ps in split:
+            decay = [p for p in ps if p.dim() >= 2]
+            no_decay = [p for p in ps if p.dim() < 2]
+            groups += [(g, wd) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
+        self.groups = [_flatten(i, ps, wd, device, cap=bucket_numel, multiple=multiple, keep_grads=keep_grads)
+                       for i, (ps, wd) in enumerate(groups)]
+        self._backward_rank = {id(p): i for i, p in enumerate(reversed(params))}
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for g in self.groups for p in g.params]
 
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every bucket, in the order backward is expected to make them ready (its
+        earliest parameter in reverse model order), matrices and vectors interleaved."""
+        buckets = [b for g in self.groups for b in g.buckets]
+        return sorted(buckets, key=lambda b: min(self._backward_rank[id(p)] for p in b.params))
+
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.grad.zero_()
+            if g.grad is not None:
+                g.grad.zero_()

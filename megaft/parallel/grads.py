@@ -1,4 +1,4 @@
-"""Gradient reductions after backward: sequence-parallel partials over tp, then dp."""
+"""Sequence-parallel gradient sync over tp after backward (the dp reduction: megaft.parallel.buckets)."""
 from __future__ import annotations
 
 import torch
@@ -21,10 +21,3 @@ def sync_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group: Gro
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
 
-
-@torch.no_grad()
-def reduce_dp_grads(flat_grads: list[torch.Tensor], dp_group: Group) -> None:
-    """Sum over dp. Each rank's loss is already divided by the global batch's target
-    count, so the sum is the exact token-weighted mean gradient."""
-    for g in flat_grads:
-        all_reduce(g, dp_group)

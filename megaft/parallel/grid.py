@@ -6,6 +6,7 @@ inside a node.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
@@ -37,6 +38,8 @@ class ParallelGrid:
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
+    # Collective timeout of every group (launcher.timeout_s); None = torch's default, 30 min for subgroups.
+    timeout: Optional[datetime.timedelta] = None
 
     @property
     def world_size(self) -> int:
@@ -63,7 +66,8 @@ class ParallelGrid:
         return cls(tp_size=1, dp_size=1, pp_size=1, rank=0, device=torch.device(device), backend="none")
 
     @classmethod
-    def build(cls, *, tp: int, dp: int, pp: int, device: torch.device | str) -> "ParallelGrid":
+    def build(cls, *, tp: int, dp: int, pp: int, device: torch.device | str,
+              timeout: Optional[datetime.timedelta] = None) -> "ParallelGrid":
         """Create every group of every axis; torch.distributed must be initialized.
 
         All ranks call new_group for every group in the same order (a collective
@@ -77,11 +81,11 @@ class ParallelGrid:
         # Moving `axis` last and flattening the rest enumerates that axis's groups.
         for axis, dim in ((Axis.TP, 2), (Axis.DP, 1), (Axis.PP, 0)):
             for members in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     groups[axis] = group
         return cls(
             tp_size=tp, dp_size=dp, pp_size=pp, rank=rank, device=torch.device(device),
             backend=dist.get_backend(), tp_group=groups[Axis.TP], dp_group=groups[Axis.DP],
-            pp_group=groups[Axis.PP],
+            pp_group=groups[Axis.PP], timeout=timeout,
         )

@@ -11,6 +11,7 @@ from megaft.pipeline.actions import (Action, ActionKind, ScheduleError, chunk_of
 from megaft.pipeline.schedules import (SCHEDULES, Schedule, add_send_recv, build_schedule,
                                        dump_schedule, gpipe, interleaved_1f1b, load_schedule,
                                        one_f_one_b)
+from megaft.pipeline.comm_plan import nccl_problems
 from megaft.pipeline.simulate import Cost, Interval, SimResult, peak_in_flight, simulate
 from megaft.pipeline.validate import validate
 
@@ -18,5 +19,5 @@ __all__ = [
     "Action", "ActionKind", "ScheduleError", "chunk_of", "format_table", "message_of",
     "parse_action", "rank_of", "SCHEDULES", "Schedule", "add_send_recv", "build_schedule",
     "dump_schedule", "gpipe", "interleaved_1f1b", "load_schedule", "one_f_one_b", "Cost",
-    "Interval", "SimResult", "peak_in_flight", "simulate", "validate",
+    "Interval", "SimResult", "peak_in_flight", "simulate", "validate", "nccl_problems",
 ]

@@ -3,22 +3,41 @@
 F runs a virtual stage's forward on a micro-batch (stage 0 reads the input ids)
 and keeps its input and output for B; B backpropagates the received output
 gradient (the last stage: loss / n_targets of the WHOLE global batch, exactly as
-without pipelining); SEND_*/RECV_* move activations and their gradients with
-isend/irecv between the ranks of this rank's pp group. Shapes come from the
-micro-batch size, sequence length and model width (no shape handshakes); every
-message has its own tag, (direction, sending stage, micro-batch). Sends are
-non-blocking and waited for when done or at the end of the step; receives block,
-as the schedules' deadlock check assumes (see megaft.pipeline.schedules).
-Activations are dropped as soon as their backward has run.
+without pipelining). Activations are dropped as soon as their backward has run.
+
+Communication. The rank's program (`megaft.pipeline.comm_plan.plan`) groups each
+run of adjacent SEND/RECV actions (e.g. `SEND_F(s, i), RECV_B(s, j)` between a
+forward and a backward, Megatron's send_forward_recv_backward) into ONE
+`dist.batch_isend_irecv`, posted right after the compute before it; where NCCL
+needs it the plan posts receives one batch earlier still. Receives are waited for
+only right before the compute that consumes them; sends are not waited for until
+the end of the step, so they overlap the following compute. Shapes come from the
+micro-batch size, sequence length and model width (no shape handshakes).
+
+Why message matching is safe:
+* gloo matches by (peer, tag); every message has its own tag, (direction, sending
+  stage, micro-batch), so any posting order pairs the right buffers.
+* NCCL ignores tags and matches the sends of one ordered rank pair with the
+  receives of that pair in posting order. Every rank posts its sends and its
+  receives in list order (the plan moves receives earlier as a block, never past
+  each other), and `validate` (rule 4) checks that for every ordered pair of ranks
+  the schedule lists the sends in the same order as the peer lists the receives.
+  Ops in one batch form one NCCL group, so a SEND and a RECV with the same peer in
+  one batch cannot block each other, and `comm_plan.nccl_problems` replays the
+  plan under NCCL's rendezvous semantics (no buffering, one stream per rank): every
+  built schedule passes; on NCCL the runtime refuses a custom one that does not.
+The runtime never reorders compute, so a schedule that passes `validate` runs as written.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megaft.pipeline.actions import ActionKind, rank_of
+from megaft.pipeline.actions import Action, ActionKind, message_of, rank_of
+from megaft.pipeline.comm_plan import nccl_problems, plan
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.stage import StageModel
 
@@ -30,96 +49,180 @@ def _tag(direction: str, stage: int, mb: int) -> int:
     return ((stage * 2 + (direction == "B")) << 20) + mb
 
 
+class _StepState:
+    """What one step keeps between actions, keyed by (stage, micro-batch)."""
+
+    def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device):
+        self.inputs, self.labels, self.n_targets = inputs, labels, n_targets
+        self.shape, self.autocast, self.device = shape, autocast, device
+        self.received: dict[tuple, tuple[torch.Tensor, list]] = {}  # message -> (buffer, works to wait)
+        self.stage_in: dict[tuple, Optional[torch.Tensor]] = {}
+        self.stage_out: dict[tuple, torch.Tensor] = {}
+        self.input_grads: dict[tuple, torch.Tensor] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.wait_s = 0.0  # time blocked on peers (receives, final drain): this rank's bubble
+
+    def take(self, message: tuple) -> torch.Tensor:
+        """The received tensor of `message`, waiting for its batch only now."""
+        buf, works = self.received.pop(message)
+        t0 = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.wait_s += time.perf_counter() - t0
+        return buf
+
+    def left_behind(self) -> bool:
+        return bool(self.received or self.stage_in or self.stage_out or self.input_grads)
+
+
 class PipelineRuntime:
-    """One rank's executor: `train_step` for a schedule, `forward_loss` for evaluation."""
+    """One rank's executor: `train_step` for a schedule; `forward_loss` and
+    `forward_logits` (stage after stage) for evaluation and generation."""
 
     def __init__(self, model: StageModel, grid, schedule: str, microbatches: int, vpp: int = 1):
         self.model, self.grid = model, grid
         self.pp, self.m = grid.pp_size, microbatches
-        self.actions = build_schedule(schedule, self.pp, microbatches, vpp)[grid.pp_rank]
+        full = build_schedule(schedule, self.pp, microbatches, vpp)
+        self.actions = full[grid.pp_rank]
+        self.program = plan(full, self.pp, vpp)[grid.pp_rank]  # same plan on every rank
+        if dist.get_backend(grid.pp_group) == "nccl":
+            self._check_nccl(schedule, full, vpp)
         self.last = model.last_stage
         self.stride = grid.tp_size * grid.dp_size  # global rank distance between pp neighbours
         self.base = grid.rank - grid.pp_rank * self.stride
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []  # in-flight sends, buffers
+        self.wait_s = 0.0  # seconds the last train_step spent blocked on peers (benchmarks/pipeline)
+        # Compute kinds -> handlers (STYLE §3: a short loop dispatching each action).
+        self._compute = {K.F: self._forward, K.B: self._backward}
+
+    def _check_nccl(self, name: str, full, vpp: int) -> None:
+        problems = nccl_problems(full, self.pp, vpp)
+        if problems:
+            raise ValueError(f"pipeline schedule {name!r} (pp={self.pp}, vpp={vpp}, micro-batches={self.m}) would "
+                             f"hang on NCCL: {problems[0]}; fix: a built-in schedule (gpipe, 1f1b, "
+                             f"interleaved), or gloo")
 
     def _peer(self, stage: int) -> int:
         return self.base + rank_of(stage, self.pp) * self.stride
 
-    def _send(self, tensor: torch.Tensor, stage_to: int, tag: int) -> None:
-        buf = tensor.detach().to(WIRE_DTYPE).contiguous()
-        work = dist.isend(buf, dst=self._peer(stage_to), group=self.grid.pp_group, tag=tag)
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
-        self._sends.append((work, buf))
+    def peer_rank(self, stage: int) -> int:
+        """Global rank holding virtual `stage` in this rank's pp group."""
+        return self._peer(stage)
 
-    def _recv(self, shape, stage_from: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=WIRE_DTYPE, device=self.grid.device)
-        dist.irecv(buf, src=self._peer(stage_from), group=self.grid.pp_group, tag=tag).wait()
-        return buf
+    # -- communication -------------------------------------------------------------
+
+    def _post(self, batch: list[Action], state: _StepState) -> None:
+        """Post one batch of sends and receives as a single batch_isend_irecv."""
+        ops, is_send, recvs, sends = [], [], [], []
+        for a in batch:
+            direction, sender, mb = message_of(a)
+            tag, key = _tag(direction, sender, mb), (a.stage, mb)
+            if a.kind.is_send:
+                src = state.stage_out[key] if a.kind is K.SEND_F else state.input_grads.pop(key)
+                buf = src.detach().to(WIRE_DTYPE).contiguous()
+                ops.append(dist.P2POp(dist.isend, buf, self._peer(sender + (1 if direction == "F" else -1)),
+                                      self.grid.pp_group, tag))
+                sends.append(buf)
+            else:
+                buf = torch.empty(state.shape, dtype=WIRE_DTYPE, device=state.device)
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(sender), self.grid.pp_group, tag))
+                recvs.append(((direction, sender, mb), buf))
+            is_send.append(a.kind.is_send)
+        works = dist.batch_isend_irecv(ops)
+        # gloo gives one work per op; NCCL coalesces the batch into one work, which then
+        # stands for every op of the batch (gloo hangs on a work waited twice, NCCL does not).
+        per_op = len(works) == len(ops)
+        recv_works = [w for w, s in zip(works, is_send) if not s] if per_op else [works] * len(recvs)
+        for (message, buf), work in zip(recvs, recv_works):
+            state.received[message] = (buf, [work] if per_op else work)
+        if sends:  # send buffers stay alive until their sends complete
+            send_works = [w for w, s in zip(works, is_send) if s] if per_op else works
+            self._sends = [(ws, ts) for ws, ts in self._sends if not all(w.is_completed() for w in ws)]
+            self._sends.append((send_works, sends))
 
     def _drain(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
+        for works, _ in self._sends:
+            for work in works:
+                work.wait()
         self._sends = []
+
+    # -- compute -------------------------------------------------------------------
+
+    def _forward(self, s: int, mb: int, state: _StepState) -> None:
+        if s == 0:
+            x, state.stage_in[(s, mb)] = state.inputs[mb].to(state.device), None
+        else:
+            x = state.take(("F", s - 1, mb)).requires_grad_()
+            state.stage_in[(s, mb)] = x
+        with state.autocast():
+            out = self.model(s, x, state.labels[mb].to(state.device) if s == self.last else None)
+        state.stage_out[(s, mb)] = out
+        if s == self.last:
+            state.loss_sum += out.detach().double()
+
+    def _backward(self, s: int, mb: int, state: _StepState) -> None:
+        out, x = state.stage_out.pop((s, mb)), state.stage_in.pop((s, mb))
+        if s == self.last:
+            (out / state.n_targets).backward()
+        else:
+            out.backward(state.take(("B", s + 1, mb)).to(out.dtype))
+        if x is not None:
+            state.input_grads[(s, mb)] = x.grad
+        del out, x  # the graph and saved activations of (s, mb) go now
 
     def train_step(self, inputs: list[torch.Tensor], labels: list[torch.Tensor], n_targets: int,
                    autocast: Callable) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in the params.
         Returns this rank's summed token loss (fp64; zero unless it holds the last stage)."""
-        dev, model = self.grid.device, self.model
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        shape = model.activation_shape(*inputs[0].shape)
-        received: dict[tuple, torch.Tensor] = {}
-        stage_in: dict[tuple, Optional[torch.Tensor]] = {}
-        stage_out: dict[tuple, torch.Tensor] = {}
-        input_grads: dict[tuple, torch.Tensor] = {}
-        for s, kind, mb in self.actions:
-            key = (s, mb)
-            if kind is K.RECV_F:
-                received[("F",) + key] = self._recv(shape, s - 1, _tag("F", s - 1, mb))
-            elif kind is K.RECV_B:
-                received[("B",) + key] = self._recv(shape, s + 1, _tag("B", s + 1, mb))
-            elif kind is K.F:
-                if s == 0:
-                    x = inputs[mb].to(dev)
-                    stage_in[key] = None
-                else:
-                    x = received.pop(("F",) + key).requires_grad_()
-                    stage_in[key] = x
-                with autocast():
-                    out = model(s, x, labels[mb].to(dev) if s == self.last else None)
-                stage_out[key] = out
-                if s == self.last:
-                    loss_sum += out.detach().double()
-            elif kind is K.SEND_F:
-                self._send(stage_out[key], s + 1, _tag("F", s, mb))
-            elif kind is K.B:
-                out, x = stage_out.pop(key), stage_in.pop(key)
-                if s == self.last:
-                    (out / n_targets).backward()
-                else:
-                    out.backward(received.pop(("B",) + key).to(out.dtype))
-                if x is not None:
-                    input_grads[key] = x.grad
-            elif kind is K.SEND_B:
-                self._send(input_grads.pop(key), s - 1, _tag("B", s, mb))
+        state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
+                           self.grid.device)
+        for item in self.program:
+            if isinstance(item, list):
+                self._post(item, state)
+            else:
+                self._compute[item.kind](item.stage, item.microbatch, state)
+        t0 = time.perf_counter()
         self._drain()
-        assert not (received or stage_in or stage_out or input_grads), "schedule left work behind"
-        return loss_sum
+        self.wait_s = state.wait_s + time.perf_counter() - t0
+        assert not state.left_behind(), "schedule left work behind"
+        return state.loss_sum
+
+    # -- forward only (evaluation, generation) ------------------------------------------
+
+    def _through_stages(self, ids: torch.Tensor, labels: Optional[torch.Tensor], autocast: Callable):
+        """Run `ids` through every stage, one after the other; the last stage's output
+        (loss sum with labels, else local logits) on its rank, None elsewhere."""
+        dev, model = self.grid.device, self.model
+        shape = model.activation_shape(*ids.shape)
+        result = None
+        for s in model.stages:
+            if s == 0:
+                x = ids.to(dev)
+            else:
+                x = torch.empty(shape, dtype=WIRE_DTYPE, device=dev)
+                dist.recv(x, self._peer(s - 1), self.grid.pp_group, tag=_tag("F", s - 1, 0))
+            with autocast():
+                out = model(s, x, labels.to(dev) if s == self.last and labels is not None else None)
+            if s == self.last:
+                result = out
+            else:
+                buf = out.detach().to(WIRE_DTYPE).contiguous()
+                self._sends.append(([dist.isend(buf, self._peer(s + 1), self.grid.pp_group,
+                                                tag=_tag("F", s, 0))], [buf]))
+        self._drain()
+        return result
 
     @torch.no_grad()
     def forward_loss(self, ids: torch.Tensor, labels: torch.Tensor, autocast: Callable) -> torch.Tensor:
         """Forward-only pass of one batch through every stage (no schedule: stage after
         stage); the summed token loss on the last stage's rank, zero elsewhere."""
-        dev, model = self.grid.device, self.model
-        shape = model.activation_shape(*ids.shape)
-        loss = torch.zeros((), dtype=torch.float64, device=dev)
-        for s in model.stages:
-            x = ids.to(dev) if s == 0 else self._recv(shape, s - 1, _tag("F", s - 1, 0))
-            with autocast():
-                out = model(s, x, labels.to(dev) if s == self.last else None)
-            if s == self.last:
-                loss += out.double()
-            else:
-                self._send(out, s + 1, _tag("F", s, 0))
-        self._drain()
-        return loss
+        out = self._through_stages(ids, labels, autocast)
+        loss = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        return loss + out.double() if out is not None else loss
+
+    @torch.no_grad()
+    def forward_logits(self, ids: torch.Tensor, autocast: Callable) -> Optional[torch.Tensor]:
+        """This tp rank's vocabulary slice of the logits of `ids` [batch, seq, V/tp] on
+        the rank of the last stage (None on the other pp ranks)."""
+        out = self._through_stages(ids, None, autocast)
+        return None if out is None else out[:, :ids.shape[1]]

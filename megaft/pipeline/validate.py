@@ -14,7 +14,10 @@ rule, followed by `format_table(schedule)`:
    ranks the sends are listed in the same order as the receives, because NCCL
    matches point-to-point messages between two ranks in posting order (no tags);
 5. a dry run (RECV blocks until its SEND happened, SEND is buffered) finishes,
-   i.e. the schedule cannot deadlock under the runtime's contract.
+   i.e. the schedule cannot deadlock under the runtime's contract;
+6. with `nccl=True`: the runtime's batches (`megaft.pipeline.comm_plan.plan`)
+   finish a dry run under NCCL's rendezvous semantics (`nccl_problems`): no
+   buffering, one stream per rank. Every built schedule passes it.
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from typing import Mapping, Sequence
 
 from megaft.pipeline.actions import (Action, ActionKind, ScheduleError, format_table, message_of,
                                      rank_of)
+from megaft.pipeline.comm_plan import nccl_problems
 from megaft.pipeline.simulate import peak_in_flight, replay
 
-__all__ = ["validate", "peak_in_flight", "ScheduleError"]
+__all__ = ["validate", "nccl_problems", "peak_in_flight", "ScheduleError"]
 
 K = ActionKind
 _MAX_LISTED = 20  # enough to diagnose; a broken generator would otherwise print thousands
@@ -136,7 +140,8 @@ def _dry_run(schedule) -> list[str]:
             for r, i in sorted(stuck.items())]
 
 
-def validate(schedule: Mapping[int, Sequence[Action]], pp: int, m: int, chunks: int = 1) -> None:
+def validate(schedule: Mapping[int, Sequence[Action]], pp: int, m: int, chunks: int = 1, *,
+             nccl: bool = False) -> None:
     """Check every rule in the module docstring; raise `ScheduleError` listing all that fail.
 
     The message ends with the step x rank table of the schedule. The dry run is
@@ -147,6 +152,8 @@ def validate(schedule: Mapping[int, Sequence[Action]], pp: int, m: int, chunks: 
         problems = _compute(_index(schedule), pp, m, chunks) + _pairs(schedule, pp, chunks)
     if not problems:
         problems = _dry_run(schedule)
+    if not problems and nccl:
+        problems = nccl_problems(schedule, pp, chunks)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems[:_MAX_LISTED])
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""

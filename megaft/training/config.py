@@ -17,6 +17,7 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps and at the last step into run_dir/checkpoints; 0 = never
     keep_last: int = 2  # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: bool = True  # start from the newest complete checkpoint in run_dir/checkpoints, if any
+    async_save: bool = False  # write checkpoint shards in a background thread while training goes on
 
 
 def accumulation_steps(cfg: TrainConfig, dp: int) -> int:

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from megaft.data import Task, count_targets
-from megaft.models.generate import greedy_generate
+from megaft.models.generate import greedy_generate, pipeline_greedy_generate
 from megaft.models.llama import Llama
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
@@ -57,14 +57,20 @@ def pipeline_eval_loss(runtime, batches: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def eval_accuracy(model: Llama, task: Task, tok: Tokenizer, eos_id: Optional[int], grid: ParallelGrid,
+def eval_accuracy(model, task: Task, tok: Tokenizer, eos_id: Optional[int], grid: ParallelGrid,
                   autocast) -> float:
-    """Exact-match accuracy of greedy completions of the task's held-out prompts."""
+    """Exact-match accuracy of greedy completions of the task's held-out prompts.
+    `model` is a `Llama`, or a `PipelineRuntime` under pp > 1 (generation through the
+    stages; every pp rank gets the same completions)."""
     examples = task.eval[grid.dp_rank::grid.dp_size]
     prompts = [tok.encode(ex["prompt"]).ids for ex in examples]
-    with autocast():
-        outs = greedy_generate(model, prompts, max_new_tokens=task.max_new_tokens, eos_id=eos_id,
-                               device=grid.device)
+    if isinstance(model, Llama):
+        with autocast():
+            outs = greedy_generate(model, prompts, max_new_tokens=task.max_new_tokens, eos_id=eos_id,
+                                   device=grid.device)
+    else:
+        outs = pipeline_greedy_generate(model, prompts, max_new_tokens=task.max_new_tokens, eos_id=eos_id,
+                                        autocast=autocast)
     preds = [tok.decode(ids) for ids in outs]
     correct = torch.tensor([task.score(preds, examples) * len(examples), len(examples)],
                            dtype=torch.float64, device=grid.device)

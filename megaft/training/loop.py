@@ -18,15 +18,16 @@ import torch
 from tqdm import tqdm
 
 from megaft import checkpoint
+from megaft.checkpoint.reshard import param_index
 from megaft.config import Config
 from megaft.data import (
     PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
 )
+from megaft.launch.preempt import NONE, REQUEUE, PreemptFlag, StepBoundary
 from megaft.layers.shard import full_shape
 from megaft.models.llama import Llama
-from megaft.optim import AdamW, FlatParams, clip_grad_norm_, grad_norm, lr_at
+from megaft.optim import LossScaler, build_optimizer, clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
-from megaft.parallel.grads import reduce_dp_grads, sync_sequence_parallel_grads
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, build_embedding_group, sync_tied_grads
@@ -41,9 +42,9 @@ def build_model(cfg: Config, grid: ParallelGrid) -> Llama | StageModel:
     par = cfg.parallel
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
-                           group=grid.tp_group, sequence_parallel=par.sequence_parallel)
+                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=cfg.kernels)
     else:
-        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel)
+        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=cfg.kernels)
     if cfg.model.init_from:
         from megaft.models.hf import load_hf_weights
 
@@ -73,8 +74,15 @@ class Trainer:
         self.eval_batches = eval_batches(encode_examples(self.tok, examples.eval, self.eos_id),
                                          cfg.train.eval_batch_size, pad_id, max_len=cfg.model.max_seq_len)
         self.model = build_model(cfg, grid)
-        self.flat = FlatParams(self.model, weight_decay=cfg.optim.weight_decay, device=grid.device)
-        self.optimizer = AdamW(self.flat, cfg.optim)
+        # Flat buffers, optimizer (ZeRO stage) and the bucketed dp reduction (megaft.optim.zero).
+        norm_params = self.model.norm_params() if grid.pp_size > 1 else None
+        self.flat, self.optimizer, self.reducer = build_optimizer(
+            self.model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
+            norm_params=norm_params)
+        self.scaler: Optional[LossScaler] = None
+        if cfg.precision == "fp16":
+            self.scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
+        self.optimizer.scaler = self.scaler  # saved in checkpoints with the optimizer state
         self.pipeline: Optional[PipelineRuntime] = None
         if grid.pp_size > 1:
             self.pipeline = PipelineRuntime(self.model, grid, cfg.parallel.schedule,
@@ -82,10 +90,14 @@ class Trainer:
             self.embedding_group = build_embedding_group(grid) if cfg.model.tie_embeddings else None
         self.metrics = MetricsLog(run_dir, enabled=self.is_writer)
         self.checkpoint_dir = os.path.join(run_dir, "checkpoints")
+        self.writer = checkpoint.CheckpointWriter(self.checkpoint_dir, grid, keep_last=cfg.train.keep_last,
+                                                  async_save=cfg.train.async_save)
+        self.boundary = StepBoundary(grid.world_size, grid.device)
 
     def autocast(self):
-        if self.cfg.precision == "bf16":
-            return torch.autocast(self.grid.device.type, dtype=torch.bfloat16)
+        if self.cfg.precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
+            return torch.autocast(self.grid.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -95,44 +107,57 @@ class Trainer:
         share = cfg.global_batch_size // grid.dp_size
         rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
         micro_in, micro_lab = inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)
-        if self.pipeline is not None:
-            loss_sum = self.pipeline.train_step(list(micro_in), list(micro_lab), n_targets, self.autocast)
+        # fp16 backpropagates loss * scale: dividing by n_targets / scale keeps one code path.
+        divisor = n_targets / self.scaler.scale if self.scaler else n_targets
+        if self.pipeline is not None:  # dp reduction after the schedule (reducer not armed)
+            loss_sum = self.pipeline.train_step(list(micro_in), list(micro_lab), divisor, self.autocast)
             sync_tied_grads(self.model, self.embedding_group)
             all_reduce(loss_sum, grid.pp_group)  # the last stage's loss, on every pp rank
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=grid.device)
-            for mb_in, mb_lab in zip(micro_in, micro_lab):
+            for i, (mb_in, mb_lab) in enumerate(zip(micro_in, micro_lab)):
+                if i == len(micro_in) - 1:
+                    self.reducer.arm()  # buckets reduce during the last backward only
                 with self.autocast():
                     loss = self.model.loss_sum(mb_in.to(grid.device), mb_lab.to(grid.device))
-                (loss / n_targets).backward()
+                (loss / divisor).backward()
                 loss_sum += loss.detach().double()
-        params = self.flat.params
-        sync_sequence_parallel_grads(params, grid.tp_group)
-        grads = [g.grad for g in self.flat.groups]
-        reduce_dp_grads(grads, grid.dp_group)
-        if self.pipeline is not None:
-            norm = grad_norm(self.model.norm_params(), grid.tp_group, grid.pp_group)
-        else:
-            norm = grad_norm(params, grid.tp_group)
-        clip_grad_norm_(grads, norm, self.cfg.optim.clip_grad)
+        self.reducer.finish()  # every bucket reduced over dp before any gradient is read
+        opt = self.optimizer
+        opt.sync_sequence_parallel(grid.tp_group)  # a tp sum: commutes with the dp sum
+        finite = self.scaler.unscale_(opt.grads) if self.scaler else True
+        norm = opt.grad_norm(grid.tp_group, grid.pp_group)
         lr = lr_at(step, self.cfg.optim, cfg.max_steps)
-        self.optimizer.step(lr)
-        self.flat.zero_grad()
+        if finite:  # fp16 overflow on any rank: every rank skips the update
+            clip_grad_norm_(opt.grads, norm, self.cfg.optim.clip_grad)
+            opt.step(lr)
+        if self.scaler:
+            self.scaler.update(finite)
+        opt.zero_grad()
         all_reduce(loss_sum, grid.dp_group)
-        return {"loss": (loss_sum / n_targets).item(), "lr": lr, "grad_norm": norm.item(),
-                "tokens": int(inputs.numel())}
+        out = {"loss": (loss_sum / n_targets).item(), "lr": lr, "grad_norm": norm.item(),
+               "tokens": int(inputs.numel())}
+        if self.scaler:
+            out.update(loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped)
+        return out
 
     def evaluate(self, step: int) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
+        # ZeRO-3: whole params while evaluating (dp ranks run unequal numbers of forwards)
+        gatherer = getattr(self.optimizer, "gatherer", None)
+        if gatherer is not None:
+            gatherer.acquire_all()
         if self.pipeline is not None:
             loss = pipeline_eval_loss(self.pipeline, self.eval_batches, self.grid, self.autocast)
         else:
             loss = eval_loss(self.model, self.eval_batches, self.grid, self.autocast)
         if loss is not None:
             record["eval_loss"] = loss
-        if self.task is not None and self.pipeline is None:  # greedy generation needs the whole model (pp=1)
-            record["eval_accuracy"] = eval_accuracy(self.model, self.task, self.tok, self.eos_id, self.grid,
-                                                    self.autocast)
+        if self.task is not None:  # under pp, greedy generation runs through the stages
+            record["eval_accuracy"] = eval_accuracy(self.pipeline or self.model, self.task, self.tok, self.eos_id,
+                                                    self.grid, self.autocast)
+        if gatherer is not None:
+            gatherer.release_all()
         self.metrics.write(**record)
         return record
 
@@ -140,27 +165,49 @@ class Trainer:
         """Load the newest complete checkpoint when train.resume is on; the step to continue from."""
         if not self.cfg.train.resume:
             return 0
-        step = checkpoint.load_latest(self.checkpoint_dir, self.flat, self.optimizer, self.grid)
+        step = checkpoint.load_latest(self.checkpoint_dir, self.flat, self.optimizer, self.grid, model=self.model)
         if step is None:
             return 0
         if self.is_writer:
             checkpoint.trim_metrics(self.metrics.path, step)
         return step
 
-    def maybe_save(self, done: int, end: int) -> None:
-        """Checkpoint after `done` steps every train.save_every steps and when the run stops at `end`."""
+    def maybe_save(self, done: int, end: int, *, force: bool = False) -> None:
+        """Checkpoint after `done` steps every train.save_every steps, when the run stops at `end`,
+        and always when `force` (a preemption signal: losing the work would be worse)."""
         every = self.cfg.train.save_every
-        if every and (done % every == 0 or done == end):
+        if force or (every and (done % every == 0 or done == end)):
             state = checkpoint.capture(self.flat, self.optimizer, self.grid, done)
-            checkpoint.save(self.checkpoint_dir, done, state, self.grid, keep_last=self.cfg.train.keep_last)
+            state["index"] = param_index(self.model, self.flat)  # names/offsets/splits: resharding on load
+            self.writer.save(done, state)
 
-    def fit(self, stop_after: Optional[int] = None) -> dict[str, Any]:
+    def step_boundary(self, done: int, end: int, flag: PreemptFlag) -> int:
+        """After step `done`: ONE collective agrees on a stop signal (any rank's) and on whether
+        every async shard is written; then publish/save. Returns the agreed stop request."""
+        stop, unfinished = self.boundary.agree(flag.value, self.writer.unfinished())
+        if not unfinished:
+            self.writer.all_written()
+        self.maybe_save(done, end, force=stop != NONE)
+        if stop != NONE:
+            self.writer.finish()  # the checkpoint is complete before anyone exits or requeues
+        return stop
+
+    def fit(self, stop_after: Optional[int] = None, flag: Optional[PreemptFlag] = None) -> dict[str, Any]:
         """Train to train.max_steps, resuming from a checkpoint when there is one.
 
         `stop_after` ends the run early after that many steps, as a preempted job
         would, saving a checkpoint there (when train.save_every > 0); the LR
         schedule still follows max_steps, so a resumed run continues exactly.
+        A SIGUSR1/SIGTERM (`flag`, installed here unless the caller installed one
+        earlier) stops every rank after the same step with a checkpoint; the
+        summary then carries `stopped_by` and `requeue` and no summary.json is written.
         """
+        with contextlib.ExitStack() as scope:
+            if flag is None:
+                flag = scope.enter_context(PreemptFlag())
+            return self._fit(stop_after, flag)
+
+    def _fit(self, stop_after: Optional[int], flag: PreemptFlag) -> dict[str, Any]:
         cfg = self.cfg.train
         start = time.perf_counter()
         first = self.resume()
@@ -171,24 +218,31 @@ class Trainer:
                    desc="train", dynamic_ncols=True, mininterval=1.0)
         bar.set_postfix(self._postfix(None, last_eval))
         last: Optional[dict[str, float]] = None
-        tokens, train_time = 0, 0.0
+        tokens, train_time, stop = 0, 0.0, NONE
         for step in range(first, end):
             t0 = time.perf_counter()
             last = self.train_step(step)
             dt = time.perf_counter() - t0
             tokens, train_time = tokens + last["tokens"], train_time + dt
             self.metrics.write(step=step + 1, loss=last["loss"], lr=last["lr"], grad_norm=last["grad_norm"],
-                               tokens_per_s=last["tokens"] / dt)
+                               tokens_per_s=last["tokens"] / dt,
+                               **{k: last[k] for k in ("loss_scale", "skipped_steps") if k in last})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 last_eval = self.evaluate(step + 1)
-            self.maybe_save(step + 1, end)  # after eval, so the saved RNG state is the next step's
+            # After eval, so the saved RNG state is the next step's.
+            stop = self.step_boundary(step + 1, end, flag)
             bar.update(1)
             bar.set_postfix(self._postfix(last, last_eval))
+            if stop != NONE:
+                break
         bar.close()
+        self.writer.finish()  # a run that ends publishes its pending async save
         summary = self._summary(last, last_eval, tokens, train_time, time.perf_counter() - start)
-        if self.cfg.train.export_hf:
+        if stop != NONE:  # not finished: no summary.json or export; run_rank requeues on REQUEUE
+            summary.update(stopped_by=flag.signal_name or "another rank's signal", requeue=stop == REQUEUE)
+        elif self.cfg.train.export_hf:
             self.export()
-        if self.is_writer:
+        if self.is_writer and stop == NONE:
             write_summary(self.run_dir, summary)
         self.metrics.close()
         return summary
@@ -203,8 +257,9 @@ class Trainer:
         elif self.is_writer:
             tok_json = os.path.join(self.run_dir, "tokenizer.json")
             self.tok.save(tok_json)
+        grid = self.grid  # under pp, each stage's tp_rank 0 (first dp replica) writes its own tensors
         export_hf(self.model, self.cfg.model, os.path.join(self.run_dir, "hf"), tokenizer_json=tok_json,
-                  tp_group=self.grid.tp_group, is_writer=self.is_writer)
+                  tp_group=grid.tp_group, pp_group=grid.pp_group, is_writer=grid.tp_rank == 0 and grid.dp_rank == 0)
 
     @staticmethod
     def _postfix(train: Optional[dict[str, float]], ev: dict[str, Any]) -> dict[str, str]:
@@ -234,8 +289,17 @@ class Trainer:
             "pp": grid.pp_size, "sequence_parallel": self.cfg.parallel.sequence_parallel,
             "precision": self.cfg.precision, "device": str(grid.device), "model": self.cfg.model.name,
             "params": self.model_params(),
+            # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.optim.zero).
+            "zero": self.cfg.parallel.zero, "memory_bytes": self.optimizer.memory_bytes(),
         }
         summary.update({k: v for k, v in last_eval.items() if k != "step"})
         if grid.device.type == "cuda":
             summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(grid.device)
+            summary["device_name"] = torch.cuda.get_device_name(grid.device)
+        else:  # CPU: this rank's peak resident set (Linux reports ru_maxrss in KiB)
+            import resource
+
+            summary["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # megaft-report's MFU: model FLOPs per token need the shape and the sequence length.
+        summary.update(n_layers=self.cfg.model.n_layers, dim=self.cfg.model.dim, seq_len=self.cfg.data.seq_len)
         return summary

@@ -160,7 +160,7 @@ def test_auto_logs_its_choice_once(monkeypatch, caplog):
 
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="must be one of"):
-        resolve_backend("triton", torch.device("cpu"))
+        resolve_backend("tpu", torch.device("cpu"))
 
 
 @pytest.mark.skipif(_ext.CUDA.available, reason="megaft._cuda is built here")

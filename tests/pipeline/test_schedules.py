@@ -256,3 +256,35 @@ def test_format_table_lists_compute_by_step():
         "Step 2: 0B0    1F1",
         "Step 3: 0B1    1B1",
     ]
+
+
+# --- NCCL rendezvous dry run (validate rule 6) ------------------------------------
+
+@pytest.mark.parametrize("name, pp, chunks, m", CASES)
+def test_every_built_schedule_is_nccl_safe(name, pp, chunks, m):
+    """The runtime's plan for every built schedule cannot hang under NCCL's rendezvous."""
+    validate(build_schedule(name, pp, m, chunks), pp, m, chunks, nccl=True)
+
+
+def test_plan_posts_receives_early_where_plain_batches_hang():
+    from megaft.pipeline.comm_plan import comm_batches, nccl_problems, plan, rendezvous
+
+    # Interleaved, pp=2, v=2, m=4: plainly batched, rank 0 posts [2SEND_B0] alone
+    # while rank 1's batch [3SEND_B1, 1RECV_F2] waits for a receive rank 0 posts only
+    # in its next batch (fine on gloo's tags and buffered sends, a hang on NCCL).
+    sched = build_schedule("interleaved", 2, 4, 2)
+    plain = {r: comm_batches(a) for r, a in sched.items()}
+    assert set(rendezvous(plain, 2, 2)) == {0, 1}
+    planned = plan(sched, 2, 2)
+    assert rendezvous(planned, 2, 2) == {} and nccl_problems(sched, 2, 2) == []
+    after_2b0 = planned[0][planned[0].index(Action(2, K.B, 0)) + 1]
+    assert Action(2, K.RECV_B, 1) in after_2b0  # posted one batch early
+    for r in sched:  # same actions, same order of compute, sends and receives
+        flat = [a for item in planned[r] for a in (item if isinstance(item, list) else [item])]
+        assert sorted(flat, key=str) == sorted(sched[r], key=str)
+        for keep in (lambda a: a.kind.is_compute, lambda a: a.kind.is_send, lambda a: a.kind.is_recv):
+            assert [a for a in flat if keep(a)] == [a for a in sched[r] if keep(a)]
+    # A hand-made plan that crosses two batches is reported.
+    crossed = {0: [[Action(0, K.SEND_F, 0)], Action(0, K.F, 1), [Action(0, K.RECV_B, 0)]],
+               1: [[Action(1, K.SEND_B, 0)], Action(1, K.F, 2), [Action(1, K.RECV_F, 0)]]}
+    assert set(rendezvous(crossed, 2, 1)) == {0, 1}

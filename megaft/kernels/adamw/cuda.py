@@ -1,4 +1,4 @@
-"""AdamW on the GPU through megaft._cuda (csrc/cuda/adamw.cu), launched on the
+"""AdamW on the GPU through megaft._cuda (csrc/cuda/adamw*.cu), launched on the
 current CUDA stream of the parameter's device."""
 
 from __future__ import annotations
@@ -15,3 +15,12 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     contiguous float32 CUDA tensors of one shape on one device."""
     op = _ext.require(_ext.CUDA, "adamw backend 'cuda'").adamw_step_
     op(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay)
+
+
+def adamw_multi_tensor_(lists) -> None:
+    """The multi-tensor step (``tensor_lists.TensorLists``) through
+    csrc/cuda/adamw_multi_tensor.cu: one launch per kernel-argument struct of up to
+    24 tensors / 320 chunks of 64K elements (apex's multi_tensor_apply), per dtype pair."""
+    op = _ext.require(_ext.CUDA, "adamw backend 'cuda'").adamw_multi_tensor_
+    op(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, lists.master_params or [],
+       lists.steps, lists.lrs, lists.weight_decays, lists.beta1, lists.beta2, lists.eps)

@@ -31,3 +31,18 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     step_size = lr / bias_correction1
     denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@torch.no_grad()
+def adamw_multi_tensor_(lists) -> None:
+    """The multi-tensor step (``tensor_lists.TensorLists``) as a loop of
+    :func:`adamw_step_`: the update on each fp32 master with the gradient in fp32,
+    then the param receives the master rounded to its dtype."""
+    masters = lists.masters()
+    for i, (master, grad, m, v) in enumerate(zip(masters, lists.grads, lists.exp_avgs,
+                                                 lists.exp_avg_sqs)):
+        adamw_step_(master, grad.float(), m, v, step=lists.steps[i], lr=lists.lrs[i],
+                    beta1=lists.beta1, beta2=lists.beta2, eps=lists.eps,
+                    weight_decay=lists.weight_decays[i])
+        if lists.master_params is not None:
+            lists.params[i].copy_(master)  # fp32 -> bf16 is round-to-nearest-even

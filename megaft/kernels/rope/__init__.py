@@ -3,8 +3,10 @@ choice of backend.
 
     torch   reference.py: torch ops, the specification (= megaft.models.rope.apply_rope)
     triton  triton.py: one program per (batch, position) rotating all q and k heads
+    cuda    cuda.py: torch.ops.megaft.rope_fwd (csrc/cuda/rope.cu), out of place
 
-Backend choice: ``megaft.kernels._triton.resolve`` (auto = triton on CUDA, torch on CPU).
+Backend choice: ``megaft.kernels.dispatch.resolve`` (auto = triton, else cuda, on CUDA
+tensors; torch on CPU).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import functools
 
 import torch
 
-from megaft.kernels import _triton
-from megaft.kernels.rope import reference
+from megaft.kernels import _triton, dispatch
+from megaft.kernels.rope import cuda, reference
 
 __all__ = ["rope", "resolve_backend"]
 
 # The shared dispatch rule (auto, explicit, errors) with this op's name in messages.
-resolve_backend = functools.partial(_triton.resolve, "rope")
+resolve_backend = functools.partial(dispatch.resolve, "rope")
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -27,8 +29,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """(rope(q), rope(k)). q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq,
     head_dim], head_dim even; cos, sin: [seq, head_dim] as megaft.models.rope.rope_tables
     makes them (sliced to seq). ``inplace=True`` lets the triton backend overwrite q
-    and k (their last dim must be contiguous); the torch backend always returns new
-    tensors."""
-    if resolve_backend(backend, q.device) == "triton":
+    and k (their last dim must be contiguous); the torch and cuda backends always
+    return new tensors."""
+    choice = resolve_backend(backend, q.device)
+    if choice == "triton":
         return _triton.load("rope").rope(q, k, cos, sin, inplace)
+    if choice == "cuda":
+        return cuda.rope(q, k, cos, sin)
     return reference.rope(q, k, cos, sin)

@@ -1,0 +1,1 @@
+"""How much of the data-parallel gradient reduction hides behind backward (see __main__)."""

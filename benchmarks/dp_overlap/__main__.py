@@ -1,0 +1,61 @@
+"""Fraction of the dp gradient reduction hidden behind backward, on CPU gloo ranks.
+
+    python -m benchmarks.dp_overlap [--dp 2] [--dim 512] [--layers 8] [--bucket-mb 4 25 1000]
+                                    [--batch 1] [--seq 64] [--repeats 7]
+
+For each bucket size, every rank of a `dp`-rank gloo world times (median of
+`--repeats`, after one warmup) on a Llama of the given width and depth:
+
+  backward     forward + backward alone (no reduction)
+  reduce       the bucketed all-reduce alone, after backward (GradReducer.finish)
+  sequential   backward, then the reduction (hooks off: what plain dp does)
+  overlapped   backward with the hooks launching each bucket as it fills, then the
+               wait for the last ones (megaft.parallel.buckets)
+
+hidden = (backward + reduce - overlapped) / reduce: the share of the reduction's time
+that ran while backward was still computing (1.0 = all of it, 0 = none). One bucket
+(a huge --bucket-mb) can only start when backward is over, so its row is the
+reference measured in the same run. Each rank uses one compute thread; gloo's
+transport thread needs a spare core to overlap, so on a loaded 2-core box the
+numbers are noisy and low.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch.multiprocessing as mp
+
+from benchmarks.dp_overlap.measure import model_of, run_rank
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--bucket-mb", type=float, nargs="+", default=[1000.0, 25.0, 4.0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(run_rank, args=(args.dp, os.path.join(tmp, "init"), args, results), nprocs=args.dp,
+                           join=True, start_method="spawn")
+    params = sum(p.numel() for p in model_of(args).parameters())
+    print(f"dp={args.dp} gloo CPU ranks, Llama dim={args.dim} layers={args.layers}: {params / 1e6:.1f}M params, "
+          f"{params * 4 / 2 ** 20:.0f} MiB fp32 grads, batch {args.batch}x{args.seq}, median of {args.repeats}")
+    print(f"{'bucket_mb':>9} {'buckets':>7} {'backward_ms':>11} {'reduce_ms':>9} {'sequential_ms':>13} "
+          f"{'overlapped_ms':>13} {'hidden':>6} {'speedup':>7}")
+    while not results.empty():
+        mb, n, bwd, red, seq, over = results.get()
+        hidden = (bwd + red - over) / red
+        print(f"{mb:>9g} {n:>7} {bwd * 1e3:>11.1f} {red * 1e3:>9.1f} {seq * 1e3:>13.1f} {over * 1e3:>13.1f} "
+              f"{hidden:>6.2f} {seq / over:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The timed rank function of the dp_overlap benchmark (importable: spawned ranks load it)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megaft.models.config import ModelConfig
+from megaft.models.llama import Llama
+from megaft.optim.flat import FlatParams
+from megaft.parallel.buckets import GradReducer
+
+
+def model_of(args) -> Llama:
+    cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, ffn_dim=args.dim * 3, vocab_size=1024,
+                      max_seq_len=args.seq)
+    torch.manual_seed(0)
+    return Llama(cfg)
+
+
+def _times(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each fn; the fns take turns within every repeat, so load drift on a
+    shared machine hits them alike. A barrier starts every timing on all ranks together."""
+    for fn in fns:
+        fn()  # warmup
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, t in zip(fns, out):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in out]
+
+
+def run_rank(rank: int, world: int, init: str, args, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
+    for mb in args.bucket_mb:
+        model = model_of(args)
+        flat = FlatParams(model, weight_decay=0.0, device=torch.device("cpu"), bucket_numel=int(mb * 2 ** 20) // 4)
+        seq = GradReducer(flat, dist.group.WORLD, overlap=False)
+
+        def backward():
+            model.loss_sum(ids, ids).backward()
+
+        def reduce():
+            seq.finish()
+
+        def sequential():
+            backward()
+            seq.finish()
+
+        over = GradReducer(flat, dist.group.WORLD)
+
+        def overlapped():
+            over.arm()
+            backward()
+            over.finish()
+
+        t_bwd, t_red, t_seq, t_over = _times([backward, reduce, sequential, overlapped], args.repeats)
+        over.remove_hooks()
+        if rank == 0:
+            results.put((mb, len(flat.buckets), t_bwd, t_red, t_seq, t_over))
+    dist.destroy_process_group()

@@ -1,0 +1,177 @@
+// torch.ops.megaft.{rmsnorm,swiglu,rope}_* : the torch side of the fused model kernels.
+// Checks the tensors (device, dtype, shape, contiguity), allocates the outputs and
+// calls the C ABI of megaft_kernels.h on the current stream. Registered as a library
+// fragment (the AdamW pybind module is csrc/cuda/bindings.cpp); autograd lives in
+// Python (megaft/kernels/<op>/cuda.py), so only CUDA implementations are registered.
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "megaft_kernels.h"
+
+namespace {
+
+megaft_dtype code_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return MEGAFT_F32;
+    case at::kHalf: return MEGAFT_F16;
+    case at::kBFloat16: return MEGAFT_BF16;
+    default: TORCH_CHECK(false, "megaft: ", name, " must be float32, float16 or bfloat16, got ",
+                         t.scalar_type());
+  }
+}
+
+void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "megaft: ", name,
+              " must be a CUDA tensor on ", like.device(), ", got ", t.device());
+}
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+void check_launch(int err, const char* what) {
+  TORCH_CHECK(err == 0, what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// (y, h, rstd); h is empty without a residual.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                           const std::optional<at::Tensor>& residual,
+                                                           double eps) {
+  check_cuda(x, x, "x");
+  check_cuda(weight, x, "weight");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "megaft.rmsnorm_fwd: weight shape ",
+              weight.sizes(), " does not match hidden size ", n);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor x2 = x.contiguous(), w = weight.contiguous();
+  at::Tensor r2, h;
+  if (residual.has_value()) {
+    check_cuda(*residual, x, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "megaft.rmsnorm_fwd: residual must match x in shape and dtype");
+    r2 = residual->contiguous();
+    h = at::empty_like(x2);
+  } else {
+    h = at::empty({0}, x.options());
+  }
+  const int64_t rows = n ? x2.numel() / n : 0;
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::promote_types(x.scalar_type(), w.scalar_type())));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  check_launch(megaft_rmsnorm_fwd(x2.data_ptr(), r2.defined() ? r2.data_ptr() : nullptr, w.data_ptr(),
+                                  y.data_ptr(), r2.defined() ? h.data_ptr() : nullptr,
+                                  rstd.data_ptr<float>(), rows, n, eps, code_of(x, "x"),
+                                  code_of(w, "weight"), code_of(y, "y"), stream_of(x)),
+               "megaft_rmsnorm_fwd");
+  return {y, h, rstd};
+}
+
+// (dx, dweight); x is the normalized input (h when fused); dh is added to dx.
+std::tuple<at::Tensor, at::Tensor> rmsnorm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                               const at::Tensor& weight, const at::Tensor& rstd,
+                                               const std::optional<at::Tensor>& dh) {
+  for (const auto& [t, name] : {std::pair{dy, "dy"}, {weight, "weight"}, {rstd, "rstd"}}) check_cuda(t, x, name);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(dy.sizes() == x.sizes() && rstd.numel() == rows && rstd.scalar_type() == at::kFloat,
+              "megaft.rmsnorm_bwd: dy/rstd do not fit x");
+  const at::Tensor x2 = x.contiguous(), dy2 = dy.contiguous(), w = weight.contiguous();
+  at::Tensor dh2;
+  if (dh.has_value()) {
+    check_cuda(*dh, x, "dh");
+    TORCH_CHECK(dh->sizes() == x.sizes() && dh->scalar_type() == x.scalar_type(), "megaft.rmsnorm_bwd: dh must match x");
+    dh2 = dh->contiguous();
+  }
+  // Enough partial-dw rows to fill the GPU, few enough that summing them is cheap.
+  int sms = 0;
+  check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.device().index()),
+               "cudaDeviceGetAttribute");
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, 4 * sms)));
+  at::Tensor dx = at::empty_like(x2);
+  at::Tensor dw_part = at::empty({parts, n}, x.options().dtype(at::kFloat));
+  check_launch(megaft_rmsnorm_bwd(dy2.data_ptr(), x2.data_ptr(), w.data_ptr(), rstd.data_ptr<float>(),
+                                  dh2.defined() ? dh2.data_ptr() : nullptr, dx.data_ptr(),
+                                  dw_part.data_ptr<float>(), rows, n, parts, code_of(x, "x"),
+                                  code_of(w, "weight"), code_of(dy, "dy"), stream_of(x)),
+               "megaft_rmsnorm_bwd");
+  at::Tensor dw = rows ? dw_part.sum(0).to(weight.scalar_type()) : at::zeros_like(weight);
+  return {dx.view(x.sizes()), dw};
+}
+
+void check_pair(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  check_cuda(a, a, what);
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.device() == b.device(),
+              "megaft.", what, ": gate and up (and dy) must match in shape, dtype and device");
+}
+
+at::Tensor swiglu_fwd(const at::Tensor& gate, const at::Tensor& up) {
+  check_pair(gate, up, "swiglu_fwd");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor y = at::empty_like(g);
+  check_launch(megaft_swiglu_fwd(g.data_ptr(), u.data_ptr(), y.data_ptr(), g.numel(), code_of(g, "gate"),
+                                 stream_of(g)),
+               "megaft_swiglu_fwd");
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& up) {
+  check_pair(gate, up, "swiglu_bwd");
+  check_pair(dy, gate, "swiglu_bwd");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const at::Tensor d = dy.contiguous(), g = gate.contiguous(), u = up.contiguous();
+  at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
+  check_launch(megaft_swiglu_bwd(d.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data_ptr(), du.data_ptr(),
+                                 g.numel(), code_of(g, "gate"), stream_of(g)),
+               "megaft_swiglu_bwd");
+  return {dg, du};
+}
+
+at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+  const at::Tensor xc = x.stride(-1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t xs[3] = {xc.stride(0), xc.stride(1), xc.stride(2)};
+  const int64_t ys[3] = {y.stride(0), y.stride(1), y.stride(2)};
+  check_launch(megaft_rope(xc.data_ptr(), y.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                           xc.size(0), xc.size(1), xc.size(2), xc.size(3), xs, ys, cos.stride(0),
+                           backward ? 1 : 0, code_of(xc, "q/k"), stream_of(xc)),
+               "megaft_rope");
+  return y;
+}
+
+// (rope(q), rope(k)), or the rotation by -angle (the gradient) with backward.
+std::tuple<at::Tensor, at::Tensor> rope_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                            const at::Tensor& sin, bool backward) {
+  check_cuda(q, q, "q");
+  check_cuda(k, q, "k");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
+                  k.size(3) == q.size(3) && k.scalar_type() == q.scalar_type(),
+              "megaft.rope_fwd: q [batch, heads, seq, head_dim] and k [batch, kv_heads, seq, head_dim] "
+              "must agree, got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.size(3) % 2 == 0, "megaft.rope_fwd: head_dim must be even, got ", q.size(3));
+  const at::IntArrayRef table{q.size(2), q.size(3)};
+  TORCH_CHECK(cos.sizes() == table && sin.sizes() == table, "megaft.rope_fwd: cos/sin must be [seq, head_dim]");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor c = cos.to(q.device(), at::kFloat).contiguous(), s = sin.to(q.device(), at::kFloat).contiguous();
+  return {rope_one(q, c, s, backward), rope_one(k, c, s, backward)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megaft, m) {
+  m.def("rmsnorm_fwd(Tensor x, Tensor weight, Tensor? residual, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("rmsnorm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor? dh) -> (Tensor, Tensor)");
+  m.def("swiglu_fwd(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_bwd(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megaft, CUDA, m) {
+  m.impl("rmsnorm_fwd", &rmsnorm_fwd);
+  m.impl("rmsnorm_bwd", &rmsnorm_bwd);
+  m.impl("swiglu_fwd", &swiglu_fwd);
+  m.impl("swiglu_bwd", &swiglu_bwd);
+  m.impl("rope_fwd", &rope_fwd);
+}

@@ -1,0 +1,148 @@
+"""`hydra/launcher=slurm`: validate every multirun point here, then submit one submitit
+job array per resource shape.
+
+hydra-submitit-launcher gives every job of a sweep the same resources and blocks until
+all end; a sweep over parallel degrees needs a different rank count per point. So each
+point is composed and validated in the submitting process (an invalid point is
+reported with its overrides and every problem, and not submitted), its shape (nodes,
+tasks per node, GPUs) is derived from its ranks and the preset, and points of equal
+shape go into one array (`executor.batch()`). `submitted.json` in the sweep dir lists
+job ids, overrides, run dirs and shapes for `megaft-report`.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from megaft.config import Config, validate
+from megaft.launch.submit import (NodeSpec, Shape, group_by_shape, point_world_size, resource_shape, sbatch_parameters,
+                                  shape_dict)
+from megaft.launch.submit_record import SUBMITTED_FILE, merge_submitted
+
+log = logging.getLogger(__name__)
+
+
+class Point:
+    """One multirun point: its overrides, run dir, validated config, shape and problems."""
+
+    def __init__(self, num: int, overrides: Sequence[str], run_dir: str, sweep_config: DictConfig):
+        self.num, self.overrides, self.run_dir, self.sweep_config = num, list(overrides), run_dir, sweep_config
+        self.cfg: Optional[Config] = None
+        self.shape: Optional[Shape] = None
+        self.problems: list[str] = []
+        self.job: Any = None  # submitit Job once submitted
+
+    @property
+    def override_str(self) -> str:
+        return " ".join(filter_overrides(self.overrides)) or "(no overrides)"
+
+    def record(self, folder: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"num": self.num, "overrides": self.override_str, "run_dir": self.run_dir}
+        if self.problems:
+            return dict(out, status="invalid", problems=self.problems)
+        return dict(out, status="submitted", job_id=self.job.job_id, array_job_id=self.job.job_id.split("_")[0],
+                    shape=shape_dict(self.shape), submitit_folder=folder.replace("%j", self.job.job_id))
+
+
+class MegaftSlurmLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        self.params = params  # the hydra.launcher node (SlurmLauncherConf fields)
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        # task_function is not used: each Slurm task runs megaft.launch.submit_task instead.
+        self.config, self.hydra_context = config, hydra_context
+
+    def _compose(self, num: int, overrides: Sequence[str], spec: NodeSpec) -> Point:
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = sweep_config.hydra.job.num = num
+        HydraConfig.instance().set_config(sweep_config)  # for ${hydra:...} in the user's config
+        run_dir = os.path.abspath(os.path.join(str(sweep_config.hydra.sweep.dir), str(sweep_config.hydra.sweep.subdir)))
+        point = Point(num, overrides, run_dir, sweep_config)
+        task_cfg = copy.deepcopy(sweep_config)
+        with open_dict(task_cfg):
+            del task_cfg["hydra"]
+        try:
+            point.cfg = OmegaConf.to_object(task_cfg)
+        except Exception as exc:  # a bad value for a typed field: report it like any other problem
+            point.problems = [str(exc).splitlines()[0]]
+            return point
+        point.problems = validate(point.cfg, point_world_size(point.cfg))
+        shape, shape_problems = resource_shape(point.cfg, spec)
+        point.shape, point.problems = shape, point.problems + shape_problems
+        return point
+
+    def _write_hydra_files(self, point: Point) -> None:
+        """The run dir's .hydra/ as Hydra writes it for a local job (config, hydra, overrides)."""
+        hydra_dir = os.path.join(point.run_dir, ".hydra")
+        os.makedirs(hydra_dir, exist_ok=True)
+        task_cfg = copy.deepcopy(point.sweep_config)
+        with open_dict(task_cfg):
+            hydra_cfg = task_cfg.pop("hydra")
+        OmegaConf.save(task_cfg, os.path.join(hydra_dir, "config.yaml"), resolve=True)
+        OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), os.path.join(hydra_dir, "hydra.yaml"))
+        OmegaConf.save(OmegaConf.create(point.overrides), os.path.join(hydra_dir, "overrides.yaml"))
+
+    def _submit(self, shape: Shape, points: list[Point]) -> None:
+        import submitit
+
+        from megaft.launch.submit_task import SlurmRankTask
+
+        executor = submitit.SlurmExecutor(folder=self.params["submitit_folder"])
+        executor.update_parameters(**sbatch_parameters(shape, self.params))
+        for point in points:
+            self._write_hydra_files(point)
+        with executor.batch():
+            jobs = [executor.submit(SlurmRankTask(point.cfg, point.run_dir)) for point in points]
+        for point, job in zip(points, jobs):
+            point.job = job
+        log.info("array %s (%s, %d job(s)): %s", jobs[0].job_id.split("_")[0], shape.tag(), len(jobs),
+                 ", ".join(f"#{pt.num} {pt.override_str}" for pt in points))
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = os.path.abspath(str(self.config.hydra.sweep.dir))
+        os.makedirs(sweep_dir, exist_ok=True)
+        spec = NodeSpec(nodes=self.params["nodes"], tasks_per_node=self.params["tasks_per_node"],
+                        gpus_per_node=self.params["gpus_per_node"], cpus_per_task=self.params["cpus_per_task"])
+        points = [self._compose(initial_job_idx + i, o, spec) for i, o in enumerate(job_overrides)]
+        invalid = [pt for pt in points if pt.problems]
+        for pt in invalid:
+            print(f"megaft-train: point #{pt.num} ({pt.override_str}) is invalid and was not submitted:\n"
+                  + "\n".join(f"  - {problem}" for problem in pt.problems), file=sys.stderr)
+        for shape, group in group_by_shape((pt.shape, pt) for pt in points if not pt.problems).items():
+            self._submit(shape, group)
+        merge_submitted(sweep_dir, [pt.record(str(self.params["submitit_folder"])) for pt in points])
+        log.info("%s written: %d submitted, %d invalid", os.path.join(sweep_dir, SUBMITTED_FILE),
+                 len(points) - len(invalid), len(invalid))
+        returns = [self._job_return(pt) for pt in points if not pt.problems]
+        if invalid:
+            print(f"megaft-train: {len(invalid)} of {len(points)} point(s) invalid (listed above); "
+                  "the others were submitted", file=sys.stderr)
+            sys.exit(2)
+        return returns
+
+    def _job_return(self, point: Point) -> JobReturn:
+        ret = JobReturn(overrides=point.overrides, cfg=point.sweep_config, hydra_cfg=point.sweep_config,
+                        working_dir=point.run_dir, task_name=str(point.sweep_config.hydra.job.name))
+        if not self.params["wait"]:
+            ret.status, ret._return_value = JobStatus.COMPLETED, {"job_id": point.job.job_id}
+            return ret
+        try:
+            ret._return_value = point.job.results()[0]  # rank 0's summary
+            ret.status = JobStatus.COMPLETED
+        except Exception as exc:  # submitit re-raises the job's failure with its traceback
+            ret._return_value, ret.status = exc, JobStatus.FAILED
+        return ret

@@ -1,0 +1,75 @@
+"""KernelsConfig (`kernels.*`): which backend runs each fused op of the model, and its checks.
+
+``kernels.backend`` applies to every op; a per-op field overrides it (None = follow
+``backend``). ``auto`` keeps the CPU path on torch and, on CUDA, takes Triton, else the
+CUDA C++ kernels, else torch (megaft.kernels.dispatch). An explicit backend that
+cannot run on the run's device is reported by :func:`check_kernels` before any rank
+starts, with the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megaft.kernels.dispatch import BACKENDS
+
+OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy")
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"  # auto | torch | triton | cuda, for every op without an override
+    rmsnorm: Optional[str] = None  # RMSNorm (+ the fused residual add); None = `backend`
+    rope: Optional[str] = None  # rotary embedding of q and k; None = `backend`
+    swiglu: Optional[str] = None  # the MLP's silu(gate) * up; None = `backend`
+    cross_entropy: Optional[str] = None  # vocab-parallel loss: auto|torch|triton (backend=cuda -> auto)
+    fused_linear_cross_entropy: bool = False  # head projection + loss chunk by chunk (never all logits)
+    ce_chunk_tokens: int = 2048  # tokens per chunk of the fused linear cross-entropy
+
+    def for_op(self, op: str) -> str:
+        """The backend asked for `op`: the override, else `backend` (a global cuda
+        means auto for the ops without a CUDA C++ kernel)."""
+        if op not in OPS:
+            raise ValueError(f"unknown kernel op {op!r}; one of {OPS}")
+        override = getattr(self, op)
+        if override:
+            return override
+        return "auto" if self.backend == "cuda" and op not in CUDA_OPS else self.backend
+
+
+# Ops with a CUDA C++ kernel (cross-entropy has Triton and torch only).
+CUDA_OPS = ("rmsnorm", "rope", "swiglu")
+
+
+def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:
+    """Every problem of `cfg` for a run on `device_type` ("cpu" or "cuda"), with its fix."""
+    import torch
+
+    from megaft.kernels import dispatch
+
+    problems = []
+    for name in ("backend",) + OPS:
+        value = getattr(cfg, name)
+        if value is not None and value not in BACKENDS:
+            problems.append(f"kernels.{name}={value!r} is unknown; fix: one of {', '.join(BACKENDS)}")
+    if problems:
+        return problems
+    if cfg.ce_chunk_tokens < 1:
+        problems.append(f"kernels.ce_chunk_tokens={cfg.ce_chunk_tokens} must be >= 1")
+    device = torch.device(device_type)
+    blocked: dict[tuple[str, str, str], list[str]] = {}  # (source, backend, why) -> ops: one line each
+    for op in OPS:
+        asked = cfg.for_op(op)
+        if asked in ("auto", "torch"):
+            continue
+        source = f"kernels.{op}" if getattr(cfg, op) else "kernels.backend"
+        if asked == "cuda" and op not in CUDA_OPS:
+            problems.append(f"{source}=cuda: {op} has no CUDA C++ kernel; fix: kernels.{op}=triton, auto or torch")
+            continue
+        why = dispatch.unavailable_reason(op, asked, device)
+        if why is not None:
+            blocked.setdefault((source, asked, why), []).append(op)
+    for (source, asked, why), ops in blocked.items():
+        problems.append(f"{source}={asked} cannot run {', '.join(ops)} on {device_type}: {why} "
+                        "(kernels.backend=auto is torch on CPU)")
+    return problems

@@ -1,0 +1,50 @@
+"""GEMMs with fused epilogues for the parallel linears, and the fp32 weight-gradient
+accumulation (Megatron's gradient-accumulation fusion), with a choice of backend.
+
+    torch   reference.py: F.linear and the epilogue as separate ops, the specification
+    triton  triton.py: one tiled GEMM kernel, epilogue in registers
+
+Not wired into ColumnParallelLinear / RowParallelLinear yet (the model keeps F.linear);
+these are the kernels and their tests. Backend choice: megaft.kernels.dispatch.resolve
+(there is no CUDA C++ version: an explicit "cuda" is an error).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megaft.kernels import _triton, dispatch
+from megaft.kernels.linear import reference
+
+__all__ = ["linear", "linear_swiglu", "resolve_backend", "wgrad_accumulate_"]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "cuda":
+        raise RuntimeError("linear backend 'cuda' is not available: the fused-epilogue GEMM has no CUDA C++ "
+                           "version; fix: use 'triton', 'auto' or 'torch'")
+    choice = dispatch.resolve("linear", backend, device)
+    return "torch" if choice == "cuda" else choice
+
+
+def linear(x, w, bias=None, residual=None, backend: str = "auto") -> torch.Tensor:
+    """``x @ w.T (+ bias) (+ residual)``."""
+    if resolve_backend(backend, x.device) == "triton":
+        return _triton.load("linear").LinearFunction.apply(x, w, bias, residual)
+    return reference.linear(x, w, bias, residual)
+
+
+def linear_swiglu(x, w, bias=None, backend: str = "auto") -> torch.Tensor:
+    """``silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` for ``w = cat([w_gate, w_up])``."""
+    if w.shape[0] % 2:
+        raise ValueError(f"the fused gate/up weight needs an even number of rows, got {w.shape[0]}")
+    if resolve_backend(backend, x.device) == "triton":
+        return _triton.load("linear").LinearSwiGLUFunction.apply(x, w, bias)
+    return reference.linear_swiglu(x, w, bias)
+
+
+def wgrad_accumulate_(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, backend: str = "auto"):
+    """``main_grad += dy.T @ x`` in place (main_grad fp32 [N, K]; dy [..., N], x [..., K])."""
+    if resolve_backend(backend, main_grad.device) == "triton":
+        return _triton.load("linear").wgrad_accumulate_(main_grad, dy, x)
+    return reference.wgrad_accumulate_(main_grad, dy, x)

@@ -1,0 +1,47 @@
+"""What every Slurm task of a submitted sweep runs: one rank of one point.
+
+submitit pickles a `SlurmRankTask` per point; in the job, each task (one per rank) calls
+it. Rank, local rank, world size and the master host come from Slurm through submitit's
+JobEnvironment, the port from the job's own id (megaft.launch.submit.task_port), so
+nothing is set by hand and two jobs on one node never meet on one port.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from megaft.config import Config
+from megaft.fileio import write_json_atomic
+from megaft.launch.env import DistEnv
+from megaft.launch.submit import task_port
+
+RENDEZVOUS_FILE = "slurm.json"  # in the run dir: which job ran it and where its ranks met
+
+
+class SlurmRankTask:
+    """Train `cfg` in `run_dir` as the rank this Slurm task is (submitit callable)."""
+
+    def __init__(self, cfg: Config, run_dir: str):
+        self.cfg, self.run_dir = cfg, run_dir
+
+    def __call__(self) -> dict[str, Any]:
+        import submitit
+
+        from megaft.launch.rank import run_rank
+
+        job = submitit.JobEnvironment()
+        # SLURM_JOB_ID is this array task's own id; submitit's job_id is "<array>_<task>".
+        port = task_port(os.environ.get("SLURM_JOB_ID", job.raw_job_id))
+        env = DistEnv(rank=job.global_rank, world_size=job.num_tasks, local_rank=job.local_rank,
+                      init_method=f"tcp://{job.hostnames[0]}:{port}")
+        os.makedirs(self.run_dir, exist_ok=True)
+        if env.rank == 0:
+            write_json_atomic(os.path.join(self.run_dir, RENDEZVOUS_FILE), {
+                "job_id": job.job_id, "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "array_job_id": job.array_job_id, "array_task_id": job.array_task_id,
+                "hostnames": list(job.hostnames), "world_size": env.world_size,
+                "init_method": env.init_method, "port": port, "start_time": time.time()})
+        # torch threads per rank = the cores Slurm gave the task, not every core of the node.
+        threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
+        return run_rank(self.cfg, self.run_dir, env, threads)

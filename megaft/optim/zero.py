@@ -1,0 +1,188 @@
+"""ZeRO stages 1-3 (Rajbhandari et al. 2020): AdamW state sharded over dp.
+
+Every FlatParams bucket is padded to a multiple of dp and split into dp equal
+chunks; this rank owns chunk `dp_rank` of every bucket (Megatron's distributed
+optimizer layout), so a bucket's reduce-scatter lands exactly on the owned chunk.
+
+  stage 1: Adam moments (exp_avg, exp_avg_sq) only for the owned chunks; the
+           full gradient buffer stays (the reduced chunk is copied into it).
+  stage 2: also no full gradient buffer; gradients live as the owned chunks only
+           (megaft.parallel.buckets moves each .grad into a scratch bucket).
+  stage 3: also the parameters: the owned chunks are the only persistent copy, and
+           each layer is gathered just while it runs (megaft.optim.zero3).
+After the update (stages 1, 2) each bucket's params are all-gathered from their owners.
+
+In fp32 the parameters are the master weights (no extra copy), so the bytes held
+per parameter are: stage 0: 4 + 4 + 8; stage 1: 4 + 4 + 8/dp; stage 2: 4 + (4 + 8)/dp;
+stage 3: (4 + 4 + 8)/dp
+(params + grads + Adam moments; the paper's K = 12 becomes 8 without a separate
+fp32 master copy). bf16 autocast keeps fp32 weights, so the same formula holds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaft.kernels.adamw import adamw_step_
+from megaft.layers.shard import is_sequence_parallel, shard_of
+from megaft.optim.config import OptimConfig
+from megaft.optim.flat import FlatParams
+from megaft.parallel.buckets import chunk_range
+from megaft.parallel.comm import Group, all_reduce, group_rank, group_size
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Kinds of gradient segments for the norm: tp-sharded (sum over tp), replicated
+# over tp (count once), or left out (the last pp stage's tied embedding copy).
+SHARDED, REPLICATED, SKIP = "tp", "rep", "skip"
+
+
+class ShardedAdamW:
+    """AdamW over this rank's chunks of every bucket (ZeRO stage 1 or 2)."""
+
+    def __init__(self, flat: FlatParams, cfg: OptimConfig, dp_group: Group, *, stage: int,
+                 norm_params: Optional[list] = None):
+        self.flat, self.cfg, self.stage, self.group, self.step_count = flat, cfg, stage, dp_group, 0
+        self.dp, self.dp_rank = group_size(dp_group), group_rank(dp_group)
+        self.buckets = flat.buckets
+        self.scaler = None
+        self.gatherer = None  # stage 3: megaft.optim.zero3.ParamGatherer (set by build_optimizer)
+        counted = {id(p) for p in (flat.params if norm_params is None else norm_params)}
+        # One flat moment (and, stage 2, grad) tensor per group; per-bucket chunk views into them.
+        self.ranges = [chunk_range(b, self.dp, self.dp_rank) for b in self.buckets]
+        sizes = [sum(hi - lo for (lo, hi), b in zip(self.ranges, self.buckets) if b.group == gi)
+                 for gi in range(len(flat.groups))]
+        device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
+        self.exp_avg = [torch.zeros(n, device=device) for n in sizes]
+        self.exp_avg_sq = [torch.zeros(n, device=device) for n in sizes]
+        self.shard_grads = [torch.zeros(n, device=device) for n in sizes] if stage >= 2 else []
+        self.chunks = []  # (bucket, param view, grad view, exp_avg view, exp_avg_sq view)
+        used = [0] * len(flat.groups)
+        for b, (lo, hi) in zip(self.buckets, self.ranges):
+            g, at = flat.groups[b.group], used[b.group]
+            view = slice(at, at + hi - lo)
+            grad = self.shard_grads[b.group][view] if stage >= 2 else g.grad[lo:hi]
+            # stage 3 frees the full buffers: the owned chunk is a tensor of its own (the master copy)
+            param = g.data[lo:hi].clone() if stage == 3 else g.data[lo:hi]
+            self.chunks.append((b, param, grad, self.exp_avg[b.group][view], self.exp_avg_sq[b.group][view]))
+            used[b.group] += hi - lo
+        self.segments = [self._segments(b, lo, hi, counted) for b, (lo, hi) in zip(self.buckets, self.ranges)]
+
+    @staticmethod
+    def _segments(bucket, lo: int, hi: int, counted: set) -> list[tuple[int, int, str, bool]]:
+        """(start, stop within the chunk, norm kind, sequence-parallel) of each param piece in [lo, hi)."""
+        out = []
+        for p, off in zip(bucket.params, bucket.offsets):
+            a, z = max(off, lo), min(off + p.numel(), hi)
+            if a < z:
+                kind = SKIP if id(p) not in counted else (REPLICATED if shard_of(p) is None else SHARDED)
+                out.append((a - lo, z - lo, kind, is_sequence_parallel(p)))
+        return out
+
+    @property
+    def chunk_grads(self) -> list[torch.Tensor]:
+        """Where each bucket's reduced chunk lands (megaft.parallel.buckets.GradReducer)."""
+        return [c[2] for c in self.chunks]
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients the step applies (owned chunks), for clipping and inf checks."""
+        return self.chunk_grads
+
+    @torch.no_grad()
+    def sync_sequence_parallel(self, tp_group: Group) -> None:
+        """Sum sequence-parallel params' partial grads over tp, on the owned chunks: the
+        tp ranks of one dp rank share a layout, and the tp and dp sums commute."""
+        if group_size(tp_group) == 1:
+            return
+        pieces = [c[2][a:z] for c, segs in zip(self.chunks, self.segments) for a, z, _, sp in segs if sp]
+        if not pieces:
+            return
+        flat = all_reduce(torch.cat(pieces), tp_group)
+        at = 0
+        for piece in pieces:
+            piece.copy_(flat[at:at + piece.numel()])
+            at += piece.numel()
+
+    @torch.no_grad()
+    def grad_norm(self, tp_group: Group, pp_group: Group) -> torch.Tensor:
+        """Global L2 norm: tp-sharded squares summed over tp, replicated ones once, then
+        every chunk summed over dp (each element is owned by one dp rank) and pp."""
+        device = self.exp_avg[0].device
+        sq = {SHARDED: torch.zeros((), device=device), REPLICATED: torch.zeros((), device=device)}
+        for c, segs in zip(self.chunks, self.segments):
+            for a, z, kind, _ in segs:
+                if kind != SKIP:
+                    sq[kind] += c[2][a:z].pow(2).sum()
+        total = all_reduce(sq[SHARDED], tp_group) + sq[REPLICATED]
+        return all_reduce(all_reduce(total, self.group), pp_group).sqrt()
+
+    @property
+    def param_shards(self) -> list[torch.Tensor]:
+        """The owned chunk of every bucket's parameters (stage 3's only persistent copy)."""
+        return [c[1] for c in self.chunks]
+
+    @torch.no_grad()
+    def reload_param_shards(self) -> None:
+        """Stage 3: take the owned chunks from the (gathered) full buffers, after a checkpoint load."""
+        for (b, param, *_), (lo, hi) in zip(self.chunks, self.ranges):
+            param.copy_(self.flat.groups[b.group].data[lo:hi])
+
+    def zero_grad(self) -> None:
+        if self.stage >= 2:
+            for g in self.shard_grads:
+                g.zero_()
+        else:
+            self.flat.zero_grad()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps for params, grads and optimizer state."""
+        grads = self.shard_grads if self.stage >= 2 else [g.grad for g in self.flat.groups]
+        params = self.param_shards if self.stage == 3 else [g.data for g in self.flat.groups]
+        gathered = self.gatherer.held_bytes() if self.gatherer is not None else 0  # 0 unless a layer leaked
+        return {"params": sum(t.nbytes for t in params) + gathered,
+                "grads": sum(t.nbytes for t in grads),
+                "optimizer": sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq)}
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """AdamW on the owned chunks, then all-gather every bucket's params from their owners."""
+        self.step_count += 1
+        for b, param, grad, m, v in self.chunks:
+            adamw_step_(param, grad, m, v, step=self.step_count, lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
+                        eps=self.cfg.eps, weight_decay=self.flat.groups[b.group].weight_decay,
+                        backend=self.cfg.fused)
+        if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
+            return
+        sends = [param.clone() for _, param, *_ in self.chunks]  # the output overlaps the input: copy it
+        works = [_all_gather(self.flat.groups[b.group].data[b.start:b.stop], send, group=self.group, async_op=True)
+                 for (b, *_), send in zip(self.chunks, sends)]
+        for w in works:
+            w.wait()
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, bucket_mb: float, grid,
+                    norm_params: Optional[list] = None):
+    """(FlatParams, optimizer, GradReducer) of one rank for ZeRO stage `zero` (0 to 3);
+    stage 3 also installs the per-layer parameter gathering (`optimizer.gatherer`).
+
+    `norm_params`: the params the grad norm counts (pp: all but a tied copy)."""
+    from megaft.optim.adamw import AdamW
+    from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
+    from megaft.parallel.buckets import GradReducer
+
+    numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients
+    units = model_units(model) if zero == 3 else None
+    flat = FlatParams(model, weight_decay=cfg.weight_decay, device=grid.device, bucket_numel=0 if units else numel,
+                      multiple=grid.dp_size if zero else 1, keep_grads=zero < 2,
+                      units=unit_params(units) if units else None)
+    if zero == 0:
+        return flat, AdamW(flat, cfg, norm_params=norm_params), GradReducer(flat, grid.dp_group)
+    optimizer = ShardedAdamW(flat, cfg, grid.dp_group, stage=zero, norm_params=norm_params)
+    reducer = GradReducer(flat, grid.dp_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads)
+    if units:
+        optimizer.gatherer = ParamGatherer(flat, units, optimizer.param_shards, grid.dp_group)
+        reducer.after_finish = optimizer.gatherer.end_backward
+    return flat, optimizer, reducer

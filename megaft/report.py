@@ -1,0 +1,305 @@
+"""`megaft-report DIR`: one table row per run of a run dir or a sweep dir.
+
+Reads each run's summary.json and metrics.jsonl, the sweep's submitted.json (job ids,
+invalid points with their problems) and, when Slurm answers, `squeue` (sacct is not
+needed). Prints the table, writes report.csv, report.json, report.md and a plot
+report.png (tokens/s and peak memory per config) into DIR (or --out).
+
+Status: invalid (rejected before submission), pending / running (in squeue, or for
+runs Slurm does not know: no metrics yet / metrics but no summary), done (summary.json),
+failed (a submitted job that left squeue without a summary; the reason comes from
+submitit's result pickle or the job's stderr).
+
+MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s); FLOPs per token are
+6 * params + 12 * n_layers * dim * seq_len (the PaLM paper's count: matmuls forward and
+backward plus attention scores and values). The peak is --peak-tflops, else the bf16
+dense peak of the run's GPU from PEAK_TFLOPS; runs on CPU show "-".
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+from typing import Any, Optional
+
+import yaml
+
+from megaft.launch.submit_record import read_submitted
+
+# Dense bf16 tensor-core peaks in TFLOP/s (vendor datasheets, SXM parts), matched as
+# substrings of torch.cuda.get_device_name; first match wins (H200 before H100 NVL...).
+PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0),
+               ("L40S", 362.0), ("A10G", 70.0), ("V100", 125.0))
+COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp", "tokens_per_s", "mfu",
+           "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "reason")
+RUN_FILES = ("summary.json", "metrics.jsonl", os.path.join(".hydra", "config.yaml"))
+SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf"}
+
+
+def flops_per_token(params: int, n_layers: int, dim: int, seq_len: int) -> float:
+    """Model FLOPs per trained token: 6N for the weights plus 12 * L * d * T for attention."""
+    return 6.0 * params + 12.0 * n_layers * dim * seq_len
+
+
+def peak_tflops(device_name: Optional[str]) -> Optional[float]:
+    """The known bf16 dense peak of a GPU name, or None."""
+    for key, peak in PEAK_TFLOPS:
+        if device_name and key in device_name:
+            return peak
+    return None
+
+
+def _is_run_dir(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in RUN_FILES)
+
+
+def find_runs(root: str) -> list[dict[str, Any]]:
+    """Entries {run_dir, overrides, job_id?, submitit_folder?, status?, problems?}: the points of
+    submitted.json first (in submission order), then every other run dir under root."""
+    root = os.path.abspath(root)
+    entries = {os.path.abspath(p["run_dir"]): dict(p) for p in read_submitted(root)["points"]}
+    candidates = [root] if _is_run_dir(root) else []
+    for dirpath, dirnames, _ in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        if dirpath != root and _is_run_dir(dirpath):
+            candidates.append(dirpath)
+            dirnames[:] = []  # a run dir's subfolders are its own outputs
+    for path in candidates:
+        entries.setdefault(path, {"run_dir": path, "overrides": _hydra_overrides(path)})
+    return list(entries.values())
+
+
+def _hydra_overrides(run_dir: str) -> str:
+    path = os.path.join(run_dir, ".hydra", "overrides.yaml")
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        return " ".join(yaml.safe_load(f) or [])
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line being written right now
+                    pass
+    except OSError:
+        pass
+    return rows
+
+
+def squeue_states() -> Optional[dict[str, str]]:
+    """{job id as submitit names it ("123" or "123_4"): state} of queued jobs, None without Slurm."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return dict(line.split("|", 1) for line in out.stdout.split() if "|" in line)
+
+
+def failure_reason(entry: dict[str, Any]) -> str:
+    """The last line of the job's error: submitit's result pickle, else its stderr log."""
+    folder, job = entry.get("submitit_folder"), entry.get("job_id")
+    if not folder or not job:
+        return ""
+    try:
+        with open(os.path.join(folder, f"{job}_result.pkl"), "rb") as f:
+            outcome, value = pickle.load(f)
+        if outcome == "error":
+            return _last_line(str(value))
+    except (OSError, pickle.UnpicklingError, ValueError, EOFError, ImportError, AttributeError):
+        pass
+    try:
+        with open(os.path.join(folder, f"{job}_0_log.err")) as f:
+            return _last_line(f.read())
+    except OSError:
+        return "no result and no log: the job died before it started (see sbatch/Slurm logs)"
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def run_status(entry: dict[str, Any], summary: Optional[dict], has_metrics: bool,
+               states: Optional[dict[str, str]]) -> str:
+    if entry.get("status") == "invalid":
+        return "invalid"
+    state = (states or {}).get(entry.get("job_id", ""))
+    if state:  # a queued job wins over an old summary (a requeued job runs again)
+        return "pending" if state in ("PENDING", "REQUEUED", "CONFIGURING") else "running"
+    if summary is not None:
+        return "done"
+    if entry.get("job_id") and states is not None:
+        return "failed"  # submitted, gone from the queue, no summary
+    return "running" if has_metrics else "pending"
+
+
+def collect(root: str, peak: Optional[float] = None) -> list[dict[str, Any]]:
+    """One row (COLUMNS) per run under `root`; `peak` overrides the GPU table (TFLOP/s)."""
+    states = squeue_states()
+    rows = []
+    for entry in find_runs(root):
+        run_dir = entry["run_dir"]
+        summary = _read_json(os.path.join(run_dir, "summary.json"))
+        metrics = _read_metrics(run_dir)
+        row: dict[str, Any] = {c: None for c in COLUMNS}
+        row.update(run=os.path.relpath(run_dir, os.path.abspath(root)), overrides=entry.get("overrides", ""),
+                   job_id=entry.get("job_id"), status=run_status(entry, summary, bool(metrics), states))
+        if row["status"] == "invalid":
+            row["reason"] = "; ".join(entry.get("problems", []))
+        elif row["status"] == "failed":
+            row["reason"] = failure_reason(entry)
+        row.update(_numbers(summary, metrics, entry, peak))
+        rows.append(row)
+    return rows
+
+
+def _numbers(summary: Optional[dict], metrics: list[dict], entry: dict, peak: Optional[float]) -> dict[str, Any]:
+    """Throughput, MFU, memory and losses: from summary.json, else the metrics so far."""
+    train = [m for m in metrics if "loss" in m]
+    evals = [m for m in metrics if "eval_loss" in m or "eval_accuracy" in m]
+    s = summary or {}
+    out: dict[str, Any] = {k: s.get(k) for k in ("world_size", "tp", "pp", "dp", "tokens_per_s", "final_loss",
+                                                  "eval_loss", "eval_accuracy")}
+    if out["world_size"] is None and entry.get("shape"):
+        out["world_size"] = entry["shape"]["world_size"]
+    if summary is None and train:
+        # The first step includes warm-up; the median of the rest is the steady rate.
+        out["tokens_per_s"] = statistics.median(m["tokens_per_s"] for m in train[1:] or train)
+        out["final_loss"] = train[-1]["loss"]
+    if summary is None and evals:
+        out["eval_loss"], out["eval_accuracy"] = evals[-1].get("eval_loss"), evals[-1].get("eval_accuracy")
+    mem = s.get("peak_memory_bytes", s.get("peak_rss_bytes"))
+    out["peak_mem_gb"] = mem / 2**30 if mem is not None else None
+    out["mfu"] = _mfu(s, out["tokens_per_s"], peak)
+    return out
+
+
+def _mfu(summary: dict, tokens_per_s: Optional[float], peak: Optional[float]) -> Optional[float]:
+    if not tokens_per_s or not str(summary.get("device", "")).startswith("cuda"):
+        return None  # CPU runs have no meaningful peak
+    peak = peak or peak_tflops(summary.get("device_name"))
+    needed = ("params", "n_layers", "dim", "seq_len", "world_size")
+    if peak is None or any(summary.get(k) is None for k in needed):
+        return None
+    fpt = flops_per_token(summary["params"], summary["n_layers"], summary["dim"], summary["seq_len"])
+    return tokens_per_s * fpt / (summary["world_size"] * peak * 1e12)
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if key == "mfu" or key == "eval_accuracy":
+        return f"{value:.1%}"
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    if isinstance(value, float):
+        return f"{value:.4g}" if key != "peak_mem_gb" else f"{value:.2f}"
+    return str(value)
+
+
+def short_overrides(rows: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """Each row's overrides without the ones every row shares, and the shared ones."""
+    split = [r["overrides"].split() for r in rows]
+    if not split:
+        return [], ""
+    common = set.intersection(*map(set, split))
+    return [" ".join(o for o in s if o not in common) for s in split], " ".join(o for o in split[0] if o in common)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as an aligned text table (shared overrides on a line above it)."""
+    shown, common = short_overrides(rows)
+    cols = [c for c in COLUMNS if c != "reason"]
+    cells = [[_cell(c, v if c != "overrides" else o) for c, v in ((c, r[c]) for c in cols)]
+             for r, o in zip(rows, shown)]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
+    lines = [f"common overrides: {common or '-'}", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in cells]
+    lines += [f"{r['run']}: {r['status']}: {r['reason']}" for r in rows if r["reason"]]
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict[str, Any]], out_dir: str, plot: bool = True) -> list[str]:
+    """report.csv, report.json, report.md (and report.png) in out_dir; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"report.{ext}") for ext in ("csv", "json", "md")]
+    with open(paths[0], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(paths[1], "w") as f:
+        json.dump(rows, f, indent=2)
+    with open(paths[2], "w") as f:
+        f.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+        f.writelines("| " + " | ".join(_cell(c, r[c]).replace("|", "\\|") for c in COLUMNS) + " |\n" for r in rows)
+    if plot:
+        paths.append(plot_rows(rows, os.path.join(out_dir, "report.png")))
+    return paths
+
+
+def plot_rows(rows: list[dict[str, Any]], path: str) -> str:
+    """Bar charts of tokens/s and peak memory per config (rows without numbers show empty)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['run']} ({r['status']})\n{o}" for r, o in zip(rows, short_overrides(rows)[0])]
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.2 * len(rows)), 7), sharex=True)
+    for ax, key, title in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "peak_mem_gb", "peak memory (GiB)")):
+        ax.bar(range(len(rows)), [r[key] or 0.0 for r in rows], color=["C0" if r["status"] == "done" else "C7"
+                                                                          for r in rows])
+        ax.set_ylabel(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=7)
+    axes[0].set_title("megaft-report (grey: not done)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="megaft-report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", help="a run dir or a multirun/sweep dir")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak TFLOP/s per GPU for MFU (default: the known bf16 dense peak of the GPU)")
+    parser.add_argument("--out", default=None, help="where report.* go (default: DIR)")
+    parser.add_argument("--no-plot", action="store_true", help="skip report.png")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        print(f"megaft-report: {args.dir} is not a directory", file=sys.stderr)
+        return 1
+    rows = collect(args.dir, args.peak_tflops)
+    if not rows:
+        print(f"megaft-report: no runs under {args.dir} (no summary.json, metrics.jsonl, .hydra/ or "
+              "submitted.json)", file=sys.stderr)
+        return 1
+    print(format_table(rows))
+    for path in write_outputs(rows, args.out or args.dir, plot=not args.no_plot):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

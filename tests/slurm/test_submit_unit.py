@@ -1,0 +1,104 @@
+"""The Slurm launcher's decisions without Slurm: resource shapes, grouping into one
+array per shape, rendezvous ports, and invalid points rejected before any sbatch."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from megaft.config import Config
+from megaft.launch.env import PORT_BASE, PORT_SPAN, slurm_port
+from megaft.launch.submit import (NodeSpec, Shape, group_by_shape, point_world_size, resource_shape, sbatch_parameters,
+                                  task_port)
+
+from .conftest import ROOT
+
+
+def point(tp=1, pp=1, dp=None, world_size=0, nodes=0) -> Config:
+    cfg = Config()
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+    cfg.launcher.world_size, cfg.launcher.nodes = world_size, nodes
+    return cfg
+
+
+@pytest.mark.parametrize("cfg, spec, shape", [
+    (point(tp=2), NodeSpec(), Shape(1, 2, 0, 1)),                                  # CPU: all ranks on one node
+    (point(tp=2, pp=2, dp=2), NodeSpec(gpus_per_node=4, cpus_per_task=8), Shape(2, 4, 4, 8)),  # 8 GPUs, 4 a node
+    (point(tp=1), NodeSpec(gpus_per_node=8), Shape(1, 1, 1, 1)),                   # fewer ranks than GPUs
+    (point(tp=2, world_size=8), NodeSpec(tasks_per_node=4), Shape(2, 4, 0, 1)),    # launcher.world_size wins
+    (point(tp=4, nodes=2), NodeSpec(gpus_per_node=8), Shape(2, 2, 2, 1)),          # launcher.nodes wins
+    (point(tp=2, dp=2), NodeSpec(nodes=2), Shape(2, 2, 0, 1)),                     # the preset's nodes
+])
+def test_resource_shape(cfg, spec, shape):
+    assert resource_shape(cfg, spec) == (shape, [])
+    assert shape.world_size == point_world_size(cfg)
+
+
+@pytest.mark.parametrize("cfg, spec, words", [
+    (point(tp=4, nodes=3), NodeSpec(), ["4 ranks", "3 nodes", "launcher.nodes"]),
+    (point(tp=8, nodes=1), NodeSpec(gpus_per_node=4), ["8 ranks per node", "gpus_per_node=4", "launcher.nodes>=2"]),
+])
+def test_resource_shape_problems(cfg, spec, words):
+    shape, problems = resource_shape(cfg, spec)
+    assert shape is None and len(problems) == 1
+    assert all(w in problems[0] for w in words), problems
+
+
+def test_one_group_per_shape_in_submission_order():
+    spec = NodeSpec(gpus_per_node=8)
+    cfgs = [point(tp=1), point(tp=2), point(tp=1, dp=2), point(tp=2, pp=1), point(tp=1, pp=2)]
+    groups = group_by_shape((resource_shape(c, spec)[0], i) for i, c in enumerate(cfgs))
+    assert list(groups.items()) == [(Shape(1, 1, 1, 1), [0]), (Shape(1, 2, 2, 1), [1, 2, 3, 4])]
+
+
+def test_ports_of_array_tasks_differ():
+    # Slurm numbers every array task with its own SLURM_JOB_ID; neighbours must not share a port.
+    ports = [task_port(str(job)) for job in range(5000, 5750)]
+    assert len(set(ports)) == len(ports)
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
+    assert task_port("5001") == slurm_port("5001", "0")  # what srun step 0 of that job would use
+
+
+def test_invalid_points_are_reported_and_not_submitted(tmp_path):
+    # Every point is invalid, so nothing reaches sbatch and no Slurm is needed.
+    sweep = tmp_path / "sweep"
+    out = subprocess.run(
+        [os.path.join(ROOT, ".venv", "bin", "megaft-train"), "-m", "hydra/launcher=slurm_cpu", "device=cpu",
+         "model.n_kv_heads=4", "parallel.tp=3,4", "launcher.nodes=1", "hydra.launcher.gpus_per_node=2",
+         f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    err = out.stderr
+    assert "point #0 (device=cpu model.n_kv_heads=4 parallel.tp=3 launcher.nodes=1" in err, err
+    assert "parallel.tp=3 does not divide model.n_heads=4" in err
+    assert "point #1 (" in err and "4 ranks per node but hydra.launcher.gpus_per_node=2" in err
+    assert "2 of 2 point(s) invalid" in err
+    record = json.loads((sweep / "submitted.json").read_text())
+    assert record["arrays"] == []
+    assert [p["status"] for p in record["points"]] == ["invalid", "invalid"]
+    assert any("n_heads" in problem for problem in record["points"][0]["problems"])
+    assert not (sweep / "0").exists() and not (sweep / "1").exists()
+
+
+def test_sbatch_script_of_an_array(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    preset = dict(job_name="megaft", partition="gpu", timeout_min=30, signal_delay_s=120, array_parallelism=2,
+                  mem_gb=64, setup=["module load cuda"], additional_parameters={"qos": "high"})
+    text = _make_sbatch_string(command="python -m submitit.core._submit x", folder=tmp_path / "%j", map_count=3,
+                               **sbatch_parameters(Shape(2, 4, 4, 8), preset))
+    lines = set(text.splitlines())
+    for line in ("#SBATCH --array=0-2%2", "#SBATCH --job-name=megaft-n2_t4_g4_c8", "#SBATCH --nodes=2",
+                 "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=30", "#SBATCH --mem=64GB", "#SBATCH --qos=high",
+                 "#SBATCH --signal=USR1@120", "module load cuda"):  # USR1: megaft.launch.preempt's signal
+        assert line in lines, (line, text)
+    cpu = _make_sbatch_string(command="x", folder=tmp_path / "%j",
+                              **sbatch_parameters(Shape(1, 2, 0, 1), dict(preset, partition=None, mem_gb=0)))
+    assert "gpus" not in cpu and "--mem" not in cpu and "--partition" not in cpu, cpu
+
+
+def test_cuda_needs_gpus_in_the_preset():
+    cfg = point(tp=2)
+    cfg.device = "cuda"
+    shape, problems = resource_shape(cfg, NodeSpec())
+    assert shape is None and "gpus_per_node=0" in problems[0] and "device=cpu" in problems[0]

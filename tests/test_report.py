@@ -1,0 +1,107 @@
+"""megaft-report on run dirs made by real tiny training runs (no Slurm: squeue is
+replaced by a given queue, submitted.json is written by the launcher's own writer)."""
+import csv
+import json
+import pickle
+import shutil
+
+import pytest
+
+from megaft import report
+from megaft.launch.submit_record import merge_submitted
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.loop import Trainer
+from train_cases import small_config
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A sweep dir: runs 0 and 1 trained (micro-batch 8 and 4), 2 = run 0 cut before its
+    summary, 3 submitted and failed, 4 submitted and still queued, 5 invalid."""
+    root = tmp_path_factory.mktemp("sweep")
+    summaries = []
+    for i, micro in enumerate((8, 4)):
+        run_dir = root / str(i)
+        run_dir.mkdir()
+        summaries.append(Trainer(small_config(steps=4, micro=micro), ParallelGrid.single(), str(run_dir)).fit())
+    shutil.copytree(root / "0", root / "2")
+    (root / "2" / "summary.json").unlink()
+    failed = root / ".submitit" / "77_0"
+    failed.mkdir(parents=True)
+    with open(failed / "77_0_result.pkl", "wb") as f:  # what submitit leaves when the task raised
+        pickle.dump(("error", "Traceback (most recent call last):\n  ...\nRuntimeError: rank 1 ran out of memory"), f)
+    shape = {"nodes": 1, "tasks_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 1, "world_size": 2}
+    merge_submitted(str(root), [
+        {"num": 3, "overrides": "parallel.tp=2 train.seed=1", "run_dir": str(root / "3"), "status": "submitted",
+         "job_id": "77_0", "array_job_id": "77", "shape": shape, "submitit_folder": str(failed)},
+        {"num": 4, "overrides": "parallel.tp=2 train.seed=2", "run_dir": str(root / "4"), "status": "submitted",
+         "job_id": "77_1", "array_job_id": "77", "shape": shape, "submitit_folder": str(root / ".submitit/77_1")},
+        {"num": 5, "overrides": "parallel.tp=3", "run_dir": str(root / "5"), "status": "invalid",
+         "problems": ["parallel.tp=3 does not divide model.n_heads=4; fix: pick tp among the divisors of 4"]}])
+    return root, summaries
+
+
+@pytest.fixture
+def rows(sweep, monkeypatch):
+    monkeypatch.setattr(report, "squeue_states", lambda: {"77_1": "PENDING", "12": "RUNNING"})
+    return {r["run"]: r for r in report.collect(str(sweep[0]))}
+
+
+def test_status_of_every_run(rows):
+    assert {run: r["status"] for run, r in rows.items()} == {
+        "0": "done", "1": "done", "2": "running", "3": "failed", "4": "pending", "5": "invalid"}
+    assert rows["3"]["reason"] == "RuntimeError: rank 1 ran out of memory"
+    assert "n_heads=4" in rows["5"]["reason"]
+    assert rows["4"]["world_size"] == 2  # from the submitted shape
+
+
+def test_numbers_come_from_the_summary(rows, sweep):
+    for run, summary in zip(("0", "1"), sweep[1]):
+        row = rows[run]
+        for key in ("tokens_per_s", "final_loss", "eval_loss", "eval_accuracy", "world_size", "tp"):
+            assert row[key] == summary[key], key
+        assert row["peak_mem_gb"] == summary["peak_rss_bytes"] / 2**30 > 0
+        assert row["mfu"] is None  # CPU: no peak to compare with
+
+
+def test_running_run_uses_its_metrics(rows, sweep):
+    train = [json.loads(line) for line in (sweep[0] / "2" / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in train if "loss" in m]
+    assert rows["2"]["final_loss"] == train[-1]["loss"]
+    assert min(m["tokens_per_s"] for m in train) <= rows["2"]["tokens_per_s"] <= max(m["tokens_per_s"] for m in train)
+
+
+def test_mfu(sweep):
+    summary = dict(sweep[1][0], device="cuda:0", device_name="NVIDIA H100 80GB HBM3")
+    tps = summary["tokens_per_s"]
+    mfu = report._mfu(summary, tps, None)
+    fpt = report.flops_per_token(summary["params"], summary["n_layers"], summary["dim"], summary["seq_len"])
+    assert fpt > 6 * summary["params"]  # the attention term counts
+    assert mfu == pytest.approx(tps * fpt / 989e12)
+    assert report._mfu(summary, tps, 989.0 / 2) == pytest.approx(2 * mfu)  # --peak-tflops
+    assert report._mfu(dict(summary, device_name="Some New GPU"), tps, None) is None
+    assert report.peak_tflops("NVIDIA H200") == 989.0
+
+
+def test_table_and_files(sweep, monkeypatch, capsys):
+    monkeypatch.setattr(report, "squeue_states", lambda: None)  # no Slurm: submitted jobs are not "failed"
+    out_dir = sweep[0] / "out"
+    assert report.main([str(sweep[0]), "--out", str(out_dir)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("run "))
+    assert all(col in header for col in ("status", "tokens_per_s", "mfu", "peak_mem_gb", "final_loss"))
+    assert "parallel.tp=3" in text and "5: invalid:" in text
+    with open(out_dir / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["status"] for r in table] == ["pending", "pending", "invalid", "done", "done", "running"]
+    assert json.loads((out_dir / "report.json").read_text())[3]["tokens_per_s"] == sweep[1][0]["tokens_per_s"]
+    assert (out_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out_dir / "report.md").read_text().count("\n") == 2 + 6
+
+
+def test_single_run_dir_and_errors(sweep, tmp_path, capsys):
+    assert report.main([str(sweep[0] / "1"), "--no-plot", "--out", str(tmp_path)]) == 0
+    assert [r["run"] for r in json.loads((tmp_path / "report.json").read_text())] == ["."]
+    assert report.main([str(tmp_path / "missing")]) == 1
+    assert report.main([str(tmp_path)]) == 1  # a dir without runs
+    assert "no runs under" in capsys.readouterr().err
