@@ -28,6 +28,7 @@ class LauncherConfig:
     max_requeue: int = 3  # Slurm requeues after a preemption signal (counted by SLURM_RESTART_COUNT)
     world_size: int = 0  # Slurm sweeps (hydra/launcher=slurm): ranks per job; 0 = tp*pp*dp (dp unset = 1)
     nodes: int = 0  # Slurm sweeps: nodes per job; 0 = the preset's, else as few as hold the ranks
+    gpu_mem_gb: float = 0.0  # GiB per GPU for the memory check (megaft.estimate); 0 = this machine's GPU, if any
 
 
 @dataclass
@@ -145,9 +146,13 @@ def validate(cfg: Config, world_size: int) -> list[str]:
                  for k, v in (("world_size", cfg.launcher.world_size), ("nodes", cfg.launcher.nodes)) if v < 0]
     if cfg.precision not in ("fp32", "bf16", "fp16"):
         problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
-    if cfg.parallel.zero == 2 and cfg.parallel.pp > 1 and cfg.model.tie_embeddings:
-        problems.append("parallel.zero=2 with parallel.pp>1 and model.tie_embeddings: the tied copies' grads are "
-                        "summed before the dp reduction, which zero=2 does not keep; fix: parallel.zero=1")
+    if cfg.parallel.zero in (2, 3) and cfg.parallel.pp > 1 and cfg.model.tie_embeddings:
+        problems.append(f"parallel.zero={cfg.parallel.zero} with parallel.pp>1 and model.tie_embeddings: the tied "
+                        "copies' grads are summed before the dp reduction, which zero>=2 does not keep; "
+                        "fix: parallel.zero=1")
+    if cfg.parallel.offload == "cpu" and cfg.optim.fused not in ("auto", "cpu"):  # the update runs on host tensors
+        problems.append(f"parallel.offload=cpu updates on the host, where optim.fused={cfg.optim.fused} cannot run; "
+                        "fix: optim.fused=auto or cpu (or parallel.offload=none)")
     if cfg.parallel.zero == 3:  # layers are gathered by module hooks; these paths read whole params directly
         for on, name in ((cfg.train.export_hf, "train.export_hf"),
                          (cfg.kernels.fused_linear_cross_entropy, "kernels.fused_linear_cross_entropy")):
@@ -173,4 +178,8 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
                         "fix: lower data.seq_len or raise model.max_seq_len")
+    if not problems:  # the estimate needs a consistent config (megaft.estimate)
+        from megaft.estimate import check_memory
+
+        problems += check_memory(cfg, world_size)
     return problems

@@ -10,10 +10,12 @@ runs Slurm does not know: no metrics yet / metrics but no summary), done (summar
 failed (a submitted job that left squeue without a summary; the reason comes from
 submitit's result pickle or the job's stderr).
 
-MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s); FLOPs per token are
-6 * params + 12 * n_layers * dim * seq_len (the PaLM paper's count: matmuls forward and
-backward plus attention scores and values). The peak is --peak-tflops, else the bf16
-dense peak of the run's GPU from PEAK_TFLOPS; runs on CPU show "-".
+MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s), from megaft.training.flops
+(the PaLM paper's count: matmuls forward and backward plus attention scores and values).
+The peak is --peak-tflops, else the run's train.peak_tflops, else the dense peak of the
+run's GPU at its precision; runs on CPU without a given peak show "-". The phase columns
+(forward/backward/optimizer/comm seconds per step) are means over the train lines of
+metrics.jsonl after the first (warm-up) step.
 """
 from __future__ import annotations
 
@@ -30,28 +32,13 @@ from typing import Any, Optional
 import yaml
 
 from megaft.launch.submit_record import read_submitted
+from megaft.training.flops import flops_per_token_from_params, mfu, peak_tflops
+from megaft.training.phases import PHASE_KEYS
 
-# Dense bf16 tensor-core peaks in TFLOP/s (vendor datasheets, SXM parts), matched as
-# substrings of torch.cuda.get_device_name; first match wins (H200 before H100 NVL...).
-PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0),
-               ("L40S", 362.0), ("A10G", 70.0), ("V100", 125.0))
 COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp", "tokens_per_s", "mfu",
-           "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "reason")
+           *PHASE_KEYS, "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "reason")
 RUN_FILES = ("summary.json", "metrics.jsonl", os.path.join(".hydra", "config.yaml"))
 SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf"}
-
-
-def flops_per_token(params: int, n_layers: int, dim: int, seq_len: int) -> float:
-    """Model FLOPs per trained token: 6N for the weights plus 12 * L * d * T for attention."""
-    return 6.0 * params + 12.0 * n_layers * dim * seq_len
-
-
-def peak_tflops(device_name: Optional[str]) -> Optional[float]:
-    """The known bf16 dense peak of a GPU name, or None."""
-    for key, peak in PEAK_TFLOPS:
-        if device_name and key in device_name:
-            return peak
-    return None
 
 
 def _is_run_dir(path: str) -> bool:
@@ -191,18 +178,26 @@ def _numbers(summary: Optional[dict], metrics: list[dict], entry: dict, peak: Op
     mem = s.get("peak_memory_bytes", s.get("peak_rss_bytes"))
     out["peak_mem_gb"] = mem / 2**30 if mem is not None else None
     out["mfu"] = _mfu(s, out["tokens_per_s"], peak)
+    steady = train[1:] or train  # the first step includes warm-up
+    for key in PHASE_KEYS:
+        values = [m[key] for m in steady if key in m]
+        out[key] = statistics.fmean(values) if values else None
     return out
 
 
 def _mfu(summary: dict, tokens_per_s: Optional[float], peak: Optional[float]) -> Optional[float]:
-    if not tokens_per_s or not str(summary.get("device", "")).startswith("cuda"):
-        return None  # CPU runs have no meaningful peak
-    peak = peak or peak_tflops(summary.get("device_name"))
-    needed = ("params", "n_layers", "dim", "seq_len", "world_size")
-    if peak is None or any(summary.get(k) is None for k in needed):
+    """MFU of a run: the given peak, else the run's own, else its GPU's; None without one (CPU)."""
+    if not tokens_per_s:
         return None
-    fpt = flops_per_token(summary["params"], summary["n_layers"], summary["dim"], summary["seq_len"])
-    return tokens_per_s * fpt / (summary["world_size"] * peak * 1e12)
+    peak = peak or summary.get("peak_tflops")
+    if not peak and str(summary.get("device", "")).startswith("cuda"):
+        peak = peak_tflops(summary.get("device_name"), summary.get("precision", "bf16"))
+    fpt = summary.get("flops_per_token")
+    if fpt is None and all(summary.get(k) is not None for k in ("params", "n_layers", "dim", "seq_len")):
+        fpt = flops_per_token_from_params(summary["params"], summary["n_layers"], summary["dim"], summary["seq_len"])
+    if not peak or fpt is None or summary.get("world_size") is None:
+        return None
+    return mfu(tokens_per_s, fpt, summary["world_size"], peak)
 
 
 def _cell(key: str, value: Any) -> str:
@@ -212,6 +207,8 @@ def _cell(key: str, value: Any) -> str:
         return f"{value:.1%}"
     if key == "tokens_per_s":
         return f"{value:,.0f}"
+    if key in PHASE_KEYS:
+        return f"{value:.4f}"
     if isinstance(value, float):
         return f"{value:.4g}" if key != "peak_mem_gb" else f"{value:.2f}"
     return str(value)
@@ -283,7 +280,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megaft-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", help="a run dir or a multirun/sweep dir")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak TFLOP/s per GPU for MFU (default: the known bf16 dense peak of the GPU)")
+                        help="peak TFLOP/s per GPU for MFU (default: the run's train.peak_tflops, else its "
+                             "GPU's dense peak at its precision)")
     parser.add_argument("--out", default=None, help="where report.* go (default: DIR)")
     parser.add_argument("--no-plot", action="store_true", help="skip report.png")
     args = parser.parse_args(argv)

@@ -5,7 +5,10 @@ import shutil
 import pytest
 import torch
 
-from checkpoint_cases import assert_same_losses, resume_resharded, tp2_straight_and_resumed, train
+from checkpoint_cases import (
+    RESUMED_SINGLE, RESUMED_WORLD2, assert_same_losses, resume_resharded, run_layout, save_and_reshard_zero,
+    tp2_straight_and_resumed, train,
+)
 from megaft.checkpoint import (
     CheckpointWarning, CheckpointWriter, LayoutMismatchError, find_latest, io, list_checkpoints, problem,
 )
@@ -190,17 +193,66 @@ def assert_continues(run, tp2_runs):
     torch.testing.assert_close(got[10:], want[10:], rtol=1e-6, atol=1e-7)
 
 
-def test_tp2_checkpoint_resumes_resharded_at_tp1_pp2_and_dp2_not_zero1(tp2_runs, tmp_path):
+def test_tp2_checkpoint_resumes_resharded_at_tp1_pp2_dp2_and_zero1(tp2_runs, tmp_path):
     run = copy_at_step_10(tp2_runs, str(tmp_path / "tp1"))
     train(run)  # tp=1, one process
     assert_continues(run, tp2_runs)
     for name in ("pp2", "dp2", "zero1"):
         copy_at_step_10(tp2_runs, str(tmp_path / name))
     spawn(2, resume_resharded, str(tmp_path))
-    for name in ("pp2", "dp2"):
+    for name in ("pp2", "dp2", "zero1"):
         assert_continues(str(tmp_path / name), tp2_runs)
     manifest = io.read_manifest(io.step_dir(os.path.join(tmp_path, "pp2", "checkpoints"), 20))
     assert manifest["layout"] == {"tp": 1, "dp": 1, "pp": 2, "world_size": 2}  # saved in the new layout
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("zero"))
+    spawn(2, save_and_reshard_zero, root)
+    for name, (_, *spec) in RESUMED_SINGLE.items():
+        run_layout(os.path.join(root, name), *spec)
+    return root
+
+
+def assert_continues_straight(run, straight):
+    """Resumed in another layout: the whole curve (saved part too, since the saved layout reorders
+    sums as well) matches the single-process run within fp32 noise, not bitwise."""
+    got, _ = read_metrics(run)
+    want, _ = read_metrics(straight)
+    assert len(got) == len(want) == 20
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted({**RESUMED_WORLD2, **RESUMED_SINGLE}))
+def test_zero_and_pp_checkpoints_reshard(zero_runs, straight, name):
+    run = os.path.join(zero_runs, name)
+    assert_continues_straight(run, straight)
+    src, tp, pp, dp, zero, _ = {**RESUMED_WORLD2, **RESUMED_SINGLE}[name]
+    saved, _ = read_metrics(os.path.join(zero_runs, src))
+    got, _ = read_metrics(run)
+    assert got[:10] == saved  # the saved run's own lines are kept as they were
+    manifest = io.read_manifest(io.step_dir(os.path.join(run, "checkpoints"), 20))
+    assert manifest["layout"] == {"tp": tp, "dp": dp, "pp": pp, "world_size": tp * dp * pp}  # saved anew
+    shard = load_shard(run, 20)
+    assert shard["zero"] == zero and shard["step_count"] == 20
+
+
+def test_zero2_same_layout_resume_is_bitwise_exact(zero_runs):
+    assert_same_curve(os.path.join(zero_runs, "z2_same"), os.path.join(zero_runs, "z2_straight"))
+
+
+def test_zero_shards_record_their_moment_ranges(zero_runs):
+    """ZeRO-2 at dp=2: the two ranks' ranges tile every buffer (each element's moments saved once)."""
+    a, b = (load_shard(os.path.join(zero_runs, "z2"), 10, r) for r in (0, 1))
+    for g, params in enumerate(a["params"]):
+        covered = torch.zeros(params.numel(), dtype=torch.int64)
+        for shard in (a, b):
+            assert sum(hi - lo for lo, hi, _ in shard["moments"][g]) == shard["exp_avg"][g].numel()
+            for lo, hi, _ in shard["moments"][g]:
+                covered[lo:hi] += 1
+        assert covered.eq(1).all()
+    assert max(len(r) for r in a["moments"]) > 1  # many buckets: scattered chunks, not one range
 
 
 def test_layout_mismatch_without_reshard_is_a_clear_error(tp2_runs, tmp_path):
@@ -232,3 +284,42 @@ def test_config_rejects_negative_values():
     assert any("train.save_every=-1 must be >= 0" in e for e in errors)
     assert any("train.keep_last=-3 must be >= 0" in e for e in errors)
     assert check_train(TrainConfig(save_every=0, keep_last=0), dp=1) == []
+
+
+def test_a_signal_after_the_last_step_finishes_the_run(tmp_path):
+    """The time limit's warning may come after the last step: the run is done (summary, no requeue)."""
+    from megaft.launch.preempt import REQUEUE, PreemptFlag
+    from megaft.training.loop import Trainer
+    from train_cases import small_config
+
+    flag = PreemptFlag()
+    trainer = Trainer(small_config(steps=3), ParallelGrid.single(), str(tmp_path))
+    train_step = trainer.train_step
+
+    def step_then_signal(step):
+        out = train_step(step)
+        if step == 2:  # the last of 3 (0-based)
+            flag.value = REQUEUE
+        return out
+
+    trainer.train_step = step_then_signal
+    summary = trainer.fit(flag=flag)
+    assert "requeue" not in summary and "stopped_by" not in summary and summary["steps"] == 3
+    assert os.path.isfile(os.path.join(tmp_path, "summary.json"))
+
+
+def test_another_model_at_the_same_layout_is_a_clear_error(tmp_path):
+    from megaft.checkpoint import load_latest
+    from megaft.training.loop import Trainer
+    from train_cases import small_config
+
+    run = str(tmp_path)
+    train(run, save_every=2, stop_after=2)
+    cfg = small_config()
+    cfg.model.ffn_dim = 96  # same layout (tp=dp=pp=1), another model: the buffers do not fit
+    trainer = Trainer(cfg, ParallelGrid.single(), run)
+    with pytest.raises(ValueError, match=r"cannot be resharded into this run's parallel.zero=0: parameter layers\."
+                                         r"1\.mlp\.down_proj\.weight: checkpoint holds \(64, 128\), this model "
+                                         r"\(64, 96\); fix: .*model config"):
+        load_latest(os.path.join(run, "checkpoints"), trainer.flat, trainer.optimizer, trainer.grid,
+                    model=trainer.model)

@@ -10,6 +10,7 @@ import pytest
 from megaft import report
 from megaft.launch.submit_record import merge_submitted
 from megaft.parallel.grid import ParallelGrid
+from megaft.training.flops import flops_per_token
 from megaft.training.loop import Trainer
 from train_cases import small_config
 
@@ -72,15 +73,31 @@ def test_running_run_uses_its_metrics(rows, sweep):
 
 
 def test_mfu(sweep):
-    summary = dict(sweep[1][0], device="cuda:0", device_name="NVIDIA H100 80GB HBM3")
+    summary = dict(sweep[1][0], device="cuda:0", device_name="NVIDIA H100 80GB HBM3", precision="bf16",
+                   peak_tflops=None)
     tps = summary["tokens_per_s"]
     mfu = report._mfu(summary, tps, None)
-    fpt = report.flops_per_token(summary["params"], summary["n_layers"], summary["dim"], summary["seq_len"])
-    assert fpt > 6 * summary["params"]  # the attention term counts
-    assert mfu == pytest.approx(tps * fpt / 989e12)
-    assert report._mfu(summary, tps, 989.0 / 2) == pytest.approx(2 * mfu)  # --peak-tflops
+    fpt = summary["flops_per_token"]  # written by the trainer from megaft.training.flops
+    cfg = small_config(steps=4)
+    assert fpt == flops_per_token(cfg.model, cfg.data.seq_len)
+    assert mfu == pytest.approx(tps * fpt / 989.4e12)
+    assert report._mfu(summary, tps, 989.4 / 2) == pytest.approx(2 * mfu)  # --peak-tflops
+    assert report._mfu(dict(summary, precision="fp32"), tps, None) == pytest.approx(mfu * 989.4 / 66.9)
     assert report._mfu(dict(summary, device_name="Some New GPU"), tps, None) is None
-    assert report.peak_tflops("NVIDIA H200") == 989.0
+    assert report._mfu(dict(summary, device="cpu"), tps, None) is None  # CPU: no peak unless given
+    assert report._mfu(dict(summary, device="cpu"), tps, 2.0) == pytest.approx(mfu * 989.4 / 2)
+    # summary.json files from before flops_per_token: 6 * params + 12 * layers * dim * seq_len
+    old = {k: v for k, v in summary.items() if k != "flops_per_token"}
+    legacy = 6 * old["params"] + 12 * old["n_layers"] * old["dim"] * old["seq_len"]
+    assert report._mfu(old, tps, None) == pytest.approx(tps * legacy / 989.4e12)
+
+
+def test_phase_columns_are_means_of_the_metrics(rows, sweep):
+    train = [json.loads(line) for line in (sweep[0] / "0" / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in train if "loss" in m][1:]  # after the warm-up step
+    for key in ("forward_s", "backward_s", "optimizer_s", "comm_s"):
+        assert rows["0"][key] == pytest.approx(sum(m[key] for m in train) / len(train))
+    assert rows["0"]["forward_s"] > 0 and rows["5"]["forward_s"] is None
 
 
 def test_table_and_files(sweep, monkeypatch, capsys):
@@ -89,7 +106,8 @@ def test_table_and_files(sweep, monkeypatch, capsys):
     assert report.main([str(sweep[0]), "--out", str(out_dir)]) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("run "))
-    assert all(col in header for col in ("status", "tokens_per_s", "mfu", "peak_mem_gb", "final_loss"))
+    assert all(col in header for col in ("status", "tokens_per_s", "mfu", "forward_s", "comm_s", "peak_mem_gb",
+                                         "final_loss"))
     assert "parallel.tp=3" in text and "5: invalid:" in text
     with open(out_dir / "report.csv") as f:
         table = list(csv.DictReader(f))

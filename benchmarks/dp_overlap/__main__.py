@@ -2,6 +2,7 @@
 
     python -m benchmarks.dp_overlap [--dp 2] [--dim 512] [--layers 8] [--bucket-mb 4 25 1000]
                                     [--batch 1] [--seq 64] [--repeats 7]
+                                    [--compression none bf16 powersgd] [--powersgd-rank 2]
 
 For each bucket size, every rank of a `dp`-rank gloo world times (median of
 `--repeats`, after one warmup) on a Llama of the given width and depth:
@@ -11,6 +12,10 @@ For each bucket size, every rank of a `dp`-rank gloo world times (median of
   sequential   backward, then the reduction (hooks off: what plain dp does)
   overlapped   backward with the hooks launching each bucket as it fills, then the
                wait for the last ones (megaft.parallel.buckets)
+
+Each bucket size is measured once per `--compression` (megaft.parallel.compress);
+sent_MiB is what one rank hands to the collectives per reduction (GradReducer's
+byte counter), so the rows compare bytes and time of none, bf16 and PowerSGD.
 
 hidden = (backward + reduce - overlapped) / reduce: the share of the reduction's time
 that ran while backward was still computing (1.0 = all of it, 0 = none). One bucket
@@ -39,6 +44,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--compression", nargs="+", default=["none"], choices=["none", "bf16", "powersgd"])
+    p.add_argument("--powersgd-rank", type=int, default=2)
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -48,13 +55,13 @@ def main() -> None:
     params = sum(p.numel() for p in model_of(args).parameters())
     print(f"dp={args.dp} gloo CPU ranks, Llama dim={args.dim} layers={args.layers}: {params / 1e6:.1f}M params, "
           f"{params * 4 / 2 ** 20:.0f} MiB fp32 grads, batch {args.batch}x{args.seq}, median of {args.repeats}")
-    print(f"{'bucket_mb':>9} {'buckets':>7} {'backward_ms':>11} {'reduce_ms':>9} {'sequential_ms':>13} "
-          f"{'overlapped_ms':>13} {'hidden':>6} {'speedup':>7}")
+    print(f"{'bucket_mb':>9} {'compression':>11} {'buckets':>7} {'sent_MiB':>8} {'backward_ms':>11} "
+          f"{'reduce_ms':>9} {'sequential_ms':>13} {'overlapped_ms':>13} {'hidden':>6} {'speedup':>7}")
     while not results.empty():
-        mb, n, bwd, red, seq, over = results.get()
+        mb, comp, n, bwd, red, seq, over, sent = results.get()
         hidden = (bwd + red - over) / red
-        print(f"{mb:>9g} {n:>7} {bwd * 1e3:>11.1f} {red * 1e3:>9.1f} {seq * 1e3:>13.1f} {over * 1e3:>13.1f} "
-              f"{hidden:>6.2f} {seq / over:>6.2f}x")
+        print(f"{mb:>9g} {comp:>11} {n:>7} {sent:>8.2f} {bwd * 1e3:>11.1f} {red * 1e3:>9.1f} {seq * 1e3:>13.1f} "
+              f"{over * 1e3:>13.1f} {hidden:>6.2f} {seq / over:>6.2f}x")
 
 
 if __name__ == "__main__":

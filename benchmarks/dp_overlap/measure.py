@@ -35,34 +35,45 @@ def _times(fns: list, repeats: int) -> list[float]:
     return [statistics.median(t) for t in out]
 
 
+def _measure(args, ids, mb: float, compression: str) -> tuple:
+    """One table row: bucket size, compression, buckets, the four times, MiB sent per reduction."""
+    model = model_of(args)
+    flat = FlatParams(model, weight_decay=0.0, device=torch.device("cpu"), bucket_numel=int(mb * 2 ** 20) // 4)
+    options = dict(compression=compression, powersgd_rank=args.powersgd_rank)
+    seq = GradReducer(flat, dist.group.WORLD, overlap=False, **options)
+
+    def backward():
+        model.loss_sum(ids, ids).backward()
+
+    def reduce():
+        seq.finish()
+
+    def sequential():
+        backward()
+        seq.finish()
+
+    over = GradReducer(flat, dist.group.WORLD, **options)
+
+    def overlapped():
+        over.arm()
+        backward()
+        over.finish()
+
+    t_bwd, t_red, t_seq, t_over = _times([backward, reduce, sequential, overlapped], args.repeats)
+    over.remove_hooks()
+    seq.take_sent_bytes()
+    seq.finish()
+    sent = seq.take_sent_bytes() / 2 ** 20
+    return mb, compression, len(flat.buckets), t_bwd, t_red, t_seq, t_over, sent
+
+
 def run_rank(rank: int, world: int, init: str, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
     for mb in args.bucket_mb:
-        model = model_of(args)
-        flat = FlatParams(model, weight_decay=0.0, device=torch.device("cpu"), bucket_numel=int(mb * 2 ** 20) // 4)
-        seq = GradReducer(flat, dist.group.WORLD, overlap=False)
-
-        def backward():
-            model.loss_sum(ids, ids).backward()
-
-        def reduce():
-            seq.finish()
-
-        def sequential():
-            backward()
-            seq.finish()
-
-        over = GradReducer(flat, dist.group.WORLD)
-
-        def overlapped():
-            over.arm()
-            backward()
-            over.finish()
-
-        t_bwd, t_red, t_seq, t_over = _times([backward, reduce, sequential, overlapped], args.repeats)
-        over.remove_hooks()
-        if rank == 0:
-            results.put((mb, len(flat.buckets), t_bwd, t_red, t_seq, t_over))
+        for compression in args.compression:
+            row = _measure(args, ids, mb, compression)
+            if rank == 0:
+                results.put(row)
     dist.destroy_process_group()

@@ -3,7 +3,7 @@
 See megaft.checkpoint.io (the files on disk), megaft.checkpoint.state (what a
 rank saves and the protocol across ranks), megaft.checkpoint.writer (sync or
 background saves, `train.async_save`) and megaft.checkpoint.reshard (loading at
-another tp/pp/dp, parallel.zero=0).
+another tp/pp/dp or ZeRO stage).
 """
 from megaft.checkpoint.io import CheckpointWarning, find_latest, list_checkpoints, problem, step_dir
 from megaft.checkpoint.state import LayoutMismatchError, capture, load_latest, save, trim_metrics

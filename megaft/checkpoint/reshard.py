@@ -1,14 +1,22 @@
-"""Resharding on load: resume a checkpoint saved at one tp/pp/dp at another (parallel.zero=0).
+"""Resharding on load: resume a checkpoint saved at one tp/pp/dp/ZeRO stage at another.
 
 Every shard carries an index of its flat buffers (`param_index`): for each parameter
 its global name, local shape, offset in its buffer and tensor-parallel split
-(megaft.layers.shard.TPShard). Names are global under pp too (StageModel keeps
-Llama's names), so a parameter is found whichever pipeline stage saved it.
-Loading at a new layout (`load_resharded`): every rank reads the shards of saved
-dp replica 0, and for each of its own parameters joins the saved tp pieces along
-the split dim (padding dropped) into the full tensor, then cuts its new tp piece
-(padding re-added as zeros). AdamW's moments use the same offsets (zero=0 keeps them
-as full buffers), so they move with their parameters. Every rank reads every
+(megaft.layers.shard.TPShard), and where its AdamW moments live (`moment_ranges`:
+per buffer, the element ranges [lo, hi) whose moments this rank holds, at `at` in
+its moment tensor; zero=0: the whole buffer, ZeRO: its chunk of every bucket). The
+parameter buffers themselves are always saved whole (ZeRO-3 gathers them to save).
+Names are global under pp too (StageModel keeps Llama's names), so a parameter is
+found whichever pipeline stage saved it.
+
+Loading at a new layout (`load_resharded`): every rank reads the shards of saved dp
+replica 0 (and, when the moments were ZeRO-sharded, the other dp ranks' shards of
+the same tp/pp coordinate, for their chunks of the moments), rebuilds each saved
+buffer's full moments from the chunks, and for each of its own parameters joins the
+saved tp pieces along the split dim (padding dropped) into the full tensor, then
+cuts its new tp piece (padding re-added as zeros). It writes the moments into a
+whole buffer of its new layout and keeps its own ranges of it (its new ZeRO chunks).
+Shards are memory-mapped, so only the bytes used are read. Every rank reads every
 needed shard: fine for the models this repo fine-tunes on a node, not for 70B.
 """
 from __future__ import annotations
@@ -43,33 +51,74 @@ def param_index(model: nn.Module, flat) -> list[list[dict[str, Any]]]:
     return index
 
 
+def moment_ranges(optimizer) -> list[list[tuple[int, int, int]]]:
+    """Per flat group: (lo, hi, at) for each range [lo, hi) of the group's buffer whose Adam
+    moments this rank holds, at [at, at + hi - lo) of its exp_avg/exp_avg_sq tensor of the group."""
+    chunks = getattr(optimizer, "chunks", None)  # ZeRO 1-3: (bucket, param, grad, exp_avg, exp_avg_sq) views
+    if chunks is None:  # zero=0: moments of the whole buffer
+        return [[(0, m.numel(), 0)] for m in optimizer.exp_avg]
+    out: list[list[tuple[int, int, int]]] = [[] for _ in optimizer.exp_avg]
+    for (bucket, _, _, m, _), (lo, hi) in zip(chunks, optimizer.ranges):
+        out[bucket.group].append((lo, hi, _offset(m, optimizer.exp_avg[bucket.group])))
+    return out
+
+
+def _ranges(state: dict[str, Any]) -> list[list[tuple[int, int, int]]]:
+    if "moments" in state:
+        return state["moments"]
+    if any(m.shape != p.shape for m, p in zip(state["exp_avg"], state["params"])):
+        raise ValueError("this checkpoint holds ZeRO-sharded moments without their ranges (saved by an older "
+                         "megaft)")
+    return [[(0, m.numel(), 0)] for m in state["exp_avg"]]
+
+
+def _load(path: str, rank: int) -> dict[str, Any]:
+    state = torch.load(os.path.join(path, io.shard_name(rank)), map_location="cpu", weights_only=False, mmap=True)
+    if "index" not in state:
+        raise ValueError(f"{path} has no parameter index (saved by an older megaft)")
+    return state
+
+
+def _full_moments(shards: list[dict[str, Any]], key: str) -> list[torch.Tensor]:
+    """Whole moment buffers of one tp/pp coordinate, assembled from its dp ranks' ranges."""
+    out = [torch.zeros(p.numel(), dtype=p.dtype) for p in shards[0]["params"]]
+    for state in shards:
+        for g, ranges in enumerate(_ranges(state)):
+            for lo, hi, at in ranges:
+                out[g][lo:hi] = state[key][g][at:at + hi - lo]
+    return out
+
+
 class _Saved:
-    """The named tensors (params and moments) of the saved shards of dp replica 0."""
+    """The named tensors (params and whole moments) of a saved checkpoint, per saved tp rank."""
 
     def __init__(self, path: str, manifest: dict[str, Any]):
-        world = manifest["layout"]["world_size"]
-        self.tp = manifest["layout"]["tp"]
+        lay = manifest["layout"]
+        self.tp = lay["tp"]
         self.pieces: dict[str, dict[int, dict[str, Any]]] = {}  # name -> saved tp rank -> piece
-        self.first: Optional[dict[str, Any]] = None
-        for rank in range(world):
-            state = torch.load(os.path.join(path, io.shard_name(rank)), map_location="cpu", weights_only=False)
-            if "index" not in state:
-                raise ValueError(f"{path} has no parameter index (saved by an older megaft)")
-            if any(m.shape != d.shape for m, d in zip(state["exp_avg"], state["params"])):
-                raise ValueError("resharding needs parallel.zero=0, and this checkpoint was saved with ZeRO "
-                                 "(optimizer moments sharded over dp)")
-            coords = state["coords"]
-            if coords["dp_rank"] != 0:
-                continue  # dp replicas hold the same values (zero=0)
-            if self.first is None:
-                self.first = state
-            for g, entries in enumerate(state["index"]):
+        self.first = _load(path, 0)
+        # Rank order: tp fastest, then dp, then pp. Moments sharded over dp (ZeRO) need every
+        # dp rank's shard; otherwise dp replicas hold the same values and dp rank 0 suffices.
+        sharded = any(lo != 0 or hi != m.numel() for ranges, m in zip(_ranges(self.first), self.first["exp_avg"])
+                      for lo, hi, _ in ranges)
+        coords: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for rank in range(lay["world_size"]):
+            if not sharded and (rank // lay["tp"]) % lay["dp"] != 0:
+                continue
+            state = self.first if rank == 0 else _load(path, rank)
+            c = state["coords"]
+            coords.setdefault((c["tp_rank"], c["pp_rank"]), []).append(state)
+        for (tp_rank, _), shards in coords.items():
+            shards.sort(key=lambda s: s["coords"]["dp_rank"])
+            tensors = {"params": shards[0]["params"]}
+            tensors.update({k: _full_moments(shards, k) for k in _MOMENTS})
+            for g, entries in enumerate(shards[0]["index"]):
                 for e in entries:
-                    n = int(torch.Size(e["shape"]).numel())
-                    lo, hi = e["offset"], e["offset"] + n
-                    piece = {k: state[k][g][lo:hi].view(e["shape"]) for k in ("params",) + _MOMENTS}
+                    lo = e["offset"]
+                    hi = lo + int(torch.Size(e["shape"]).numel())
+                    piece = {k: t[g][lo:hi].view(e["shape"]) for k, t in tensors.items()}
                     piece["split"] = e["split"]
-                    self.pieces.setdefault(e["name"], {})[coords["tp_rank"]] = piece
+                    self.pieces.setdefault(e["name"], {})[tp_rank] = piece
 
     def full(self, name: str, key: str) -> torch.Tensor:
         """The whole, unpadded tensor `key` (params/exp_avg/exp_avg_sq) of parameter `name`."""
@@ -86,30 +135,49 @@ class _Saved:
         return torch.cat(parts, dim)
 
 
+def _fill_group(saved: _Saved, path: str, group, names: dict[int, str], grid) -> dict[str, torch.Tensor]:
+    """Copy the group's params into place; returns its whole moment buffers in this layout."""
+    whole = {k: torch.zeros_like(group.data) for k in _MOMENTS}  # zero padding, as a fresh run has
+    for p in group.params:
+        name = names[id(p)]
+        if name not in saved.pieces:
+            raise ValueError(f"parameter {name} is not in checkpoint {path}; fix: resume with the model "
+                             "config the checkpoint was saved with")
+        off, n = _offset(p.data, group.data), p.numel()
+        targets = {"params": p.data}
+        targets.update({k: whole[k][off:off + n].view_as(p) for k in _MOMENTS})
+        spec = shard_of(p)
+        want = list(p.shape)
+        if spec is not None:
+            want[spec.dim] = spec.full
+        for key, dst in targets.items():
+            full = saved.full(name, key)
+            if list(full.shape) != want:  # checked whole: cutting a tp piece must not hide a size change
+                raise ValueError(f"parameter {name}: checkpoint holds {tuple(full.shape)}, this model "
+                                 f"{tuple(want)}; fix: resume with the model config the checkpoint was saved with")
+            dst.copy_(local_from_full(full, p, grid.tp_rank, grid.tp_size) if spec else full)
+    return whole
+
+
 def load_resharded(path: str, manifest: dict[str, Any], model: nn.Module, flat, optimizer, grid) -> int:
-    """Fill this rank's buffers from a checkpoint of another layout; returns its step."""
-    if any(tuple(m.shape) != tuple(g.data.shape) for m, g in zip(optimizer.exp_avg, flat.groups)):
-        raise ValueError("resharding needs parallel.zero=0 (full optimizer buffers on every rank); fix: resume "
-                         "at parallel.zero=0, or at the layout the checkpoint was saved with")
+    """Fill this rank's buffers (any ZeRO stage) from a checkpoint of another layout; returns its step."""
     saved = _Saved(path, manifest)
     names = {id(p): name for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for g, group in enumerate(flat.groups):
-            for p in group.params:
-                name = names[id(p)]
-                if name not in saved.pieces:
-                    raise ValueError(f"parameter {name} is not in checkpoint {path}; fix: resume with the model "
-                                     "config the checkpoint was saved with")
-                off, n = _offset(p.data, group.data), p.numel()
-                targets = {"params": p.data, "exp_avg": optimizer.exp_avg[g][off:off + n].view_as(p),
-                           "exp_avg_sq": optimizer.exp_avg_sq[g][off:off + n].view_as(p)}
-                for key, dst in targets.items():
-                    full = saved.full(name, key)
-                    local = local_from_full(full, p, grid.tp_rank, grid.tp_size) if shard_of(p) else full
-                    if tuple(local.shape) != tuple(dst.shape):
-                        raise ValueError(f"parameter {name}: checkpoint holds {tuple(full.shape)}, which does not "
-                                         f"fit this model's {tuple(dst.shape)} shard; fix: the same model config")
-                    dst.copy_(local)
+    gatherer: Optional[Any] = getattr(optimizer, "gatherer", None)  # ZeRO-3: fill whole buffers, keep chunks
+    if gatherer is not None:
+        gatherer.acquire_all()
+    try:
+        with torch.no_grad():
+            for g, (group, ranges) in enumerate(zip(flat.groups, moment_ranges(optimizer))):
+                whole = _fill_group(saved, path, group, names, grid)
+                for lo, hi, at in ranges:
+                    optimizer.exp_avg[g][at:at + hi - lo].copy_(whole["exp_avg"][lo:hi])
+                    optimizer.exp_avg_sq[g][at:at + hi - lo].copy_(whole["exp_avg_sq"][lo:hi])
+        if hasattr(optimizer, "reload_param_shards"):  # ZeRO-3 chunks, offloaded masters: from the buffers
+            optimizer.reload_param_shards()
+    finally:
+        if gatherer is not None:
+            gatherer.release_all()
     first = saved.first
     optimizer.step_count = first["step_count"]
     if getattr(optimizer, "scaler", None) and first.get("scaler"):

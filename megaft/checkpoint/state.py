@@ -5,8 +5,8 @@ tp shard of every weight), AdamW's exp_avg/exp_avg_sq/step_count, its RNG states
 and the step. The data stream and the LR schedule are pure functions of the
 step, so the step is the whole data position. The layout (tp/dp/pp, world size
 and this rank's coordinates) and an index of the flat buffers (names, offsets, tp
-splits) are saved too: loading at another layout reshards (megaft.checkpoint.reshard,
-parallel.zero=0) or is refused with a clear error.
+splits, the ranges its ZeRO-sharded moments cover) are saved too: loading at another
+layout or ZeRO stage reshards (megaft.checkpoint.reshard) or is refused with a clear error.
 
 Protocol (every rank calls both functions; all collectives are over the world):
 save: rank 0 makes `step_N.tmp/` -> barrier -> each rank writes its shard ->
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megaft.checkpoint import io
+from megaft.checkpoint.reshard import load_resharded, moment_ranges
 from megaft.optim import AdamW, FlatParams
 from megaft.parallel.grid import ParallelGrid
 
@@ -56,6 +57,8 @@ def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int) -
         "params": params,
         "exp_avg": [m.cpu() for m in optimizer.exp_avg],
         "exp_avg_sq": [v.cpu() for v in optimizer.exp_avg_sq],
+        "moments": moment_ranges(optimizer),  # which buffer ranges the moments cover (ZeRO: owned chunks)
+        "zero": getattr(optimizer, "stage", 0),
         "step_count": optimizer.step_count,
         "scaler": optimizer.scaler.state_dict() if getattr(optimizer, "scaler", None) else None,  # fp16
         "rng": rng,
@@ -82,8 +85,9 @@ def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: Par
         for dst, src in zip([g.data for g in flat.groups] + optimizer.exp_avg + optimizer.exp_avg_sq,
                             state["params"] + state["exp_avg"] + state["exp_avg_sq"]):
             dst.copy_(src)
-    if gatherer is not None:
+    if gatherer is not None or getattr(optimizer, "offload", False):  # own chunks / host masters (offload)
         optimizer.reload_param_shards()
+    if gatherer is not None:
         gatherer.release_all()
     optimizer.step_count = state["step_count"]
     if getattr(optimizer, "scaler", None) and state.get("scaler"):
@@ -168,7 +172,7 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
     """Load the newest complete checkpoint under root into this rank; its step, or None if none.
 
     Only rank 0 reads every byte (checksums); the others trust its choice. A checkpoint
-    of another tp/pp/dp layout is resharded when `model` is given (parallel.zero=0).
+    of another tp/pp/dp layout, ZeRO stage or bucket size is resharded when `model` is given.
     """
     step = -1
     if grid.rank == 0:
@@ -179,16 +183,28 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
         return None
     path = io.step_dir(root, step)
     manifest = io.read_manifest(path)
-    if manifest["layout"] != layout(grid) and model is not None:
-        from megaft.checkpoint.reshard import load_resharded
+    same = manifest["layout"] == layout(grid)
+    if same:
+        state = torch.load(os.path.join(path, io.shard_name(grid.rank)), map_location="cpu", weights_only=False)
+        if model is None or _fits(state, flat, optimizer):
+            return restore(state, flat, optimizer, grid)  # bitwise; a clear error when it does not fit
+    elif model is None:
+        check_layout(manifest["layout"], grid, path)  # raises
+    try:  # another tp/pp/dp, ZeRO stage or bucket size
+        return load_resharded(path, manifest, model, flat, optimizer, grid)
+    except ValueError as exc:
+        if same:
+            raise ValueError(f"checkpoint {path} cannot be resharded into this run's parallel.zero="
+                             f"{getattr(optimizer, 'stage', 0)}: {exc}") from exc
+        check_layout(manifest["layout"], grid, path, why=f"cannot reshard: {exc}")
+        raise
 
-        try:
-            return load_resharded(path, manifest, model, flat, optimizer, grid)
-        except ValueError as exc:
-            check_layout(manifest["layout"], grid, path, why=f"cannot reshard: {exc}")
-    check_layout(manifest["layout"], grid, path)
-    state = torch.load(os.path.join(path, io.shard_name(grid.rank)), map_location="cpu", weights_only=False)
-    return restore(state, flat, optimizer, grid)
+
+def _fits(state: dict[str, Any], flat: FlatParams, optimizer: AdamW) -> bool:
+    """The shard has this rank's exact buffer layout (same ZeRO stage and buckets): restore bitwise."""
+    shapes = [tuple(t.shape) for t in state["params"] + state["exp_avg"]]
+    return (state.get("zero", getattr(optimizer, "stage", 0)) == getattr(optimizer, "stage", 0)
+            and shapes == [tuple(g.data.shape) for g in flat.groups] + [tuple(m.shape) for m in optimizer.exp_avg])
 
 
 def trim_metrics(path: str, step: int) -> int:

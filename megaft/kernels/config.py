@@ -13,7 +13,7 @@ from typing import Optional
 
 from megaft.kernels.dispatch import BACKENDS
 
-OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy")
+OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear")
 
 
 @dataclass
@@ -23,6 +23,7 @@ class KernelsConfig:
     rope: Optional[str] = None  # rotary embedding of q and k; None = `backend`
     swiglu: Optional[str] = None  # the MLP's silu(gate) * up; None = `backend`
     cross_entropy: Optional[str] = None  # vocab-parallel loss: auto|torch|triton (backend=cuda -> auto)
+    linear: Optional[str] = None  # parallel linears (GEMM + epilogue, fp32 wgrad fusion): auto|torch|triton
     fused_linear_cross_entropy: bool = False  # head projection + loss chunk by chunk (never all logits)
     ce_chunk_tokens: int = 2048  # tokens per chunk of the fused linear cross-entropy
 

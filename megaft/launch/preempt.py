@@ -66,6 +66,9 @@ class PreemptFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in REQUEUE_SIGNALS + STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            # A process that blocked these signals from its start (so that one arriving during the
+            # slow imports stays pending instead of killing it) gets them delivered here, now handled.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, REQUEUE_SIGNALS + STOP_SIGNALS)
         return self
 
     def uninstall(self) -> None:

@@ -3,15 +3,20 @@
 Weights are [out, in] like nn.Linear. Column splits `out` over tp ranks; Row splits
 `in` and expects its input already split. With sequence parallel the activations
 outside these layers are split along the sequence (dim 1 of [batch, seq, hidden]).
+
+`backend` is `kernels.linear` (megaft.kernels.linear.layer_linear): "torch" is F.linear;
+"triton" fuses the bias (and, in RowParallelLinear at tp=1, the residual add) into the
+GEMM and accumulates the weight gradient straight into the fp32 `weight.grad`.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megaft.kernels.linear import layer_linear, resolve_backend
+from megaft.kernels.linear.fused import compute_dtype
 from megaft.layers.shard import mark_sequence_parallel, mark_sharded, padded_size
 from megaft.parallel.comm import (
     Group, copy_to_tp, gather_from_sp, gather_from_tp, group_size, reduce_from_tp,
@@ -39,11 +44,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False, pad_to: Optional[int] = None,
-                 shared_input: bool = False):
+                 shared_input: bool = False, backend: str = "torch"):
         super().__init__()
         tp = group_size(group)
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
-        self.shared_input = shared_input
+        self.shared_input, self.backend = shared_input, backend
         self.in_features, self.out_features = in_features, out_features
         padded = padded_size(out_features, (pad_to or 1) * tp)
         if padded != out_features and pad_to is None:
@@ -56,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_input:
             x = column_input(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        y = layer_linear(x, self.weight, self.bias, backend=self.backend)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -65,15 +70,18 @@ class RowParallelLinear(nn.Module):
 
     Partial products are summed with an all-reduce, or with sequence parallel a
     reduce-scatter along the sequence. The bias is added once, after the sum.
+    `forward(x, residual)` returns `residual + y`: at tp=1 the add is the GEMM's
+    epilogue on the fused backend; under tp it must follow the sum (each rank holds a
+    partial y), so it stays a separate add there.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, backend: str = "torch"):
         super().__init__()
         tp = group_size(group)
         if in_features % tp:
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={tp}")
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.backend = group, sequence_parallel, backend
         self.in_features, self.out_features = in_features, out_features
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // tp)), 1, in_features, in_features)
         self.bias = None
@@ -82,7 +90,13 @@ class RowParallelLinear(nn.Module):
             if sequence_parallel:
                 mark_sequence_parallel(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if group_size(self.group) == 1 and resolve_backend(self.backend, x.device) == "triton" and (
+                self.bias is None or self.bias.dtype == compute_dtype(x)):
+            # no sum: bias and residual go into the epilogue (an fp32 bias under autocast
+            # promotes y to fp32 in the unfused path, so that case stays unfused)
+            return layer_linear(x, self.weight, self.bias, residual, backend="triton")
+        y = layer_linear(x, self.weight, backend=self.backend)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else residual + y

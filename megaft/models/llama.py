@@ -5,8 +5,10 @@ between blocks is a sequence shard [batch, seq / tp, hidden]. Parameter names
 follow the Hugging Face layout (see megaft.models.hf) with `layers.N.` prefixes.
 
 RMSNorm (with the residual add fused in front of the post-attention norm), RoPE,
-SwiGLU and the loss go through the kernel fronts (megaft.kernels) with the backend
-of `kernels` (a KernelsConfig, passed down explicitly; None = the torch references).
+SwiGLU, the loss and the linears' GEMMs (kernels.linear: gate/up + SwiGLU in one GEMM,
+the MLP residual add fused into down_proj at tp=1) go through the kernel fronts
+(megaft.kernels) with the backend of `kernels` (a KernelsConfig, passed down
+explicitly; None = the torch references).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from torch import nn
 
 from megaft.kernels.config import KernelsConfig
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
+from megaft.kernels.linear import fused_gate_up
+from megaft.kernels.linear.fused import fused_gate_up_swiglu
 from megaft.kernels.rope import rope
 from megaft.kernels.swiglu import swiglu
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
@@ -41,12 +45,14 @@ class Attention(nn.Module):
         tp, hd = group_size(group), cfg.hd
         self.group, self.sp, self.rope_backend = group, sequence_parallel, op_backend(kernels, "rope")
         self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads // tp, hd
-        col = dict(group=group, bias=cfg.attention_bias, sequence_parallel=sequence_parallel, shared_input=True)
+        lin = op_backend(kernels, "linear")
+        col = dict(group=group, bias=cfg.attention_bias, sequence_parallel=sequence_parallel, shared_input=True,
+                   backend=lin)
         self.q_proj = ColumnParallelLinear(cfg.dim, cfg.n_heads * hd, **col)
         self.k_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * hd, **col)
         self.v_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * hd, **col)
         self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, backend=lin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = column_input(x, self.group, self.sp)
@@ -66,15 +72,23 @@ class MLP(nn.Module):
                  kernels: Optional[KernelsConfig] = None):
         super().__init__()
         self.group, self.sp, self.swiglu_backend = group, sequence_parallel, op_backend(kernels, "swiglu")
-        col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True)
+        lin = op_backend(kernels, "linear")
+        col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True,
+                   backend=lin)
         self.gate_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
         self.up_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
         self.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.dim, group=group, bias=cfg.mlp_bias,
-                                           sequence_parallel=sequence_parallel)
+                                           sequence_parallel=sequence_parallel, backend=lin)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """down(...) (+ residual: down_proj fuses the add where exact, see RowParallelLinear)."""
         x = column_input(x, self.group, self.sp)
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_backend))
+        gate, up = self.gate_proj, self.up_proj
+        if fused_gate_up(gate.backend, x.device):  # one GEMM reads both weights, SwiGLU in its epilogue
+            h = fused_gate_up_swiglu(x, gate.weight, up.weight, gate.bias, up.bias)
+        else:
+            h = swiglu(gate(x), up(x), self.swiglu_backend)
+        return self.down_proj(h, residual)
 
 
 class Block(nn.Module):
@@ -93,7 +107,9 @@ class Block(nn.Module):
         # to the residual stream's dtype first (bf16 under autocast, x fp32), as `x + h` would.
         h = F.dropout(h, self.dropout, self.training).to(x.dtype)
         normed, x = self.post_attention_layernorm(h, residual=x)
-        return x + F.dropout(self.mlp(normed), self.dropout, self.training)
+        if self.dropout and self.training:  # dropout sits between the MLP and the add: no fusion
+            return x + F.dropout(self.mlp(normed), self.dropout, self.training)
+        return self.mlp(normed, residual=x)  # x + mlp(normed)
 
 
 def make_norm(cfg: ModelConfig, *, sequence_parallel: bool, kernels: Optional[KernelsConfig] = None) -> RMSNorm:
@@ -106,10 +122,11 @@ def make_embedding(cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -
                                   sequence_parallel=sequence_parallel)
 
 
-def make_head(cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> ColumnParallelLinear:
+def make_head(cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+              kernels: Optional[KernelsConfig] = None) -> ColumnParallelLinear:
     """The vocabulary-parallel output projection, padded like the embedding."""
     return ColumnParallelLinear(cfg.dim, cfg.vocab_size, group=group, sequence_parallel=sequence_parallel,
-                                pad_to=cfg.make_vocab_size_divisible_by)
+                                pad_to=cfg.make_vocab_size_divisible_by, backend=op_backend(kernels, "linear"))
 
 
 def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
@@ -174,7 +191,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
                                     for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
-        self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp)
+        self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         register_rope(self, cfg)

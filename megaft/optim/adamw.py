@@ -9,6 +9,7 @@ from megaft.kernels.adamw import adamw_step_
 from megaft.optim.clip import grad_norm
 from megaft.optim.config import OptimConfig
 from megaft.optim.flat import FlatParams
+from megaft.optim.offload import NO_HOST, HostAdamW, host_zeros
 from megaft.parallel.comm import Group
 from megaft.parallel.grads import sync_sequence_parallel_grads
 
@@ -19,13 +20,21 @@ class AdamW:
     `optim.fused` picks the kernel (megaft.kernels.adamw): auto, torch, cpu, cuda.
     `norm_params` are the parameters the grad norm counts (under pp: all but the
     last stage's tied copy); default: all. `scaler` (fp16) is saved in checkpoints.
+    `offload`: fp32 masters and moments of the whole buffers on the host (megaft.optim.offload).
     """
 
-    def __init__(self, flat: FlatParams, cfg: OptimConfig, *, norm_params: Optional[list] = None):
-        self.flat, self.cfg, self.step_count = flat, cfg, 0
+    def __init__(self, flat: FlatParams, cfg: OptimConfig, *, norm_params: Optional[list] = None,
+                 offload: bool = False):
+        self.flat, self.cfg, self.step_count, self.offload = flat, cfg, 0, offload
         self.norm_params = flat.params if norm_params is None else norm_params
-        self.exp_avg = [torch.zeros_like(g.data) for g in flat.groups]
-        self.exp_avg_sq = [torch.zeros_like(g.data) for g in flat.groups]
+        device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
+        state = (lambda g: host_zeros(g.data.numel(), device)) if offload else (lambda g: torch.zeros_like(g.data))
+        self.exp_avg = [state(g) for g in flat.groups]
+        self.exp_avg_sq = [state(g) for g in flat.groups]
+        self.host = None
+        if offload:
+            self.host = HostAdamW([g.data for g in flat.groups], [state(g) for g in flat.groups],
+                                  [state(g) for g in flat.groups], self.exp_avg, self.exp_avg_sq, cfg)
         self.scaler = None
 
     @property
@@ -42,15 +51,25 @@ class AdamW:
     def zero_grad(self) -> None:
         self.flat.zero_grad()
 
+    def reload_param_shards(self) -> None:
+        """After a checkpoint load: the host masters (offload) from the loaded buffers."""
+        if self.host is not None:
+            self.host.reload_masters()
+
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for params, grads and optimizer state (fp32 throughout)."""
+        """Device bytes this rank holds for params, grads and optimizer state (fp32 throughout);
+        `host` the same kinds in host memory (offload)."""
         return {"params": sum(g.data.nbytes for g in self.flat.groups),
                 "grads": sum(g.grad.nbytes for g in self.flat.groups),
-                "optimizer": sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq)}
+                "optimizer": 0 if self.host else sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq),
+                "host": self.host.host_bytes() if self.host else dict(NO_HOST)}
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.step_count += 1
+        if self.host is not None:
+            self.host.step_(self.grads, [g.weight_decay for g in self.flat.groups], step=self.step_count, lr=lr)
+            return
         for g, m, v in zip(self.flat.groups, self.exp_avg, self.exp_avg_sq):
             adamw_step_(g.data, g.grad, m, v, step=self.step_count, lr=lr, beta1=self.cfg.beta1,
                         beta2=self.cfg.beta2, eps=self.cfg.eps, weight_decay=g.weight_decay,

@@ -29,6 +29,7 @@ from megaft.kernels.adamw import adamw_step_
 from megaft.layers.shard import is_sequence_parallel, shard_of
 from megaft.optim.config import OptimConfig
 from megaft.optim.flat import FlatParams
+from megaft.optim.offload import NO_HOST, HostAdamW, host_zeros
 from megaft.parallel.buckets import chunk_range
 from megaft.parallel.comm import Group, all_reduce, group_rank, group_size
 
@@ -43,8 +44,9 @@ class ShardedAdamW:
     """AdamW over this rank's chunks of every bucket (ZeRO stage 1 or 2)."""
 
     def __init__(self, flat: FlatParams, cfg: OptimConfig, dp_group: Group, *, stage: int,
-                 norm_params: Optional[list] = None):
+                 norm_params: Optional[list] = None, offload: bool = False):
         self.flat, self.cfg, self.stage, self.group, self.step_count = flat, cfg, stage, dp_group, 0
+        self.offload = offload  # masters and moments on the host (megaft.optim.offload)
         self.dp, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.buckets = flat.buckets
         self.scaler = None
@@ -54,20 +56,28 @@ class ShardedAdamW:
         self.ranges = [chunk_range(b, self.dp, self.dp_rank) for b in self.buckets]
         sizes = [sum(hi - lo for (lo, hi), b in zip(self.ranges, self.buckets) if b.group == gi)
                  for gi in range(len(flat.groups))]
-        device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
-        self.exp_avg = [torch.zeros(n, device=device) for n in sizes]
-        self.exp_avg_sq = [torch.zeros(n, device=device) for n in sizes]
+        device = self.device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
+        state = (lambda n: host_zeros(n, device)) if offload else (lambda n: torch.zeros(n, device=device))
+        self.exp_avg = [state(n) for n in sizes]
+        self.exp_avg_sq = [state(n) for n in sizes]
         self.shard_grads = [torch.zeros(n, device=device) for n in sizes] if stage >= 2 else []
         self.chunks = []  # (bucket, param view, grad view, exp_avg view, exp_avg_sq view)
-        used = [0] * len(flat.groups)
+        used, views = [0] * len(flat.groups), []
         for b, (lo, hi) in zip(self.buckets, self.ranges):
             g, at = flat.groups[b.group], used[b.group]
             view = slice(at, at + hi - lo)
+            views.append(view)
             grad = self.shard_grads[b.group][view] if stage >= 2 else g.grad[lo:hi]
             # stage 3 frees the full buffers: the owned chunk is a tensor of its own (the master copy)
             param = g.data[lo:hi].clone() if stage == 3 else g.data[lo:hi]
             self.chunks.append((b, param, grad, self.exp_avg[b.group][view], self.exp_avg_sq[b.group][view]))
             used[b.group] += hi - lo
+        self.host = None
+        if offload:  # host master and grad copies of the owned chunks, laid out like the moments
+            masters, grads = [host_zeros(n, device) for n in sizes], [host_zeros(n, device) for n in sizes]
+            pieces = [(masters[b.group][v], grads[b.group][v]) for (b, *_), v in zip(self.chunks, views)]
+            self.host = HostAdamW([c[1] for c in self.chunks], [m for m, _ in pieces], [g for _, g in pieces],
+                                  [c[3] for c in self.chunks], [c[4] for c in self.chunks], cfg)
         self.segments = [self._segments(b, lo, hi, counted) for b, (lo, hi) in zip(self.buckets, self.ranges)]
 
     @staticmethod
@@ -110,7 +120,7 @@ class ShardedAdamW:
     def grad_norm(self, tp_group: Group, pp_group: Group) -> torch.Tensor:
         """Global L2 norm: tp-sharded squares summed over tp, replicated ones once, then
         every chunk summed over dp (each element is owned by one dp rank) and pp."""
-        device = self.exp_avg[0].device
+        device = self.device  # the grads' (the moments may be on the host: offload)
         sq = {SHARDED: torch.zeros((), device=device), REPLICATED: torch.zeros((), device=device)}
         for c, segs in zip(self.chunks, self.segments):
             for a, z, kind, _ in segs:
@@ -126,9 +136,13 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def reload_param_shards(self) -> None:
-        """Stage 3: take the owned chunks from the (gathered) full buffers, after a checkpoint load."""
-        for (b, param, *_), (lo, hi) in zip(self.chunks, self.ranges):
-            param.copy_(self.flat.groups[b.group].data[lo:hi])
+        """After a checkpoint load: stage 3 takes the owned chunks from the (gathered) full buffers;
+        offload refreshes the host masters from them."""
+        if self.stage == 3:
+            for (b, param, *_), (lo, hi) in zip(self.chunks, self.ranges):
+                param.copy_(self.flat.groups[b.group].data[lo:hi])
+        if self.host is not None:
+            self.host.reload_masters()
 
     def zero_grad(self) -> None:
         if self.stage >= 2:
@@ -138,19 +152,24 @@ class ShardedAdamW:
             self.flat.zero_grad()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds between steps for params, grads and optimizer state."""
+        """Device bytes this rank holds between steps for params, grads and optimizer state;
+        `host` the same kinds in host memory (parallel.offload=cpu)."""
         grads = self.shard_grads if self.stage >= 2 else [g.grad for g in self.flat.groups]
         params = self.param_shards if self.stage == 3 else [g.data for g in self.flat.groups]
         gathered = self.gatherer.held_bytes() if self.gatherer is not None else 0  # 0 unless a layer leaked
         return {"params": sum(t.nbytes for t in params) + gathered,
                 "grads": sum(t.nbytes for t in grads),
-                "optimizer": sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq)}
+                "optimizer": 0 if self.host else sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq),
+                "host": self.host.host_bytes() if self.host else dict(NO_HOST)}
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         """AdamW on the owned chunks, then all-gather every bucket's params from their owners."""
         self.step_count += 1
-        for b, param, grad, m, v in self.chunks:
+        if self.host is not None:
+            decays = [self.flat.groups[b.group].weight_decay for b, *_ in self.chunks]
+            self.host.step_(self.chunk_grads, decays, step=self.step_count, lr=lr)
+        for b, param, grad, m, v in ([] if self.host else self.chunks):
             adamw_step_(param, grad, m, v, step=self.step_count, lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
                         eps=self.cfg.eps, weight_decay=self.flat.groups[b.group].weight_decay,
                         backend=self.cfg.fused)
@@ -164,24 +183,32 @@ class ShardedAdamW:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, bucket_mb: float, grid,
-                    norm_params: Optional[list] = None):
+                    norm_params: Optional[list] = None, compression=None, offload: str = "none"):
     """(FlatParams, optimizer, GradReducer) of one rank for ZeRO stage `zero` (0 to 3);
     stage 3 also installs the per-layer parameter gathering (`optimizer.gatherer`).
 
-    `norm_params`: the params the grad norm counts (pp: all but a tied copy)."""
+    `norm_params`: the params the grad norm counts (pp: all but a tied copy).
+    `compression`: the ParallelConfig whose grad_compression/powersgd_* the reducer uses.
+    `offload="cpu"`: masters and moments on the host (megaft.optim.offload)."""
     from megaft.optim.adamw import AdamW
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.buckets import GradReducer
 
     numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients
+    options = {} if compression is None else dict(
+        compression=compression.grad_compression, powersgd_rank=compression.powersgd_rank,
+        powersgd_warmup_steps=compression.powersgd_warmup_steps)
     units = model_units(model) if zero == 3 else None
     flat = FlatParams(model, weight_decay=cfg.weight_decay, device=grid.device, bucket_numel=0 if units else numel,
                       multiple=grid.dp_size if zero else 1, keep_grads=zero < 2,
                       units=unit_params(units) if units else None)
     if zero == 0:
-        return flat, AdamW(flat, cfg, norm_params=norm_params), GradReducer(flat, grid.dp_group)
-    optimizer = ShardedAdamW(flat, cfg, grid.dp_group, stage=zero, norm_params=norm_params)
-    reducer = GradReducer(flat, grid.dp_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads)
+        optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
+        return flat, optimizer, GradReducer(flat, grid.dp_group, clock=lambda: optimizer.step_count, **options)
+    optimizer = ShardedAdamW(flat, cfg, grid.dp_group, stage=zero, norm_params=norm_params,
+                             offload=offload == "cpu")
+    reducer = GradReducer(flat, grid.dp_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads,
+                          clock=lambda: optimizer.step_count, **options)
     if units:
         optimizer.gatherer = ParamGatherer(flat, units, optimizer.param_shards, grid.dp_group)
         reducer.after_finish = optimizer.gatherer.end_backward

@@ -14,6 +14,11 @@ forward and once every parameter of the unit has its gradient (post-accumulate
 hook). A parameter shared by two units (a tied embedding) is counted per use.
 While a unit runs, the next one's gather is already in flight (async all-gather:
 the next in forward, the previous in backward).
+
+Under pipeline parallelism the same hooks fire inside every F and B action of the
+runtime: each stage gathers its own layers over its dp group, before each micro-batch's
+forward and again before its backward. dp ranks of one pp rank run the same action
+list, so their gathers are issued in the same order.
 """
 from __future__ import annotations
 
@@ -28,10 +33,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def model_units(model: nn.Module) -> list[nn.Module]:
-    """The top-level layers holding parameters, in forward order (ModuleLists expanded)."""
+    """The top-level layers holding parameters, in forward order (ModuleLists and ModuleDicts
+    expanded: a pipeline StageModel keeps its layers in a ModuleDict and calls them one by one)."""
     units = []
     for child in model.children():
-        kids = list(child) if isinstance(child, nn.ModuleList) else [child]
+        if isinstance(child, nn.ModuleList):
+            kids = list(child)
+        elif isinstance(child, nn.ModuleDict):
+            kids = list(child.values())
+        else:
+            kids = [child]
         units += [m for m in kids if any(True for _ in m.parameters())]
     return units
 

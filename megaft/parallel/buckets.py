@@ -23,15 +23,23 @@ Modes (`parallel.zero`):
      gradient is never kept across micro-batches), then the scratch is freed.
 Every mode sums: each rank's loss is divided by the global batch's target count,
 so the dp sum is the exact token-weighted mean gradient.
+
+Compression (`parallel.grad_compression`, megaft.parallel.compress): bf16 casts each
+bucket for its collective (any mode); powersgd (zero 0/1) all-reduces each bucket's P
+factors from the hook and its Q factors in `finish()`, then writes P Q^T back (zero 1
+then keeps its chunk, as the reduce-scatter would have). `sent_bytes` counts the
+bytes of the collectives' inputs on this rank (the payload each rank contributes,
+independent of the collective's algorithm: a ring all-reduce moves 2 (dp-1)/dp of it).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megaft.optim.flat import Bucket, FlatParams
+from megaft.parallel.compress import COMPRESSIONS, PowerSGD
 from megaft.parallel.comm import Group, group_rank, group_size
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,21 +58,39 @@ class GradReducer:
     `chunk_grads[i]` (zero >= 1) is where bucket i's reduced chunk goes: a view into
     the full gradient buffer (zero 1) or into the rank's shard buffer (zero 2).
     `overlap=False` installs no hooks for zero 0/1: everything is reduced in
-    `finish()`, after backward (the benchmark's baseline)."""
+    `finish()`, after backward (the benchmark's baseline). `compression`: none | bf16 |
+    powersgd (rank `powersgd_rank`, plain fp32 for the first `powersgd_warmup_steps`
+    steps, as Vogels et al. start from uncompressed steps). `clock()` gives the optimizer
+    steps taken (restored on resume, so the warmup is not repeated); default: finish() calls."""
 
     def __init__(self, flat: FlatParams, dp_group: Group, *, zero: int = 0,
-                 chunk_grads: Optional[list[torch.Tensor]] = None, overlap: bool = True):
+                 chunk_grads: Optional[list[torch.Tensor]] = None, overlap: bool = True,
+                 compression: str = "none", powersgd_rank: int = 2, powersgd_warmup_steps: int = 0,
+                 clock: Optional[Callable[[], int]] = None):
         self.flat, self.group, self.zero = flat, dp_group, zero
         self.dp, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.buckets = flat.buckets
         self.chunk_grads = chunk_grads
+        if compression not in COMPRESSIONS or (compression == "powersgd" and zero > 1):
+            raise ValueError(f"grad_compression={compression!r} with zero={zero}: "
+                             "use none|bf16, or powersgd at zero 0/1")
+        self.compression, self.warmup = compression, powersgd_warmup_steps
+        self.steps = 0  # finish() calls
+        self.clock = clock or (lambda: self.steps)
+        self.sent_bytes = 0  # bytes handed to collectives since the last take_sent_bytes()
+        self.powersgd = None
+        if compression == "powersgd" and self.dp > 1:
+            device = flat.groups[0].data.device
+            layout = [[(off - b.start, p.shape) for p, off in zip(b.params, b.offsets)] for b in self.buckets]
+            self.powersgd = PowerSGD(layout, [b.numel for b in self.buckets], rank=powersgd_rank, dp=self.dp,
+                                     device=device)
         self._index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._offset = {id(p): off for b in self.buckets for p, off in zip(b.params, b.offsets)}
         self._seen: list[set[int]] = [set() for _ in self.buckets]
         self._scratch: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self._next = 0  # the next bucket to launch: launches stay in bucket order
-        # (work, bucket, reduced chunk or None, the bucket's input kept alive until the wait)
-        self._pending: list[tuple[Optional[dist.Work], int, Optional[torch.Tensor], torch.Tensor]] = []
+        # (work, bucket, reduced chunk | None | "powersgd", the collective's input, the fp32 bucket)
+        self._pending: list[tuple] = []
         self.armed = zero == 2  # zero 2 reduces every micro-batch
         self.after_finish = None  # called at the end of finish() (ZeRO-3 releases layers left gathered)
         self._hooks = []
@@ -107,21 +133,36 @@ class GradReducer:
             return scratch
         return self.flat.groups[b.group].grad[b.start:b.stop]
 
+    def _mode(self) -> str:
+        if self.dp == 1:
+            return "none"  # nothing is sent
+        if self.compression == "powersgd" and self.clock() < self.warmup:
+            return "none"
+        return self.compression
+
     def _launch(self, i: int) -> None:
         grad = self._bucket_grad(i)
         self._seen[i].clear()
         self._scratch[i] = None
+        mode = self._mode()
+        if mode == "powersgd":  # all-reduce the P's now, the Q's in finish()
+            send = self.powersgd.begin(i, grad)
+            self.sent_bytes += sum(self.powersgd.wire_bytes(i))
+            self._pending.append((dist.all_reduce(send, group=self.group, async_op=True), i, "powersgd", send, grad))
+            return
+        wire = grad.to(torch.bfloat16) if mode == "bf16" else grad
+        if self.dp > 1:
+            self.sent_bytes += wire.nbytes
         if self.zero == 0:
-            work = dist.all_reduce(grad, group=self.group, async_op=True) if self.dp > 1 else None
-            self._pending.append((work, i, None, grad))
+            work = dist.all_reduce(wire, group=self.group, async_op=True) if self.dp > 1 else None
+            self._pending.append((work, i, None, wire, grad))
             return
-        size = grad.numel() // self.dp
         if self.dp == 1:
-            self._pending.append((None, i, grad, grad))
+            self._pending.append((None, i, grad, grad, grad))
             return
-        out = torch.empty(size, dtype=grad.dtype, device=grad.device)
-        work = _reduce_scatter(out, grad, group=self.group, async_op=True)
-        self._pending.append((work, i, out, grad))
+        out = torch.empty(wire.numel() // self.dp, dtype=wire.dtype, device=wire.device)
+        work = _reduce_scatter(out, wire, group=self.group, async_op=True)
+        self._pending.append((work, i, out, wire, grad))
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -137,17 +178,46 @@ class GradReducer:
                 self._launch(i)
             self._next = 0
             self.armed = False
-        for work, i, out, _ in self._pending:
+        self._finish_powersgd()
+        for work, i, out, wire, grad in self._pending:
             if work is not None:
                 work.wait()
-            if out is not None:
+            if out is None and wire is not grad:  # bf16 all-reduce: back into the fp32 bucket
+                grad.copy_(wire)
+            elif out is not None:
                 if self.zero == 1:
                     self.chunk_grads[i].copy_(out)
                 else:
                     self.chunk_grads[i].add_(out)
         self._pending = []
+        self.steps += 1
         if self.after_finish is not None:
             self.after_finish()
+
+    def _finish_powersgd(self) -> None:
+        """Second PowerSGD round, in bucket order on every rank: P's summed -> Q's all-reduced,
+        then P Q^T into each bucket; zero 1 keeps its chunk of the (full) sum."""
+        rounds = []
+        for work, i, kind, send, grad in self._pending:
+            if kind == "powersgd":
+                work.wait()
+                q = self.powersgd.middle(i, grad, send)
+                rounds.append((dist.all_reduce(q, group=self.group, async_op=True), i, send, q, grad))
+        if not rounds:
+            return
+        self._pending = [x for x in self._pending if x[2] != "powersgd"]
+        for work, i, p, q, grad in rounds:
+            work.wait()
+            self.powersgd.end(i, grad, p, q)
+            if self.zero == 1:
+                lo, hi = chunk_range(self.buckets[i], self.dp, self.dp_rank)
+                start = self.buckets[i].start
+                self.chunk_grads[i].copy_(grad[lo - start:hi - start])
+
+    def take_sent_bytes(self) -> int:
+        """Bytes sent since the last call (one optimizer step when called once a step)."""
+        sent, self.sent_bytes = self.sent_bytes, 0
+        return sent
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

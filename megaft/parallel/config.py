@@ -15,10 +15,18 @@ class ParallelConfig:
     pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
     sequence_parallel: bool = False  # split norms/dropout regions along the sequence over tp
     backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
-    # ZeRO stage over dp: 0 plain dp | 1 Adam state sharded | 2 grads too | 3 params too (pp=1).
+    # ZeRO stage over dp: 0 plain dp | 1 Adam state sharded | 2 grads too | 3 params too.
     # With dp=1 any stage is a no-op (every shard is the whole model).
     zero: int = 0
     bucket_mb: float = 25.0  # MiB of fp32 grads per dp reduction bucket; smaller = earlier overlap, more launches
+    # none | cpu: fp32 master weights and Adam moments of this rank's shard in (pinned) host
+    # memory, updated by the C++ AdamW (megaft.optim.offload); the device keeps no Adam moments (8 B/param, /dp)
+    offload: str = "none"
+    # dp gradient compression (megaft.parallel.compress): none | bf16 (half the bytes, bf16 sums)
+    # | powersgd (rank-r factors with error feedback; zero 0/1 only)
+    grad_compression: str = "none"
+    powersgd_rank: int = 2  # r of PowerSGD's P (n x r) and Q (m x r); sends (n+m)r of n*m elements
+    powersgd_warmup_steps: int = 0  # optimizer steps reduced uncompressed before PowerSGD starts
 
 
 def resolve_dp(cfg: ParallelConfig, world_size: int) -> int:
@@ -46,10 +54,29 @@ def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
         )
     if cfg.zero not in (0, 1, 2, 3):
         errors.append(f"parallel.zero={cfg.zero} is unknown; fix: 0 (plain dp), 1, 2 or 3")
-    elif cfg.zero == 3 and cfg.pp > 1:
-        errors.append("parallel.zero=3 with parallel.pp>1 is not supported yet; fix: parallel.zero=2 (or pp=1)")
     if cfg.bucket_mb <= 0:
         errors.append(f"parallel.bucket_mb={cfg.bucket_mb} must be > 0; fix: e.g. parallel.bucket_mb=25")
+    if cfg.offload not in ("none", "cpu"):
+        errors.append(f"parallel.offload={cfg.offload!r} is unknown; fix: none or cpu")
+    errors += _check_compression(cfg)
     if cfg.backend not in ("auto", "nccl", "gloo"):
         errors.append(f"parallel.backend={cfg.backend!r} is unknown; fix: use auto, nccl or gloo")
+    return errors
+
+
+def _check_compression(cfg: ParallelConfig) -> list[str]:
+    """parallel.grad_compression and the PowerSGD knobs."""
+    if cfg.grad_compression not in ("none", "bf16", "powersgd"):
+        return [f"parallel.grad_compression={cfg.grad_compression!r} is unknown; fix: none, bf16 or powersgd"]
+    if cfg.grad_compression != "powersgd":
+        return []
+    errors = []
+    if cfg.zero not in (0, 1):
+        errors.append(f"parallel.grad_compression=powersgd needs all-reduced gradients, not parallel.zero="
+                      f"{cfg.zero}'s sharded ones; fix: parallel.zero=0 or 1, or grad_compression=bf16")
+    if cfg.powersgd_rank < 1:
+        errors.append(f"parallel.powersgd_rank={cfg.powersgd_rank} must be >= 1; fix: e.g. parallel.powersgd_rank=2")
+    if cfg.powersgd_warmup_steps < 0:
+        errors.append(f"parallel.powersgd_warmup_steps={cfg.powersgd_warmup_steps} must be >= 0; "
+                      "fix: 0 (compress from the first step) or more")
     return errors

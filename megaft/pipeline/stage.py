@@ -49,7 +49,7 @@ class StageModel(nn.Module):
                                      for s in self.stages for i in self.stage_ranges[s]})
         if self.is_last:
             self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
-            self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp)
+            self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
             if cfg.tie_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
         register_rope(self, cfg)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megaft.training.metrics import check_tensorboard
+
 
 @dataclass
 class TrainConfig:
@@ -18,6 +20,9 @@ class TrainConfig:
     keep_last: int = 2  # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: bool = True  # start from the newest complete checkpoint in run_dir/checkpoints, if any
     async_save: bool = False  # write checkpoint shards in a background thread while training goes on
+    peak_tflops: float = 0.0  # per-GPU peak TFLOP/s for MFU; 0 = the device table (megaft.training.flops), CPU: none
+    log_phases: bool = True  # forward/backward/optimizer/comm seconds in every metrics line (CUDA events)
+    tensorboard: str = "auto"  # auto | true | false: event files in run_dir/tensorboard (auto: when installed)
 
 
 def accumulation_steps(cfg: TrainConfig, dp: int) -> int:
@@ -38,9 +43,12 @@ def check_train(cfg: TrainConfig, dp: int) -> list[str]:
     if cfg.keep_last < 0:
         errors.append(f"train.keep_last={cfg.keep_last} must be >= 0 (0 = keep every checkpoint); fix: e.g. "
                       "train.keep_last=2")
+    if cfg.peak_tflops < 0:
+        errors.append(f"train.peak_tflops={cfg.peak_tflops} must be >= 0 (0 = the device table); fix: e.g. "
+                      "train.peak_tflops=989")
     if not errors and dp >= 1 and cfg.global_batch_size % (cfg.micro_batch_size * dp):
         errors.append(
             f"train.global_batch_size={cfg.global_batch_size} is not a multiple of "
             f"train.micro_batch_size * dp = {cfg.micro_batch_size} * {dp}; fix: make it one, e.g. "
             f"{cfg.micro_batch_size * dp * max(1, cfg.global_batch_size // (cfg.micro_batch_size * dp))}")
-    return errors
+    return errors + check_tensorboard(cfg.tensorboard)

@@ -29,11 +29,14 @@ from megaft.models.llama import Llama
 from megaft.optim import LossScaler, build_optimizer, clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
+from megaft.pipeline.actions import ActionKind
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, build_embedding_group, sync_tied_grads
 from megaft.training.config import accumulation_steps
 from megaft.training.evaluate import eval_accuracy, eval_loss, pipeline_eval_loss
-from megaft.training.metrics import MetricsLog, write_summary
+from megaft.training.flops import device_peak_tflops, flops_per_token, mfu
+from megaft.training.metrics import MetricsLog, use_tensorboard, write_summary
+from megaft.training.phases import PHASE_KEYS, PhaseTimer
 
 
 def build_model(cfg: Config, grid: ParallelGrid) -> Llama | StageModel:
@@ -78,7 +81,7 @@ class Trainer:
         norm_params = self.model.norm_params() if grid.pp_size > 1 else None
         self.flat, self.optimizer, self.reducer = build_optimizer(
             self.model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
-            norm_params=norm_params)
+            norm_params=norm_params, compression=cfg.parallel, offload=cfg.parallel.offload)
         self.scaler: Optional[LossScaler] = None
         if cfg.precision == "fp16":
             self.scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
@@ -88,7 +91,14 @@ class Trainer:
             self.pipeline = PipelineRuntime(self.model, grid, cfg.parallel.schedule,
                                             accumulation_steps(cfg.train, grid.dp_size), cfg.parallel.vpp)
             self.embedding_group = build_embedding_group(grid) if cfg.model.tie_embeddings else None
-        self.metrics = MetricsLog(run_dir, enabled=self.is_writer)
+        self.metrics = MetricsLog(run_dir, enabled=self.is_writer,
+                                  tensorboard=self.is_writer and use_tensorboard(cfg.train.tensorboard))
+        self.phases = PhaseTimer(grid.device, enabled=cfg.train.log_phases)
+        if self.pipeline is not None:
+            self.phases.wrap_pipeline(self.pipeline._compute, ActionKind.F, ActionKind.B)
+        # MFU (megaft.training.flops): None on CPU unless train.peak_tflops is set.
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_tflops = device_peak_tflops(grid.device, cfg.precision, cfg.train.peak_tflops)
         self.checkpoint_dir = os.path.join(run_dir, "checkpoints")
         self.writer = checkpoint.CheckpointWriter(self.checkpoint_dir, grid, keep_last=cfg.train.keep_last,
                                                   async_save=cfg.train.async_save)
@@ -109,21 +119,28 @@ class Trainer:
         micro_in, micro_lab = inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)
         # fp16 backpropagates loss * scale: dividing by n_targets / scale keeps one code path.
         divisor = n_targets / self.scaler.scale if self.scaler else n_targets
+        phase = self.phases.phase
+        self.phases.start_step()
         if self.pipeline is not None:  # dp reduction after the schedule (reducer not armed)
             loss_sum = self.pipeline.train_step(list(micro_in), list(micro_lab), divisor, self.autocast)
-            sync_tied_grads(self.model, self.embedding_group)
-            all_reduce(loss_sum, grid.pp_group)  # the last stage's loss, on every pp rank
+            self.phases.add("comm", self.pipeline.wait_s)
+            with phase("comm"):
+                sync_tied_grads(self.model, self.embedding_group)
+                all_reduce(loss_sum, grid.pp_group)  # the last stage's loss, on every pp rank
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=grid.device)
             for i, (mb_in, mb_lab) in enumerate(zip(micro_in, micro_lab)):
                 if i == len(micro_in) - 1:
                     self.reducer.arm()  # buckets reduce during the last backward only
-                with self.autocast():
+                with phase("forward"), self.autocast():
                     loss = self.model.loss_sum(mb_in.to(grid.device), mb_lab.to(grid.device))
-                (loss / divisor).backward()
+                with phase("backward"):
+                    (loss / divisor).backward()
                 loss_sum += loss.detach().double()
-        self.reducer.finish()  # every bucket reduced over dp before any gradient is read
+        with phase("comm"):
+            self.reducer.finish()  # every bucket reduced over dp before any gradient is read
         opt = self.optimizer
+        self.phases.begin("optimizer")  # clip + step (+ the grad-norm all-reduce)
         opt.sync_sequence_parallel(grid.tp_group)  # a tp sum: commutes with the dp sum
         finite = self.scaler.unscale_(opt.grads) if self.scaler else True
         norm = opt.grad_norm(grid.tp_group, grid.pp_group)
@@ -134,11 +151,14 @@ class Trainer:
         if self.scaler:
             self.scaler.update(finite)
         opt.zero_grad()
-        all_reduce(loss_sum, grid.dp_group)
+        self.phases.end("optimizer")
+        with phase("comm"):
+            all_reduce(loss_sum, grid.dp_group)
         out = {"loss": (loss_sum / n_targets).item(), "lr": lr, "grad_norm": norm.item(),
                "tokens": int(inputs.numel())}
         if self.scaler:
             out.update(loss_scale=self.scaler.scale, skipped_steps=self.scaler.skipped)
+        out.update(self.phases.result())
         return out
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -225,14 +245,17 @@ class Trainer:
             dt = time.perf_counter() - t0
             tokens, train_time = tokens + last["tokens"], train_time + dt
             self.metrics.write(step=step + 1, loss=last["loss"], lr=last["lr"], grad_norm=last["grad_norm"],
-                               tokens_per_s=last["tokens"] / dt,
-                               **{k: last[k] for k in ("loss_scale", "skipped_steps") if k in last})
+                               tokens_per_s=last["tokens"] / dt, comm_bytes=self.reducer.take_sent_bytes(),
+                               **{k: last[k] for k in ("loss_scale", "skipped_steps") if k in last},
+                               **self._mfu(last["tokens"] / dt), **{k: last[k] for k in PHASE_KEYS if k in last})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 last_eval = self.evaluate(step + 1)
             # After eval, so the saved RNG state is the next step's.
             stop = self.step_boundary(step + 1, end, flag)
             bar.update(1)
             bar.set_postfix(self._postfix(last, last_eval))
+            if stop != NONE and step + 1 == cfg.max_steps:
+                stop = NONE  # the signal came after the last step: finished (summary), nothing to requeue
             if stop != NONE:
                 break
         bar.close()
@@ -280,6 +303,12 @@ class Trainer:
         total = torch.tensor(float(local), dtype=torch.float64, device=self.grid.device)
         return int(all_reduce(total, self.grid.pp_group).item())
 
+    def _mfu(self, tokens_per_s: Optional[float]) -> dict[str, float]:
+        """{"mfu": ...} when the peak is known (megaft.training.flops), else {}."""
+        if self.peak_tflops is None or not tokens_per_s:
+            return {}
+        return {"mfu": mfu(tokens_per_s, self.flops_per_token, self.grid.world_size, self.peak_tflops)}
+
     def _summary(self, last, last_eval, tokens, train_time, wall) -> dict[str, Any]:
         grid = self.grid
         summary: dict[str, Any] = {
@@ -301,5 +330,7 @@ class Trainer:
 
             summary["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         # megaft-report's MFU: model FLOPs per token need the shape and the sequence length.
-        summary.update(n_layers=self.cfg.model.n_layers, dim=self.cfg.model.dim, seq_len=self.cfg.data.seq_len)
+        summary.update(n_layers=self.cfg.model.n_layers, dim=self.cfg.model.dim, seq_len=self.cfg.data.seq_len,
+                       flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops,
+                       **self._mfu(summary["tokens_per_s"]))
         return summary

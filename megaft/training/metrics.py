@@ -1,29 +1,78 @@
-"""Run-directory outputs: metrics.jsonl (one JSON object per line) and summary.json."""
+"""Run-directory outputs: metrics.jsonl (one JSON object per line), TensorBoard event
+files (run_dir/tensorboard, the same scalars) and summary.json."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from typing import Any, Optional
 
 from megaft.fileio import write_json_atomic
 
+TENSORBOARD_CHOICES = ("auto", "true", "false")
+
+
+def tensorboard_available() -> bool:
+    """Whether torch.utils.tensorboard can write (it needs the tensorboard package);
+    looked up without importing it (validation stays fast)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def tensorboard_setting(value: Any) -> str:
+    """train.tensorboard as one of TENSORBOARD_CHOICES (YAML turns true/false into bools)."""
+    return str(value).lower()
+
+
+def check_tensorboard(value: Any) -> list[str]:
+    """Problems of train.tensorboard: an unknown value, or true without the package."""
+    setting = tensorboard_setting(value)
+    if setting not in TENSORBOARD_CHOICES:
+        return [f"train.tensorboard={value!r} is unknown; fix: auto, true or false"]
+    if setting == "true" and not tensorboard_available():
+        return ["train.tensorboard=true but the tensorboard package is not installed; fix: pip install "
+                "tensorboard, or train.tensorboard=auto (write event files only when it is installed)"]
+    return []
+
+
+def use_tensorboard(value: Any) -> bool:
+    setting = tensorboard_setting(value)
+    return setting == "true" or (setting == "auto" and tensorboard_available())
+
 
 class MetricsLog:
-    """Appends train/eval lines to run_dir/metrics.jsonl; only the writer rank writes."""
+    """Appends train/eval lines to run_dir/metrics.jsonl; only the writer rank writes.
+    With `tensorboard`, every numeric field of a line is also a scalar (tag = its key)
+    at the line's step in run_dir/tensorboard. The event writer opens at the first line
+    and purges events at or after that line's step: a resumed run's files then continue
+    from its checkpoint, as metrics.jsonl does (megaft.checkpoint.trim_metrics)."""
 
-    def __init__(self, run_dir: str, *, enabled: bool):
+    def __init__(self, run_dir: str, *, enabled: bool, tensorboard: bool = False):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.enabled = enabled
         self._file: Optional[Any] = open(self.path, "a", buffering=1) if enabled else None
+        self._tb: Optional[Any] = None
+        self._tb_dir = os.path.join(run_dir, "tensorboard") if enabled and tensorboard else None
 
     def write(self, **record: Any) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+        if self._tb_dir is not None and self._tb is None and "step" in record:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(self._tb_dir, purge_step=record["step"])
+        if self._tb is not None and "step" in record:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        self._tb_dir = None
 
 
 def write_summary(run_dir: str, summary: dict[str, Any]) -> None:

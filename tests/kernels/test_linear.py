@@ -1,5 +1,7 @@
 """Fused-epilogue GEMMs and the fp32 weight-gradient accumulation against reference.py,
-forward and all grads (x, weight, bias, residual), plus the dispatch rule.
+forward and all grads (x, weight, bias, residual), plus the dispatch rule and the
+layers' fused path (megaft.kernels.linear.fused: weight gradient into the fp32 .grad,
+the two-weight gate/up SwiGLU).
 
 Tolerances (atol, rtol): fp32 1e-5 (IEEE fp32 dot products, other summation order);
 bf16 1e-2 relative over the whole tensor (the usual), and no element more than 4
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from megaft.kernels import _triton
-from megaft.kernels.linear import linear, linear_swiglu, reference, resolve_backend, wgrad_accumulate_
+from megaft.kernels.linear import layer_linear, linear, linear_swiglu, reference, resolve_backend, wgrad_accumulate_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _WHY = _triton.unavailable_reason(torch.device(DEVICE))
@@ -117,3 +119,93 @@ def test_dispatch():
         resolve_backend("cuda", cpu)
     with pytest.raises(ValueError, match="even number of rows"):
         linear_swiglu(torch.ones(2, 3), torch.ones(5, 3))
+
+
+@needs_triton
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, False), (True, True)], ids=["w", "bias", "bias+res"])
+def test_layer_linear_accumulates_into_main_grad(bias, residual):
+    """The layers' fused path (layer_linear on triton): same output and x/bias/residual
+    grads as F.linear; the weight gradient lands in a preset fp32 .grad (the flat
+    buffer's view: same storage, accumulated over two backwards), autograd's
+    post-accumulate-grad hook still fires once per backward, and without a .grad the
+    weight gradient comes back through autograd as usual. fp32: 1e-5 (summation order)."""
+    x, w, b, gen = _inputs((2, 19, 24, 40), torch.float32, lambda n: n)
+    r = torch.randn(2, 19, 40, generator=gen).to(DEVICE)
+    dy = torch.randn(2, 19, 40, generator=gen).to(DEVICE)
+    args = lambda: [t.detach().clone().requires_grad_() for t in (x, w, b, r)]  # noqa: E731
+    want = args()
+    ref = layer_linear(want[0], want[1], want[2] if bias else None, want[3] if residual else None, backend="torch")
+    ref.backward(dy)
+    for preset in (True, False):
+        got = args()
+        fired = []
+        got[1].register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+        if preset:
+            buf = torch.zeros(w.numel(), device=DEVICE)
+            got[1].grad = buf.view_as(w)
+        for _ in range(2):
+            out = layer_linear(got[0], got[1], got[2] if bias else None, got[3] if residual else None,
+                               backend="triton")
+            out.backward(dy)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1].grad, 2 * want[1].grad, atol=1e-5, rtol=1e-5)
+        assert len(fired) == 2 and torch.equal(fired[1], got[1].grad)
+        if preset:
+            assert got[1].grad.data_ptr() == buf.data_ptr()  # still the flat buffer's view
+        torch.testing.assert_close(got[0].grad, 2 * want[0].grad, atol=1e-5, rtol=1e-5)
+        if bias:
+            torch.testing.assert_close(got[2].grad, 2 * want[2].grad, atol=1e-5, rtol=1e-5)
+        if residual:
+            torch.testing.assert_close(got[3].grad, 2 * want[3].grad, atol=0, rtol=0)
+
+
+@needs_triton
+def test_layer_linear_under_autocast_keeps_fp32_weight_grads():
+    """bf16 autocast: the fused path computes in bf16 (as F.linear would), accumulates the
+    weight gradient in fp32 (no bf16 rounding of dw: closer to fp32 math than the torch
+    path), and an fp32 residual stays a separate add (output fp32, as residual + y)."""
+    x, w, _, gen = _inputs((2, 19, 24, 40), torch.float32, lambda n: n)
+    r = torch.randn(2, 19, 40, generator=gen).to(DEVICE)
+    dy = torch.randn(2, 19, 40, generator=gen).to(DEVICE)
+    exact = layer_linear(x, w, None, r, backend="torch")
+    wx = w.clone().requires_grad_()
+    wx.grad = torch.zeros_like(w)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = layer_linear(x, wx, None, r, backend="triton")
+    assert out.dtype == torch.float32
+    out.backward(dy)
+    assert ((out - exact).norm() / exact.norm()).item() <= 1e-2
+    want_dw = dy.reshape(-1, 40).t() @ x.reshape(-1, 24)
+    assert wx.grad.dtype == torch.float32
+    assert ((wx.grad - want_dw).norm() / want_dw.norm()).item() <= 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_fused_gate_up_swiglu_two_weights(dtype, tol, bias):
+    """The MLP's gate/up + SwiGLU over two separate weights (HF's gate_proj / up_proj, no
+    cat) equals reference.linear_swiglu over their cat, fwd and all grads; with preset fp32
+    .grad buffers the weight gradients land there (and nothing else is added)."""
+    from megaft.kernels.linear.fused import fused_gate_up_swiglu
+
+    x, w, b, gen = _inputs((37, 40, 24), dtype, lambda n: 2 * n)
+    dy = torch.randn(37, 24, generator=gen).to(DEVICE, dtype)
+    bias_ = b if bias else None
+    leaves = [x, w] + ([bias_] if bias else [])
+    want = _grads(lambda x, w, *b: reference.linear_swiglu(x, w, b[0] if b else None), leaves, dy)
+    f = w.shape[0] // 2
+
+    def split(x, w, *b):
+        bg, bu = (b[0][:f], b[0][f:]) if b else (None, None)
+        return fused_gate_up_swiglu(x, w[:f], w[f:], bg, bu)
+
+    got = _grads(split, leaves, dy)
+    _close(got, want, tol)
+    if dtype == torch.float32:
+        wg, wu = (w[:f].clone().requires_grad_(), w[f:].clone().requires_grad_())
+        wg.grad, wu.grad = torch.zeros_like(wg), torch.zeros_like(wu)
+        fused_gate_up_swiglu(x, wg, wu).backward(dy)
+        ref_w = w.clone().requires_grad_()
+        reference.linear_swiglu(x, ref_w).backward(dy)
+        torch.testing.assert_close(torch.cat([wg.grad, wu.grad]), ref_w.grad, atol=1e-5, rtol=1e-5)

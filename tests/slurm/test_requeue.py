@@ -1,9 +1,13 @@
 """Preemption under a real Slurm: USR1 mid-run -> every rank saves, rank 0 requeues, the job resumes.
 
-Two 2-task jobs of slurm/train_srun.sbatch (tp=2): one uninterrupted, one that gets
-`scancel --signal=USR1` (what `#SBATCH --signal=USR1@120` sends before the time limit)
-once it has logged a few steps. Slurm holds a requeued job for about two minutes
-(Reason=BeginTime); the test releases it with `scontrol update StartTime=now`.
+2-task jobs (tp=2) compared with one uninterrupted job of slurm/train_srun.sbatch: one
+that gets `scancel --signal=USR1` once it has logged a few steps; one whose real time
+limit (`--time=2 --signal=USR1@60`) hits mid-run, slowed down by a per-step sleep in
+its first attempt only; and one that crashes (an exception), which must not be
+requeued. The last two run megaft-train through a wrapper (WRAPPER, written into the
+test's tmp dir) that patches Trainer.train_step: test-only behaviour stays out of
+megaft's config. Slurm holds a requeued job for about two minutes (Reason=BeginTime);
+the tests release it with `scontrol update StartTime=now`.
 """
 import json
 import subprocess
@@ -12,7 +16,7 @@ import time
 import pytest
 
 from .test_slurm import FINISHED, TINY, job_fields, run_job
-from .conftest import ROOT
+from .conftest import PYTHON, ROOT
 
 STEPS = 40
 ARGS = [a for a in TINY if not a.startswith("train.max_steps")] + [
@@ -43,11 +47,18 @@ def wait_for(what, check, job, env, timeout=240, poll=0.2):
     return value
 
 
-def test_usr1_saves_requeues_and_resumes_the_same_curve(slurm_cluster, tmp_path):
-    ref_env = dict(slurm_cluster, RUN_DIR=str(tmp_path / "ref"))
-    _, fields = run_job(ref_env, "--job-name=megaft-test-requeue-ref", f"--output={tmp_path}/ref-%j.out",
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory):
+    """The uninterrupted run's directory (ARGS, 2 tasks)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    ref_env = dict(slurm_cluster, RUN_DIR=str(tmp / "ref"))
+    _, fields = run_job(ref_env, "--job-name=megaft-test-requeue-ref", f"--output={tmp}/ref-%j.out",
                         "slurm/train_srun.sbatch", *ARGS)
     assert fields["ExitCode"] == "0:0", fields
+    return tmp / "ref"
+
+
+def test_usr1_saves_requeues_and_resumes_the_same_curve(slurm_cluster, reference, tmp_path):
 
     run = tmp_path / "pre"
     env = dict(slurm_cluster, RUN_DIR=str(run))
@@ -72,7 +83,7 @@ def test_usr1_saves_requeues_and_resumes_the_same_curve(slurm_cluster, tmp_path)
     assert fields["Restarts"] == "1", fields
     assert f"requeued Slurm job {job} (restart 1 of at most 1)" in out, out[-3000:]
     got, got_eval = losses(run)
-    want, want_eval = losses(tmp_path / "ref")
+    want, want_eval = losses(reference)
     assert [s for s, _ in got] == list(range(1, STEPS + 1))  # no step lost or repeated
     assert got == want and got_eval == want_eval  # bitwise: same layout, same ops (CPU, gloo)
     summary = json.loads((run / "summary.json").read_text())
@@ -99,3 +110,105 @@ def test_past_max_requeue_it_saves_and_ends_without_requeue(slurm_cluster, tmp_p
     got, _ = losses(run)
     assert ckpt.name == f"step_{len(got):06d}" and len(got) < STEPS
     assert not (run / "summary.json").exists()  # unfinished runs leave no summary
+
+
+# megaft-train with Trainer.train_step patched for a test: MEGAFT_TEST_SLEEP_S seconds of
+# sleep per step in a job's first attempt (SLURM_RESTART_COUNT unset or 0), and an
+# exception at step MEGAFT_TEST_CRASH_AT (0-based) when set. Its first line blocks USR1
+# and USR2: on a loaded 2-core machine the imports alone took 40 s, longer than a 2-minute
+# job may have before its warning signal, which would otherwise kill it (default action)
+# before megaft's handlers exist; blocked, it stays pending until PreemptFlag.install()
+# unblocks it. Real jobs start in seconds against minutes of warning.
+WRAPPER = """
+import signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+import os, sys, time
+from megaft.training import loop
+
+_train_step = loop.Trainer.train_step
+SLEEP = float(os.environ.get("MEGAFT_TEST_SLEEP_S", "0"))
+CRASH = os.environ.get("MEGAFT_TEST_CRASH_AT")
+
+def train_step(self, step):
+    if CRASH is not None and step == int(CRASH):
+        raise RuntimeError(f"injected crash at step {step}")
+    if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        time.sleep(SLEEP)
+    return _train_step(self, step)
+
+loop.Trainer.train_step = train_step
+from megaft.train import main
+sys.argv[0] = "megaft-train"
+main()
+"""
+
+
+def wrapped_job(env, tmp_path, name, run, *sbatch_args, extra=()):
+    """Submit a 2-task job running WRAPPER under srun, like slurm/train_srun.sbatch does."""
+    script = tmp_path / "patched_train.py"
+    script.write_text(WRAPPER)
+    args = [a for a in ARGS if not a.startswith("launcher.max_requeue")] + list(extra)
+    cmd = f"srun --kill-on-bad-exit=1 {PYTHON} {script} hydra.run.dir={run} " + " ".join(args)
+    return submit(env, f"--job-name={name}", "--ntasks=2", "--nodes=1", "--cpus-per-task=1",
+                  "--open-mode=append", f"--output={tmp_path}/{name}-%j.out", *sbatch_args, f"--wrap={cmd}")
+
+
+def test_time_limit_hit_mid_run_requeues_and_finishes_the_same_curve(slurm_cluster, reference, tmp_path):
+    """--time=2 (minutes) with USR1 60 s before it: a first attempt at 2 s per step (40 steps)
+    cannot finish, so the time-limit signal stops it; the requeued attempt runs at full speed
+    (and, for a loaded machine, with a 10-minute limit); about 2 minutes on an idle machine."""
+    run = tmp_path / "run"
+    env = dict(slurm_cluster, MEGAFT_TEST_SLEEP_S="2")
+    # --time=2 replaces submit()'s --time=5 (the last one wins). slurmctld checks time limits every
+    # 30 s and sends the signal at the first check after (limit - 60 s - 30 s), here 30-60 s in;
+    # with --time=1 it came 4 s after the start, before the imports were done.
+    job = wrapped_job(env, tmp_path, "megaft-test-timelimit", run, "--requeue", "--time=2", "--signal=USR1@60",
+                      extra=["launcher.max_requeue=1"])
+    started = time.monotonic()
+
+    def ended():
+        f = job_fields(env, job)
+        if f["Restarts"] != "0" and f["TimeLimit"] == "00:02:00":
+            # The resumed attempt gets 10 minutes: this test is about the first attempt's limit, and on a
+            # loaded machine (seen: 40 s of imports, 6 s per step) the resumed run must not chase its own.
+            subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=env, check=False,
+                           timeout=30)
+        if f["JobState"] == "PENDING" and f.get("Reason") == "BeginTime":  # Slurm's hold after a requeue
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=False,
+                           timeout=30)
+        # COMPLETED counts only after a restart (the first attempt's end may show it for a moment).
+        done = f["JobState"] in FINISHED and (f["Restarts"] != "0" or f["JobState"] != "COMPLETED")
+        return f if done else None
+
+    fields = wait_for("the requeue and the end of the requeued job", ended, job, env, timeout=600, poll=0.5)
+    out = (tmp_path / f"megaft-test-timelimit-{job}.out").read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, out[-3000:])
+    assert fields["Restarts"] == "1", (fields, out[-3000:])  # the time limit's signal requeued it once
+    assert f"requeued Slurm job {job} (restart 1 of at most 1)" in out, out[-3000:]
+    assert "TIMEOUT" not in fields["JobState"] and "DUE TO TIME LIMIT" not in out, out[-3000:]  # saved in time
+    got, got_eval = losses(run)
+    want, want_eval = losses(reference)
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))  # stopped mid-run, no step lost or repeated
+    assert got == want and got_eval == want_eval  # bitwise: same layout, same ops (CPU, gloo)
+    assert got[-1] == want[-1]  # the final loss, in particular
+    (ckpt,) = [p.name for p in (run / "checkpoints").iterdir()]  # the time limit's save (save_every=0)
+    assert 0 < int(ckpt.split("_")[1]) < STEPS, ckpt
+    print(f"time-limit test: {time.monotonic() - started:.0f}s, stopped at {ckpt}")
+
+
+def test_a_crash_is_not_requeued(slurm_cluster, tmp_path):
+    run = tmp_path / "run"
+    env = dict(slurm_cluster, MEGAFT_TEST_CRASH_AT="3")
+    job = wrapped_job(env, tmp_path, "megaft-test-crash", run, "--requeue",
+                      extra=["launcher.max_requeue=3", "train.save_every=2"])
+    fields = wait_for("the end of the job", lambda: (f := job_fields(env, job))["JobState"] in FINISHED and f,
+                      job, env)
+    out = (tmp_path / f"megaft-test-crash-{job}.out").read_text()
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", (fields, out[-3000:])
+    assert "RuntimeError: injected crash at step 3" in out, out[-3000:]
+    assert "requeued Slurm job" not in out and "stopped by a signal" not in out, out[-3000:]
+    time.sleep(2)  # nothing requeues it afterwards either (Slurm's own requeue would show here)
+    fields = job_fields(env, job)
+    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", fields
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]  # a crash saves nothing new
+    assert not (run / "summary.json").exists()

@@ -4,19 +4,22 @@ accumulation (Megatron's gradient-accumulation fusion), with a choice of backend
     torch   reference.py: F.linear and the epilogue as separate ops, the specification
     triton  triton.py: one tiled GEMM kernel, epilogue in registers
 
-Not wired into ColumnParallelLinear / RowParallelLinear yet (the model keeps F.linear);
-these are the kernels and their tests. Backend choice: megaft.kernels.dispatch.resolve
-(there is no CUDA C++ version: an explicit "cuda" is an error).
+ColumnParallelLinear / RowParallelLinear call :func:`layer_linear` with
+``kernels.linear``: on triton their forward is the GEMM + epilogue and their backward
+accumulates the weight gradient into the fp32 ``weight.grad`` (fused.py). Backend
+choice: megaft.kernels.dispatch.resolve (there is no CUDA C++ version: an explicit
+"cuda" is an error).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megaft.kernels import _triton, dispatch
 from megaft.kernels.linear import reference
 
-__all__ = ["linear", "linear_swiglu", "resolve_backend", "wgrad_accumulate_"]
+__all__ = ["fused_gate_up", "layer_linear", "linear", "linear_swiglu", "resolve_backend", "wgrad_accumulate_"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -32,6 +35,24 @@ def linear(x, w, bias=None, residual=None, backend: str = "auto") -> torch.Tenso
     if resolve_backend(backend, x.device) == "triton":
         return _triton.load("linear").LinearFunction.apply(x, w, bias, residual)
     return reference.linear(x, w, bias, residual)
+
+
+def layer_linear(x, weight, bias=None, residual=None, backend: str = "auto") -> torch.Tensor:
+    """The parallel linears' local GEMM ``x @ weight.T (+ bias) (+ residual)``: torch
+    (F.linear, then ``residual + y``) or the fused Triton path with the weight gradient
+    accumulated into ``weight.grad`` (megaft.kernels.linear.fused)."""
+    if resolve_backend(backend, x.device) == "triton":
+        from megaft.kernels.linear.fused import fused_linear
+
+        return fused_linear(x, weight, bias, residual)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+def fused_gate_up(backend: str, device: torch.device) -> bool:
+    """Whether the MLP's gate/up projections + SwiGLU run as one GEMM
+    (megaft.kernels.linear.fused.fused_gate_up_swiglu): on the triton linear backend."""
+    return resolve_backend(backend, device) == "triton"
 
 
 def linear_swiglu(x, w, bias=None, backend: str = "auto") -> torch.Tensor:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemm_kernel(A, B, C, BIAS, R, PRE, M, N, K, sam, sak, sbk, sbn, scm, scn, srm, srn, up_offset,
+def _gemm_kernel(A, B, BU, C, BIAS, BIAS_UP, R, PRE, M, N, K, sam, sak, sbk, sbn, scm, scn, srm, srn,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
                  ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -42,7 +42,7 @@ def _gemm_kernel(A, B, C, BIAS, R, PRE, M, N, K, sam, sak, sbk, sbn, scm, scn, s
         else:
             acc += tl.dot(a, b)
         if SWIGLU:
-            bu = tl.load(B + ks[:, None] * sbk + (rn[None, :] + up_offset) * sbn, mask=bmask, other=0.0)
+            bu = tl.load(BU + ks[:, None] * sbk + rn[None, :] * sbn, mask=bmask, other=0.0)
             if UPCAST:
                 bu = bu.to(tl.float32)
             if IEEE:
@@ -53,7 +53,7 @@ def _gemm_kernel(A, B, C, BIAS, R, PRE, M, N, K, sam, sak, sbk, sbn, scm, scn, s
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if SWIGLU:
-            acc_up += tl.load(BIAS + up_offset + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(BIAS_UP + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c_ptr = C + rm[:, None] * scm + rn[None, :] * scn
     if SWIGLU:
         # pre-activations for backward: PRE is [M, 2N] contiguous (gate | up)
@@ -80,9 +80,17 @@ def _blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, bias=None, residual=None, pre=None,
-         up_offset: int = 0, accumulate: bool = False) -> torch.Tensor:
+         up_offset: int = 0, b_up=None, bias_up=None, accumulate: bool = False) -> torch.Tensor:
     """out[M, N] (+)= a[M, K] @ b[K, N] with the epilogue; any strides. With ``pre``
-    ([M, 2N]) b's columns n and n + up_offset are the gate and up halves (SwiGLU)."""
+    ([M, 2N]) the SwiGLU epilogue: b is the gate, ``b_up`` (same strides as b; default
+    b's columns from ``up_offset``: one cat([gate, up]) weight) the up projection, and
+    ``bias_up`` (default bias[up_offset:]) its bias. Two separate weights are how the
+    model keeps HF's gate_proj / up_proj parameters."""
+    if pre is not None and b_up is None:
+        b_up = b[:, up_offset:]
+        bias_up = bias[up_offset:] if bias is not None else None
+    if b_up is not None and b_up.stride() != b.stride():
+        raise ValueError(f"gate and up weights need the same strides, got {b.stride()} and {b_up.stride()}")
     m, k = a.shape
     n = out.shape[1]
     bm, bn, bk = _blocks(m, n, k)
@@ -92,9 +100,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, bias=None, resi
     if m and n:
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         res = residual if residual is not None else out
-        _gemm_kernel[grid](a, b, out, bias if bias is not None else out, res, pre if pre is not None else out,
+        _gemm_kernel[grid](a, b, b_up if b_up is not None else b, out, bias if bias is not None else out,
+                           bias_up if bias_up is not None else out, res, pre if pre is not None else out,
                            m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                           res.stride(0), res.stride(1), up_offset,
+                           res.stride(0), res.stride(1),
                            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=pre is not None,
                            ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32 or interp,
                            UPCAST=interp,

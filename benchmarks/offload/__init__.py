@@ -1,0 +1,1 @@
+"""Optimizer step time on the device vs offloaded to the host (parallel.offload=cpu)."""

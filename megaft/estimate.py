@@ -1,0 +1,170 @@
+"""Per-GPU memory estimate of a config, checked against the device's memory in validate().
+
+The estimate is for the fullest rank: parameters, gradients and AdamW moments as
+megaft stores them (fp32 master weights and grads, the autocast copies are
+transient) sharded by tp, pp and the ZeRO stage; activations saved for backward
+of the micro-batches a rank holds at once under its pipeline schedule; the
+communication scratch of ZeRO; plus a margin for the CUDA context, NCCL buffers
+and allocator fragmentation. Parameters, grads and optimizer state match
+`ShardedAdamW.memory_bytes()` closely (tests/test_estimate.py); activations are a
+per-layer count of the saved tensors (SDPA keeps no seq x seq scores), a rough
+figure meant to catch configs that cannot fit, not to promise one fits to the MiB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megaft.layers.shard import padded_size
+from megaft.pipeline.partition import stage_layer_counts
+
+GIB = 2 ** 30
+MARGIN_FRACTION = 0.10  # allocator fragmentation and transient copies
+MARGIN_FIXED = 1.0 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank (`rank`: its pp rank) needs; `total` includes the margin."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+
+    @property
+    def margin(self) -> int:
+        return int(MARGIN_FRACTION * (self.params + self.grads + self.optimizer + self.activations + self.buffers)
+                   + MARGIN_FIXED)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
+
+    def describe(self) -> str:
+        parts = ("params", "grads", "optimizer", "activations", "buffers", "margin")
+        return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
+
+
+def layer_params(m, tp: int) -> int:
+    """Parameters of one decoder block on one tp rank (row-parallel biases are whole)."""
+    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
+    attn = (m.dim * (q + 2 * kv) + q * m.dim) // tp
+    if m.attention_bias:
+        attn += (q + 2 * kv) // tp + m.dim
+    mlp = 3 * m.dim * m.ffn_dim // tp
+    if m.mlp_bias:
+        mlp += 2 * m.ffn_dim // tp + m.dim
+    return attn + mlp + 2 * m.dim  # two RMSNorm weights
+
+
+def rank_params(m, *, tp: int, pp: int, vpp: int, pp_layers=None) -> list[int]:
+    """Parameters held by each pp rank (one tp shard): its stages' layers, the embedding on
+    the first, the final norm and head on the last (a tied head is a copy when pp > 1)."""
+    vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * tp) // tp * m.dim
+    counts = stage_layer_counts(m.n_layers, pp * vpp, pp_layers)
+    out = [sum(counts[r + c * pp] for c in range(vpp)) * layer_params(m, tp) for r in range(pp)]
+    out[0] += vocab
+    out[-1] += m.dim + (vocab if not m.tie_embeddings or pp > 1 else 0)
+    return out
+
+
+def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int) -> float:
+    """Micro-batches whose activations (of all this rank's layers) are alive at the peak."""
+    if pp == 1:
+        return 1.0  # each backward follows its forward
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "interleaved":  # Megatron's warmup, in chunk-micro-batches of 1/vpp of the layers
+        warmup = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1
+        return min(microbatches * vpp, warmup) / vpp
+    return float(min(pp - pp_rank, microbatches))  # 1f1b
+
+
+def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision: str) -> float:
+    """Bytes saved for backward per token per decoder block: the fp32 residual entering each
+    norm, the norm outputs feeding the linears (replicated unless sequence parallel), q, k,
+    v and the attention output, and the SwiGLU gate, up and product (tp-sharded)."""
+    half = 2 if precision in ("bf16", "fp16") else FP32
+    replicated = m.dim * (FP32 + half) * 2 / (tp if sequence_parallel else 1)
+    sharded = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd + 3 * m.ffn_dim) * half / tp
+    return replicated + sharded
+
+
+def estimate_memory(cfg, world_size: int) -> MemoryEstimate:
+    """The fullest rank's estimate for a validated `cfg` (megaft.config.Config) on world_size ranks."""
+    return max(estimate_ranks(cfg, world_size), key=lambda e: e.total)
+
+
+def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
+    """One estimate per pp rank (tp and dp ranks of one stage hold the same amounts)."""
+    from megaft.parallel.config import resolve_dp
+    from megaft.training.config import accumulation_steps
+
+    m, par = cfg.model, cfg.parallel
+    dp = resolve_dp(par, world_size)
+    micro = max(accumulation_steps(cfg.train, dp), 1)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    per_token = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                                           precision=cfg.precision)
+    counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
+    vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
+    offloaded = getattr(par, "offload", "none") == "cpu"  # Adam moments live in host memory
+    out = []
+    for r, n in enumerate(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)):
+        layers = sum(counts[r + c * par.pp] for c in range(par.vpp))
+        live = in_flight(par.schedule, par.pp, par.vpp, r, micro)
+        acts = layers * per_token * tokens * live
+        if r == par.pp - 1:  # fp32 logits and their softmax for the loss, one micro-batch at a time
+            acts += 2 * tokens * vocab_local * FP32
+        buffers = 0
+        if par.zero >= 2:  # reduce-scatter scratch: about two buckets in flight
+            buffers += int(2 * par.bucket_mb * 2 ** 20)
+        if par.zero == 3:  # the gathered whole params and grads of the running and the next block
+            buffers += 2 * 2 * layer_params(m, par.tp) * FP32
+        out.append(MemoryEstimate(
+            rank=r, params=n * FP32 // (dp if par.zero == 3 else 1), grads=n * FP32 // (dp if par.zero >= 2 else 1),
+            optimizer=0 if offloaded else 2 * n * FP32 // (dp if par.zero >= 1 else 1), activations=int(acts),
+            buffers=buffers))
+    return out
+
+
+def memory_budget(cfg) -> tuple[Optional[int], str]:
+    """(bytes per GPU, where that came from): launcher.gpu_mem_gb (GiB) when set, else the
+    first visible GPU's memory when this process sees one and the run uses CUDA; (None, "")
+    when unknown (a CPU run, or a login node without GPUs), which skips the check."""
+    if cfg.launcher.gpu_mem_gb > 0:
+        return int(cfg.launcher.gpu_mem_gb * GIB), f"launcher.gpu_mem_gb={cfg.launcher.gpu_mem_gb:g}"
+    import torch
+
+    if cfg.device != "cpu" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, props.name
+    return None, ""
+
+
+def check_memory(cfg, world_size: int) -> list[str]:
+    """A problem when the estimate exceeds the per-GPU budget, naming both and the fixes."""
+    budget, source = memory_budget(cfg)
+    if budget is None:
+        return []
+    est = estimate_memory(cfg, world_size)
+    if est.total <= budget:
+        return []
+    par = cfg.parallel
+    fixes = [f"raise parallel.tp={par.tp} or parallel.pp={par.pp}"]
+    if par.zero < 3:
+        fixes.append(f"raise parallel.zero={par.zero} (up to 3)")
+    if par.offload == "none":
+        fixes.append("set parallel.offload=cpu")
+    if cfg.train.micro_batch_size > 1:
+        fixes.append(f"lower train.micro_batch_size={cfg.train.micro_batch_size}")
+    if cfg.precision == "fp32":
+        fixes.append("use precision=bf16")
+    if par.tp > 1 and not par.sequence_parallel:
+        fixes.append("set parallel.sequence_parallel=true")
+    return [f"estimated memory per GPU {est.total / GIB:.1f} GiB (pp rank {est.rank}, GiB: {est.describe()}) > "
+            f"{budget / GIB:.1f} GiB ({source}); fix: " + ", ".join(fixes)]

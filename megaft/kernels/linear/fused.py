@@ -1,0 +1,142 @@
+"""The parallel linears' fused path: GEMM + epilogue forward, dgrad GEMM + the weight
+gradient accumulated straight into the fp32 ``weight.grad`` (Megatron's
+gradient_accumulation_fusion) backward.
+
+``weight.grad`` is FlatParams' persistent fp32 view into the flat gradient buffer (the
+main grad). When it is there, backward adds ``dy.T @ x`` into it with one kernel
+(fp32 accumulation, no weight-sized gradient in the compute dtype, no cast, no separate
+add) and hands autograd a zero placeholder (a stride-0 expanded scalar, no allocation)
+instead of the weight gradient. Autograd's AccumulateGrad still runs for the weight,
+adding the zeros in place: that keeps the dp reducer's post-accumulate-grad hooks
+(megaft.parallel.buckets) firing at the right moment, and keeps tied weights exact (the
+head's share is already in the buffer, the embedding's arrives through autograd).
+Without a main grad (before FlatParams, ZeRO-2's keep_grads=False, frozen weights)
+the weight gradient is returned normally.
+
+Under autocast the inputs are cast to the autocast dtype here (as F.linear would be);
+the weight stays the fp32 parameter so its .grad is reachable.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """F.linear's compute dtype: the autocast dtype when autocast is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def main_grad(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 buffer the weight gradient can be accumulated into, or None."""
+    if not weight.is_leaf:  # a view or cast of a parameter: autograd owns its gradient
+        return None
+    g = weight.grad
+    if g is None or g.dtype != torch.float32 or g.shape != weight.shape or not g.is_contiguous():
+        return None
+    return g
+
+
+class FusedLinearFunction(torch.autograd.Function):
+    """x @ w.T (+ bias) (+ residual) with the Triton GEMM; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual):
+        from megaft.kernels.linear import triton as tl_linear
+
+        dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            out = torch.empty(x2.shape[0], w.shape[0], dtype=dtype, device=x.device)
+            r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
+            tl_linear.gemm(x2, w.t(), out, bias=b, residual=r2)
+        ctx.save_for_backward(x2, w, weight)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.has_res = residual is not None
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(w.dtype)
+        dx = (dy2 @ w).view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = _weight_grad(weight, dy2, x2) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db, (dy if ctx.has_res else None)
+
+
+def _weight_grad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """dy2.T @ x2 into weight's main grad (returning the zero placeholder), or returned."""
+    from megaft.kernels.linear import triton as tl_linear
+
+    buf = main_grad(weight)
+    if buf is None:
+        return (dy2.t() @ x2).to(weight.dtype)
+    tl_linear.wgrad_accumulate_(buf, dy2, x2)
+    # zeros for AccumulateGrad: its hooks (the dp reducer) must still fire
+    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
+class FusedGateUpFunction(torch.autograd.Function):
+    """silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up) in one GEMM over the two separate
+    weights (HF's gate_proj / up_proj, no cat): the kernel reads both and keeps the
+    pre-activations for backward; weight gradients as FusedLinearFunction's."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, b_gate, b_up):
+        from megaft.kernels.linear import triton as tl_linear
+
+        dtype = compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            wg, wu = w_gate.to(dtype), w_up.to(dtype)
+            bg = b_gate.to(dtype) if b_gate is not None else None
+            bu = b_up.to(dtype) if b_up is not None else None
+            f = wg.shape[0]
+            out = torch.empty(x2.shape[0], f, dtype=dtype, device=x.device)
+            pre = torch.empty(x2.shape[0], 2 * f, dtype=dtype, device=x.device)
+            tl_linear.gemm(x2, wg.t(), out, bias=bg, pre=pre, b_up=wu.t(), bias_up=bu)
+        ctx.save_for_backward(x2, wg, wu, pre, w_gate, w_up)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = b_gate.dtype if b_gate is not None else None
+        return out.view(*x.shape[:-1], f)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megaft.kernels.swiglu import reference as swiglu_ref
+
+        x2, wg, wu, pre, w_gate, w_up = ctx.saved_tensors
+        gate, up = pre.chunk(2, dim=-1)
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            dg, du = torch.autograd.grad(swiglu_ref.swiglu(g, u), (g, u), dy.reshape(g.shape).to(g.dtype))
+        need = ctx.needs_input_grad
+        dx = (dg @ wg + du @ wu).view(ctx.x_shape).to(ctx.x_dtype) if need[0] else None
+        dwg = _weight_grad(w_gate, dg, x2) if need[1] else None
+        dwu = _weight_grad(w_up, du, x2) if need[2] else None
+        dbg = dg.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and need[3] else None
+        dbu = du.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and need[4] else None
+        return dx, dwg, dwu, dbg, dbu
+
+
+def fused_gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                         b_gate: Optional[torch.Tensor] = None, b_up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``: the MLP's gate/up projections
+    and SwiGLU in one Triton GEMM (see FusedGateUpFunction)."""
+    return FusedGateUpFunction.apply(x, w_gate, w_up, b_gate, b_up)
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias) (+ residual)`` with the Triton GEMM and the fused weight
+    gradient. The residual is fused only when it already has the compute dtype (fp32 runs):
+    under autocast `residual + y` adds a bf16 y to the fp32 stream, so it stays separate
+    to give the same result as the unfused path."""
+    if residual is not None and residual.dtype != compute_dtype(x):
+        return residual + FusedLinearFunction.apply(x, weight, bias, None)
+    return FusedLinearFunction.apply(x, weight, bias, residual)
