@@ -253,7 +253,7 @@ def test_triton_kernel_compiles_for_sm90_with_ieee_math():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env)
     if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr:
-        pytest.skip("triton's ptxas is missing")
+        pytest.skip(reason="triton's ptxas is missing")
     assert out.returncode == 0, out.stderr[-3000:]
     ptx = out.stdout
     # IEEE division and sqrt (what makes the GPU result equal megaft._C), explicit fma,

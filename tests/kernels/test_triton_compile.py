@@ -54,9 +54,9 @@ print("ok")
 
 def test_triton_kernels_compile_for_h100():
     if _triton.import_error() is not None:
-        pytest.skip(f"triton does not import: {_triton.import_error()}")
+        pytest.skip(reason=f"triton does not import: {_triton.import_error()}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     if "No module named 'triton.backends.nvidia'" in result.stderr:
-        pytest.skip("this triton has no CUDA backend to compile with")
+        pytest.skip(reason="this triton has no CUDA backend to compile with")
     assert result.returncode == 0 and result.stdout.rstrip().endswith("ok"), result.stdout + result.stderr[-3000:]
