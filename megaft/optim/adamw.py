@@ -14,6 +14,22 @@ from megaft.parallel.comm import Group
 from megaft.parallel.grads import sync_sequence_parallel_grads
 
 
+def adamw_update_(items, cfg: OptimConfig, *, step: int, lr: float) -> None:
+    """One fused AdamW call per (param, grad, exp_avg, exp_avg_sq, weight_decay) flat
+    buffer or ZeRO chunk: shared by the plain and the sharded optimizer."""
+    for param, grad, m, v, weight_decay in items:
+        adamw_step_(param, grad, m, v, step=step, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                    weight_decay=weight_decay, backend=cfg.fused)
+
+
+def state_bytes(params, grads, optimizer_state, host: Optional[HostAdamW]) -> dict[str, int]:
+    """Device bytes for params, grads and optimizer state (none on the device under
+    offload), plus `host`, the same kinds in host memory."""
+    return {"params": sum(t.nbytes for t in params), "grads": sum(t.nbytes for t in grads),
+            "optimizer": 0 if host else sum(t.nbytes for t in optimizer_state),
+            "host": host.host_bytes() if host else dict(NO_HOST)}
+
+
 class AdamW:
     """Decoupled-weight-decay Adam (Loshchilov & Hutter) with fp32 state.
 
@@ -59,10 +75,9 @@ class AdamW:
     def memory_bytes(self) -> dict[str, int]:
         """Device bytes this rank holds for params, grads and optimizer state (fp32 throughout);
         `host` the same kinds in host memory (offload)."""
-        return {"params": sum(g.data.nbytes for g in self.flat.groups),
-                "grads": sum(g.grad.nbytes for g in self.flat.groups),
-                "optimizer": 0 if self.host else sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq),
-                "host": self.host.host_bytes() if self.host else dict(NO_HOST)}
+        groups = self.flat.groups
+        return state_bytes([g.data for g in groups], [g.grad for g in groups], self.exp_avg + self.exp_avg_sq,
+                           self.host)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -70,7 +85,6 @@ class AdamW:
         if self.host is not None:
             self.host.step_(self.grads, [g.weight_decay for g in self.flat.groups], step=self.step_count, lr=lr)
             return
-        for g, m, v in zip(self.flat.groups, self.exp_avg, self.exp_avg_sq):
-            adamw_step_(g.data, g.grad, m, v, step=self.step_count, lr=lr, beta1=self.cfg.beta1,
-                        beta2=self.cfg.beta2, eps=self.cfg.eps, weight_decay=g.weight_decay,
-                        backend=self.cfg.fused)
+        adamw_update_([(g.data, g.grad, m, v, g.weight_decay)
+                       for g, m, v in zip(self.flat.groups, self.exp_avg, self.exp_avg_sq)],
+                      self.cfg, step=self.step_count, lr=lr)

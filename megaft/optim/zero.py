@@ -25,11 +25,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megaft.kernels.adamw import adamw_step_
 from megaft.layers.shard import is_sequence_parallel, shard_of
+from megaft.optim.adamw import adamw_update_, state_bytes
 from megaft.optim.config import OptimConfig
 from megaft.optim.flat import FlatParams
-from megaft.optim.offload import NO_HOST, HostAdamW, host_zeros
+from megaft.optim.offload import HostAdamW, host_zeros
 from megaft.parallel.buckets import chunk_range
 from megaft.parallel.comm import Group, all_reduce, group_rank, group_size
 
@@ -157,10 +157,9 @@ class ShardedAdamW:
         grads = self.shard_grads if self.stage >= 2 else [g.grad for g in self.flat.groups]
         params = self.param_shards if self.stage == 3 else [g.data for g in self.flat.groups]
         gathered = self.gatherer.held_bytes() if self.gatherer is not None else 0  # 0 unless a layer leaked
-        return {"params": sum(t.nbytes for t in params) + gathered,
-                "grads": sum(t.nbytes for t in grads),
-                "optimizer": 0 if self.host else sum(t.nbytes for t in self.exp_avg + self.exp_avg_sq),
-                "host": self.host.host_bytes() if self.host else dict(NO_HOST)}
+        out = state_bytes(params, grads, self.exp_avg + self.exp_avg_sq, self.host)
+        out["params"] += gathered
+        return out
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -169,10 +168,9 @@ class ShardedAdamW:
         if self.host is not None:
             decays = [self.flat.groups[b.group].weight_decay for b, *_ in self.chunks]
             self.host.step_(self.chunk_grads, decays, step=self.step_count, lr=lr)
-        for b, param, grad, m, v in ([] if self.host else self.chunks):
-            adamw_step_(param, grad, m, v, step=self.step_count, lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
-                        eps=self.cfg.eps, weight_decay=self.flat.groups[b.group].weight_decay,
-                        backend=self.cfg.fused)
+        else:
+            adamw_update_([(param, grad, m, v, self.flat.groups[b.group].weight_decay)
+                           for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr)
         if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
             return
         sends = [param.clone() for _, param, *_ in self.chunks]  # the output overlaps the input: copy it
