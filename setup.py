@@ -147,7 +147,7 @@ setup(
     # listing it here lets pip replace it with another build.
     install_requires=["numpy", "hydra-core>=1.3", "omegaconf>=2.3", "safetensors",
                       "tokenizers", "tqdm", "submitit", "matplotlib"],
-    entry_points={"console_scripts": ["megaft-train = megaft.train:main", "megaft-report = megaft.report:main"]},
+    entry_points={"console_scripts": ["megaft-train = megaft.launch.entry:train", "megaft-report = megaft.report:main"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

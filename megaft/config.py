@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from megaft.data.config import DataConfig, build_tokenizer, check_data
 from megaft.kernels.config import KernelsConfig, check_kernels
 from megaft.models.config import ModelConfig, check_model
-from megaft.optim.config import OptimConfig, check_optim
+from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
 from megaft.training.config import TrainConfig, accumulation_steps, check_train
 
@@ -28,7 +28,7 @@ class LauncherConfig:
     max_requeue: int = 3  # Slurm requeues after a preemption signal (counted by SLURM_RESTART_COUNT)
     world_size: int = 0  # Slurm sweeps (hydra/launcher=slurm): ranks per job; 0 = tp*pp*dp (dp unset = 1)
     nodes: int = 0  # Slurm sweeps: nodes per job; 0 = the preset's, else as few as hold the ranks
-    gpu_mem_gb: float = 0.0  # GiB per GPU for the memory check (megaft.estimate); 0 = this machine's GPU, if any
+    gpu_mem_gb: float = 0.0  # GiB per GPU for the memory check; 0 = a sweep preset's gpu_type, else this machine's GPU
 
 
 @dataclass
@@ -130,15 +130,18 @@ def _pipeline_problems(cfg: Config, world_size: int) -> list[str]:
                           max(accumulation_steps(cfg.train, dp), 1))
 
 
-def validate(cfg: Config, world_size: int) -> list[str]:
+def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
     """All problems of `cfg` for a world of `world_size` ranks (empty when valid).
-    Resolves `cfg` in place (see `resolve`) when its files are usable.
+    Resolves `cfg` in place (see `resolve`) when its files are usable. `gpu_budget`
+    (bytes per GPU, its source) is the target GPU when the caller knows it (a Slurm
+    preset's gpu_type); launcher.gpu_mem_gb still wins (megaft.estimate.memory_budget).
 
     Architecture checks run on the resolved config (HF config.json, tokenizer
     vocabulary), so they are skipped only when model.init_from's files are missing.
     """
     problems = check_parallel(cfg.parallel, world_size)
     problems += check_optim(cfg.optim, device=cfg.device)
+    problems += check_master_weights(cfg.optim, precision=cfg.precision, grad_compression=cfg.parallel.grad_compression)
     problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))
     problems += check_data(cfg.data, init_from=cfg.model.init_from)
     problems += check_launcher(cfg.launcher)
@@ -181,5 +184,5 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     if not problems:  # the estimate needs a consistent config (megaft.estimate)
         from megaft.estimate import check_memory
 
-        problems += check_memory(cfg, world_size)
+        problems += check_memory(cfg, world_size, gpu_budget)
     return problems

@@ -22,6 +22,7 @@ GIB = 2 ** 30
 MARGIN_FRACTION = 0.10  # allocator fragmentation and transient copies
 MARGIN_FIXED = 1.0 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers
 FP32 = 4
+BF16 = 2
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = getattr(par, "offload", "none") == "cpu"  # Adam moments live in host memory
+    # optim.master_weights: bf16 params and grads, fp32 masters beside the moments (2 + 2 + 12)
+    weight, opt_bytes = (BF16, 3 * FP32) if cfg.optim.master_weights else (FP32, 2 * FP32)
     out = []
     for r, n in enumerate(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)):
         layers = sum(counts[r + c * par.pp] for c in range(par.vpp))
@@ -124,20 +127,43 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         if par.zero >= 2:  # reduce-scatter scratch: about two buckets in flight
             buffers += int(2 * par.bucket_mb * 2 ** 20)
         if par.zero == 3:  # the gathered whole params and grads of the running and the next block
-            buffers += 2 * 2 * layer_params(m, par.tp) * FP32
+            buffers += 2 * 2 * layer_params(m, par.tp) * weight
         out.append(MemoryEstimate(
-            rank=r, params=n * FP32 // (dp if par.zero == 3 else 1), grads=n * FP32 // (dp if par.zero >= 2 else 1),
-            optimizer=0 if offloaded else 2 * n * FP32 // (dp if par.zero >= 1 else 1), activations=int(acts),
+            rank=r, params=n * weight // (dp if par.zero == 3 else 1), grads=n * weight // (dp if par.zero >= 2 else 1),
+            optimizer=0 if offloaded else n * opt_bytes // (dp if par.zero >= 1 else 1), activations=int(acts),
             buffers=buffers))
     return out
 
 
-def memory_budget(cfg) -> tuple[Optional[int], str]:
-    """(bytes per GPU, where that came from): launcher.gpu_mem_gb (GiB) when set, else the
-    first visible GPU's memory when this process sees one and the run uses CUDA; (None, "")
+# GiB per GPU of the Slurm presets' `gpu_type` (hydra.launcher.gpu_type): what torch reports
+# as the card's total_memory (a little under the marketing GB), rounded down, so that a
+# sweep submitted from a login node without GPUs is checked as on the cluster's GPUs.
+GPU_MEMORY_GIB = {
+    "t4": 14.7, "v100-16g": 15.7, "v100-32g": 31.7, "a10g": 22.1, "l4": 22.0, "l40s": 44.3,
+    "a100-40g": 39.3, "a100-80g": 79.1, "h100": 79.1, "h100-nvl": 93.1, "gh200": 94.5, "h200": 139.7,
+    "b200": 178.3, "mi250x": 63.9, "mi300x": 191.9,
+}
+
+
+def gpu_type_memory(gpu_type: str) -> tuple[Optional[float], list[str]]:
+    """(GiB per GPU of `gpu_type`, problems): the table's entry (case-insensitive), or a
+    problem listing the known types when it has none."""
+    gib = GPU_MEMORY_GIB.get(gpu_type.lower())
+    if gib is not None:
+        return gib, []
+    return None, [f"hydra.launcher.gpu_type={gpu_type!r} is unknown; fix: one of {', '.join(GPU_MEMORY_GIB)}, "
+                  "or hydra.launcher.gpu_mem_gb=<GiB per GPU> for another GPU"]
+
+
+def memory_budget(cfg, target: Optional[tuple[int, str]] = None) -> tuple[Optional[int], str]:
+    """(bytes per GPU, where that came from): launcher.gpu_mem_gb (GiB) when set, else
+    `target` (the GPU a Slurm preset names, passed by the sweep launcher), else the first
+    visible GPU's memory when this process sees one and the run uses CUDA; (None, "")
     when unknown (a CPU run, or a login node without GPUs), which skips the check."""
     if cfg.launcher.gpu_mem_gb > 0:
         return int(cfg.launcher.gpu_mem_gb * GIB), f"launcher.gpu_mem_gb={cfg.launcher.gpu_mem_gb:g}"
+    if target is not None:
+        return target
     import torch
 
     if cfg.device != "cpu" and torch.cuda.is_available():
@@ -146,9 +172,10 @@ def memory_budget(cfg) -> tuple[Optional[int], str]:
     return None, ""
 
 
-def check_memory(cfg, world_size: int) -> list[str]:
-    """A problem when the estimate exceeds the per-GPU budget, naming both and the fixes."""
-    budget, source = memory_budget(cfg)
+def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None) -> list[str]:
+    """A problem when the estimate exceeds the per-GPU budget (see memory_budget for
+    `target`), naming both and the fixes."""
+    budget, source = memory_budget(cfg, target)
     if budget is None:
         return []
     est = estimate_memory(cfg, world_size)

@@ -108,7 +108,7 @@ def failure_reason(entry: dict[str, Any]) -> str:
     if not folder or not job:
         return ""
     try:
-        with open(os.path.join(folder, f"{job}_result.pkl"), "rb") as f:
+        with open(os.path.join(folder, f"{job}_0_result.pkl"), "rb") as f:  # submitit: {job}_{task}_result.pkl
             outcome, value = pickle.load(f)
         if outcome == "error":
             return _last_line(str(value))

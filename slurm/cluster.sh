@@ -94,6 +94,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# Step credentials live 15 s (default 120). Slurm also holds a requeued job that long
+# (Reason=BeginTime): releasing it earlier (scontrol update StartTime=now) can start it
+# within the second its old credential was revoked, and slurmd then kills it
+# ("Job credential revoked", JobState=FAILED). A short lifetime makes the wait short.
+AuthInfo=cred_expire=15
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=$STATE/ctld
@@ -108,6 +113,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# Backfill every 5 s (default 30): a requeued job starts soon after its hold ends.
+SchedulerParameters=bf_interval=5
 MpiDefault=none
 MailProg=/bin/true
 # No accounting daemon: sacct does not work here, scontrol show job does (MinJobAge s).

@@ -63,6 +63,27 @@ def test_low_rank_gradient_is_recovered_exactly_and_p_is_orthonormal():
     torch.testing.assert_close(p.T @ p, torch.eye(3), rtol=0, atol=1e-5)
 
 
+def test_state_dict_round_trip_and_reset():
+    """A restored state continues bitwise; another geometry is refused; reset() is a fresh start."""
+    torch.manual_seed(2)
+    layout, numel = [[(0, torch.Size([12, 10])), (120, torch.Size([8, 16]))]], 248
+    grads = [torch.randn(numel) for _ in range(3)]
+
+    def fresh(rank=2):
+        return PowerSGD(layout, [numel], rank=rank, dp=1, device=torch.device("cpu"))
+
+    a = fresh()
+    for g in grads[:2]:
+        _one_step(a, g.clone())
+    b = fresh()
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(_one_step(b, grads[2].clone()), _one_step(a, grads[2].clone()), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rank"):
+        fresh(rank=3).load_state_dict(a.state_dict())
+    a.reset()
+    torch.testing.assert_close(_one_step(a, grads[0].clone()), _one_step(fresh(), grads[0].clone()), rtol=0, atol=0)
+
+
 def test_compressible_only_when_factors_are_smaller():
     assert compressible(torch.Size([64, 64]), 4)  # 512 < 4096
     assert not compressible(torch.Size([4, 4]), 2)  # 16 == 16: no saving, sent as is

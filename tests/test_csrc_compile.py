@@ -2,7 +2,9 @@
 
 This runs wherever nvcc is, GPU or not, so a CPU-only CI still catches a broken
 kernel. The .cu files include no torch headers (their C ABI is csrc/cuda/megaft_cuda.h),
-so nothing but the CUDA toolkit is needed.
+so nothing but the CUDA toolkit is needed, plus the cuBLAS headers for the files that
+include cublas_v2.h (wgrad.cu): from the toolkit or the nvidia-cublas wheel; where
+neither has them those files are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,21 @@ CUDA_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+
+
+def _uses_cublas(source: Path) -> bool:
+    return "#include <cublas_v2.h>" in source.read_text()
+
+
+def _cublas_include() -> Path | None:
+    """A dir holding cublas_v2.h: the toolkit's include, else a pip nvidia-cublas wheel's."""
+    dirs = [Path(os.environ["CUDA_HOME"]) / "include"] if os.environ.get("CUDA_HOME") else []
+    if NVCC:
+        dirs.append(Path(NVCC).resolve().parents[1] / "include")
+    dirs.append(Path("/usr/local/cuda/include"))
+    for site in sys.path:  # nvidia/cu13/include (CUDA 13 wheels), nvidia/cublas/include (cu12)
+        dirs += sorted(Path(site).glob("nvidia/*/include")) if site and Path(site).is_dir() else []
+    return next((d for d in dirs if (d / "cublas_v2.h").exists()), None)
 
 
 def test_there_are_cuda_sources():
@@ -29,7 +47,14 @@ def test_there_are_cuda_sources():
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda p: p.name)
 def test_cu_compiles(source, arch, tmp_path):
     obj = tmp_path / f"{source.stem}_sm{arch}.o"
-    cmd = [NVCC, "-c", "-std=c++17", "-O3", f"-I{CUDA_DIR}",
+    extra = []
+    if _uses_cublas(source):
+        cublas = _cublas_include()
+        if cublas is None:
+            pytest.skip(reason=f"{source.name} includes cublas_v2.h and no cuBLAS headers were found (CUDA "
+                        "toolkit include dir, or pip install nvidia-cublas)")
+        extra = [f"-I{cublas}"]
+    cmd = [NVCC, "-c", "-std=c++17", "-O3", f"-I{CUDA_DIR}", *extra,
            f"-gencode=arch=compute_{arch},code=sm_{arch}", str(source), "-o", str(obj)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
@@ -87,11 +112,14 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
 
 @needs_nvcc
 def test_kernels_abi_header_is_plain_c(tmp_path):
-    # csrc/cuda/megaft_kernels.h (RMSNorm, SwiGLU, RoPE) is C too: take each launcher's address.
+    # csrc/cuda/megaft_kernels.h (RMSNorm, SwiGLU, RoPE, cross-entropy, wgrad) is C too: take
+    # each launcher's address (no cuBLAS header needed: the handle is struct cublasContext*).
     src = tmp_path / "kernels_abi.c"
     src.write_text('#include "megaft_kernels.h"\n'
                    "void* fns[] = {(void*)megaft_rmsnorm_fwd, (void*)megaft_rmsnorm_bwd,"
-                   " (void*)megaft_swiglu_fwd, (void*)megaft_swiglu_bwd, (void*)megaft_rope};\n"
+                   " (void*)megaft_swiglu_fwd, (void*)megaft_swiglu_bwd, (void*)megaft_rope,"
+                   " (void*)megaft_cross_entropy_fwd, (void*)megaft_cross_entropy_bwd,"
+                   " (void*)megaft_wgrad_accumulate};\n"
                    "megaft_dtype t = MEGAFT_BF16;\n")
     cmd = [NVCC, "-c", f"-I{CUDA_DIR}", "-Xcompiler", "-std=c11,-Wall,-Werror",
            str(src), "-o", str(tmp_path / "kernels_abi.o")]
@@ -116,3 +144,113 @@ def test_kernel_ops_binding_compiles_against_torch_headers(tmp_path):
            f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", str(CUDA_DIR / "kernel_ops.cpp")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
+
+
+def test_kernel_ops_schemas_parse_and_are_implemented():
+    """The schema strings of kernel_ops.cpp are only parsed when megaft._cuda is imported
+    on a CUDA machine: parse them here with torch's parser, and check that every defined
+    op has a CUDA implementation and every implementation a definition."""
+    import re
+
+    import torch
+
+    text = (CUDA_DIR / "kernel_ops.cpp").read_text()
+    defs = [re.sub(r'"\s*"', "", d) for d in re.findall(r'm\.def\(((?:"[^"]*"\s*)+)\)', text)]
+    names = []
+    for d in defs:
+        schema = torch._C.parse_schema(d.strip('"'))
+        names.append(schema.name)
+    impls = re.findall(r'm\.impl\("([^"]+)"', text)
+    assert names and sorted(names) == sorted(impls), (names, impls)
+    assert {"cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_bwd_", "wgrad_accumulate"} <= set(names)
+
+
+# A host model of the two cuBLAS calls wgrad.cu makes, per the cuBLAS documentation
+# (column-major, op(A) m x k, op(B) k x n, C m x n; lda >= rows of A as stored, ...).
+_CUBLAS_MODEL = r"""
+#include <cstdint>
+#include <cstring>
+#include <cublas_v2.h>
+static float load(const void* p, cudaDataType t, long i) {
+  if (t == CUDA_R_32F) return static_cast<const float*>(p)[i];
+  uint32_t bits = (uint32_t)static_cast<const uint16_t*>(p)[i] << 16;  // CUDA_R_16BF
+  float f; std::memcpy(&f, &bits, 4); return f;
+}
+extern "C" cublasStatus_t cublasSetStream_v2(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+extern "C" cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+    int k, const void* alpha, const void* A, cudaDataType at, int lda, const void* B, cudaDataType bt, int ldb,
+    const void* beta, void* C, cudaDataType ct, int ldc, cublasComputeType_t compute, cublasGemmAlgo_t) {
+  if (ct != CUDA_R_32F || compute != CUBLAS_COMPUTE_32F || at != bt || (at != CUDA_R_32F && at != CUDA_R_16BF))
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (lda < (ta == CUBLAS_OP_N ? m : k) || ldb < (tb == CUBLAS_OP_N ? k : n) || ldc < m)
+    return CUBLAS_STATUS_INVALID_VALUE;
+  float* c = static_cast<float*>(C);
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < m; ++i) {
+      double acc = 0;
+      for (int l = 0; l < k; ++l)
+        acc += (double)load(A, at, ta == CUBLAS_OP_N ? i + (long)l * lda : l + (long)i * lda) *
+               load(B, bt, tb == CUBLAS_OP_N ? l + (long)j * ldb : j + (long)l * ldb);
+      c[i + (long)j * ldc] = *(const float*)alpha * (float)acc + *(const float*)beta * c[i + (long)j * ldc];
+    }
+  return CUBLAS_STATUS_SUCCESS;
+}
+"""
+
+_WGRAD_DRIVER = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#include "megaft_kernels.h"
+static uint16_t bf16(float f) { uint32_t b; std::memcpy(&b, &f, 4); return (uint16_t)(b >> 16); }
+int main() {
+  const long M = 7, N = 5, K = 3;  // all different: a swapped dimension cannot pass
+  std::vector<float> dy(M * N), x(M * K), g(N * K), want(N * K);
+  std::vector<uint16_t> dyh(M * N), xh(M * K);
+  for (long i = 0; i < M * N; ++i) { dy[i] = (float)((i * 7) % 11) - 5; dyh[i] = bf16(dy[i]); }
+  for (long i = 0; i < M * K; ++i) { x[i] = (float)((i * 5) % 9) / 4 - 1; xh[i] = bf16(x[i]); }
+  for (long i = 0; i < N * K; ++i) g[i] = (float)i;
+  for (long r = 0; r < N; ++r)  // row-major main_grad[r, c] += sum_m dy[m, r] x[m, c], twice
+    for (long c = 0; c < K; ++c) {
+      double s = 0;
+      for (long m = 0; m < M; ++m) s += (double)dy[m * N + r] * x[m * K + c];
+      want[r * K + c] = g[r * K + c] + 2 * (float)s;
+    }
+  cublasContext* handle = reinterpret_cast<cublasContext*>(0x1);
+  std::vector<float> g16 = g;
+  for (int rep = 0; rep < 2; ++rep) {
+    if (megaft_wgrad_accumulate(handle, dy.data(), x.data(), g.data(), M, N, K, MEGAFT_F32, 0) != 0) return 2;
+    if (megaft_wgrad_accumulate(handle, dyh.data(), xh.data(), g16.data(), M, N, K, MEGAFT_BF16, 0) != 0) return 3;
+  }
+  for (long i = 0; i < N * K; ++i)
+    if (std::fabs(g[i] - want[i]) > 1e-4f || std::fabs(g16[i] - want[i]) > 1e-4f) {
+      std::printf("mismatch at %ld: %f %f want %f\n", i, g[i], g16[i], want[i]);
+      return 1;
+    }
+  if (megaft_wgrad_accumulate(handle, dy.data(), x.data(), g.data(), 1L << 31, N, K, MEGAFT_F32, 0) == 0) return 4;
+  std::puts("ok");
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_wgrad_operands_against_a_host_model_of_cublas(tmp_path):
+    """wgrad.cu's cublasGemmEx arguments (transposes, m/n/k, leading dims, beta = 1) turn
+    row-major main_grad += dy^T @ x into cuBLAS's column-major call: linked here against a
+    host implementation of cuBLAS's documented GemmEx contract (no GPU needed) and run."""
+    cublas = _cublas_include()
+    if cublas is None:
+        pytest.skip(reason="no cuBLAS headers (CUDA toolkit include dir, or pip install nvidia-cublas)")
+    (tmp_path / "model.cpp").write_text(_CUBLAS_MODEL)
+    (tmp_path / "driver.cpp").write_text(_WGRAD_DRIVER)
+    exe = tmp_path / "wgrad_check"
+    # wgrad.cu has no device code: the host compiler builds it as C++.
+    cmd = ["c++", "-std=c++17", "-O1", f"-I{CUDA_DIR}", f"-I{cublas}", f"-I{_cuda_include()}",
+           "-x", "c++", str(CUDA_DIR / "wgrad.cu"), "-x", "none", str(tmp_path / "model.cpp"),
+           str(tmp_path / "driver.cpp"), "-o", str(exe)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stdout, run.stderr)

@@ -79,17 +79,21 @@ def test_no_budget_no_check():
     assert check_memory(cfg, 8) == []
 
 
-# (tp, pp, dp, zero, tied) on 2 ranks: every rank compares its optimizer's bytes to the estimate.
-MEMORY_CASES = [(1, 1, 2, 0, False), (1, 1, 2, 1, False), (1, 1, 2, 2, False), (1, 1, 2, 3, False),
-                (2, 1, 1, 0, False), (1, 2, 1, 0, False), (1, 2, 1, 0, True)]
+# (tp, pp, dp, zero, tied, master_weights) on 2 ranks: every rank compares its optimizer's bytes to the estimate.
+MEMORY_CASES = [(1, 1, 2, 0, False, False), (1, 1, 2, 1, False, False), (1, 1, 2, 2, False, False),
+                (1, 1, 2, 3, False, False), (2, 1, 1, 0, False, False), (1, 2, 1, 0, False, False),
+                (1, 2, 1, 0, True, False), (1, 1, 2, 0, False, True), (1, 1, 2, 2, False, True),
+                (1, 1, 2, 3, False, True)]
 
 
 def compare_memory_bytes(rank: int, world: int) -> None:
     failures = []
-    for tp, pp, dp, zero, tied in MEMORY_CASES:
+    for tp, pp, dp, zero, tied, masters in MEMORY_CASES:
         cfg = small_config()
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero = tp, pp, dp, zero
         cfg.model.tie_embeddings = tied
+        if masters:
+            cfg.precision, cfg.optim.master_weights = "bf16", True
         grid = ParallelGrid.build(tp=tp, pp=pp, dp=dp, device="cpu")
         model = build_model(cfg, grid)
         _, opt, reducer = build_optimizer(model, cfg.optim, zero=zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
@@ -99,7 +103,7 @@ def compare_memory_bytes(rank: int, world: int) -> None:
         for part in ("params", "grads", "optimizer"):
             # 5%: the flat buffers pad to a multiple of dp and the vocabulary to one of tp
             if measured[part] != pytest.approx(getattr(est, part), rel=0.05):
-                failures.append(f"{(tp, pp, dp, zero, tied)} pp rank {grid.pp_rank} {part}: measured "
+                failures.append(f"{(tp, pp, dp, zero, tied, masters)} pp rank {grid.pp_rank} {part}: measured "
                                 f"{measured[part]} vs estimated {getattr(est, part)}")
         reducer.remove_hooks()
         del model, opt

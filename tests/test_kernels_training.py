@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megaft.config import ConfigError, validate  # noqa: E402
-from megaft.kernels import _triton  # noqa: E402
+from megaft.kernels import _triton, dispatch  # noqa: E402
 from megaft.parallel.grid import ParallelGrid  # noqa: E402
 from megaft.training.loop import Trainer  # noqa: E402
 from train_cases import small_config  # noqa: E402
@@ -25,6 +25,7 @@ STEPS = 3  # step 1's loss checks the forward, steps 2-3 the gradients of the up
 # rounding level. 1e-5 relative is the parallel-equivalence bound.
 RTOL = 1e-5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_cuda_why = dispatch.cuda_unavailable_reason("linear", torch.device(DEVICE))
 needs_triton = pytest.mark.skipif(_triton.unavailable_reason(torch.device(DEVICE)) is not None,
                                   reason=f"triton cannot run here: {_triton.unavailable_reason(torch.device(DEVICE))}")
 
@@ -52,6 +53,11 @@ def torch_losses(tmp_path_factory):
     # linear=torch: the interpreted GEMMs are checked by "triton" (all ops) and the tp/dp runs below
     pytest.param(dict(backend="triton", linear="torch", fused_linear_cross_entropy=True, ce_chunk_tokens=100),
                  id="triton-fused-ce", marks=needs_triton),
+    # every CUDA C++ kernel: rmsnorm, rope, swiglu, the cross-entropy (fused head too) and
+    # the cuBLAS wgrad accumulation of the linears (GPU with megaft._cuda only)
+    pytest.param(dict(backend="cuda", fused_linear_cross_entropy=True, ce_chunk_tokens=100), id="cuda",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(
+                     _cuda_why is not None, reason=f"CUDA kernels cannot run here: {_cuda_why}")]),
 ])
 def test_loss_curve_matches_torch(torch_losses, tmp_path, kernels):
     got = _losses(str(tmp_path), **kernels)
@@ -67,11 +73,12 @@ def test_auto_is_torch_on_cpu_and_explicit_backends_are_checked(monkeypatch):
     assert validate(cfg, 1) == []  # the default kernels.backend=auto is torch on CPU
     cfg.kernels.backend = "cuda"
     problems = validate(cfg, 1)
-    assert any("kernels.backend=cuda cannot run rmsnorm, rope, swiglu on cpu" in p for p in problems), problems
+    assert any("kernels.backend=cuda cannot run rmsnorm, rope, swiglu, cross_entropy, linear on cpu" in p
+               for p in problems), problems
     cfg.kernels.backend, cfg.kernels.rope = "auto", "fast"
     assert any("kernels.rope='fast' is unknown" in p for p in validate(cfg, 1))
     cfg.kernels.rope, cfg.kernels.cross_entropy = None, "cuda"
-    assert any("cross_entropy has no CUDA C++ kernel" in p for p in validate(cfg, 1))
+    assert any("kernels.cross_entropy=cuda cannot run cross_entropy on cpu" in p for p in validate(cfg, 1))
     cfg.kernels.cross_entropy = None
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg.kernels.backend = "triton"

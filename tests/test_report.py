@@ -29,7 +29,7 @@ def sweep(tmp_path_factory):
     (root / "2" / "summary.json").unlink()
     failed = root / ".submitit" / "77_0"
     failed.mkdir(parents=True)
-    with open(failed / "77_0_result.pkl", "wb") as f:  # what submitit leaves when the task raised
+    with open(failed / "77_0_0_result.pkl", "wb") as f:  # what submitit leaves when rank (task) 0 raised
         pickle.dump(("error", "Traceback (most recent call last):\n  ...\nRuntimeError: rank 1 ran out of memory"), f)
     shape = {"nodes": 1, "tasks_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 1, "world_size": 2}
     merge_submitted(str(root), [

@@ -2,13 +2,13 @@
 
 cross_entropy: per-token loss from logits [tokens, vocab]. torch is megaft's
 vocabulary-parallel reference (fp32 copy of the logits); torch.F is
-F.cross_entropy(reduction="none"); Triton (online logsumexp, no fp32 copy), Liger.
+F.cross_entropy(reduction="none"); Triton and CUDA C++ (online logsumexp, no fp32 copy), Liger.
 Bytes: forward reads the logits once, backward reads them and writes their gradient.
 
 linear_cross_entropy: the head projection and the loss from hidden [tokens, hidden]
 and the head weight [vocab, hidden]. torch / torch.compile are the unfused pair (all
-logits); torch.chunked and triton are megaft's fused path (chunks of tokens, torch or
-Triton statistics), liger its FusedLinearCrossEntropy. FLOPs: the 2·T·H·V of the
+logits); torch.chunked, triton and cuda are megaft's fused path (chunks of tokens, torch,
+Triton or CUDA C++ statistics), liger its FusedLinearCrossEntropy. FLOPs: the 2·T·H·V of the
 forward projection and twice that in backward (input and weight gradients), 6·T·H·V
 for fwd+bwd, counted alike for every provider (the fused path's recomputation is its
 own cost). Peak memory is the number this op is about.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.kernels.providers import Op, dtype_size, module_reason
+from benchmarks.kernels.providers import Op, cuda_reason, dtype_size, module_reason
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy, reference
 
 CHUNK = 4096  # tokens per chunk of the fused linear cross-entropy
@@ -61,9 +61,10 @@ CE = Op(
         "torch.F": lambda x, y: F.cross_entropy(x.float(), y, reduction="none"),
         "torch.compile": _ce_ref,
         "triton": lambda x, y: cross_entropy(x, y, backend="triton"),
+        "cuda": lambda x, y: cross_entropy(x, y, backend="cuda"),
         "liger": _ce_liger,
     },
-    needs={"liger": module_reason("liger_kernel")},
+    needs={"cuda": cuda_reason("cross_entropy"), "liger": module_reason("liger_kernel")},
 )
 
 
@@ -99,7 +100,8 @@ LCE = Op(
         "torch.compile": _lce_ref,
         "torch.chunked": lambda h, w, y: linear_cross_entropy(h, w, y, backend="torch", chunk=CHUNK),
         "triton": lambda h, w, y: linear_cross_entropy(h, w, y, backend="triton", chunk=CHUNK),
+        "cuda": lambda h, w, y: linear_cross_entropy(h, w, y, backend="cuda", chunk=CHUNK),
         "liger": _lce_liger,
     },
-    needs={"liger": module_reason("liger_kernel")},
+    needs={"cuda": cuda_reason("cross_entropy"), "liger": module_reason("liger_kernel")},
 )

@@ -1,4 +1,5 @@
-// torch.ops.megaft.{rmsnorm,swiglu,rope}_* : the torch side of the fused model kernels.
+// torch.ops.megaft.{rmsnorm,swiglu,rope,cross_entropy}_* and wgrad_accumulate: the torch
+// side of the fused model kernels.
 // Checks the tensors (device, dtype, shape, contiguity), allocates the outputs and
 // calls the C ABI of megaft_kernels.h on the current stream. Registered as a library
 // fragment (the AdamW pybind module is csrc/cuda/bindings.cpp); autograd lives in
@@ -10,6 +11,13 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "megaft_kernels.h"
+
+// torch's per-thread, per-device cuBLAS handle (its stream and workspace set by torch).
+// Declared here rather than via ATen/cuda/CUDAContext.h, which pulls in the cuSPARSE and
+// cuSOLVER headers; the type is cublasHandle_t (struct cublasContext*), as declared there.
+namespace at::cuda {
+cublasContext* getCurrentCUDABlasHandle();
+}  // namespace at::cuda
 
 namespace {
 
@@ -158,6 +166,95 @@ std::tuple<at::Tensor, at::Tensor> rope_fwd(const at::Tensor& q, const at::Tenso
   return {rope_one(q, c, s, backward), rope_one(k, c, s, backward)};
 }
 
+constexpr int64_t kIgnoreIndex = -100;  // megaft.layers.cross_entropy.IGNORE_INDEX
+
+void check_ce_rows(const at::Tensor& logits, const at::Tensor& labels, int64_t n_real, const char* what) {
+  check_cuda(logits, logits, "logits");
+  check_cuda(labels, logits, "labels");
+  TORCH_CHECK(logits.dim() == 2, what, ": logits must be [tokens, local_vocab], got ", logits.sizes());
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0) && labels.scalar_type() == at::kLong,
+              what, ": labels must be int64 [", logits.size(0), "], got ", labels.scalar_type(), " ",
+              labels.sizes());
+  TORCH_CHECK(n_real >= 0 && n_real <= logits.size(1), what, ": n_real=", n_real, " must be in [0, ",
+              logits.size(1), "]");
+}
+
+// (m, s, t) per row, fp32: max, sum of exp(x - max) over the n_real real columns, and
+// the label's logit when it is in this slice (else 0). Combined over tp in Python.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tensor& logits, const at::Tensor& labels,
+                                                                 int64_t vocab_start, int64_t n_real) {
+  check_ce_rows(logits, labels, n_real, "megaft.cross_entropy_fwd");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const at::Tensor y = labels.contiguous();
+  const int64_t rows = x.size(0);
+  at::Tensor m = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor s = at::empty_like(m), t = at::empty_like(m);
+  check_launch(megaft_cross_entropy_fwd(x.data_ptr(), y.data_ptr<int64_t>(), m.data_ptr<float>(),
+                                        s.data_ptr<float>(), t.data_ptr<float>(), rows, n_real, x.stride(0),
+                                        vocab_start, kIgnoreIndex, code_of(x, "logits"), stream_of(x)),
+               "megaft_cross_entropy_fwd");
+  return {m, s, t};
+}
+
+void launch_ce_bwd(const at::Tensor& x, const at::Tensor& labels, const at::Tensor& lse, const at::Tensor& g,
+                   const at::Tensor& dx, int64_t vocab_start, int64_t n_real) {
+  const int64_t rows = x.size(0);
+  for (const auto& [v, name] : {std::pair{lse, "lse"}, {g, "g"}}) {
+    check_cuda(v, x, name);
+    TORCH_CHECK(v.dim() == 1 && v.size(0) == rows && v.scalar_type() == at::kFloat,
+                "megaft.cross_entropy_bwd: ", name, " must be float32 [", rows, "]");
+  }
+  const at::Tensor y = labels.contiguous(), l = lse.contiguous(), gc = g.contiguous();
+  check_launch(megaft_cross_entropy_bwd(x.data_ptr(), y.data_ptr<int64_t>(), l.data_ptr<float>(),
+                                        gc.data_ptr<float>(), dx.data_ptr(), rows, x.size(1), n_real,
+                                        x.stride(0), dx.stride(0), vocab_start, code_of(x, "logits"),
+                                        stream_of(x)),
+               "megaft_cross_entropy_bwd");
+}
+
+// grad_logits = g * (softmax - onehot) in a new tensor of the logits' type.
+at::Tensor cross_entropy_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
+                             const at::Tensor& g, int64_t vocab_start, int64_t n_real) {
+  check_ce_rows(logits, labels, n_real, "megaft.cross_entropy_bwd");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  at::Tensor dx = at::empty({x.size(0), x.size(1)}, x.options());
+  launch_ce_bwd(x, labels, lse, g, dx, vocab_start, n_real);
+  return dx;
+}
+
+// The same, written over the logits (which the caller no longer needs).
+at::Tensor cross_entropy_bwd_(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
+                              const at::Tensor& g, int64_t vocab_start, int64_t n_real) {
+  check_ce_rows(logits, labels, n_real, "megaft.cross_entropy_bwd_");
+  TORCH_CHECK(logits.stride(1) == 1, "megaft.cross_entropy_bwd_: in-place logits need a unit column stride");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  launch_ce_bwd(logits, labels, lse, g, logits, vocab_start, n_real);
+  return logits;
+}
+
+// main_grad (fp32 [N, K]) += dy[M, N]^T @ x[M, K]: one cublasGemmEx with beta = 1.
+void wgrad_accumulate(const at::Tensor& main_grad, const at::Tensor& dy, const at::Tensor& x) {
+  check_cuda(main_grad, main_grad, "main_grad");
+  check_cuda(dy, main_grad, "dy");
+  check_cuda(x, main_grad, "x");
+  TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0) && dy.scalar_type() == x.scalar_type(),
+              "megaft.wgrad_accumulate: dy [M, N] and x [M, K] of one dtype expected, got ", dy.scalar_type(),
+              " ", dy.sizes(), " and ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(main_grad.scalar_type() == at::kFloat && main_grad.is_contiguous() &&
+                  main_grad.sizes() == at::IntArrayRef({dy.size(1), x.size(1)}),
+              "megaft.wgrad_accumulate: main_grad must be contiguous float32 [", dy.size(1), ", ", x.size(1),
+              "], got ", main_grad.scalar_type(), " ", main_grad.sizes());
+  const c10::cuda::CUDAGuard guard(main_grad.device());
+  const at::Tensor d = dy.contiguous(), xc = x.contiguous();
+  const int err = megaft_wgrad_accumulate(at::cuda::getCurrentCUDABlasHandle(), d.data_ptr(), xc.data_ptr(),
+                                          main_grad.data_ptr<float>(), d.size(0), d.size(1), xc.size(1),
+                                          code_of(d, "dy"), stream_of(main_grad));
+  TORCH_CHECK(err == 0, "megaft_wgrad_accumulate failed: cublasStatus_t ", err,
+              " (sizes must fit int32; M=", d.size(0), " N=", d.size(1), " K=", xc.size(1), ")");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megaft, m) {
@@ -166,6 +263,11 @@ TORCH_LIBRARY_FRAGMENT(megaft, m) {
   m.def("swiglu_fwd(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_bwd(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward) -> (Tensor, Tensor)");
+  m.def("cross_entropy_fwd(Tensor logits, Tensor labels, int vocab_start, int n_real) -> (Tensor, Tensor, Tensor)");
+  m.def("cross_entropy_bwd(Tensor logits, Tensor labels, Tensor lse, Tensor g, int vocab_start, int n_real) -> Tensor");
+  m.def("cross_entropy_bwd_(Tensor(a!) logits, Tensor labels, Tensor lse, Tensor g, int vocab_start, "
+        "int n_real) -> Tensor(a!)");
+  m.def("wgrad_accumulate(Tensor(a!) main_grad, Tensor dy, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megaft, CUDA, m) {
@@ -174,4 +276,8 @@ TORCH_LIBRARY_IMPL(megaft, CUDA, m) {
   m.impl("swiglu_fwd", &swiglu_fwd);
   m.impl("swiglu_bwd", &swiglu_bwd);
   m.impl("rope_fwd", &rope_fwd);
+  m.impl("cross_entropy_fwd", &cross_entropy_fwd);
+  m.impl("cross_entropy_bwd", &cross_entropy_bwd);
+  m.impl("cross_entropy_bwd_", &cross_entropy_bwd_);
+  m.impl("wgrad_accumulate", &wgrad_accumulate);
 }

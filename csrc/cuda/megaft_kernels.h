@@ -1,11 +1,14 @@
-/* The C ABI of megaft's fused model kernels (RMSNorm, SwiGLU, RoPE) in csrc/cuda.
+/* The C ABI of megaft's fused model kernels (RMSNorm, SwiGLU, RoPE, vocab-parallel
+ * cross-entropy, the fp32 weight-gradient accumulation) in csrc/cuda.
  *
  * Plain CUDA C++ behind this header, no torch headers, so the .cu files compile
  * with bare nvcc (tests/test_csrc_compile.py) and could be linked into a non-torch
  * program. The torch side is csrc/cuda/kernel_ops.cpp (torch.ops.megaft.*). Tensors
  * are raw pointers with a dtype code; rows are contiguous unless strides are given.
- * Every function returns a cudaError_t as int: 0 (cudaSuccess) or the launch error.
- * This header is valid C.
+ * Every function returns a cudaError_t as int: 0 (cudaSuccess) or the launch error
+ * (megaft_wgrad_accumulate: a cublasStatus_t, 0 = CUBLAS_STATUS_SUCCESS).
+ * This header is valid C and needs no cuBLAS header: cublasHandle_t is
+ * `struct cublasContext *`, declared here as such.
  */
 #ifndef MEGAFT_KERNELS_H_
 #define MEGAFT_KERNELS_H_
@@ -59,6 +62,31 @@ int megaft_rope(const void* x, void* y, const float* cos, const float* sin, int6
                 int64_t heads, int64_t seq, int64_t head_dim, const int64_t* x_strides,
                 const int64_t* y_strides, int64_t cs_stride, int backward, megaft_dtype type,
                 cudaStream_t stream);
+
+/* Vocab-parallel cross-entropy statistics of rows x[rows, :n_real] (row stride
+ * `stride` elements; this rank's vocabulary slice starts at vocab_start): per row
+ * m = max, s = sum exp(x - m), t = x[label - vocab_start] when the label falls in the
+ * slice and is not ignore_index, else 0 (all float). The caller combines them over tp. */
+int megaft_cross_entropy_fwd(const void* logits, const int64_t* labels, float* m, float* s, float* t,
+                             int64_t rows, int64_t n_real, int64_t stride, int64_t vocab_start,
+                             int64_t ignore_index, megaft_dtype type, cudaStream_t stream);
+
+/* Cross-entropy gradient dx[rows, n_cols] = g * (exp(x - lse) - onehot(label - vocab_start))
+ * in x's type, 0 in the padding columns [n_real, n_cols); g[row] = 0 for ignored rows.
+ * dx may be logits itself (in place, same strides). */
+int megaft_cross_entropy_bwd(const void* logits, const int64_t* labels, const float* lse,
+                             const float* g, void* dx, int64_t rows, int64_t n_cols, int64_t n_real,
+                             int64_t x_stride, int64_t dx_stride, int64_t vocab_start,
+                             megaft_dtype type, cudaStream_t stream);
+
+struct cublasContext;
+
+/* main_grad[n, k] (float, contiguous) += dy[m, n]^T @ x[m, k] (dy, x contiguous, of
+ * `type`) with one cublasGemmEx (fp32 compute, beta = 1) on `stream`; handle is a
+ * cublasHandle_t (torch's, from the binding). Returns a cublasStatus_t. */
+int megaft_wgrad_accumulate(struct cublasContext* handle, const void* dy, const void* x,
+                            float* main_grad, int64_t m, int64_t n, int64_t k, megaft_dtype type,
+                            cudaStream_t stream);
 
 #ifdef __cplusplus
 }

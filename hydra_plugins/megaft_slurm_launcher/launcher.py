@@ -4,9 +4,10 @@ job array per resource shape.
 hydra-submitit-launcher gives every job of a sweep the same resources and blocks until
 all end; a sweep over parallel degrees needs a different rank count per point. So each
 point is composed and validated in the submitting process (an invalid point is
-reported with its overrides and every problem, and not submitted), its shape (nodes,
-tasks per node, GPUs) is derived from its ranks and the preset, and points of equal
-shape go into one array (`executor.batch()`). `submitted.json` in the sweep dir lists
+reported with its overrides and every problem, and not submitted; the memory check
+uses the preset's GPU, hydra.launcher.gpu_type/gpu_mem_gb, as a login node has none),
+its shape (nodes, tasks per node, GPUs) is derived from its ranks and the preset, and
+points of equal shape go into one array (`executor.batch()`). `submitted.json` in the sweep dir lists
 job ids, overrides, run dirs and shapes for `megaft-report`.
 """
 from __future__ import annotations
@@ -23,9 +24,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from megaft.config import Config, validate
-from megaft.launch.submit import (NodeSpec, Shape, group_by_shape, point_world_size, resource_shape, sbatch_parameters,
-                                  shape_dict)
+from megaft.config import Config
+from megaft.launch.submit import (Budget, NodeSpec, Shape, check_point, group_by_shape, preset_gpu_budget,
+                                  sbatch_parameters, shape_dict, task_python)
 from megaft.launch.submit_record import SUBMITTED_FILE, merge_submitted
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class MegaftSlurmLauncher(Launcher):
         # task_function is not used: each Slurm task runs megaft.launch.submit_task instead.
         self.config, self.hydra_context = config, hydra_context
 
-    def _compose(self, num: int, overrides: Sequence[str], spec: NodeSpec) -> Point:
+    def _compose(self, num: int, overrides: Sequence[str], spec: NodeSpec, budget: Optional[Budget]) -> Point:
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = sweep_config.hydra.job.num = num
@@ -78,9 +79,7 @@ class MegaftSlurmLauncher(Launcher):
         except Exception as exc:  # a bad value for a typed field: report it like any other problem
             point.problems = [str(exc).splitlines()[0]]
             return point
-        point.problems = validate(point.cfg, point_world_size(point.cfg))
-        shape, shape_problems = resource_shape(point.cfg, spec)
-        point.shape, point.problems = shape, point.problems + shape_problems
+        point.shape, point.problems = check_point(point.cfg, spec, budget)
         return point
 
     def _write_hydra_files(self, point: Point) -> None:
@@ -99,7 +98,7 @@ class MegaftSlurmLauncher(Launcher):
 
         from megaft.launch.submit_task import SlurmRankTask
 
-        executor = submitit.SlurmExecutor(folder=self.params["submitit_folder"])
+        executor = submitit.SlurmExecutor(folder=self.params["submitit_folder"], python=task_python())
         executor.update_parameters(**sbatch_parameters(shape, self.params))
         for point in points:
             self._write_hydra_files(point)
@@ -117,7 +116,10 @@ class MegaftSlurmLauncher(Launcher):
         os.makedirs(sweep_dir, exist_ok=True)
         spec = NodeSpec(nodes=self.params["nodes"], tasks_per_node=self.params["tasks_per_node"],
                         gpus_per_node=self.params["gpus_per_node"], cpus_per_task=self.params["cpus_per_task"])
-        points = [self._compose(initial_job_idx + i, o, spec) for i, o in enumerate(job_overrides)]
+        budget, preset_problems = preset_gpu_budget(self.params)  # the GPUs of the cluster, not of this machine
+        points = [self._compose(initial_job_idx + i, o, spec, budget) for i, o in enumerate(job_overrides)]
+        for pt in points:  # a bad preset makes every point invalid: nothing is submitted
+            pt.problems = preset_problems + pt.problems
         invalid = [pt for pt in points if pt.problems]
         for pt in invalid:
             print(f"megaft-train: point #{pt.num} ({pt.override_str}) is invalid and was not submitted:\n"

@@ -31,6 +31,10 @@ from megaft.checkpoint import io
 from megaft.layers.shard import local_from_full, shard_of
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# The fp32 values of the params: the saved fp32 masters (optim.master_weights, laid out like the
+# moments) or, without them, the fp32 params themselves. Params and masters are both loaded from
+# them, so a checkpoint converts either way (bf16 params get the masters rounded to nearest even).
+_MASTERS = "masters"
 
 
 def _offset(view: torch.Tensor, base: torch.Tensor) -> int:
@@ -81,7 +85,7 @@ def _load(path: str, rank: int) -> dict[str, Any]:
 
 def _full_moments(shards: list[dict[str, Any]], key: str) -> list[torch.Tensor]:
     """Whole moment buffers of one tp/pp coordinate, assembled from its dp ranks' ranges."""
-    out = [torch.zeros(p.numel(), dtype=p.dtype) for p in shards[0]["params"]]
+    out = [torch.zeros(p.numel(), dtype=torch.float32) for p in shards[0]["params"]]  # fp32 even for bf16 params
     for state in shards:
         for g, ranges in enumerate(_ranges(state)):
             for lo, hi, at in ranges:
@@ -112,6 +116,8 @@ class _Saved:
             shards.sort(key=lambda s: s["coords"]["dp_rank"])
             tensors = {"params": shards[0]["params"]}
             tensors.update({k: _full_moments(shards, k) for k in _MOMENTS})
+            tensors[_MASTERS] = (_full_moments(shards, _MASTERS) if shards[0].get(_MASTERS)
+                                 else [p.float() for p in shards[0]["params"]])
             for g, entries in enumerate(shards[0]["index"]):
                 for e in entries:
                     lo = e["offset"]
@@ -121,7 +127,7 @@ class _Saved:
                     self.pieces.setdefault(e["name"], {})[tp_rank] = piece
 
     def full(self, name: str, key: str) -> torch.Tensor:
-        """The whole, unpadded tensor `key` (params/exp_avg/exp_avg_sq) of parameter `name`."""
+        """The whole, unpadded tensor `key` (params/exp_avg/exp_avg_sq/masters) of parameter `name`."""
         by_tp = self.pieces[name]
         split = by_tp[0]["split"]
         if split is None:
@@ -137,20 +143,20 @@ class _Saved:
 
 def _fill_group(saved: _Saved, path: str, group, names: dict[int, str], grid) -> dict[str, torch.Tensor]:
     """Copy the group's params into place; returns its whole moment buffers in this layout."""
-    whole = {k: torch.zeros_like(group.data) for k in _MOMENTS}  # zero padding, as a fresh run has
+    whole = {k: torch.zeros(group.data.numel(), dtype=torch.float32) for k in _MOMENTS + (_MASTERS,)}  # zero pads
     for p in group.params:
         name = names[id(p)]
         if name not in saved.pieces:
             raise ValueError(f"parameter {name} is not in checkpoint {path}; fix: resume with the model "
                              "config the checkpoint was saved with")
         off, n = _offset(p.data, group.data), p.numel()
-        targets = {"params": p.data}
-        targets.update({k: whole[k][off:off + n].view_as(p) for k in _MOMENTS})
+        targets = [(_MASTERS, p.data)]  # rounded into bf16 params, as the optimizer's step does
+        targets += [(k, whole[k][off:off + n].view_as(p)) for k in _MOMENTS + (_MASTERS,)]
         spec = shard_of(p)
         want = list(p.shape)
         if spec is not None:
             want[spec.dim] = spec.full
-        for key, dst in targets.items():
+        for key, dst in targets:
             full = saved.full(name, key)
             if list(full.shape) != want:  # checked whole: cutting a tp piece must not hide a size change
                 raise ValueError(f"parameter {name}: checkpoint holds {tuple(full.shape)}, this model "
@@ -173,6 +179,8 @@ def load_resharded(path: str, manifest: dict[str, Any], model: nn.Module, flat, 
                 for lo, hi, at in ranges:
                     optimizer.exp_avg[g][at:at + hi - lo].copy_(whole["exp_avg"][lo:hi])
                     optimizer.exp_avg_sq[g][at:at + hi - lo].copy_(whole["exp_avg_sq"][lo:hi])
+                    if getattr(optimizer, "masters", None):
+                        optimizer.masters[g][at:at + hi - lo].copy_(whole[_MASTERS][lo:hi])
         if hasattr(optimizer, "reload_param_shards"):  # ZeRO-3 chunks, offloaded masters: from the buffers
             optimizer.reload_param_shards()
     finally:

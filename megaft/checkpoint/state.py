@@ -7,6 +7,11 @@ step, so the step is the whole data position. The layout (tp/dp/pp, world size
 and this rank's coordinates) and an index of the flat buffers (names, offsets, tp
 splits, the ranges its ZeRO-sharded moments cover) are saved too: loading at another
 layout or ZeRO stage reshards (megaft.checkpoint.reshard) or is refused with a clear error.
+With `optim.master_weights` the parameter buffers are bf16 and the shard adds the fp32
+`masters` (laid out like the moments), so a same-layout resume is bitwise.
+With `parallel.grad_compression=powersgd` the shard also holds the rank's PowerSGD state
+(Q's, error feedback, warm-up start): restored bitwise at the same layout, restarted
+(with a CheckpointWarning) where it cannot be mapped, see `restore_compression`.
 
 Protocol (every rank calls both functions; all collectives are over the world):
 save: rank 0 makes `step_N.tmp/` -> barrier -> each rank writes its shard ->
@@ -19,12 +24,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megaft.checkpoint import io
+from megaft.checkpoint.io import CheckpointWarning
 from megaft.checkpoint.reshard import load_resharded, moment_ranges
 from megaft.optim import AdamW, FlatParams
 from megaft.parallel.grid import ParallelGrid
@@ -38,8 +45,9 @@ def layout(grid: ParallelGrid) -> dict[str, int]:
     return {"tp": grid.tp_size, "dp": grid.dp_size, "pp": grid.pp_size, "world_size": grid.world_size}
 
 
-def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int) -> dict[str, Any]:
-    """This rank's shard: parameters, optimizer state, RNG states and position (CPU tensors)."""
+def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int, reducer=None) -> dict[str, Any]:
+    """This rank's shard: parameters, optimizer state, RNG states, position (CPU tensors) and
+    the dp reducer's gradient-compression state when `reducer` is given."""
     rng = {"cpu": torch.get_rng_state()}
     if grid.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(grid.device)
@@ -57,15 +65,17 @@ def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int) -
         "params": params,
         "exp_avg": [m.cpu() for m in optimizer.exp_avg],
         "exp_avg_sq": [v.cpu() for v in optimizer.exp_avg_sq],
+        "masters": [m.cpu() for m in getattr(optimizer, "masters", [])],  # optim.master_weights: fp32, as moments
         "moments": moment_ranges(optimizer),  # which buffer ranges the moments cover (ZeRO: owned chunks)
         "zero": getattr(optimizer, "stage", 0),
         "step_count": optimizer.step_count,
         "scaler": optimizer.scaler.state_dict() if getattr(optimizer, "scaler", None) else None,  # fp16
         "rng": rng,
+        "compression": reducer.compression_state() if reducer is not None else None,  # PowerSGD
     }
 
 
-def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: ParallelGrid) -> int:
+def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, reducer=None) -> int:
     """Copy a shard into the live buffers (in place: params are views into them); returns its step."""
     want = [tuple(g.data.shape) for g in flat.groups]
     got = [tuple(t.shape) for t in state["params"]]
@@ -78,12 +88,18 @@ def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: Par
         raise ValueError(f"checkpoint optimizer state has shapes {got}, this run {want} (parallel.zero or "
                          "parallel.bucket_mb differs); fix: resume with the parallel.zero and parallel.bucket_mb "
                          "the checkpoint was saved with")
+    masters = getattr(optimizer, "masters", [])
+    if [t.dtype for t in state["params"]] != [g.data.dtype for g in flat.groups] or len(masters) != len(
+            state.get("masters") or []):
+        raise ValueError("checkpoint and run differ in optim.master_weights (bf16 params with fp32 masters or "
+                         "fp32 params); fix: resume with the optim.master_weights the checkpoint was saved with, "
+                         "or load it through the model (megaft.checkpoint.reshard converts)")
     gatherer = getattr(optimizer, "gatherer", None)  # ZeRO-3: load whole buffers, keep own chunks
     if gatherer is not None:
         gatherer.acquire_all()
     with torch.no_grad():
-        for dst, src in zip([g.data for g in flat.groups] + optimizer.exp_avg + optimizer.exp_avg_sq,
-                            state["params"] + state["exp_avg"] + state["exp_avg_sq"]):
+        for dst, src in zip([g.data for g in flat.groups] + optimizer.exp_avg + optimizer.exp_avg_sq + masters,
+                            state["params"] + state["exp_avg"] + state["exp_avg_sq"] + (state.get("masters") or [])):
             dst.copy_(src)
     if gatherer is not None or getattr(optimizer, "offload", False):  # own chunks / host masters (offload)
         optimizer.reload_param_shards()
@@ -95,7 +111,29 @@ def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: Par
     torch.set_rng_state(state["rng"]["cpu"])
     if "cuda" in state["rng"] and grid.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], grid.device)
+    restore_compression(reducer, state.get("compression"), int(state["step"]))
     return int(state["step"])
+
+
+def restore_compression(reducer, saved: Optional[dict], step: int, why: Optional[str] = None) -> None:
+    """Put the saved PowerSGD state back into `reducer` (exact resume) or, when it cannot be
+    mapped (`why`: another tp/dp/pp layout or ZeRO stage; or another bucket size or
+    powersgd_rank; or none saved), restart it: zero error feedback, the initial Q's, and the
+    powersgd_warmup_steps uncompressed steps run again from `step` (a fresh Q is a poor
+    basis, and the warm-up is what a new run gets). A CheckpointWarning says so."""
+    if reducer is None or getattr(reducer, "powersgd", None) is None:
+        return  # nothing to restore (no PowerSGD in this run): a saved state is dropped
+    if why is None:
+        try:
+            if saved is None:
+                raise ValueError("the checkpoint holds no PowerSGD state")
+            reducer.load_compression_state(saved)
+            return
+        except ValueError as exc:
+            why = str(exc)
+    reducer.restart_compression(step)
+    warnings.warn(f"PowerSGD state restarted at step {step} ({why}): error feedback zeroed, Q's re-initialized, "
+                  f"{reducer.warmup} uncompressed warm-up step(s) from here", CheckpointWarning, stacklevel=2)
 
 
 def check_layout(saved: dict[str, int], grid: ParallelGrid, path: str,
@@ -168,11 +206,12 @@ def _agree(step: int, grid: ParallelGrid) -> int:
 
 
 def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGrid,
-                model: Optional[torch.nn.Module] = None) -> Optional[int]:
+                model: Optional[torch.nn.Module] = None, reducer=None) -> Optional[int]:
     """Load the newest complete checkpoint under root into this rank; its step, or None if none.
 
     Only rank 0 reads every byte (checksums); the others trust its choice. A checkpoint
-    of another tp/pp/dp layout, ZeRO stage or bucket size is resharded when `model` is given.
+    of another tp/pp/dp layout, ZeRO stage or bucket size is resharded when `model` is given;
+    the `reducer`'s compression state is then restarted (`restore_compression`).
     """
     step = -1
     if grid.rank == 0:
@@ -187,23 +226,30 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
     if same:
         state = torch.load(os.path.join(path, io.shard_name(grid.rank)), map_location="cpu", weights_only=False)
         if model is None or _fits(state, flat, optimizer):
-            return restore(state, flat, optimizer, grid)  # bitwise; a clear error when it does not fit
+            return restore(state, flat, optimizer, grid, reducer)  # bitwise; a clear error when it does not fit
     elif model is None:
         check_layout(manifest["layout"], grid, path)  # raises
     try:  # another tp/pp/dp, ZeRO stage or bucket size
-        return load_resharded(path, manifest, model, flat, optimizer, grid)
+        step = load_resharded(path, manifest, model, flat, optimizer, grid)
     except ValueError as exc:
         if same:
             raise ValueError(f"checkpoint {path} cannot be resharded into this run's parallel.zero="
                              f"{getattr(optimizer, 'stage', 0)}: {exc}") from exc
         check_layout(manifest["layout"], grid, path, why=f"cannot reshard: {exc}")
         raise
+    moved = ("another parallel.zero or bucket_mb" if same else
+             "tp={tp} dp={dp} pp={pp}".format(**manifest["layout"])
+             + f" to tp={grid.tp_size} dp={grid.dp_size} pp={grid.pp_size}")
+    restore_compression(reducer, None, step, why=f"resharded from {moved}; the state is per dp rank and per "
+                        "bucket layout, it cannot be mapped")
+    return step
 
 
 def _fits(state: dict[str, Any], flat: FlatParams, optimizer: AdamW) -> bool:
     """The shard has this rank's exact buffer layout (same ZeRO stage and buckets): restore bitwise."""
     shapes = [tuple(t.shape) for t in state["params"] + state["exp_avg"]]
-    return (state.get("zero", getattr(optimizer, "stage", 0)) == getattr(optimizer, "stage", 0)
+    same_dtypes = [t.dtype for t in state["params"]] == [g.data.dtype for g in flat.groups]  # master_weights
+    return (state.get("zero", getattr(optimizer, "stage", 0)) == getattr(optimizer, "stage", 0) and same_dtypes
             and shapes == [tuple(g.data.shape) for g in flat.groups] + [tuple(m.shape) for m in optimizer.exp_avg])
 
 

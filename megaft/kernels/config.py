@@ -1,8 +1,10 @@
 """KernelsConfig (`kernels.*`): which backend runs each fused op of the model, and its checks.
 
 ``kernels.backend`` applies to every op; a per-op field overrides it (None = follow
-``backend``). ``auto`` keeps the CPU path on torch and, on CUDA, takes Triton, else the
-CUDA C++ kernels, else torch (megaft.kernels.dispatch). An explicit backend that
+``backend``). ``auto`` keeps the CPU path on torch; on CUDA it runs, per op, the available
+backend measured fastest on the run's shapes (``autotune``, megaft.kernels.autotune), or
+with ``autotune=false`` Triton, else the CUDA C++ kernels, else torch
+(megaft.kernels.dispatch). An explicit backend that
 cannot run on the run's device is reported by :func:`check_kernels` before any rank
 starts, with the fix.
 """
@@ -22,10 +24,12 @@ class KernelsConfig:
     rmsnorm: Optional[str] = None  # RMSNorm (+ the fused residual add); None = `backend`
     rope: Optional[str] = None  # rotary embedding of q and k; None = `backend`
     swiglu: Optional[str] = None  # the MLP's silu(gate) * up; None = `backend`
-    cross_entropy: Optional[str] = None  # vocab-parallel loss: auto|torch|triton (backend=cuda -> auto)
-    linear: Optional[str] = None  # parallel linears (GEMM + epilogue, fp32 wgrad fusion): auto|torch|triton
+    cross_entropy: Optional[str] = None  # vocab-parallel loss; None = `backend`
+    linear: Optional[str] = None  # parallel linears: GEMM + epilogue, fp32 wgrad fusion (cuda: cuBLAS wgrad only)
     fused_linear_cross_entropy: bool = False  # head projection + loss chunk by chunk (never all logits)
     ce_chunk_tokens: int = 2048  # tokens per chunk of the fused linear cross-entropy
+    autotune: bool = True  # auto on CUDA: time the available backends once per shape (false: fixed order)
+    autotune_cache: str = ""  # JSON file of measured choices; "" = $MEGAFT_CACHE_DIR or ~/.cache/megaft
 
     def for_op(self, op: str) -> str:
         """The backend asked for `op`: the override, else `backend` (a global cuda
@@ -38,8 +42,8 @@ class KernelsConfig:
         return "auto" if self.backend == "cuda" and op not in CUDA_OPS else self.backend
 
 
-# Ops with a CUDA C++ kernel (cross-entropy has Triton and torch only).
-CUDA_OPS = ("rmsnorm", "rope", "swiglu")
+# Ops with a CUDA C++ kernel (linear's is the cuBLAS fp32 wgrad accumulation; its forward is torch).
+CUDA_OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear")
 
 
 def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:
@@ -57,6 +61,7 @@ def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:
         return problems
     if cfg.ce_chunk_tokens < 1:
         problems.append(f"kernels.ce_chunk_tokens={cfg.ce_chunk_tokens} must be >= 1")
+    problems += _cache_problems(cfg)
     device = torch.device(device_type)
     blocked: dict[tuple[str, str, str], list[str]] = {}  # (source, backend, why) -> ops: one line each
     for op in OPS:
@@ -74,3 +79,23 @@ def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:
         problems.append(f"{source}={asked} cannot run {', '.join(ops)} on {device_type}: {why} "
                         "(kernels.backend=auto is torch on CPU)")
     return problems
+
+
+def _cache_problems(cfg: KernelsConfig) -> list[str]:
+    """kernels.autotune_cache must name a file that rank 0 can create or rewrite."""
+    import os
+
+    if not cfg.autotune or not cfg.autotune_cache:
+        return []
+    path = os.path.abspath(os.path.expanduser(cfg.autotune_cache))
+    if os.path.isdir(path):
+        return [f"kernels.autotune_cache={cfg.autotune_cache!r} is a directory; "
+                "fix: a file path such as <dir>/kernel_choice.json"]
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):  # created on first write: the nearest existing folder decides
+        parent = os.path.dirname(parent)
+    target = path if os.path.exists(path) else parent
+    if not os.path.isdir(parent) or not os.access(target, os.W_OK):
+        return [f"kernels.autotune_cache={cfg.autotune_cache!r} is not writable here; "
+                "fix: a writable path, '' for the default, or kernels.autotune=false"]
+    return []

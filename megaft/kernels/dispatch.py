@@ -1,4 +1,4 @@
-"""The dispatch rule shared by the kernel fronts (rmsnorm, swiglu, rope, cross_entropy).
+"""The dispatch rule shared by the kernel fronts (rmsnorm, swiglu, rope, cross_entropy, linear).
 
     torch   the reference (torch ops); always available
     triton  Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (tests)
@@ -10,6 +10,11 @@ Liger's rule: ``auto`` picks from what is available and logs its choice once per
 (op, device); an explicit backend that cannot run raises with the reason and the fix,
 never a silent fallback. Triton goes before cuda under auto because the Triton kernels
 are the ones the benchmarks (``python -m benchmarks.kernels``) measure fastest or equal.
+
+This fixed order is what a direct call with ``backend="auto"`` gets. The model's auto
+ops are decided before it is built, by timing the available backends on the run's
+shapes (megaft.kernels.autotune, ``kernels.autotune=true``), and reach these fronts
+as explicit names; ``kernels.autotune=false`` leaves them to this order.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from megaft.kernels import _ext, _triton
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
+# The torch.ops.megaft op whose presence means megaft._cuda was built with `op`'s kernel
+# (default f"{op}_fwd"); linear's CUDA C++ part is the cuBLAS wgrad accumulation.
+CUDA_OP_NAMES = {"linear": "wgrad_accumulate"}
 _logged: set[tuple[str, str, str]] = set()
 
 
@@ -33,8 +41,9 @@ def cuda_unavailable_reason(op: str, device: torch.device) -> str | None:
                 "use backend='torch' or 'auto'")
     if not _ext.CUDA.available:
         return f"megaft._cuda is not available ({_ext.CUDA.error}); fix: {_ext.fix_hint(_ext.CUDA)}"
-    if not hasattr(torch.ops.megaft, f"{op}_fwd"):
-        return (f"megaft._cuda was built without torch.ops.megaft.{op}_fwd (csrc/cuda/kernel_ops.cpp); "
+    name = CUDA_OP_NAMES.get(op, f"{op}_fwd")
+    if not hasattr(torch.ops.megaft, name):
+        return (f"megaft._cuda was built without torch.ops.megaft.{name} (csrc/cuda/kernel_ops.cpp); "
                 f"fix: {_ext.fix_hint(_ext.CUDA)}")
     return None
 

@@ -85,6 +85,9 @@ def launch_local(cfg: Config, run_dir: str, worker: Worker = local_worker) -> No
             if threading.current_thread() is threading.main_thread():
                 for sig in REQUEUE_SIGNALS + STOP_SIGNALS:
                     previous[sig] = signal.signal(sig, forward)
+                # megaft-train blocks them from its start (launch/entry.py): one that came during the
+                # imports is forwarded now; the ranks keep them blocked until their own handlers exist.
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, REQUEUE_SIGNALS)
             failed = _wait_first_failure(procs)
         finally:
             for sig, handler in previous.items():

@@ -8,11 +8,16 @@ what to `sbatch`; megaft.launch.submit_task runs inside each Slurm task.
 from __future__ import annotations
 
 import math
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
-from megaft.config import Config
+from megaft.config import Config, validate
+from megaft.estimate import GIB, gpu_type_memory
 from megaft.launch.env import slurm_port
+
+Budget = tuple[int, str]  # bytes per GPU, and where the number came from (for messages)
 
 
 class Shape(NamedTuple):
@@ -73,6 +78,37 @@ def resource_shape(cfg: Config, spec: NodeSpec) -> tuple[Optional[Shape], list[s
     return Shape(nodes, tasks, min(spec.gpus_per_node, tasks), spec.cpus_per_task), []
 
 
+def preset_gpu_budget(preset: Mapping[str, Any]) -> tuple[Optional[Budget], list[str]]:
+    """(budget, problems) of the GPUs a preset names: hydra.launcher.gpu_mem_gb (GiB) when
+    set (a MIG slice, a GPU not in the table), else the memory of hydra.launcher.gpu_type;
+    (None, []) when it names neither. An unknown gpu_type is a problem listing the known ones."""
+    gpu_type, mem_gb = preset.get("gpu_type"), float(preset.get("gpu_mem_gb") or 0)
+    gib, problems = gpu_type_memory(str(gpu_type)) if gpu_type else (None, [])
+    if mem_gb < 0:
+        problems.append(f"hydra.launcher.gpu_mem_gb={mem_gb:g} must be >= 0 (0 = from gpu_type); fix: the GiB "
+                        "of one GPU, or 0")
+    if problems:
+        return None, problems
+    if mem_gb > 0:
+        return (int(mem_gb * GIB), f"hydra.launcher.gpu_mem_gb={mem_gb:g}"), []
+    if gib is not None:
+        return (int(gib * GIB), f"hydra.launcher.gpu_type={gpu_type}: {gib:g} GiB"), []
+    return None, []
+
+
+def check_point(cfg: Config, spec: NodeSpec, budget: Optional[Budget]) -> tuple[Optional[Shape], list[str]]:
+    """(shape, every problem) of one point: validate() on its world size, then its shape.
+
+    The memory check of a point that runs on the preset's GPUs (gpus_per_node > 0 and not
+    device=cpu) uses the preset's `budget` unless the point sets launcher.gpu_mem_gb, so an
+    oversized point is rejected even where the submitting machine sees no GPU (or another one).
+    """
+    on_gpus = spec.gpus_per_node > 0 and cfg.device != "cpu"
+    problems = validate(cfg, point_world_size(cfg), gpu_budget=budget if on_gpus else None)
+    shape, shape_problems = resource_shape(cfg, spec)
+    return shape, problems + shape_problems
+
+
 def group_by_shape(items: Iterable[tuple[Shape, Any]]) -> dict[Shape, list[Any]]:
     """{shape: items} in first-seen order of the shapes and, within one, of the items."""
     groups: dict[Shape, list[Any]] = {}
@@ -92,6 +128,19 @@ def task_port(slurm_job_id: str) -> int:
     return slurm_port(slurm_job_id, "0")
 
 
+def task_python(executable: str = sys.executable) -> str:
+    """The interpreter command of submitit's sbatch script (`<it> -u -m submitit.core._submit`):
+    blocks SIGUSR1/2, then execs Python with the same arguments (the mask survives exec).
+
+    A warning that arrives while the task imports torch stays pending instead of killing it
+    (the default action), as under megaft-train (megaft.launch.entry), and submitit's own
+    USR2 handler never fires: PreemptFlag.install() in run_rank unblocks both and handles them.
+    """
+    code = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGUSR2)); "
+            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    return f"{shlex.quote(executable)} -c {shlex.quote(code)}"
+
+
 def shape_dict(shape: Shape) -> dict[str, int]:
     return dict(shape._asdict(), world_size=shape.world_size)
 
@@ -102,9 +151,11 @@ def sbatch_parameters(shape: Shape, preset: Mapping[str, Any]) -> dict[str, Any]
         job_name=f"{preset['job_name']}-{shape.tag()}", nodes=shape.nodes, ntasks_per_node=shape.tasks_per_node,
         cpus_per_task=shape.cpus_per_task, time=preset["timeout_min"], array_parallelism=preset["array_parallelism"],
         setup=list(preset["setup"]),
-        # megaft's own preemption path (megaft.launch.preempt) listens for USR1: save, requeue, exit.
-        # submitit would send USR2 and handle it itself, killing the ranks without a checkpoint.
-        additional_parameters={"signal": f"USR1@{preset['signal_delay_s']}", **preset["additional_parameters"]})
+        # megaft's preemption path (megaft.launch.preempt) listens for USR1 (and USR2, submitit's, which it
+        # takes over during training): save, requeue, exit. --requeue: `scontrol requeue` needs a requeueable
+        # job where the cluster's JobRequeue=0, as slurm/train_srun.sbatch asks too.
+        additional_parameters={"signal": f"USR1@{preset['signal_delay_s']}", "requeue": True,
+                               **preset["additional_parameters"]})
     if preset["partition"]:
         params["partition"] = preset["partition"]
     if shape.gpus_per_node:

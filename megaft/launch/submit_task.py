@@ -4,16 +4,29 @@ submitit pickles a `SlurmRankTask` per point; in the job, each task (one per ran
 it. Rank, local rank, world size and the master host come from Slurm through submitit's
 JobEnvironment, the port from the job's own id (megaft.launch.submit.task_port), so
 nothing is set by hand and two jobs on one node never meet on one port.
+
+Preemption: the task's interpreter starts with SIGUSR1/2 blocked (submit.task_python), so
+a warning during start-up stays pending, and submitit's own SIGUSR2 handler (checkpoint,
+`scontrol requeue`, exit), installed before it calls the task, never fires: megaft's
+PreemptFlag takes both over in `run_rank` (USR1 is the presets' `--signal=USR1@N`, USR2
+submitit's). Every rank saves at the next step boundary, rank 0 requeues the job, and the
+task then ends without a result, as submitit's own requeue does, so the job counts as
+unfinished until the requeued attempt (the same pickled task) resumes from the
+checkpoint and returns the finished summary. `checkpoint()` covers a task started some
+other way, where submitit's handler may still see a USR2 before training.
 """
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from megaft.config import Config
 from megaft.fileio import write_json_atomic
 from megaft.launch.env import DistEnv
+from megaft.launch.preempt import restart_count
 from megaft.launch.submit import task_port
 
 RENDEZVOUS_FILE = "slurm.json"  # in the run dir: which job ran it and where its ranks met
@@ -44,4 +57,23 @@ class SlurmRankTask:
                 "init_method": env.init_method, "port": port, "start_time": time.time()})
         # torch threads per rank = the cores Slurm gave the task, not every core of the node.
         threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
-        return run_rank(self.cfg, self.run_dir, env, threads)
+        summary = run_rank(self.cfg, self.run_dir, env, threads)
+        # The run is over (finished, or saved for a requeue): a late warning has nothing left to save,
+        # and submitit's USR2 handler would requeue a finished run.
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+        if summary.get("requeue") and os.environ.get("SLURM_JOB_ID") and \
+                restart_count() < self.cfg.launcher.max_requeue:
+            # Rank 0 requeued the job (megaft.launch.preempt.requeue): no result file for this attempt.
+            sys.exit(0)
+        return summary
+
+    def checkpoint(self) -> Optional[Any]:
+        """submitit's SIGUSR2 handler (rank 0, outside run_rank) asks what to requeue: this same
+        task, which resumes from the run dir's newest checkpoint; None past launcher.max_requeue
+        (submitit then ends the job with an error instead of requeueing)."""
+        from submitit.helpers import DelayedSubmission
+
+        if restart_count() >= self.cfg.launcher.max_requeue:
+            return None
+        return DelayedSubmission(self)

@@ -1,4 +1,5 @@
-"""Optimizer over flat fp32 buffers (plain or ZeRO-sharded), fp16 loss scaling, LR schedule, exact clipping."""
+"""Optimizer over flat buffers (plain or ZeRO-sharded; fp32, or bf16 with fp32 master weights), fp16 loss
+scaling, LR schedule, exact clipping."""
 from megaft.optim.adamw import AdamW
 from megaft.optim.clip import clip_grad_norm_, grad_norm
 from megaft.optim.config import OptimConfig, check_optim

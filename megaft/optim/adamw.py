@@ -1,11 +1,11 @@
-"""AdamW over FlatParams (plain dp, ZeRO stage 0): one fused kernel call per buffer per step."""
+"""AdamW over FlatParams (plain dp, ZeRO stage 0): one multi-tensor kernel call per step."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from megaft.kernels.adamw import adamw_step_
+from megaft.kernels.adamw import adamw_multi_tensor_
 from megaft.optim.clip import grad_norm
 from megaft.optim.config import OptimConfig
 from megaft.optim.flat import FlatParams
@@ -14,12 +14,27 @@ from megaft.parallel.comm import Group
 from megaft.parallel.grads import sync_sequence_parallel_grads
 
 
-def adamw_update_(items, cfg: OptimConfig, *, step: int, lr: float) -> None:
-    """One fused AdamW call per (param, grad, exp_avg, exp_avg_sq, weight_decay) flat
-    buffer or ZeRO chunk: shared by the plain and the sharded optimizer."""
-    for param, grad, m, v, weight_decay in items:
-        adamw_step_(param, grad, m, v, step=step, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                    weight_decay=weight_decay, backend=cfg.fused)
+def adamw_update_(items, cfg: OptimConfig, *, step: int, lr: float, masters: Optional[list] = None) -> None:
+    """AdamW on every (param, grad, exp_avg, exp_avg_sq, weight_decay) flat buffer or ZeRO
+    chunk in ONE multi-tensor call (`optim.fused` picks its backend; weight decay per
+    tensor): shared by the plain and the sharded optimizer. Empty chunks are left out
+    (a ZeRO rank may own nothing of a bucket's padding-only tail). `masters`
+    (optim.master_weights): one fp32 master per item; the update runs on it with the bf16
+    grad upcast, and the bf16 param receives it rounded to nearest even."""
+    items = [(*it, m) for it, m in zip(items, masters or [None] * len(items)) if it[0].numel()]
+    if not items:
+        return
+    params, grads, exp_avgs, exp_avg_sqs, decays, fp32 = (list(col) for col in zip(*items))
+    adamw_multi_tensor_(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                        eps=cfg.eps, weight_decay=decays, backend=cfg.fused,
+                        master_params=fp32 if masters is not None else None)
+
+
+def fp32_masters(tensors) -> list[torch.Tensor]:
+    """optim.master_weights: fp32 copies of the (bf16) param buffers or chunks. The params
+    are then always their masters rounded (at build time: the init rounded, as Megatron's
+    bf16 optimizer copies the bf16 params)."""
+    return [t.detach().float().clone() for t in tensors]
 
 
 def state_bytes(params, grads, optimizer_state, host: Optional[HostAdamW]) -> dict[str, int]:
@@ -33,10 +48,11 @@ def state_bytes(params, grads, optimizer_state, host: Optional[HostAdamW]) -> di
 class AdamW:
     """Decoupled-weight-decay Adam (Loshchilov & Hutter) with fp32 state.
 
-    `optim.fused` picks the kernel (megaft.kernels.adamw): auto, torch, cpu, cuda.
+    `optim.fused` picks the kernel (megaft.kernels.adamw): auto, torch, cpu, cuda, triton.
     `norm_params` are the parameters the grad norm counts (under pp: all but the
     last stage's tied copy); default: all. `scaler` (fp16) is saved in checkpoints.
     `offload`: fp32 masters and moments of the whole buffers on the host (megaft.optim.offload).
+    `cfg.master_weights`: the buffers hold bf16 params and grads; `masters` their fp32 masters.
     """
 
     def __init__(self, flat: FlatParams, cfg: OptimConfig, *, norm_params: Optional[list] = None,
@@ -44,13 +60,18 @@ class AdamW:
         self.flat, self.cfg, self.step_count, self.offload = flat, cfg, 0, offload
         self.norm_params = flat.params if norm_params is None else norm_params
         device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
-        state = (lambda g: host_zeros(g.data.numel(), device)) if offload else (lambda g: torch.zeros_like(g.data))
+        state = ((lambda g: host_zeros(g.data.numel(), device)) if offload else
+                 (lambda g: torch.zeros(g.data.numel(), dtype=torch.float32, device=device)))
         self.exp_avg = [state(g) for g in flat.groups]
         self.exp_avg_sq = [state(g) for g in flat.groups]
-        self.host = None
+        self.host, self.masters = None, []  # masters: optim.master_weights (on the host under offload)
         if offload:
-            self.host = HostAdamW([g.data for g in flat.groups], [state(g) for g in flat.groups],
-                                  [state(g) for g in flat.groups], self.exp_avg, self.exp_avg_sq, cfg)
+            masters = [state(g) for g in flat.groups]
+            self.host = HostAdamW([g.data for g in flat.groups], masters, [state(g) for g in flat.groups],
+                                  self.exp_avg, self.exp_avg_sq, cfg)
+            self.masters = masters if cfg.master_weights else []
+        elif cfg.master_weights:
+            self.masters = fp32_masters(g.data for g in flat.groups)
         self.scaler = None
 
     @property
@@ -68,16 +89,17 @@ class AdamW:
         self.flat.zero_grad()
 
     def reload_param_shards(self) -> None:
-        """After a checkpoint load: the host masters (offload) from the loaded buffers."""
-        if self.host is not None:
+        """After a checkpoint load: the host masters (offload) from the loaded buffers, unless
+        they are the fp32 master weights, which the checkpoint held themselves."""
+        if self.host is not None and not self.masters:
             self.host.reload_masters()
 
     def memory_bytes(self) -> dict[str, int]:
-        """Device bytes this rank holds for params, grads and optimizer state (fp32 throughout);
-        `host` the same kinds in host memory (offload)."""
+        """Device bytes this rank holds for params, grads and optimizer state (masters, if any,
+        and moments); `host` the same kinds in host memory (offload)."""
         groups = self.flat.groups
-        return state_bytes([g.data for g in groups], [g.grad for g in groups], self.exp_avg + self.exp_avg_sq,
-                           self.host)
+        return state_bytes([g.data for g in groups], [g.grad for g in groups],
+                           self.masters + self.exp_avg + self.exp_avg_sq, self.host)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -87,4 +109,4 @@ class AdamW:
             return
         adamw_update_([(g.data, g.grad, m, v, g.weight_decay)
                        for g, m, v in zip(self.flat.groups, self.exp_avg, self.exp_avg_sq)],
-                      self.cfg, step=self.step_count, lr=lr)
+                      self.cfg, step=self.step_count, lr=lr, masters=self.masters or None)

@@ -19,6 +19,9 @@ class OptimConfig:
     loss_scale: float = 65536.0  # precision=fp16: initial dynamic loss scale (halved on each inf/nan step)
     loss_scale_window: int = 1000  # precision=fp16: finite steps in a row before the scale doubles
     fused: str = "auto"  # AdamW kernel: auto | torch | cpu (megaft._C) | cuda (megaft._cuda) | triton
+    # precision=bf16 only: bf16 params and grads in the model, fp32 master weights and moments in the
+    # optimizer (the ZeRO paper's 2 + 2 + 12 bytes/param); false: the params are the fp32 masters (4 + 4 + 8)
+    master_weights: bool = False
 
 
 def check_optim(cfg: OptimConfig, device: str | None = None) -> list[str]:
@@ -63,3 +66,18 @@ def _check_fused_triton(device: str | None) -> list[str]:
         return []
     return [f"optim.fused=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
             f"{why}. fix: optim.fused=auto (or run on GPUs)"]
+
+
+def check_master_weights(cfg: OptimConfig, *, precision: str, grad_compression: str) -> list[str]:
+    """optim.master_weights=true: the combinations built so far (megaft.optim.zero docstring)."""
+    if not cfg.master_weights:
+        return []
+    errors = []
+    if precision != "bf16":  # the AdamW kernels take fp32 or bf16 params (no fp16 path, no loss scaling)
+        errors.append(f"optim.master_weights=true needs precision=bf16 (got precision={precision}): the model "
+                      "holds bf16 params and grads; fix: precision=bf16, or optim.master_weights=false")
+    if grad_compression == "powersgd":  # built and tested on fp32 buckets only (megaft.parallel.compress)
+        errors.append("optim.master_weights=true is not supported yet with parallel.grad_compression=powersgd "
+                      "(supported: precision=bf16, any tp/pp/dp, zero 0-3 and offload, grad_compression none|bf16); "
+                      "fix: parallel.grad_compression=none or bf16, or optim.master_weights=false")
+    return errors

@@ -1,4 +1,5 @@
-"""FlatParams: parameters and gradients as views into contiguous fp32 buffers.
+"""FlatParams: parameters and gradients as views into contiguous buffers (fp32, or
+bf16 under `optim.master_weights`, where the optimizer keeps the fp32 masters).
 
 One buffer per weight-decay group lets the optimizer run one fused kernel over the
 whole model (megaft._C / megaft._cuda take flat tensors) and the data-parallel
@@ -38,8 +39,8 @@ class Bucket:
 @dataclass
 class FlatGroup:
     params: list[nn.Parameter]  # in buffer order (reverse model order)
-    data: torch.Tensor  # flat fp32 values; every param's .data is a view into it
-    grad: torch.Tensor | None  # flat fp32 gradients (views in .grad); None when grads are not kept (ZeRO-2)
+    data: torch.Tensor  # flat values (fp32 or bf16); every param's .data is a view into it
+    grad: torch.Tensor | None  # flat gradients, data's dtype (views in .grad); None when not kept (ZeRO-2)
     weight_decay: float
     buckets: list[Bucket] = field(default_factory=list)
 
@@ -62,12 +63,12 @@ def plan_buckets(sizes: list[int], cap: int, multiple: int) -> list[tuple[int, i
 
 
 def _flatten(index: int, params: list[nn.Parameter], weight_decay: float, device: torch.device, *, cap: int,
-             multiple: int, keep_grads: bool) -> FlatGroup:
+             multiple: int, keep_grads: bool, dtype: torch.dtype) -> FlatGroup:
     params = params[::-1]  # backward order: the first-ready grads form the first bucket
     plan = plan_buckets([p.numel() for p in params], cap, multiple)
     total = plan[-1][1] if plan else 0
-    data = torch.zeros(total, dtype=torch.float32, device=device)
-    grad = torch.zeros(total, dtype=torch.float32, device=device) if keep_grads else None
+    data = torch.zeros(total, dtype=dtype, device=device)
+    grad = torch.zeros(total, dtype=dtype, device=device) if keep_grads else None
     group = FlatGroup(params, data, grad, weight_decay)
     for start, stop, idx, offs in plan:
         group.buckets.append(Bucket(index, start, stop, [params[i] for i in idx], offs))
@@ -84,10 +85,12 @@ class FlatParams:
 
     `bucket_numel` (0: one bucket per group) and `multiple` (dp under ZeRO, else 1)
     shape the buckets; `keep_grads=False` leaves `.grad` unset (ZeRO-2 keeps only
-    the reduced shard, see megaft.parallel.buckets)."""
+    the reduced shard, see megaft.parallel.buckets). `dtype`: of params and grads
+    (bf16 under optim.master_weights: the params are rounded into the buffers)."""
 
     def __init__(self, model: nn.Module, *, weight_decay: float, device: torch.device, bucket_numel: int = 0,
-                 multiple: int = 1, keep_grads: bool = True, units: list[list[nn.Parameter]] | None = None):
+                 multiple: int = 1, keep_grads: bool = True, units: list[list[nn.Parameter]] | None = None,
+                 dtype: torch.dtype = torch.float32):
         params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
         # ZeRO-3 passes `units` (a layer's params each): one buffer per unit and decay class,
         # so a layer's parameters can be gathered and freed on their own.
@@ -97,7 +100,8 @@ class FlatParams:
             decay = [p for p in ps if p.dim() >= 2]
             no_decay = [p for p in ps if p.dim() < 2]
             groups += [(g, wd) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
-        self.groups = [_flatten(i, ps, wd, device, cap=bucket_numel, multiple=multiple, keep_grads=keep_grads)
+        self.groups = [_flatten(i, ps, wd, device, cap=bucket_numel, multiple=multiple, keep_grads=keep_grads,
+                                dtype=dtype)
                        for i, (ps, wd) in enumerate(groups)]
         self._backward_rank = {id(p): i for i, p in enumerate(reversed(params))}
 

@@ -17,6 +17,15 @@ per parameter are: stage 0: 4 + 4 + 8; stage 1: 4 + 4 + 8/dp; stage 2: 4 + (4 + 
 stage 3: (4 + 4 + 8)/dp
 (params + grads + Adam moments; the paper's K = 12 becomes 8 without a separate
 fp32 master copy). bf16 autocast keeps fp32 weights, so the same formula holds.
+
+`optim.master_weights=true` (precision=bf16) is the paper's mixed precision: bf16
+params and grads in the flat buffers, fp32 masters and moments (K = 12) for the owned
+chunks: stage 0: 2 + 2 + 12; stage 1: 2 + 2 + 12/dp; stage 2: 2 + (2 + 12)/dp; stage 3:
+(2 + 2 + 12)/dp (under offload the host masters are the masters). The dp reduction runs
+in fp32 (megaft.parallel.buckets upcasts each bucket) and the reduced gradient is
+rounded to bf16 once; micro-batches accumulate in the bf16 grads (ZeRO's 2 bytes).
+After the update each owned chunk of params is its master rounded to nearest even,
+then all-gathered (stage 3: gathered per layer) in bf16 as usual.
 """
 from __future__ import annotations
 
@@ -60,7 +69,10 @@ class ShardedAdamW:
         state = (lambda n: host_zeros(n, device)) if offload else (lambda n: torch.zeros(n, device=device))
         self.exp_avg = [state(n) for n in sizes]
         self.exp_avg_sq = [state(n) for n in sizes]
-        self.shard_grads = [torch.zeros(n, device=device) for n in sizes] if stage >= 2 else []
+        dtype = flat.groups[0].data.dtype if flat.groups else torch.float32  # bf16 under master_weights
+        self.shard_grads = [torch.zeros(n, dtype=dtype, device=device) for n in sizes] if stage >= 2 else []
+        self.masters = [state(n) for n in sizes] if cfg.master_weights else []  # on the host under offload
+        self.master_chunks = []  # per chunk: its fp32 master (a view into masters), laid out like the moments
         self.chunks = []  # (bucket, param view, grad view, exp_avg view, exp_avg_sq view)
         used, views = [0] * len(flat.groups), []
         for b, (lo, hi) in zip(self.buckets, self.ranges):
@@ -71,10 +83,14 @@ class ShardedAdamW:
             # stage 3 frees the full buffers: the owned chunk is a tensor of its own (the master copy)
             param = g.data[lo:hi].clone() if stage == 3 else g.data[lo:hi]
             self.chunks.append((b, param, grad, self.exp_avg[b.group][view], self.exp_avg_sq[b.group][view]))
+            if self.masters:
+                self.master_chunks.append(self.masters[b.group][view])
+                self.master_chunks[-1].copy_(param)  # the bf16 params upcast (exact)
             used[b.group] += hi - lo
         self.host = None
         if offload:  # host master and grad copies of the owned chunks, laid out like the moments
-            masters, grads = [host_zeros(n, device) for n in sizes], [host_zeros(n, device) for n in sizes]
+            masters = self.masters or [host_zeros(n, device) for n in sizes]
+            grads = [host_zeros(n, device) for n in sizes]
             pieces = [(masters[b.group][v], grads[b.group][v]) for (b, *_), v in zip(self.chunks, views)]
             self.host = HostAdamW([c[1] for c in self.chunks], [m for m, _ in pieces], [g for _, g in pieces],
                                   [c[3] for c in self.chunks], [c[4] for c in self.chunks], cfg)
@@ -110,7 +126,7 @@ class ShardedAdamW:
         pieces = [c[2][a:z] for c, segs in zip(self.chunks, self.segments) for a, z, _, sp in segs if sp]
         if not pieces:
             return
-        flat = all_reduce(torch.cat(pieces), tp_group)
+        flat = all_reduce(torch.cat(pieces).float(), tp_group)  # bf16 grads: summed in fp32, rounded once
         at = 0
         for piece in pieces:
             piece.copy_(flat[at:at + piece.numel()])
@@ -125,7 +141,7 @@ class ShardedAdamW:
         for c, segs in zip(self.chunks, self.segments):
             for a, z, kind, _ in segs:
                 if kind != SKIP:
-                    sq[kind] += c[2][a:z].pow(2).sum()
+                    sq[kind] += c[2][a:z].float().pow(2).sum()  # bf16 grads: squares summed in fp32
         total = all_reduce(sq[SHARDED], tp_group) + sq[REPLICATED]
         return all_reduce(all_reduce(total, self.group), pp_group).sqrt()
 
@@ -141,7 +157,7 @@ class ShardedAdamW:
         if self.stage == 3:
             for (b, param, *_), (lo, hi) in zip(self.chunks, self.ranges):
                 param.copy_(self.flat.groups[b.group].data[lo:hi])
-        if self.host is not None:
+        if self.host is not None and not self.masters:  # master_weights: the checkpoint held the masters
             self.host.reload_masters()
 
     def zero_grad(self) -> None:
@@ -157,7 +173,7 @@ class ShardedAdamW:
         grads = self.shard_grads if self.stage >= 2 else [g.grad for g in self.flat.groups]
         params = self.param_shards if self.stage == 3 else [g.data for g in self.flat.groups]
         gathered = self.gatherer.held_bytes() if self.gatherer is not None else 0  # 0 unless a layer leaked
-        out = state_bytes(params, grads, self.exp_avg + self.exp_avg_sq, self.host)
+        out = state_bytes(params, grads, self.masters + self.exp_avg + self.exp_avg_sq, self.host)
         out["params"] += gathered
         return out
 
@@ -170,7 +186,8 @@ class ShardedAdamW:
             self.host.step_(self.chunk_grads, decays, step=self.step_count, lr=lr)
         else:
             adamw_update_([(param, grad, m, v, self.flat.groups[b.group].weight_decay)
-                           for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr)
+                           for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr,
+                          masters=self.master_chunks or None)
         if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
             return
         sends = [param.clone() for _, param, *_ in self.chunks]  # the output overlaps the input: copy it
@@ -192,14 +209,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.buckets import GradReducer
 
-    numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients
+    numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients (bf16 ones are reduced in fp32 too)
     options = {} if compression is None else dict(
         compression=compression.grad_compression, powersgd_rank=compression.powersgd_rank,
         powersgd_warmup_steps=compression.powersgd_warmup_steps)
     units = model_units(model) if zero == 3 else None
     flat = FlatParams(model, weight_decay=cfg.weight_decay, device=grid.device, bucket_numel=0 if units else numel,
                       multiple=grid.dp_size if zero else 1, keep_grads=zero < 2,
-                      units=unit_params(units) if units else None)
+                      units=unit_params(units) if units else None,
+                      dtype=torch.bfloat16 if cfg.master_weights else torch.float32)
     if zero == 0:
         optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
         return flat, optimizer, GradReducer(flat, grid.dp_group, clock=lambda: optimizer.step_count, **options)

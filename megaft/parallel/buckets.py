@@ -24,12 +24,18 @@ Modes (`parallel.zero`):
 Every mode sums: each rank's loss is divided by the global batch's target count,
 so the dp sum is the exact token-weighted mean gradient.
 
+bf16 gradients (`optim.master_weights`) are reduced in fp32: each bucket is upcast for
+its collective (zero 2's scratch is fp32 already) and the sum is rounded to bf16 once
+where it lands, so no rounding per partial sum (Megatron reduces bf16 grads in fp32 too).
+
 Compression (`parallel.grad_compression`, megaft.parallel.compress): bf16 casts each
 bucket for its collective (any mode); powersgd (zero 0/1) all-reduces each bucket's P
 factors from the hook and its Q factors in `finish()`, then writes P Q^T back (zero 1
 then keeps its chunk, as the reduce-scatter would have). `sent_bytes` counts the
 bytes of the collectives' inputs on this rank (the payload each rank contributes,
 independent of the collective's algorithm: a ring all-reduce moves 2 (dp-1)/dp of it).
+PowerSGD's state (Q's, error feedback, where the warm-up started) goes into checkpoints
+(`compression_state`); megaft.checkpoint.state restores it or restarts it.
 """
 from __future__ import annotations
 
@@ -61,7 +67,8 @@ class GradReducer:
     `finish()`, after backward (the benchmark's baseline). `compression`: none | bf16 |
     powersgd (rank `powersgd_rank`, plain fp32 for the first `powersgd_warmup_steps`
     steps, as Vogels et al. start from uncompressed steps). `clock()` gives the optimizer
-    steps taken (restored on resume, so the warmup is not repeated); default: finish() calls."""
+    steps taken (restored on resume, so the warmup is not repeated unless the PowerSGD state is
+    restarted, see `restart_compression`); default: finish() calls."""
 
     def __init__(self, flat: FlatParams, dp_group: Group, *, zero: int = 0,
                  chunk_grads: Optional[list[torch.Tensor]] = None, overlap: bool = True,
@@ -76,6 +83,7 @@ class GradReducer:
                              "use none|bf16, or powersgd at zero 0/1")
         self.compression, self.warmup = compression, powersgd_warmup_steps
         self.steps = 0  # finish() calls
+        self.warmup_from = 0  # the step PowerSGD's warm-up counts from (moved by restart_compression)
         self.clock = clock or (lambda: self.steps)
         self.sent_bytes = 0  # bytes handed to collectives since the last take_sent_bytes()
         self.powersgd = None
@@ -136,7 +144,7 @@ class GradReducer:
     def _mode(self) -> str:
         if self.dp == 1:
             return "none"  # nothing is sent
-        if self.compression == "powersgd" and self.clock() < self.warmup:
+        if self.compression == "powersgd" and self.clock() - self.warmup_from < self.warmup:
             return "none"
         return self.compression
 
@@ -150,7 +158,9 @@ class GradReducer:
             self.sent_bytes += sum(self.powersgd.wire_bytes(i))
             self._pending.append((dist.all_reduce(send, group=self.group, async_op=True), i, "powersgd", send, grad))
             return
-        wire = grad.to(torch.bfloat16) if mode == "bf16" else grad
+        # bf16 grads (optim.master_weights) are summed over dp in fp32 and rounded to bf16 once
+        # when they land: no rounding per partial sum, so the result does not depend on dp
+        wire = grad.to(torch.bfloat16) if mode == "bf16" else grad.float() if self.dp > 1 else grad
         if self.dp > 1:
             self.sent_bytes += wire.nbytes
         if self.zero == 0:
@@ -213,6 +223,25 @@ class GradReducer:
                 lo, hi = chunk_range(self.buckets[i], self.dp, self.dp_rank)
                 start = self.buckets[i].start
                 self.chunk_grads[i].copy_(grad[lo - start:hi - start])
+
+    def compression_state(self) -> Optional[dict]:
+        """What a checkpoint keeps of the compression: PowerSGD's Q's and this rank's errors and
+        the warm-up start; None when there is no state (none, bf16, dp=1)."""
+        if self.powersgd is None:
+            return None
+        return {"powersgd": self.powersgd.state_dict(), "warmup_from": self.warmup_from}
+
+    def load_compression_state(self, state: dict) -> None:
+        """Restore a `compression_state()`; ValueError when it does not fit this run."""
+        if self.powersgd is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
+            self.warmup_from = int(state["warmup_from"])
+
+    def restart_compression(self, step: int) -> None:
+        """Fresh PowerSGD state (zero errors, initial Q's) whose warm-up starts again at `step`."""
+        if self.powersgd is not None:
+            self.powersgd.reset()
+            self.warmup_from = step
 
     def take_sent_bytes(self) -> int:
         """Bytes sent since the last call (one optimizer step when called once a step)."""

@@ -10,8 +10,10 @@ powersgd: Vogels et al. 2019 (Algorithm 1), rank r, with error feedback. Each 2-
   weight gradient M (n x m, error added) is approximated as P Q^T:
       P = M Q;  all-reduce P;  P = orthonormalize(P)
       Q = M^T P;  all-reduce Q;  M_hat = P Q^T   (the dp SUM of the ranks' M)
-  Q is warm-started from the previous step. Each rank keeps E = M - M_hat / dp, so
-  the sum over ranks of E is exactly what the sum M_hat left out, and it is sent in
+  Q is warm-started from the previous step; its first value is a normal draw seeded by
+  the matrix's shape, not its place in the layout, so the two copies of a tied embedding
+  (first and last pipeline stage, fed the same gradient) stay identical. Each rank
+  keeps E = M - M_hat / dp, so the sum over ranks of E is exactly what the sum M_hat left out, and it is sent in
   later steps. Vectors (norms, biases), bucket padding, and matrices that would not
   shrink ((n + m) r >= n m) go uncompressed in fp32. Wire cost per compressed matrix:
   (n + m) r instead of n m elements. torch's ddp_comm_hooks/powerSGD_hook.py was the
@@ -23,6 +25,11 @@ all-reduces asynchronously between them: `begin` (add the error, P = M Q, return
 the tensor to all-reduce: every P then the uncompressed elements), `middle` (takes
 the reduced tensor, orthonormalizes P, returns the Q's to all-reduce) and `end`
 (writes M_hat and the reduced uncompressed elements into the bucket, updates E).
+
+Checkpoints: `state_dict()` holds each matrix's Q and this rank's E (with the
+geometry they belong to); `load_state_dict` restores them bitwise, or raises
+ValueError when the geometry differs (another layout, bucket size or rank), in which
+case the caller restarts the state with `reset()` (megaft.parallel.buckets).
 """
 from __future__ import annotations
 
@@ -39,6 +46,12 @@ def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
     so every rank computes the same basis."""
     p.copy_(torch.linalg.qr(p).Q)
     return p
+
+
+def initial_q(n: int, m: int, rank: int, seed: int = 0) -> torch.Tensor:
+    """The m x r starting Q of an n x m matrix: the same on every rank and every stage."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + n * 65_537 + m)
+    return torch.randn(m, rank, generator=gen)
 
 
 def compressible(shape: torch.Size, rank: int) -> bool:
@@ -76,8 +89,7 @@ class PowerSGD:
 
     def __init__(self, layout: list[list[tuple[int, torch.Size]]], numels: list[int], *, rank: int,
                  dp: int, device: torch.device, seed: int = 0):
-        self.rank, self.dp = rank, dp
-        gen = torch.Generator().manual_seed(seed)
+        self.rank, self.dp, self.seed = rank, dp, seed
         self.plans: list[_Plan] = []
         for params, numel in zip(layout, numels):
             matrices, plain, at = [], [], 0
@@ -87,7 +99,7 @@ class PowerSGD:
                 if compressible(shape, rank):
                     n = shape[0]
                     m = shape.numel() // n
-                    q = torch.randn(m, rank, generator=gen).to(device)
+                    q = initial_q(n, m, rank, seed).to(device)
                     matrices.append(_Matrix(off, n, m, q, torch.zeros(n, m, device=device)))
                 else:
                     plain.append((off, off + shape.numel()))
@@ -95,6 +107,40 @@ class PowerSGD:
             if numel > at:
                 plain.append((at, numel))
             self.plans.append(_Plan(matrices, plain, [hi - lo for lo, hi in plain]))
+
+    def _shape(self) -> dict:
+        """What a saved state must match: r, dp, and (offset, n, m) of every matrix per bucket."""
+        return {"rank": self.rank, "dp": self.dp,
+                "geometry": [[(a.lo, a.n, a.m) for a in plan.matrices] for plan in self.plans]}
+
+    def state_dict(self) -> dict:
+        """Q and this rank's error of every matrix (CPU tensors), with their geometry."""
+        mats = [a for plan in self.plans for a in plan.matrices]
+        return {**self._shape(), "q": [a.q.cpu() for a in mats], "error": [a.error.cpu() for a in mats]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()` of the same geometry; ValueError (nothing changed) otherwise."""
+        mine = self._shape()
+        for key in ("rank", "dp", "geometry"):
+            got = [list(map(tuple, g)) for g in state[key]] if key == "geometry" else state[key]
+            want = mine[key]
+            if got != want:
+                raise ValueError(f"the saved PowerSGD {key} differs from this run's"
+                                 + ("" if key == "geometry" else f" ({got} vs {want})"))
+        mats = [a for plan in self.plans for a in plan.matrices]
+        for a, q, e in zip(mats, state["q"], state["error"]):
+            a.q.copy_(q)
+            a.error.copy_(e)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Fresh state: the initial Q's and zero errors (what a new run starts from)."""
+        for plan in self.plans:
+            for a in plan.matrices:
+                a.q = initial_q(a.n, a.m, self.rank, self.seed).to(a.error.device)
+                a.error.zero_()
+                a.p = None
 
     def wire_bytes(self, i: int) -> tuple[int, int]:
         """fp32 bytes of bucket i's two all-reduces (P's + plain elements, then Q's)."""

@@ -14,7 +14,7 @@ def sync_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group: Gro
     grads = [p.grad for p in params if is_sequence_parallel(p) and p.grad is not None]
     if not grads or group_size(tp_group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1).float() for g in grads])  # fp32 sum also for bf16 grads (master_weights)
     all_reduce(flat, tp_group)
     offset = 0
     for g in grads:

@@ -23,6 +23,7 @@ from megaft.config import Config
 from megaft.data import (
     PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
 )
+from megaft.kernels.autotune import measured_kernels
 from megaft.launch.preempt import NONE, REQUEUE, PreemptFlag, StepBoundary
 from megaft.layers.shard import full_shape
 from megaft.models.llama import Llama
@@ -43,11 +44,14 @@ def build_model(cfg: Config, grid: ParallelGrid) -> Llama | StageModel:
     """The sharded model on this rank's device: HF weights or a tp-independent init.
     Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names)."""
     par = cfg.parallel
+    # kernels.backend=auto on CUDA: the backends measured fastest (rank 0 decides for all ranks)
+    kernels = measured_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
+                               seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device, rank=grid.rank)
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
-                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=cfg.kernels)
+                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
     else:
-        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=cfg.kernels)
+        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
     if cfg.model.init_from:
         from megaft.models.hf import load_hf_weights
 
@@ -185,7 +189,8 @@ class Trainer:
         """Load the newest complete checkpoint when train.resume is on; the step to continue from."""
         if not self.cfg.train.resume:
             return 0
-        step = checkpoint.load_latest(self.checkpoint_dir, self.flat, self.optimizer, self.grid, model=self.model)
+        step = checkpoint.load_latest(self.checkpoint_dir, self.flat, self.optimizer, self.grid, model=self.model,
+                                      reducer=self.reducer)  # + PowerSGD state (megaft.checkpoint.state)
         if step is None:
             return 0
         if self.is_writer:
@@ -197,7 +202,7 @@ class Trainer:
         and always when `force` (a preemption signal: losing the work would be worse)."""
         every = self.cfg.train.save_every
         if force or (every and (done % every == 0 or done == end)):
-            state = checkpoint.capture(self.flat, self.optimizer, self.grid, done)
+            state = checkpoint.capture(self.flat, self.optimizer, self.grid, done, reducer=self.reducer)
             state["index"] = param_index(self.model, self.flat)  # names/offsets/splits: resharding on load
             self.writer.save(done, state)
 

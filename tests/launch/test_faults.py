@@ -5,6 +5,9 @@ with rank 1 patched by a worker from tests/launch/faults.py.
 """
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -81,3 +84,22 @@ def test_dead_rank_is_named_and_the_others_stopped(tmp_path):
     msg, since_fault, _ = _failure(die_worker, str(tmp_path))
     assert msg.startswith("rank 1 of 2 was killed by SIGKILL; the other ranks were stopped"), msg
     assert since_fault < 10, since_fault
+
+
+def test_a_signal_during_the_imports_is_kept_until_the_handlers_exist(tmp_path):
+    """`megaft-train` gets USR1 0.3 s after it starts, long before torch is imported: blocked from
+    the first line (launch/entry.py) it stays pending, the launcher forwards it, and the ranks stop
+    at their first step boundary with a checkpoint instead of dying of the signal (exit -10)."""
+    script = os.path.join(os.path.dirname(sys.executable), "megaft-train")
+    assert os.path.exists(script), f"{script} missing: `make install` installs the console script"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    args = [f"hydra.run.dir={tmp_path}", "parallel.tp=2", "launcher.nproc=2", "model.dim=64", "model.n_layers=1",
+            "data.seq_len=32", "data.task_train_size=200", "data.task_eval_size=16", "train.max_steps=50",
+            "train.progress=false", "launcher.max_requeue=0"]
+    proc = subprocess.Popen([script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by a signal and saved a checkpoint; not a Slurm job, so not requeued" in out, out[-3000:]
+    assert [s for s, _ in list_checkpoints(os.path.join(tmp_path, "checkpoints"))] == [1], out[-3000:]

@@ -6,8 +6,10 @@ limit (`--time=2 --signal=USR1@60`) hits mid-run, slowed down by a per-step slee
 its first attempt only; and one that crashes (an exception), which must not be
 requeued. The last two run megaft-train through a wrapper (WRAPPER, written into the
 test's tmp dir) that patches Trainer.train_step: test-only behaviour stays out of
-megaft's config. Slurm holds a requeued job for about two minutes (Reason=BeginTime);
-the tests release it with `scontrol update StartTime=now`.
+megaft's config. Slurm holds a requeued job for the credential lifetime (Reason=BeginTime;
+slurm/cluster.sh sets cred_expire=15 s): the tests wait for it, as releasing it early
+(`scontrol update StartTime=now`) can start it while its old credential still counts as
+revoked, and slurmd then kills it (JobState=FAILED).
 """
 import json
 import subprocess
@@ -15,7 +17,7 @@ import time
 
 import pytest
 
-from .test_slurm import FINISHED, TINY, job_fields, run_job
+from .test_slurm import FINISHED, TINY, ctld_log, job_fields, run_job
 from .conftest import PYTHON, ROOT
 
 STEPS = 40
@@ -42,7 +44,8 @@ def wait_for(what, check, job, env, timeout=240, poll=0.2):
     while not (value := check()):
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job], env=env, check=False)
-            pytest.fail(f"job {job}: {what} did not happen within {timeout}s: {job_fields(env, job)}")
+            pytest.fail(f"job {job}: {what} did not happen within {timeout}s: {job_fields(env, job)}\n"
+                        f"{ctld_log(env, job)}")
         time.sleep(poll)
     return value
 
@@ -73,13 +76,11 @@ def test_usr1_saves_requeues_and_resumes_the_same_curve(slurm_cluster, reference
         f = job_fields(env, job)
         return f if f["Restarts"] == "1" and f["JobState"] in ("PENDING", "RUNNING", "COMPLETED") else None
 
-    fields = wait_for("the requeue", requeued, job, env)
-    if fields["JobState"] == "PENDING":  # skip Slurm's ~2 min hold of requeued jobs
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=30)
+    wait_for("the requeue", requeued, job, env)
     fields = wait_for("the end of the requeued job",
                       lambda: (f := job_fields(env, job))["JobState"] in FINISHED and f, job, env)
     out = (tmp_path / f"pre-{job}.out").read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", out[-3000:]
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (out[-3000:], ctld_log(env, job))
     assert fields["Restarts"] == "1", fields
     assert f"requeued Slurm job {job} (restart 1 of at most 1)" in out, out[-3000:]
     got, got_eval = losses(run)
@@ -173,16 +174,14 @@ def test_time_limit_hit_mid_run_requeues_and_finishes_the_same_curve(slurm_clust
             # loaded machine (seen: 40 s of imports, 6 s per step) the resumed run must not chase its own.
             subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], env=env, check=False,
                            timeout=30)
-        if f["JobState"] == "PENDING" and f.get("Reason") == "BeginTime":  # Slurm's hold after a requeue
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=False,
-                           timeout=30)
         # COMPLETED counts only after a restart (the first attempt's end may show it for a moment).
         done = f["JobState"] in FINISHED and (f["Restarts"] != "0" or f["JobState"] != "COMPLETED")
         return f if done else None
 
     fields = wait_for("the requeue and the end of the requeued job", ended, job, env, timeout=600, poll=0.5)
     out = (tmp_path / f"megaft-test-timelimit-{job}.out").read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, out[-3000:])
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, out[-3000:],
+                                                                              ctld_log(env, job))
     assert fields["Restarts"] == "1", (fields, out[-3000:])  # the time limit's signal requeued it once
     assert f"requeued Slurm job {job} (restart 1 of at most 1)" in out, out[-3000:]
     assert "TIMEOUT" not in fields["JobState"] and "DUE TO TIME LIMIT" not in out, out[-3000:]  # saved in time

@@ -30,6 +30,16 @@ def job_fields(env, job):
     return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
 
 
+def ctld_log(env, job):
+    """slurmctld's log lines about `job`: why Slurm ended or killed it (for failure messages)."""
+    conf = subprocess.run(["scontrol", "show", "config"], env=env, capture_output=True, text=True, timeout=30)
+    path = dict(re.findall(r"^(\w+)\s+=\s+(\S+)", conf.stdout, re.M)).get("SlurmctldLogFile")
+    if not path or not os.path.exists(path):
+        return f"(no slurmctld log: SlurmctldLogFile={path})"
+    with open(path, errors="replace") as f:
+        return "".join(line for line in f if re.search(rf"JobId={job}\b", line))[-3000:]
+
+
 def run_job(env, *args, timeout=240):
     """Submit from the repo root and wait until the job ends: (job id, its scontrol fields).
 

@@ -1,15 +1,20 @@
 """The Slurm launcher's decisions without Slurm: resource shapes, grouping into one
-array per shape, rendezvous ports, and invalid points rejected before any sbatch."""
+array per shape, rendezvous ports, the preset's GPU memory budget, and invalid points
+rejected before any sbatch."""
 import json
 import os
+import shlex
+import signal
 import subprocess
 
 import pytest
 
 from megaft.config import Config
+from megaft.estimate import GIB, GPU_MEMORY_GIB, estimate_memory
 from megaft.launch.env import PORT_BASE, PORT_SPAN, slurm_port
-from megaft.launch.submit import (NodeSpec, Shape, group_by_shape, point_world_size, resource_shape, sbatch_parameters,
-                                  task_port)
+from megaft.launch.submit import (NodeSpec, Shape, check_point, group_by_shape, point_world_size, preset_gpu_budget,
+                                  resource_shape, sbatch_parameters, task_port, task_python)
+from test_estimate import preset_1b  # tests/ is on sys.path (rootdir conftest)
 
 from .conftest import ROOT
 
@@ -90,7 +95,7 @@ def test_sbatch_script_of_an_array(tmp_path):
     for line in ("#SBATCH --array=0-2%2", "#SBATCH --job-name=megaft-n2_t4_g4_c8", "#SBATCH --nodes=2",
                  "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8",
                  "#SBATCH --partition=gpu", "#SBATCH --time=30", "#SBATCH --mem=64GB", "#SBATCH --qos=high",
-                 "#SBATCH --signal=USR1@120", "module load cuda"):  # USR1: megaft.launch.preempt's signal
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue", "module load cuda"):  # USR1: megaft's signal
         assert line in lines, (line, text)
     cpu = _make_sbatch_string(command="x", folder=tmp_path / "%j",
                               **sbatch_parameters(Shape(1, 2, 0, 1), dict(preset, partition=None, mem_gb=0)))
@@ -102,3 +107,95 @@ def test_cuda_needs_gpus_in_the_preset():
     cfg.device = "cuda"
     shape, problems = resource_shape(cfg, NodeSpec())
     assert shape is None and "gpus_per_node=0" in problems[0] and "device=cpu" in problems[0]
+
+
+@pytest.mark.parametrize("preset, budget", [
+    ({"gpu_type": "h100", "gpu_mem_gb": 0}, (int(79.1 * GIB), "hydra.launcher.gpu_type=h100: 79.1 GiB")),
+    ({"gpu_type": "H200", "gpu_mem_gb": 0}, (int(139.7 * GIB), "hydra.launcher.gpu_type=H200: 139.7 GiB")),
+    ({"gpu_type": "h100", "gpu_mem_gb": 20}, (20 * GIB, "hydra.launcher.gpu_mem_gb=20")),  # a MIG slice wins
+    ({"gpu_type": None, "gpu_mem_gb": 40.5}, (int(40.5 * GIB), "hydra.launcher.gpu_mem_gb=40.5")),
+    ({"gpu_type": None, "gpu_mem_gb": 0}, None),  # CPU presets: no budget
+    ({}, None),
+])
+def test_preset_gpu_budget(preset, budget):
+    assert preset_gpu_budget(preset) == (budget, [])
+
+
+def test_unknown_gpu_type_lists_the_known_ones():
+    budget, problems = preset_gpu_budget({"gpu_type": "h1000", "gpu_mem_gb": 0})
+    assert budget is None and len(problems) == 1
+    assert "hydra.launcher.gpu_type='h1000' is unknown" in problems[0] and "hydra.launcher.gpu_mem_gb" in problems[0]
+    assert all(name in problems[0] for name in GPU_MEMORY_GIB), problems
+    assert preset_gpu_budget({"gpu_type": None, "gpu_mem_gb": -1})[1], "a negative budget is a problem"
+
+
+def test_preset_budget_checks_each_point():
+    """The 1b preset at tp=1 needs ~41 GiB: over an A100-40GB, under an A100-80GB. The submitting
+    process sees no GPU, so without the preset's budget nothing would be checked."""
+    spec = NodeSpec(gpus_per_node=8)
+    a100_40, _ = preset_gpu_budget({"gpu_type": "a100-40g"})
+    a100_80, _ = preset_gpu_budget({"gpu_type": "a100-80g"})
+
+    def big(tp=1, device="auto", gpu_mem_gb=0.0):
+        cfg = preset_1b()
+        cfg.parallel.tp, cfg.parallel.dp, cfg.device, cfg.launcher.gpu_mem_gb = tp, None, device, gpu_mem_gb
+        return cfg
+
+    need = estimate_memory(big(), 1).total / GIB
+    assert 39.3 < need < 79.1, need
+    assert check_point(big(), spec, None) == (Shape(1, 1, 1, 1), [])  # no budget known: not checked
+    shape, problems = check_point(big(), spec, a100_40)
+    assert shape == Shape(1, 1, 1, 1) and len(problems) == 1, problems
+    assert f"estimated memory per GPU {need:.1f} GiB" in problems[0]
+    assert "> 39.3 GiB (hydra.launcher.gpu_type=a100-40g: 39.3 GiB)" in problems[0]
+    assert "fix: raise parallel.tp=1" in problems[0] and "parallel.zero=0" in problems[0]
+    assert check_point(big(), spec, a100_80) == (Shape(1, 1, 1, 1), [])  # fits the bigger GPU
+    assert check_point(big(tp=2), spec, a100_40) == (Shape(1, 2, 2, 1), [])  # tp=2 halves it: fits
+    # The point's own launcher.gpu_mem_gb wins over the preset, either way.
+    assert check_point(big(gpu_mem_gb=80), spec, a100_40) == (Shape(1, 1, 1, 1), [])
+    _, problems = check_point(big(tp=2, gpu_mem_gb=8), spec, a100_80)
+    assert len(problems) == 1 and "> 8.0 GiB (launcher.gpu_mem_gb=8)" in problems[0], problems
+    # Points that do not run on the preset's GPUs are not held to them.
+    assert check_point(big(device="cpu"), spec, a100_40) == (Shape(1, 1, 1, 1), [])
+    assert check_point(big(), NodeSpec(), a100_40) == (Shape(1, 1, 0, 1), [])
+
+
+def test_oversized_points_of_a_gpu_sweep_are_rejected_before_sbatch(tmp_path):
+    # The GPU preset from a machine without GPUs: point 0 is held to the preset's gpu_type,
+    # point 1 to its own launcher.gpu_mem_gb. Both are invalid, so nothing reaches sbatch.
+    sweep = tmp_path / "sweep"
+    out = subprocess.run(
+        [os.path.join(ROOT, ".venv", "bin", "megaft-train"), "-m", "hydra/launcher=slurm", "hydra.launcher.gpu_type=t4",
+         "model=1b", "parallel.tp=1", "launcher.gpu_mem_gb=0,8", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    record = json.loads((sweep / "submitted.json").read_text())
+    assert record["arrays"] == [] and [p["status"] for p in record["points"]] == ["invalid", "invalid"]
+    (first,), (second,) = (p["problems"] for p in record["points"])
+    assert "estimated memory per GPU" in first and "> 14.7 GiB (hydra.launcher.gpu_type=t4: 14.7 GiB)" in first
+    assert "> 8.0 GiB (launcher.gpu_mem_gb=8)" in second
+    assert first in out.stderr and "2 of 2 point(s) invalid" in out.stderr
+
+
+def test_submitit_checkpoint_requeues_the_same_task_until_max_requeue(monkeypatch, tmp_path):
+    # submitit's USR2 handler calls checkpoint() on rank 0 when the signal comes before training.
+    from megaft.launch.submit_task import SlurmRankTask
+
+    task = SlurmRankTask(point(), str(tmp_path))
+    task.cfg.launcher.max_requeue = 2
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    again = task.checkpoint()
+    assert again.function is task and again.args == () and again.kwargs == {}
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert task.checkpoint() is None  # submitit then ends the job instead of requeueing it forever
+
+
+def test_task_python_starts_with_the_warning_signals_blocked():
+    # submitit runs `<task_python()> -u -m submitit.core._submit <folder>` through the shell.
+    probe = ("import signal, sys; "
+             "print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])), sys.argv[1:])")
+    out = subprocess.run(f"{task_python()} -u -c {shlex.quote(probe)} a 'b c'", shell=True, capture_output=True,
+                         text=True, timeout=60)
+    blocked, argv = out.stdout.rsplit("] ", 1)
+    assert {int(signal.SIGUSR1), int(signal.SIGUSR2)} <= set(json.loads(blocked + "]")), out
+    assert argv.strip() == "['a', 'b c']", out

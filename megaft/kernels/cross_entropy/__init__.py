@@ -3,6 +3,7 @@
     torch   reference.py: the specification (megaft.layers.cross_entropy, fp32 logits copy)
             and, for the fused path, chunked.py's torch statistics (fp32 per row chunk only)
     triton  triton.py: online-logsumexp statistics and the gradient, in the logits' dtype
+    cuda    cuda.py: the same in CUDA C++ (csrc/cuda/cross_entropy.cu, torch.ops.megaft.cross_entropy_*)
 
 ``linear_cross_entropy`` computes ``hidden @ weight.T`` and the loss ``chunk`` tokens at a
 time (chunked.py), so the logits of the whole batch never exist; its torch backend is
@@ -10,8 +11,8 @@ chunked too (the unfused pair is ``reference.linear_cross_entropy``). Both work 
 vocabulary split over tp (``group``, ``vocab_start``); the hidden gradient is this rank's
 partial sum, reduced by the caller's copy_to_tp (as for the unfused head).
 
-Backend choice: ``megaft.kernels.dispatch.resolve`` (auto = triton on CUDA, torch on CPU;
-there is no CUDA C++ cross-entropy).
+Backend choice: ``megaft.kernels.dispatch.resolve`` (auto = triton, else cuda, on CUDA
+tensors; torch on CPU).
 """
 
 from __future__ import annotations
@@ -25,16 +26,8 @@ from megaft.kernels.cross_entropy import chunked, reference
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "resolve_backend"]
 
-_resolve = functools.partial(dispatch.resolve, "cross_entropy")
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """"torch" or "triton" for ``device`` (an explicit "cuda" is an error: no such kernel)."""
-    if backend == "cuda":
-        raise RuntimeError("cross_entropy backend 'cuda' is not available: there is no CUDA C++ "
-                           "cross-entropy; fix: use 'triton', 'auto' or 'torch'")
-    choice = _resolve(backend, device)
-    return "torch" if choice == "cuda" else choice
+# "torch", "triton" or "cuda" for a device (the shared rule: auto, explicit, errors).
+resolve_backend = functools.partial(dispatch.resolve, "cross_entropy")
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, vocab_start: int = 0,
@@ -42,8 +35,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group=None, voc
     """Per-token loss [N] (0 where labels == -100) from this rank's logits [N, V_local];
     ``vocab_size`` is the true vocabulary (columns past it are padding)."""
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
-    if resolve_backend(backend, logits.device) == "triton":
-        return chunked.CrossEntropy.apply(logits, labels, group, vocab_start, vocab_size, "triton")
+    impl = resolve_backend(backend, logits.device)
+    if impl != "torch":
+        return chunked.CrossEntropy.apply(logits, labels, group, vocab_start, vocab_size, impl)
     return reference.cross_entropy(logits, labels, group=group, vocab_start=vocab_start, vocab_size=vocab_size)
 
 

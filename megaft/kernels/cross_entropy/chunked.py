@@ -10,8 +10,9 @@ online logsumexp so that a slice is read once):
                          lse = M + log S,  loss = lse - T  (0 for ignored tokens)
     grad (per backend)   dx_j = g * (exp(x_j - lse) - [j == label])
 
-The backends are ``torch`` (row chunks, fp32 per chunk only) and ``triton``
-(megaft.kernels.cross_entropy.triton: one program per row, vocabulary blocks).
+The backends are ``torch`` (row chunks, fp32 per chunk only), ``triton``
+(megaft.kernels.cross_entropy.triton: one program per row, vocabulary blocks) and
+``cuda`` (megaft.kernels.cross_entropy.cuda: csrc/cuda/cross_entropy.cu, block per row).
 
 :class:`LinearCrossEntropy` never materializes the logits of the whole batch: the
 forward computes ``hidden_c @ weight.T`` for one chunk of tokens at a time and keeps
@@ -68,7 +69,11 @@ def _torch_grad(x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, g: tor
 
 
 def _impl(backend: str):
-    """(stats, grad) functions of `backend` ("torch" or "triton")."""
+    """(stats, grad) functions of `backend` ("torch", "triton" or "cuda")."""
+    if backend == "cuda":
+        from megaft.kernels.cross_entropy import cuda
+
+        return cuda.stats, cuda.grad
     if backend == "triton":
         from megaft.kernels import _triton
 
@@ -153,7 +158,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             h = hidden[r:r + chunk]
             with torch.autocast(device, dtype=dtype, enabled=enabled):
                 logits = (h @ weight.t()).contiguous()
-                dx = grad_fn(logits, labels[r:r + chunk], lse[r:r + chunk], g[r:r + chunk], vocab_start, n_real)
+                # the CUDA kernel writes the gradient over this temporary chunk of logits
+                kw = {"inplace": True} if backend == "cuda" else {}
+                dx = grad_fn(logits, labels[r:r + chunk], lse[r:r + chunk], g[r:r + chunk], vocab_start, n_real, **kw)
                 d_hidden[r:r + chunk] = dx @ weight
             d_weight.addmm_(dx.t().float(), h.float())  # fp32 accumulation over chunks
         return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None, None

@@ -3,12 +3,14 @@ accumulation (Megatron's gradient-accumulation fusion), with a choice of backend
 
     torch   reference.py: F.linear and the epilogue as separate ops, the specification
     triton  triton.py: one tiled GEMM kernel, epilogue in registers
+    cuda    cuda.py: the forward as torch's; the weight gradient accumulated into the fp32
+            main grad by one cuBLAS GemmEx (csrc/cuda/wgrad.cu, Megatron's fused wgrad)
 
 ColumnParallelLinear / RowParallelLinear call :func:`layer_linear` with
-``kernels.linear``: on triton their forward is the GEMM + epilogue and their backward
-accumulates the weight gradient into the fp32 ``weight.grad`` (fused.py). Backend
-choice: megaft.kernels.dispatch.resolve (there is no CUDA C++ version: an explicit
-"cuda" is an error).
+``kernels.linear``: on triton their forward is the GEMM + epilogue, and on triton and
+cuda their backward accumulates the weight gradient into the fp32 ``weight.grad``
+(fused.py). ``linear`` / ``linear_swiglu`` on cuda are the torch ops (no fused-epilogue
+GEMM in CUDA C++). Backend choice: megaft.kernels.dispatch.resolve.
 """
 
 from __future__ import annotations
@@ -23,11 +25,8 @@ __all__ = ["fused_gate_up", "layer_linear", "linear", "linear_swiglu", "resolve_
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    if backend == "cuda":
-        raise RuntimeError("linear backend 'cuda' is not available: the fused-epilogue GEMM has no CUDA C++ "
-                           "version; fix: use 'triton', 'auto' or 'torch'")
-    choice = dispatch.resolve("linear", backend, device)
-    return "torch" if choice == "cuda" else choice
+    """"torch", "triton" or "cuda" for ``device`` (the shared rule: auto, explicit, errors)."""
+    return dispatch.resolve("linear", backend, device)
 
 
 def linear(x, w, bias=None, residual=None, backend: str = "auto") -> torch.Tensor:
@@ -39,12 +38,13 @@ def linear(x, w, bias=None, residual=None, backend: str = "auto") -> torch.Tenso
 
 def layer_linear(x, weight, bias=None, residual=None, backend: str = "auto") -> torch.Tensor:
     """The parallel linears' local GEMM ``x @ weight.T (+ bias) (+ residual)``: torch
-    (F.linear, then ``residual + y``) or the fused Triton path with the weight gradient
-    accumulated into ``weight.grad`` (megaft.kernels.linear.fused)."""
-    if resolve_backend(backend, x.device) == "triton":
+    (F.linear, then ``residual + y``) or the fused Triton / CUDA path with the weight
+    gradient accumulated into ``weight.grad`` (megaft.kernels.linear.fused)."""
+    choice = resolve_backend(backend, x.device)
+    if choice != "torch":
         from megaft.kernels.linear.fused import fused_linear
 
-        return fused_linear(x, weight, bias, residual)
+        return fused_linear(x, weight, bias, residual, backend=choice)
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y
 
@@ -66,6 +66,11 @@ def linear_swiglu(x, w, bias=None, backend: str = "auto") -> torch.Tensor:
 
 def wgrad_accumulate_(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, backend: str = "auto"):
     """``main_grad += dy.T @ x`` in place (main_grad fp32 [N, K]; dy [..., N], x [..., K])."""
-    if resolve_backend(backend, main_grad.device) == "triton":
+    choice = resolve_backend(backend, main_grad.device)
+    if choice == "triton":
         return _triton.load("linear").wgrad_accumulate_(main_grad, dy, x)
+    if choice == "cuda":
+        from megaft.kernels.linear import cuda
+
+        return cuda.wgrad_accumulate_(main_grad, dy, x)
     return reference.wgrad_accumulate_(main_grad, dy, x)

@@ -15,6 +15,10 @@ the weight gradient is returned normally.
 
 Under autocast the inputs are cast to the autocast dtype here (as F.linear would be);
 the weight stays the fp32 parameter so its .grad is reachable.
+
+``backend`` "triton" runs the forward GEMM + epilogue and the accumulation in Triton;
+"cuda" runs the forward as torch does (megaft.kernels.linear.cuda.gemm) and the
+accumulation with cuBLAS GemmEx (csrc/cuda/wgrad.cu). The gate/up SwiGLU GEMM is Triton only.
 """
 from __future__ import annotations
 
@@ -40,21 +44,27 @@ def main_grad(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class FusedLinearFunction(torch.autograd.Function):
-    """x @ w.T (+ bias) (+ residual) with the Triton GEMM; see the module docstring."""
+    """x @ w.T (+ bias) (+ residual) on `backend`; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual):
-        from megaft.kernels.linear import triton as tl_linear
-
+    def forward(ctx, x, weight, bias, residual, backend="triton"):
         dtype = compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
-            out = torch.empty(x2.shape[0], w.shape[0], dtype=dtype, device=x.device)
             r2 = residual.reshape(-1, w.shape[0]) if residual is not None else None
-            tl_linear.gemm(x2, w.t(), out, bias=b, residual=r2)
+            if backend == "cuda":
+                from megaft.kernels.linear import cuda as cu_linear
+
+                out = cu_linear.gemm(x2, w, b, r2)
+            else:
+                from megaft.kernels.linear import triton as tl_linear
+
+                out = torch.empty(x2.shape[0], w.shape[0], dtype=dtype, device=x.device)
+                tl_linear.gemm(x2, w.t(), out, bias=b, residual=r2)
         ctx.save_for_backward(x2, w, weight)
+        ctx.backend = backend
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.has_res = residual is not None
@@ -65,19 +75,24 @@ class FusedLinearFunction(torch.autograd.Function):
         x2, w, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(w.dtype)
         dx = (dy2 @ w).view(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        dw = _weight_grad(weight, dy2, x2) if ctx.needs_input_grad[1] else None
+        dw = _weight_grad(weight, dy2, x2, ctx.backend) if ctx.needs_input_grad[1] else None
         db = dy2.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
-        return dx, dw, db, (dy if ctx.has_res else None)
+        return dx, dw, db, (dy if ctx.has_res else None), None
 
 
-def _weight_grad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+def _weight_grad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor, backend: str = "triton") -> torch.Tensor:
     """dy2.T @ x2 into weight's main grad (returning the zero placeholder), or returned."""
-    from megaft.kernels.linear import triton as tl_linear
-
     buf = main_grad(weight)
     if buf is None:
         return (dy2.t() @ x2).to(weight.dtype)
-    tl_linear.wgrad_accumulate_(buf, dy2, x2)
+    if backend == "cuda":
+        from megaft.kernels.linear import cuda as cu_linear
+
+        cu_linear.wgrad_accumulate_(buf, dy2, x2)
+    else:
+        from megaft.kernels.linear import triton as tl_linear
+
+        tl_linear.wgrad_accumulate_(buf, dy2, x2)
     # zeros for AccumulateGrad: its hooks (the dp reducer) must still fire
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
@@ -132,11 +147,11 @@ def fused_gate_up_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias) (+ residual)`` with the Triton GEMM and the fused weight
-    gradient. The residual is fused only when it already has the compute dtype (fp32 runs):
-    under autocast `residual + y` adds a bf16 y to the fp32 stream, so it stays separate
-    to give the same result as the unfused path."""
+                 residual: Optional[torch.Tensor] = None, backend: str = "triton") -> torch.Tensor:
+    """``x @ weight.T (+ bias) (+ residual)`` with `backend`'s GEMM ("triton" or "cuda") and
+    the fused weight gradient. The residual is fused only when it already has the compute
+    dtype (fp32 runs): under autocast `residual + y` adds a bf16 y to the fp32 stream, so it
+    stays separate to give the same result as the unfused path."""
     if residual is not None and residual.dtype != compute_dtype(x):
-        return residual + FusedLinearFunction.apply(x, weight, bias, None)
-    return FusedLinearFunction.apply(x, weight, bias, residual)
+        return residual + FusedLinearFunction.apply(x, weight, bias, None, backend)
+    return FusedLinearFunction.apply(x, weight, bias, residual, backend)

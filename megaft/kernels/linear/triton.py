@@ -8,6 +8,10 @@ accumulators (gate and up halves of one [2F, D] weight), or + the old C (ACCUMUL
 the weight gradient). The backward of the fused linears uses torch matmuls for the
 input and weight gradients (they are plain GEMMs) and recomputes nothing: the SwiGLU
 pre-activations are stored by the forward.
+
+Tiles are picked by ``triton.autotune`` per (M, N, K) from GEMM_TILES / SWIGLU_TILES on
+a GPU (the first call of each shape times the candidates), and fixed to one small
+tile under the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from megaft.kernels import _triton
 
 
 @triton.jit
@@ -72,11 +78,51 @@ def _gemm_kernel(A, B, BU, C, BIAS, BIAS_UP, R, PRE, M, N, K, sam, sak, sbk, sbn
     tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=cmask)
 
 
-def _blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
-    if torch.cuda.is_available():
-        return 128, 128, 32
-    # interpreter: small tiles (tl.dot needs >= 16 per dim)
-    return 16, 32, 16
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+# Tile candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for Hopper-class GPUs,
+# timed once per (M, N, K, flags, dtypes) by triton.autotune. Each compiles for sm_90 with
+# bf16 operands without spilling registers (tests/kernels/test_autotune.py); 128x256 and
+# 256x128 tiles spill with this kernel's masked, int64-indexed loads and are left out. The
+# SwiGLU epilogue keeps two fp32 accumulators (gate and up) live: its tiles hold half the
+# outputs (at most 128x128 with 8 warps).
+GEMM_TILES = [(128, 128, 64, 8, 4), (64, 256, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
+              (64, 128, 64, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4)]
+SWIGLU_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (64, 128, 64, 8, 4), (128, 64, 32, 4, 4),
+                (64, 64, 64, 4, 4), (64, 64, 32, 4, 4)]
+# Interpreted on CPU (tests) one small config: tl.dot needs >= 16 per dim, and timing
+# candidates in the interpreter would only cost test time.
+INTERPRET_TILES = [(16, 32, 16, 4, 1)]
+_SMEM_BUDGET = 160 * 1024  # bytes of staged A/B tiles: H100 has 227 KiB per block, leave room for the epilogue
+
+
+def _fits(configs, named_args, **kwargs):
+    """Drop tiles whose pipelined A/B stages exceed the shared-memory budget for these
+    operand dtypes (fp32 operands take twice the bf16 bytes); keep the smallest otherwise."""
+    size = named_args["A"].element_size()
+    swiglu = 2 if kwargs.get("SWIGLU", named_args.get("SWIGLU")) else 1
+
+    def smem(c):
+        kw = c.kwargs
+        return c.num_stages * (kw["BLOCK_M"] * kw["BLOCK_K"] + swiglu * kw["BLOCK_K"] * kw["BLOCK_N"]) * size
+
+    kept = [c for c in configs if smem(c) <= _SMEM_BUDGET]
+    return kept or [min(configs, key=smem)]
+
+
+def _tiles(tiles):
+    return [_config(*t) for t in (INTERPRET_TILES if _triton.interpreting() else tiles)]
+
+
+_KEY = ["M", "N", "K", "HAS_BIAS", "HAS_RES"]
+_PRUNE = {"early_config_prune": _fits}
+# Three tuned entry points of the one kernel: each keeps its own best-tile cache.
+_gemm = triton.autotune(_tiles(GEMM_TILES), key=_KEY, prune_configs_by=_PRUNE)(_gemm_kernel)
+_gemm_swiglu = triton.autotune(_tiles(SWIGLU_TILES), key=_KEY, prune_configs_by=_PRUNE)(_gemm_kernel)
+# C += A @ B: each timed candidate adds into C again, so the autotuner restores C after timing.
+_gemm_acc = triton.autotune(_tiles(GEMM_TILES), key=_KEY, prune_configs_by=_PRUNE, restore_value=["C"])(_gemm_kernel)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, bias=None, residual=None, pre=None,
@@ -93,21 +139,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, bias=None, resi
         raise ValueError(f"gate and up weights need the same strides, got {b.stride()} and {b_up.stride()}")
     m, k = a.shape
     n = out.shape[1]
-    bm, bn, bk = _blocks(m, n, k)
     # Triton's CPU interpreter gets half-type dot products wrong: products in fp32 there
     # (exact for bf16 inputs, so the comparison with torch stays meaningful).
     interp = a.device.type == "cpu" and a.dtype != torch.float32
     if m and n:
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        kernel = _gemm_swiglu if pre is not None else _gemm_acc if accumulate else _gemm
         res = residual if residual is not None else out
-        _gemm_kernel[grid](a, b, b_up if b_up is not None else b, out, bias if bias is not None else out,
-                           bias_up if bias_up is not None else out, res, pre if pre is not None else out,
-                           m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                           res.stride(0), res.stride(1),
-                           HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=pre is not None,
-                           ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32 or interp,
-                           UPCAST=interp,
-                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))](
+            a, b, b_up if b_up is not None else b, out, bias if bias is not None else out,
+            bias_up if bias_up is not None else out, res, pre if pre is not None else out,
+            m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            res.stride(0), res.stride(1),
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=pre is not None,
+            ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32 or interp, UPCAST=interp)
     return out
 
 
