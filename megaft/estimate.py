@@ -135,9 +135,10 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     return out
 
 
-# GiB per GPU of the Slurm presets' `gpu_type` (hydra.launcher.gpu_type): what torch reports
-# as the card's total_memory (a little under the marketing GB), rounded down, so that a
-# sweep submitted from a login node without GPUs is checked as on the cluster's GPUs.
+# GiB per GPU of the Slurm presets' `gpu_type` (hydra.launcher.gpu_type): the vendors' memory
+# sizes less the usual driver reserve, rounded down (not measured here; a MIG slice or another
+# card: hydra.launcher.gpu_mem_gb), so that a sweep submitted from a login node without GPUs
+# is checked as on the cluster's GPUs.
 GPU_MEMORY_GIB = {
     "t4": 14.7, "v100-16g": 15.7, "v100-32g": 31.7, "a10g": 22.1, "l4": 22.0, "l40s": 44.3,
     "a100-40g": 39.3, "a100-80g": 79.1, "h100": 79.1, "h100-nvl": 93.1, "gh200": 94.5, "h200": 139.7,

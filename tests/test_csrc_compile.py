@@ -65,17 +65,21 @@ def test_cu_compiles(source, arch, tmp_path):
 def test_c_abi_header_is_plain_c(tmp_path):
     # The ABI header must be usable from C (extern "C", no C++ in it). nvcc hands a
     # .c file to the host C compiler with the CUDA include dirs added.
-    src = tmp_path / "abi.c"
-    src.write_text('#include "megaft_cuda.h"\n'
-                   "int (*fn)(float*, const float*, float*, float*, int64_t, int64_t, double,"
-                   " double, double, double, double, cudaStream_t) = megaft_adamw_fp32;\n"
-                   "int (*multi)(int64_t, void* const*, const void* const*, float* const*,"
-                   " float* const*, float* const*, const int64_t*, const int64_t*,"
-                   " const double*, const double*, double, double, double, int, int,"
-                   " cudaStream_t) = megaft_adamw_multi_tensor;\n"
-                   "enum megaft_adamw_dtype bf16 = MEGAFT_ADAMW_BF16;\n")
-    cmd = [NVCC, "-c", f"-I{CUDA_DIR}", "-Xcompiler", "-std=c11,-Wall,-Werror,-pedantic",
-           str(src), "-o", str(tmp_path / "abi.o")]
+    _compile_as_c(tmp_path / "abi.c", '#include "megaft_cuda.h"\n'
+                  "int (*fn)(float*, const float*, float*, float*, int64_t, int64_t, double,"
+                  " double, double, double, double, cudaStream_t) = megaft_adamw_fp32;\n"
+                  "int (*multi)(int64_t, void* const*, const void* const*, float* const*,"
+                  " float* const*, float* const*, const int64_t*, const int64_t*,"
+                  " const double*, const double*, double, double, double, int, int,"
+                  " cudaStream_t) = megaft_adamw_multi_tensor;\n"
+                  "enum megaft_adamw_dtype bf16 = MEGAFT_ADAMW_BF16;\n", "-pedantic")
+
+
+def _compile_as_c(src, code: str, *warnings: str) -> None:
+    """nvcc hands a .c file to the host C compiler (C11, warnings as errors) with the CUDA include dirs."""
+    src.write_text(code)
+    cmd = [NVCC, "-c", f"-I{CUDA_DIR}", "-Xcompiler", ",".join(["-std=c11", "-Wall", "-Werror", *warnings]),
+           str(src), "-o", str(src.with_suffix(".o"))]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
 
@@ -114,17 +118,12 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
 def test_kernels_abi_header_is_plain_c(tmp_path):
     # csrc/cuda/megaft_kernels.h (RMSNorm, SwiGLU, RoPE, cross-entropy, wgrad) is C too: take
     # each launcher's address (no cuBLAS header needed: the handle is struct cublasContext*).
-    src = tmp_path / "kernels_abi.c"
-    src.write_text('#include "megaft_kernels.h"\n'
-                   "void* fns[] = {(void*)megaft_rmsnorm_fwd, (void*)megaft_rmsnorm_bwd,"
-                   " (void*)megaft_swiglu_fwd, (void*)megaft_swiglu_bwd, (void*)megaft_rope,"
-                   " (void*)megaft_cross_entropy_fwd, (void*)megaft_cross_entropy_bwd,"
-                   " (void*)megaft_wgrad_accumulate};\n"
-                   "megaft_dtype t = MEGAFT_BF16;\n")
-    cmd = [NVCC, "-c", f"-I{CUDA_DIR}", "-Xcompiler", "-std=c11,-Wall,-Werror",
-           str(src), "-o", str(tmp_path / "kernels_abi.o")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+    _compile_as_c(tmp_path / "kernels_abi.c", '#include "megaft_kernels.h"\n'
+                  "void* fns[] = {(void*)megaft_rmsnorm_fwd, (void*)megaft_rmsnorm_bwd,"
+                  " (void*)megaft_swiglu_fwd, (void*)megaft_swiglu_bwd, (void*)megaft_rope,"
+                  " (void*)megaft_cross_entropy_fwd, (void*)megaft_cross_entropy_bwd,"
+                  " (void*)megaft_wgrad_accumulate};\n"
+                  "megaft_dtype t = MEGAFT_BF16;\n")
 
 
 @needs_nvcc

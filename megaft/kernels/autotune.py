@@ -8,7 +8,7 @@ each available backend once on the op's representative call
 backend whose output or gradients differ from torch beyond the dtype's tolerance or
 that raises. It then times the rest (CUDA events: warm-up, then the median of timed
 reps) and keeps the fastest; ties keep the fixed order triton, cuda, torch. The table
-is logged, e.g. ``rmsnorm: triton 0.12 ms, cuda 0.10 ms, torch 0.31 ms -> cuda``.
+is logged as ``<op>: <backend> <ms> ms, ... -> <fastest>``.
 
 Decisions are cached in a JSON file (``kernels.autotune_cache``, else
 ``$MEGAFT_CACHE_DIR/kernel_choice.json``, else ``~/.cache/megaft/kernel_choice.json``)

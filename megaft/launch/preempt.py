@@ -33,10 +33,13 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megaft.launch.entry import WARNING_SIGNALS
+
 log = logging.getLogger("megaft")
 
-# Stop, save and requeue: USR1 from `--signal=USR1@N`/scancel, USR2 from submitit's `--signal=USR2@N`.
-REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+# Stop, save and requeue: USR1 from `--signal=USR1@N`/scancel, USR2 from submitit's `--signal=USR2@N`
+# (the signals megaft-train blocks before its imports: one definition, in the light entry module).
+REQUEUE_SIGNALS = WARNING_SIGNALS
 STOP_SIGNALS = (signal.SIGTERM,)  # stop and save; Slurm decides the job's fate
 NONE, STOP, REQUEUE = 0, 1, 2  # flag values, ordered so that MAX picks the strongest request
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 from megaft.config import Config, validate
 from megaft.estimate import GIB, gpu_type_memory
+from megaft.launch.entry import WARNING_SIGNALS
 from megaft.launch.env import slurm_port
 
 Budget = tuple[int, str]  # bytes per GPU, and where the number came from (for messages)
@@ -136,7 +137,8 @@ def task_python(executable: str = sys.executable) -> str:
     (the default action), as under megaft-train (megaft.launch.entry), and submitit's own
     USR2 handler never fires: PreemptFlag.install() in run_rank unblocks both and handles them.
     """
-    code = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGUSR2)); "
+    blocked = ", ".join(f"signal.{sig.name}" for sig in WARNING_SIGNALS)
+    code = (f"import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, ({blocked},)); "
             "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     return f"{shlex.quote(executable)} -c {shlex.quote(code)}"
 
