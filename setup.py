@@ -104,6 +104,33 @@ def _default_cuda_archs() -> None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
 
 
+def _cublas() -> tuple[list[str], list[str]]:
+    """(include dirs, link args) for cuBLAS/cuBLASLt, called by wgrad.cu and linear_epilogue.cu.
+
+    CUDAExtension links cudart and torch's own libraries, not cuBLAS. Without an explicit
+    link the cuBLAS symbols resolve at import only through libtorch_cuda.so's own
+    dependency on libcublas (true of the pip wheels, not of a build with cuBLAS linked in
+    statically: pytorch/pytorch#67073), so link them. The toolkit's lib64 has libcublas.so;
+    else the nvidia-cublas wheel torch depends on (nvidia/cu13 for CUDA 13, nvidia/cublas
+    for 12) ships only libcublas.so.<major>: link that file by name, with an rpath to it.
+    The SONAME is the same either way, so at run time the copy torch loaded is the one used."""
+    home = cpp_extension.CUDA_HOME or os.path.dirname(os.path.dirname(_nvcc() or "/usr/local/cuda/bin/nvcc"))
+    major = torch.version.cuda.split(".")[0]
+    for lib in ("lib64", "lib"):
+        if os.path.exists(os.path.join(home, lib, "libcublasLt.so")):
+            inc = os.path.join(home, "include")
+            return [inc] if os.path.exists(os.path.join(inc, "cublasLt.h")) else [], ["-lcublas", "-lcublasLt"]
+    for site in sys.path:
+        for sub in (f"cu{major}", "cublas"):
+            lib = os.path.join(site or ".", "nvidia", sub, "lib")
+            if os.path.exists(os.path.join(lib, f"libcublasLt.so.{major}")):
+                return [os.path.join(site, "nvidia", sub, "include")], [
+                    f"-L{lib}", f"-l:libcublas.so.{major}", f"-l:libcublasLt.so.{major}", f"-Wl,-rpath,{lib}"]
+    print(f"megaft: no libcublasLt.so in {home} nor an nvidia-cublas wheel; megaft._cuda relies on "
+          "libtorch_cuda.so to bring cuBLAS at import (pip install nvidia-cublas to link it)")
+    return [], []
+
+
 def _extensions() -> list:
     """The table of extensions: (name, sources, condition) rows."""
     with_cuda = _want_cuda()
@@ -120,12 +147,14 @@ def _extensions() -> list:
         if not condition:
             print(f"megaft: not building {name}")
             continue
-        make = (cpp_extension.CUDAExtension if any(s.endswith(".cu") for s in sources)
-                else cpp_extension.CppExtension)
+        cuda = any(s.endswith(".cu") for s in sources)
+        make = cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension
+        cublas_inc, cublas_link = _cublas() if cuda else ([], [])
+        includes = [os.path.join(ROOT, os.path.dirname(sources[0])), os.path.join(ROOT, "csrc", "include")]
         modules.append(make(
-            name, sources, include_dirs=[os.path.join(ROOT, os.path.dirname(sources[0])), os.path.join(ROOT, "csrc", "include")],
+            name, sources, include_dirs=includes + cublas_inc,
             extra_compile_args={"cxx": CXX_FLAGS + openmp, "nvcc": NVCC_FLAGS},
-            extra_link_args=openmp))
+            extra_link_args=openmp + cublas_link))
     return modules
 
 

@@ -141,7 +141,7 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
     """
     problems = check_parallel(cfg.parallel, world_size)
     problems += check_optim(cfg.optim, device=cfg.device)
-    problems += check_master_weights(cfg.optim, precision=cfg.precision, grad_compression=cfg.parallel.grad_compression)
+    problems += check_master_weights(cfg.optim, precision=cfg.precision)
     problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))
     problems += check_data(cfg.data, init_from=cfg.model.init_from)
     problems += check_launcher(cfg.launcher)

@@ -15,7 +15,9 @@ MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s), from megaft.trai
 The peak is --peak-tflops, else the run's train.peak_tflops, else the dense peak of the
 run's GPU at its precision; runs on CPU without a given peak show "-". The phase columns
 (forward/backward/optimizer/comm seconds per step) are means over the train lines of
-metrics.jsonl after the first (warm-up) step.
+metrics.jsonl after the first (warm-up) step. The kernels column is summary.json's
+`kernels` record in short: the one backend every op ran, else `backend(op,...)` groups
+(why each was chosen, and the measured times, stay in summary.json).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from megaft.training.flops import flops_per_token_from_params, mfu, peak_tflops
 from megaft.training.phases import PHASE_KEYS
 
 COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp", "tokens_per_s", "mfu",
-           *PHASE_KEYS, "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "reason")
+           *PHASE_KEYS, "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "kernels", "reason")
 RUN_FILES = ("summary.json", "metrics.jsonl", os.path.join(".hydra", "config.yaml"))
 SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf"}
 
@@ -178,6 +180,7 @@ def _numbers(summary: Optional[dict], metrics: list[dict], entry: dict, peak: Op
     mem = s.get("peak_memory_bytes", s.get("peak_rss_bytes"))
     out["peak_mem_gb"] = mem / 2**30 if mem is not None else None
     out["mfu"] = _mfu(s, out["tokens_per_s"], peak)
+    out["kernels"] = kernels_cell(s.get("kernels"))
     steady = train[1:] or train  # the first step includes warm-up
     for key in PHASE_KEYS:
         values = [m[key] for m in steady if key in m]
@@ -198,6 +201,19 @@ def _mfu(summary: dict, tokens_per_s: Optional[float], peak: Optional[float]) ->
     if not peak or fpt is None or summary.get("world_size") is None:
         return None
     return mfu(tokens_per_s, fpt, summary["world_size"], peak)
+
+
+def kernels_cell(record: Optional[dict]) -> Optional[str]:
+    """summary.json's {op: {"backend": ...}} as "torch" (one backend for every op) or
+    "triton(rmsnorm,rope) torch(linear)"; None for summaries without it."""
+    if not isinstance(record, dict) or not record:
+        return None
+    groups: dict[str, list[str]] = {}
+    for op, entry in record.items():
+        groups.setdefault(str(entry.get("backend", "?")) if isinstance(entry, dict) else "?", []).append(op)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return " ".join(f"{backend}({','.join(ops)})" for backend, ops in groups.items())
 
 
 def _cell(key: str, value: Any) -> str:

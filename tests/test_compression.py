@@ -1,10 +1,13 @@
 """Gradient compression of the dp reduction (issue 4 part 5): bf16 and PowerSGD with error
-feedback. Unit tests in one process; one dp=2 spawn trains every compared configuration."""
+feedback, PowerSGD also with master weights (bf16 buckets). Unit tests in one process; one
+dp=2 spawn trains every compared configuration."""
+import json
 import os
 
 import pytest
 import torch
 
+from megaft.checkpoint import io
 from megaft.config import Config, resolve, validate
 from megaft.optim.flat import FlatParams
 from megaft.parallel.buckets import GradReducer
@@ -13,7 +16,7 @@ from megaft.parallel.config import ParallelConfig, check_parallel
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer, build_model
 from multirank import spawn
-from train_cases import dp_config, read_rows
+from train_cases import DP_STEPS, dp_config, read_rows
 
 # ---------------------------------------------------------------- one process
 
@@ -154,9 +157,74 @@ def task_config(**par) -> Config:
     return resolve(cfg)
 
 
+# PowerSGD with master weights (bf16 buckets, PowerSGD in fp32). A config whose weight
+# gradients have low rank: one 12-token sequence per dp rank and step, so each weight gradient
+# (a sum of outer products over token positions) has rank <= 24 < r = 28; 28 still compresses
+# the 64 x 64 and 128 x 64 matrices ((n + m) r < n m; the 32 x 64 k/v ones go uncompressed).
+EXACT_RANK = 28
+EXACT_PSGD = dict(grad_compression="powersgd", powersgd_rank=EXACT_RANK)
+EXACT = {"exact_none": (False, {}), "exact_powersgd": (False, EXACT_PSGD),  # fp32: the premise
+         "mw_exact_none": (True, {}), "mw_exact_powersgd": (True, EXACT_PSGD),
+         "mw_exact_powersgd_zero1": (True, dict(zero=1, **EXACT_PSGD))}
+STOP = 5  # the resumed master-weights PowerSGD run saves after this step and resumes
+
+
+def exact_config(master_weights: bool, **par) -> Config:
+    cfg = dp_config(dp=2, bucket_mb=0.01, **par)
+    cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size = 12, 2, 1
+    if master_weights:
+        cfg.precision, cfg.optim.master_weights = "bf16", True
+    return cfg
+
+
+def bf16_powersgd_mismatches(grid: ParallelGrid) -> dict:
+    """Per zero stage (0, 1): how many elements of a GradReducer's result on bf16 buckets differ
+    from the fp32 GradReducer's on the same gradients upcast, rounded to bf16, over 3 steps of
+    rank-dependent random gradients; and of the fp32 PowerSGD states (Q's, error feedback)."""
+    import copy
+
+    from megaft.optim.config import OptimConfig
+    from megaft.optim.zero import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 16))
+    out = {}
+    for zero in (0, 1):
+        par = ParallelConfig(dp=2, zero=zero, grad_compression="powersgd", powersgd_rank=2)
+        built = {mw: build_optimizer(copy.deepcopy(model), OptimConfig(master_weights=mw), zero=zero,
+                                     bucket_mb=0.001, grid=grid, compression=par) for mw in (False, True)}
+        bad = {"grads": 0, "state": 0, "matrices": sum(len(plan.matrices) for plan in built[True][2].powersgd.plans)}
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + grid.dp_rank)  # each dp rank its own grads
+            draws = [torch.randn(g.grad.shape, generator=gen).bfloat16() for g in built[False][0].groups]
+            for flat, _, reducer in built.values():
+                for g, draw in zip(flat.groups, draws):
+                    g.grad.copy_(draw)  # fp32 buffers: the same values, upcast exactly
+                reducer.finish()  # launches every bucket (no backward ran, so no hook did)
+            (_, opt32, red32), (_, opt16, red16) = built[False], built[True]
+            for a, b in zip(opt32.grads, opt16.grads):  # zero 0: whole buffers; zero 1: the owned chunks
+                assert b.dtype == torch.bfloat16
+                bad["grads"] += int((a.bfloat16() != b).sum())
+            s32, s16 = red32.powersgd.state_dict(), red16.powersgd.state_dict()
+            for a, b in zip(s32["q"] + s32["error"], s16["q"] + s16["error"]):
+                assert b.dtype == torch.float32
+                bad["state"] += int((a != b).sum())
+        out[f"zero{zero}"] = bad
+    return out
+
+
 def train_compression_runs(rank: int, world: int, root: str) -> None:
     grid = ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu")
+    with open(os.path.join(root, f"bf16_powersgd_rank{rank}.json"), "w") as f:
+        json.dump(bf16_powersgd_mismatches(grid), f)
     runs = [(name, dp_config(dp=2, bucket_mb=0.01, **spec)) for name, spec in SHORT.items()]
+    runs += [(name, exact_config(mw, **spec)) for name, (mw, spec) in EXACT.items()]
+    for stop in (STOP, None):  # 5 steps, save, resume in a fresh Trainer, 5 more: vs mw_exact_powersgd_zero1
+        cfg = exact_config(True, zero=1, **EXACT_PSGD)
+        cfg.train.save_every = STOP
+        run_dir = os.path.join(root, "mw_exact_powersgd_zero1_resumed")
+        os.makedirs(run_dir, exist_ok=True)
+        Trainer(cfg, grid, run_dir).fit(stop_after=stop)
     runs += [(name, task_config(**spec)) for name, spec in TASK_RUNS.items()]
     for name, cfg in runs:
         run_dir = os.path.join(root, name)
@@ -193,26 +261,26 @@ def test_bf16_halves_the_bytes_and_follows_the_fp32_curve(runs):
         assert [g["loss"] for g in got] != [w["loss"] for w in ref]  # it really was compressed
 
 
-def _powersgd_bytes(spec: dict) -> tuple[int, int]:
-    """(fp32 bytes, PowerSGD bytes) of one step of dp_config's model: every compressible
-    matrix sends (n + m) r floats, everything else (and bucket padding) n m floats."""
-    cfg = dp_config(dp=2, bucket_mb=0.01, **spec)
+def _powersgd_bytes(cfg: Config, rank: int = PSGD_RANK) -> tuple[int, int]:
+    """(fp32 bytes, PowerSGD bytes) of one step of `cfg`'s model at dp=2: every compressible
+    matrix sends (n + m) r floats, everything else (and bucket padding) n m floats. The same
+    for bf16 buckets (master weights): they go on the wire in fp32."""
     model = build_model(cfg, ParallelGrid.single())
     flat = FlatParams(model, weight_decay=0.0, device=torch.device("cpu"),
-                      bucket_numel=int(0.01 * 2 ** 20) // 4, multiple=2 if spec["zero"] else 1)
+                      bucket_numel=int(cfg.parallel.bucket_mb * 2 ** 20) // 4, multiple=2 if cfg.parallel.zero else 1)
     total = sum(b.numel for b in flat.buckets)
     saved = 0
     for p in flat.params:
-        if compressible(p.shape, PSGD_RANK):
+        if compressible(p.shape, rank):
             n, m = p.shape[0], p.numel() // p.shape[0]
-            saved += n * m - (n + m) * PSGD_RANK
+            saved += n * m - (n + m) * rank
     return 4 * total, 4 * (total - saved)
 
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_powersgd_bytes_follow_the_formula(runs, zero):
     name = f"powersgd_zero{zero}"
-    fp32, compressed = _powersgd_bytes(SHORT[name])
+    fp32, compressed = _powersgd_bytes(dp_config(dp=2, bucket_mb=0.01, **SHORT[name]))
     rows, ref = _train(runs, name), _train(runs, f"none_zero{zero}")
     warm = SHORT[name]["powersgd_warmup_steps"]
     assert [r["comm_bytes"] for r in ref] == [fp32] * len(ref)
@@ -235,3 +303,76 @@ def test_powersgd_reaches_the_uncompressed_accuracy(runs):
     assert got["eval_accuracy"] >= ref["eval_accuracy"] - ACCURACY_MARGIN
     rows = _train(runs, "task_powersgd")
     assert rows[-1]["comm_bytes"] < _train(runs, "task_none")[-1]["comm_bytes"] / 2
+
+
+# ---------------------------------------------------------------- PowerSGD with master weights
+
+
+def test_bf16_powersgd_is_the_fp32_powersgd_rounded_once(runs):
+    """optim.master_weights: PowerSGD on bf16 buckets works on an fp32 copy (P, Q and error
+    feedback in fp32) and rounds P Q^T to bf16 once where it lands, so over 3 steps its result
+    is bit for bit the fp32 reducer's on the same gradients, rounded, with the same fp32 Q's
+    and errors; at zero 0 (whole buffers) and zero 1 (the owned chunks)."""
+    for rank in (0, 1):
+        with open(os.path.join(runs, f"bf16_powersgd_rank{rank}.json")) as f:
+            got = json.load(f)
+        for zero in ("zero0", "zero1"):
+            assert got[zero]["matrices"] >= 2, got  # both weights were compressed
+            assert got[zero]["grads"] == 0 and got[zero]["state"] == 0, (rank, got)
+
+
+def test_powersgd_above_the_gradients_rank_is_exact_in_fp32(runs):
+    """The premise of the master-weights comparison: r = 28 above the weight gradients' rank
+    (<= 24), so P Q^T is the dp sum up to fp32 rounding of the QR and matmuls: the fp32 curve
+    and grad norms equal the uncompressed ones within 1e-5 relative (measured 2e-7 loss, 3e-6
+    grad norm), while fewer bytes are sent."""
+    ref, got = _train(runs, "exact_none"), _train(runs, "exact_powersgd")
+    assert len(got) == DP_STEPS and all(r["loss"] > 0 for r in ref)  # every step has targets
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-5), key
+    assert got[0]["comm_bytes"] < ref[0]["comm_bytes"]
+
+
+def test_powersgd_with_master_weights_tracks_the_uncompressed_master_weights_run(runs):
+    ref, got = _train(runs, "mw_exact_none"), _train(runs, "mw_exact_powersgd")
+    assert len(got) == DP_STEPS
+    # Step 1: same params, same bf16 local grads. Their bf16 rounding (2^-9 relative per
+    # element) is full rank, so r = 28 sends all but that noise (error feedback keeps it for the
+    # next step) and the sums round to bf16 alike: the grad norm agrees within 1e-4 (measured
+    # 4e-7; rank 4 misses 4e-3 of it, a broken fp32 path would miss more).
+    assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=1e-4)
+    # Later steps: Adam divides each element by its own magnitude, so where that noise moves a
+    # near-zero gradient the update moves by up to lr: the loss follows within 1e-3 relative,
+    # the bound of the other bf16 roundings (tests above, test_master_weights); measured 5e-4,
+    # and master weights vs fp32 on this config differ by 1.2e-3.
+    for step, (g, w) in enumerate(zip(got, ref), start=1):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-3), f"step {step}"
+    # zero 1 lands its chunk of the same fp32 P Q^T, rounded once: the same run
+    assert [r["loss"] for r in _train(runs, "mw_exact_powersgd_zero1")] == [r["loss"] for r in got]
+
+
+def test_powersgd_with_master_weights_sends_the_formulas_bytes(runs):
+    """The bf16 buckets go on the wire as fp32 (4 bytes per element uncompressed, 4 (n + m) r
+    per compressed matrix), every step (no warm-up here)."""
+    for name, zero in (("mw_exact_powersgd", 0), ("mw_exact_powersgd_zero1", 1)):
+        fp32, compressed = _powersgd_bytes(exact_config(True, zero=zero, **EXACT_PSGD), rank=EXACT_RANK)
+        assert [r["comm_bytes"] for r in _train(runs, name)] == [compressed] * DP_STEPS, name
+        assert compressed < fp32
+        if zero == 0:
+            assert [r["comm_bytes"] for r in _train(runs, "mw_exact_none")] == [fp32] * DP_STEPS
+
+
+def test_powersgd_with_master_weights_resumes_bitwise(runs):
+    """5 steps + save + resume + 5 == 10 straight, every logged value: the shard holds the fp32
+    PowerSGD state (Q's and this rank's error feedback, nonzero at step 5) beside the fp32 masters."""
+    def rows(name):
+        return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in read_rows(os.path.join(runs, name))]
+
+    resumed = rows("mw_exact_powersgd_zero1_resumed")
+    assert len([r for r in resumed if "loss" in r]) == DP_STEPS
+    assert resumed == rows("mw_exact_powersgd_zero1")  # == on floats on purpose: same layout and ops
+    step_dir = io.step_dir(os.path.join(runs, "mw_exact_powersgd_zero1_resumed", "checkpoints"), STOP)
+    shard = torch.load(os.path.join(step_dir, io.shard_name(0)), weights_only=False)
+    errors = shard["compression"]["powersgd"]["error"]
+    assert errors and all(e.dtype == torch.float32 for e in errors) and max(e.abs().max() for e in errors) > 0
+    assert shard["masters"] and all(m.dtype == torch.float32 for m in shard["masters"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megaft.config import Config, validate
+from megaft.kernels.config import OPS
 from megaft.models.config import ModelConfig
 from megaft.parallel.grid import ParallelGrid
 from megaft.training import flops, metrics
@@ -78,7 +79,10 @@ def test_metrics_lines_carry_phases_and_mfu(run):
     step_time = sum(_step_seconds(line, cfg) for line in train)
     assert summary["tokens_per_s"] == pytest.approx(STEPS * 512 / step_time, rel=1e-6)
     with open(os.path.join(run_dir, "summary.json")) as f:
-        assert json.load(f)["mfu"] == summary["mfu"]
+        written = json.load(f)
+    assert written["mfu"] == summary["mfu"]
+    # kernels.backend=auto on CPU: every op on torch, recorded with why (megaft.kernels.autotune)
+    assert written["kernels"] == summary["kernels"] == {op: {"backend": "torch", "source": "cpu"} for op in OPS}
 
 
 def test_tensorboard_scalars_equal_metrics_jsonl(run):

@@ -63,6 +63,11 @@ def test_numbers_come_from_the_summary(rows, sweep):
             assert row[key] == summary[key], key
         assert row["peak_mem_gb"] == summary["peak_rss_bytes"] / 2**30 > 0
         assert row["mfu"] is None  # CPU: no peak to compare with
+        assert row["kernels"] == "torch"  # auto on CPU: torch for every op
+    mixed = {op: {"backend": b, "source": "measured"} for op, b in
+             (("rmsnorm", "triton"), ("rope", "triton"), ("swiglu", "torch"), ("linear", "cuda"))}
+    assert report.kernels_cell(mixed) == "triton(rmsnorm,rope) torch(swiglu) cuda(linear)"
+    assert report.kernels_cell(None) is None  # summaries from before the record
 
 
 def test_running_run_uses_its_metrics(rows, sweep):
@@ -107,7 +112,7 @@ def test_table_and_files(sweep, monkeypatch, capsys):
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("run "))
     assert all(col in header for col in ("status", "tokens_per_s", "mfu", "forward_s", "comm_s", "peak_mem_gb",
-                                         "final_loss"))
+                                         "final_loss", "kernels"))
     assert "parallel.tp=3" in text and "5: invalid:" in text
     with open(out_dir / "report.csv") as f:
         table = list(csv.DictReader(f))

@@ -1,16 +1,18 @@
 """GEMMs with fused epilogues (megaft.kernels.linear): torch (F.linear, then the epilogue
-as separate ops), torch.compile, Triton. FLOPs: 2·M·N·K forward, three times that for
+as separate ops), torch.compile, Triton, CUDA (one cuBLASLt matmul with bias + residual in
+its epilogue, csrc/cuda/linear_epilogue.cu). FLOPs: 2·M·N·K forward, three times that for
 fwd+bwd (the backward's input and weight gradients are torch matmuls in every provider).
 
 linear_residual: RowParallelLinear's x @ w.T + bias + residual.
-linear_swiglu: the MLP's gate/up projection with SwiGLU in the epilogue, w = [2F, D].
+linear_swiglu: the MLP's gate/up projection with SwiGLU in the epilogue, w = [2F, D]; its
+cuda provider is the cuBLASLt GEMM then the CUDA SwiGLU kernel (no SwiGLU epilogue there).
 """
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.kernels.providers import Op
+from benchmarks.kernels.providers import Op, cuda_reason
 from megaft.kernels.linear import linear, linear_swiglu, reference
 
 
@@ -45,7 +47,9 @@ RESIDUAL = Op(
         "torch": reference.linear,
         "torch.compile": reference.linear,
         "triton": lambda x, w, b, r: linear(x, w, b, r, backend="triton"),
+        "cuda": lambda x, w, b, r: linear(x, w, b, r, backend="cuda"),
     },
+    needs={"cuda": cuda_reason("linear")},
 )
 
 SWIGLU = Op(
@@ -55,5 +59,7 @@ SWIGLU = Op(
         "torch": reference.linear_swiglu,
         "torch.compile": reference.linear_swiglu,
         "triton": lambda x, w: linear_swiglu(x, w, backend="triton"),
+        "cuda": lambda x, w: linear_swiglu(x, w, backend="cuda"),
     },
+    needs={"cuda": cuda_reason("linear")},
 )

@@ -1,5 +1,5 @@
-// torch.ops.megaft.{rmsnorm,swiglu,rope,cross_entropy}_* and wgrad_accumulate: the torch
-// side of the fused model kernels.
+// torch.ops.megaft.{rmsnorm,swiglu,rope,cross_entropy,linear}_* and wgrad_accumulate: the
+// torch side of the fused model kernels.
 // Checks the tensors (device, dtype, shape, contiguity), allocates the outputs and
 // calls the C ABI of megaft_kernels.h on the current stream. Registered as a library
 // fragment (the AdamW pybind module is csrc/cuda/bindings.cpp); autograd lives in
@@ -10,13 +10,21 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <vector>
+
 #include "megaft_kernels.h"
 
-// torch's per-thread, per-device cuBLAS handle (its stream and workspace set by torch).
-// Declared here rather than via ATen/cuda/CUDAContext.h, which pulls in the cuSPARSE and
-// cuSOLVER headers; the type is cublasHandle_t (struct cublasContext*), as declared there.
+// torch's per-thread, per-device cuBLAS and cuBLASLt handles (setup = true: torch sets
+// the handle's stream and workspace) and its cuBLASLt workspace size. Declared here rather
+// than via ATen/cuda/CUDAContextLight.h, which pulls in the cuSPARSE and cuSOLVER headers;
+// the signatures must be torch's exactly (the C++ mangling holds the parameter list:
+// getCurrentCUDABlasHandle() without `bool` is a symbol torch 2.13 does not export), which
+// tests/test_csrc_compile.py checks by compiling this file together with torch's header.
+// The types are cublasHandle_t = struct cublasContext*, cublasLtHandle_t = struct cublasLtContext*.
 namespace at::cuda {
-cublasContext* getCurrentCUDABlasHandle();
+cublasContext* getCurrentCUDABlasHandle(bool setup);
+cublasLtContext* getCurrentCUDABlasLtHandle();
+size_t getCUDABlasLtWorkspaceSize();
 }  // namespace at::cuda
 
 namespace {
@@ -234,7 +242,8 @@ at::Tensor cross_entropy_bwd_(const at::Tensor& logits, const at::Tensor& labels
   return logits;
 }
 
-// main_grad (fp32 [N, K]) += dy[M, N]^T @ x[M, K]: one cublasGemmEx with beta = 1.
+// main_grad [N, K] += dy[M, N]^T @ x[M, K]: one cublasGemmEx with beta = 1. main_grad is fp32,
+// or bf16/fp16 of dy's and x's dtype (optim.master_weights: fp32 compute, rounded once).
 void wgrad_accumulate(const at::Tensor& main_grad, const at::Tensor& dy, const at::Tensor& x) {
   check_cuda(main_grad, main_grad, "main_grad");
   check_cuda(dy, main_grad, "dy");
@@ -242,17 +251,73 @@ void wgrad_accumulate(const at::Tensor& main_grad, const at::Tensor& dy, const a
   TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0) && dy.scalar_type() == x.scalar_type(),
               "megaft.wgrad_accumulate: dy [M, N] and x [M, K] of one dtype expected, got ", dy.scalar_type(),
               " ", dy.sizes(), " and ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(main_grad.scalar_type() == at::kFloat && main_grad.is_contiguous() &&
-                  main_grad.sizes() == at::IntArrayRef({dy.size(1), x.size(1)}),
-              "megaft.wgrad_accumulate: main_grad must be contiguous float32 [", dy.size(1), ", ", x.size(1),
-              "], got ", main_grad.scalar_type(), " ", main_grad.sizes());
+  TORCH_CHECK(main_grad.is_contiguous() && main_grad.sizes() == at::IntArrayRef({dy.size(1), x.size(1)}),
+              "megaft.wgrad_accumulate: main_grad must be contiguous [", dy.size(1), ", ", x.size(1), "], got ",
+              main_grad.sizes(), " with strides ", main_grad.strides());
+  TORCH_CHECK(main_grad.scalar_type() == at::kFloat || main_grad.scalar_type() == dy.scalar_type(),
+              "megaft.wgrad_accumulate: main_grad must be float32 or dy's and x's dtype (", dy.scalar_type(),
+              "), got ", main_grad.scalar_type(), "; fix: an fp32 main grad, or cast dy and x to ",
+              main_grad.scalar_type());
   const c10::cuda::CUDAGuard guard(main_grad.device());
   const at::Tensor d = dy.contiguous(), xc = x.contiguous();
-  const int err = megaft_wgrad_accumulate(at::cuda::getCurrentCUDABlasHandle(), d.data_ptr(), xc.data_ptr(),
-                                          main_grad.data_ptr<float>(), d.size(0), d.size(1), xc.size(1),
-                                          code_of(d, "dy"), stream_of(main_grad));
+  const int err = megaft_wgrad_accumulate(at::cuda::getCurrentCUDABlasHandle(true), d.data_ptr(), xc.data_ptr(),
+                                          main_grad.data_ptr(), d.size(0), d.size(1), xc.size(1), code_of(d, "dy"),
+                                          code_of(main_grad, "main_grad"), stream_of(main_grad));
   TORCH_CHECK(err == 0, "megaft_wgrad_accumulate failed: cublasStatus_t ", err,
               " (sizes must fit int32; M=", d.size(0), " N=", d.size(1), " K=", xc.size(1), ")");
+}
+
+void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), "megaft.linear_fwd: ", name, " must be contiguous (strides ", t.strides(),
+              " for shape ", t.sizes(), "); pass ", name, ".contiguous()");
+}
+
+// y[..., N] = x[..., K] @ weight[N, K]^T (+ bias[N]) (+ residual[..., N]): one cuBLASLt matmul
+// with the bias and the residual in its epilogue (linear_epilogue.cu). No silent copies:
+// non-contiguous operands are an error that names the fix.
+at::Tensor linear_fwd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual) {
+  check_cuda(x, x, "x");
+  check_cuda(weight, x, "weight");
+  const megaft_dtype type = code_of(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.size(1) == x.size(-1),
+              "megaft.linear_fwd: x [..., K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "megaft.linear_fwd: weight is ", weight.scalar_type(),
+              " and x is ", x.scalar_type(), "; cast both to the compute dtype");
+  check_contiguous(x, "x");
+  check_contiguous(weight, "weight");
+  const int64_t k = x.size(-1), n = weight.size(0), m = k ? x.numel() / k : 0;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  const auto check_epilogue = [&](const std::optional<at::Tensor>& t, const char* name, at::IntArrayRef shape) {
+    if (!t.has_value()) return;
+    check_cuda(*t, x, name);
+    TORCH_CHECK(t->sizes() == shape && t->scalar_type() == x.scalar_type(), "megaft.linear_fwd: ", name,
+                " must be ", x.scalar_type(), " ", shape, ", got ", t->scalar_type(), " ", t->sizes());
+    check_contiguous(*t, name);
+  };
+  check_epilogue(bias, "bias", {n});
+  check_epilogue(residual, "residual", out_shape);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (m == 0 || n == 0) return y;
+  if (k == 0) {  // an empty sum: y is the epilogue alone
+    y.zero_();
+    if (bias.has_value()) y.add_(*bias);
+    if (residual.has_value()) y.add_(*residual);
+    return y;
+  }
+  // The workspace comes from torch's caching allocator (cheap after the first call and
+  // ordered on this stream), sized as torch sizes its own cuBLASLt workspace.
+  const size_t ws_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  const int err = megaft_linear_fwd(at::cuda::getCurrentCUDABlasLtHandle(), x.data_ptr(), weight.data_ptr(),
+                                    bias.has_value() ? bias->data_ptr() : nullptr,
+                                    residual.has_value() ? residual->data_ptr() : nullptr, y.data_ptr(), m, n, k,
+                                    type, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, stream_of(x));
+  TORCH_CHECK(err == 0, "megaft_linear_fwd failed: cublasStatus_t ", err, " (M=", m, " N=", n, " K=", k, ", ",
+              x.scalar_type(), "; 15 = CUBLAS_STATUS_NOT_SUPPORTED: no cuBLASLt algorithm for this case)");
+  return y;
 }
 
 }  // namespace
@@ -268,6 +333,7 @@ TORCH_LIBRARY_FRAGMENT(megaft, m) {
   m.def("cross_entropy_bwd_(Tensor(a!) logits, Tensor labels, Tensor lse, Tensor g, int vocab_start, "
         "int n_real) -> Tensor(a!)");
   m.def("wgrad_accumulate(Tensor(a!) main_grad, Tensor dy, Tensor x) -> ()");
+  m.def("linear_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megaft, CUDA, m) {
@@ -280,4 +346,5 @@ TORCH_LIBRARY_IMPL(megaft, CUDA, m) {
   m.impl("cross_entropy_bwd", &cross_entropy_bwd);
   m.impl("cross_entropy_bwd_", &cross_entropy_bwd_);
   m.impl("wgrad_accumulate", &wgrad_accumulate);
+  m.impl("linear_fwd", &linear_fwd);
 }

@@ -1,18 +1,21 @@
 /* The C ABI of megaft's fused model kernels (RMSNorm, SwiGLU, RoPE, vocab-parallel
- * cross-entropy, the fp32 weight-gradient accumulation) in csrc/cuda.
+ * cross-entropy, the fp32 weight-gradient accumulation, the linears' cuBLASLt GEMM with
+ * fused bias/residual epilogue) in csrc/cuda.
  *
  * Plain CUDA C++ behind this header, no torch headers, so the .cu files compile
  * with bare nvcc (tests/test_csrc_compile.py) and could be linked into a non-torch
  * program. The torch side is csrc/cuda/kernel_ops.cpp (torch.ops.megaft.*). Tensors
  * are raw pointers with a dtype code; rows are contiguous unless strides are given.
  * Every function returns a cudaError_t as int: 0 (cudaSuccess) or the launch error
- * (megaft_wgrad_accumulate: a cublasStatus_t, 0 = CUBLAS_STATUS_SUCCESS).
+ * (megaft_wgrad_accumulate, megaft_linear_fwd: a cublasStatus_t, 0 = CUBLAS_STATUS_SUCCESS).
  * This header is valid C and needs no cuBLAS header: cublasHandle_t is
- * `struct cublasContext *`, declared here as such.
+ * `struct cublasContext *` and cublasLtHandle_t `struct cublasLtContext *`, declared
+ * here as such.
  */
 #ifndef MEGAFT_KERNELS_H_
 #define MEGAFT_KERNELS_H_
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include <cuda_runtime_api.h>
@@ -81,12 +84,28 @@ int megaft_cross_entropy_bwd(const void* logits, const int64_t* labels, const fl
 
 struct cublasContext;
 
-/* main_grad[n, k] (float, contiguous) += dy[m, n]^T @ x[m, k] (dy, x contiguous, of
- * `type`) with one cublasGemmEx (fp32 compute, beta = 1) on `stream`; handle is a
- * cublasHandle_t (torch's, from the binding). Returns a cublasStatus_t. */
+/* main_grad[n, k] (contiguous, of `grad_type`: MEGAFT_F32, or `type` itself when that is
+ * 16-bit) += dy[m, n]^T @ x[m, k] (dy, x contiguous, of `type`) with one cublasGemmEx
+ * (fp32 compute, beta = 1, the sum rounded once to grad_type) on `stream`; handle is a
+ * cublasHandle_t (torch's, from the binding). Returns a cublasStatus_t
+ * (CUBLAS_STATUS_INVALID_VALUE for another dtype pairing). */
 int megaft_wgrad_accumulate(struct cublasContext* handle, const void* dy, const void* x,
-                            float* main_grad, int64_t m, int64_t n, int64_t k, megaft_dtype type,
-                            cudaStream_t stream);
+                            void* main_grad, int64_t m, int64_t n, int64_t k, megaft_dtype type,
+                            megaft_dtype grad_type, cudaStream_t stream);
+
+struct cublasLtContext;
+
+/* y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) (+ residual[m, n]) in one cuBLASLt matmul
+ * (csrc/cuda/linear_epilogue.cu): bias through CUBLASLT_EPILOGUE_BIAS, residual as C
+ * with beta = 1; bias and residual may be NULL. All tensors contiguous, of `type`,
+ * residual != y; fp32 compute, one rounding. handle is a cublasLtHandle_t (torch's);
+ * workspace (may be NULL) is device memory of workspace_bytes usable on `stream`.
+ * k must be >= 1 (k = 0 is no GEMM). Returns a cublasStatus_t
+ * (CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt has no algorithm for the case). */
+int megaft_linear_fwd(struct cublasLtContext* handle, const void* x, const void* w,
+                      const void* bias, const void* residual, void* y, int64_t m, int64_t n,
+                      int64_t k, megaft_dtype type, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -13,8 +13,10 @@ is logged as ``<op>: <backend> <ms> ms, ... -> <fastest>``.
 Decisions are cached in a JSON file (``kernels.autotune_cache``, else
 ``$MEGAFT_CACHE_DIR/kernel_choice.json``, else ``~/.cache/megaft/kernel_choice.json``)
 under a key of (device name, torch / triton / CUDA versions, a hash of the op's
-Python kernel sources, the backends available, op, dtype, shape): a later run with the same
-key skips the timing; any version or source change misses and measures again.
+Python kernel sources and of the representative calls, a hash of the megaft._cuda shared
+library as imported, the backends available, op, dtype, shape): a later run with the same
+key skips the timing; any version or source change, or a rebuilt extension, misses and
+measures again.
 
 All ranks run the same backends: global rank 0 decides (cache or measurement) and
 broadcasts its choices (:func:`measured_kernels`). Per-rank timings would be noisy
@@ -23,11 +25,19 @@ one decision keeps every rank's numerics and speed alike. ``kernels.autotune=fal
 keeps the fixed order of megaft.kernels.dispatch (triton, else cuda, else torch), and
 CPU runs stay on torch either way. The timing code has been exercised on CPU only
 (with injected timers); the CUDA-event timer is unverified on a GPU.
+
+:func:`decide_kernels` also returns what was decided, per op, for the run's
+``summary.json`` (key ``kernels``): ``{"backend": ..., "source": ...}`` with source
+``measured`` (plus ``ms`` per timed backend and any ``rejected``), ``cache`` (the ms
+of the run that measured), ``fixed`` (auto by dispatch's fixed order: autotune off, or
+no backend but torch to time), ``config`` (an explicit backend) or ``cpu`` (auto off
+CUDA: torch).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -40,7 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megaft.kernels import dispatch
+from megaft.kernels import _ext, dispatch
 from megaft.kernels.cases import Case, model_cases
 
 log = logging.getLogger(__name__)
@@ -64,6 +74,16 @@ class Choice:
     ms: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     cached: bool = False
+
+    def record(self) -> dict:
+        """The summary.json entry: backend, source (measured / cache / fixed), ms, rejected."""
+        out: dict = {"backend": self.backend,
+                     "source": "cache" if self.cached else "measured" if self.ms else "fixed"}
+        if self.ms:
+            out["ms"] = dict(self.ms)
+        if self.rejected:
+            out["rejected"] = dict(self.rejected)
+        return out
 
     def describe(self) -> str:
         times = ", ".join(f"{b} {t:.3g} ms" for b, t in self.ms.items())
@@ -142,7 +162,29 @@ def default_cache_path() -> Path:
     return Path(root) / "kernel_choice.json"
 
 
-def versions(op: str) -> dict[str, str]:
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    # keyed by size and mtime too: a rebuild in place is hashed again
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def extension_identity(ext: Optional[_ext.Extension] = None) -> Optional[str]:
+    """A content hash of the shared library ``ext`` (default megaft._cuda) was imported
+    from; None when it is not built (or not a file). A rebuilt extension has new kernels
+    (or new launch parameters) even when no Python source changed."""
+    ext = ext if ext is not None else _ext.CUDA
+    path = getattr(ext.module, "__file__", None) if ext.available else None
+    if not path or not os.path.isfile(path):
+        return None
+    st = os.stat(path)
+    return _file_digest(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+def versions(op: str) -> dict[str, Optional[str]]:
     """What a cached decision depends on besides the device and shape."""
     try:
         import triton
@@ -150,12 +192,12 @@ def versions(op: str) -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    family = Path(__file__).parent / op
+    here = Path(__file__).parent
     digest = hashlib.sha256()
-    for src in sorted(family.glob("*.py")):
+    for src in sorted((here / op).glob("*.py")) + [here / "cases.py"]:  # the kernels and the timed call
         digest.update(src.read_bytes())
     return {"torch": torch.__version__, "triton": triton_version, "cuda": str(torch.version.cuda),
-            "sources": digest.hexdigest()[:16]}
+            "sources": digest.hexdigest()[:16], "cuda_extension": extension_identity()}
 
 
 def cache_key(case: Case, candidates: list[str], device_name: str, dtype: torch.dtype) -> str:
@@ -240,25 +282,47 @@ def ops_to_measure(kernels, device: torch.device) -> dict[str, list[str]]:
             for op in OPS if kernels.for_op(op) == "auto"}
 
 
-def measured_kernels(kernels, model, *, tp: int, batch: int, seq: int, precision: str, device: torch.device,
-                     rank: int = 0, timer: Optional[Timer] = None, cache_path: Optional[str] = None):
-    """``kernels`` (a KernelsConfig) with every auto op set to its measured backend.
+def fixed_record(kernels, device: torch.device) -> dict[str, dict]:
+    """op -> {"backend", "source"} without measuring: an explicit backend ("config"; an
+    unavailable one was reported by validate), else dispatch's fixed order for auto
+    ("fixed" on CUDA; "cpu" elsewhere, where auto is torch)."""
+    from megaft.kernels.config import OPS
+
+    record = {}
+    for op in OPS:
+        asked = kernels.for_op(op)
+        if asked != "auto":
+            record[op] = {"backend": asked, "source": "config"}
+        else:
+            source = "fixed" if device.type == "cuda" else device.type
+            record[op] = {"backend": dispatch.resolve(op, "auto", device), "source": source}
+    return record
+
+
+def decide_kernels(kernels, model, *, tp: int, batch: int, seq: int, precision: str, device: torch.device,
+                   rank: int = 0, timer: Optional[Timer] = None, cache_path: Optional[str] = None,
+                   master_weights: bool = False):
+    """``(kernels, record)``: ``kernels`` (a KernelsConfig) with every auto op set to its
+    measured backend, and op -> what runs it and why (module docstring; summary.json).
+    ``master_weights`` (optim.master_weights): the linear case's weight and main grad are
+    bf16, as in the run (part of the case's shape, so of the cache key).
     Global rank 0 decides and, when torch.distributed is initialized, broadcasts to the
     world (a failure there is raised on every rank rather than leaving them waiting).
-    Unchanged when nothing is measured (CPU, autotune off, no auto op)."""
+    ``kernels`` is returned unchanged when nothing is measured (CPU, autotune off, no auto op)."""
     todo = ops_to_measure(kernels, device)
+    record = fixed_record(kernels, device)
     if not todo:
-        return kernels
+        return kernels, record
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    decided: dict[str, str] | str = {}
+    decided: dict[str, dict] | str = {}
     if rank == 0 or not distributed:
         try:
             path = os.path.expanduser(cache_path or kernels.autotune_cache) or default_cache_path()
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-            choices = measure_ops(model_cases(model, tp=tp, batch=batch, seq=seq), todo, device=device,
-                                  dtype=DTYPES[precision], timer=timer or cuda_event_timer(),
-                                  cache=ChoiceCache(path), device_name=name)
-            decided = {op: c.backend for op, c in choices.items()}
+            op_cases = model_cases(model, tp=tp, batch=batch, seq=seq, master_weights=master_weights)
+            choices = measure_ops(op_cases, todo, device=device, dtype=DTYPES[precision],
+                                  timer=timer or cuda_event_timer(), cache=ChoiceCache(path), device_name=name)
+            decided = {op: c.record() for op, c in choices.items()}
         except Exception as exc:
             if not distributed:
                 raise
@@ -272,4 +336,11 @@ def measured_kernels(kernels, model, *, tp: int, batch: int, seq: int, precision
     if isinstance(decided, str):
         raise RuntimeError(f"kernels.autotune failed on rank 0: {decided}; fix: kernels.autotune=false "
                            "or explicit kernels.<op> backends")
-    return dataclasses.replace(kernels, **decided)
+    record.update(decided)
+    return dataclasses.replace(kernels, **{op: r["backend"] for op, r in decided.items()}), record
+
+
+def measured_kernels(kernels, model, **kwargs):
+    """``kernels`` with every auto op set to its measured backend (:func:`decide_kernels`
+    without the record)."""
+    return decide_kernels(kernels, model, **kwargs)[0]

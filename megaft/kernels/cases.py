@@ -111,27 +111,51 @@ def cross_entropy_case(tokens: int, vocab: int) -> Case:
     return Case("cross_entropy", (("tokens", tokens), ("vocab", vocab)), make, step)
 
 
-def linear_case(tokens: int, k: int, n: int) -> Case:
-    """The MLP's down projection (row-parallel: + residual in the epilogue)."""
+def linear_case(tokens: int, k: int, n: int, fuse_residual: bool = True, master_weights: bool = False) -> Case:
+    """The MLP's down projection (RowParallelLinear) as training runs it: the weight is
+    a parameter whose ``.grad`` is a view into a flat buffer (FlatParams' main grad), the
+    GEMM runs under autocast at the case's dtype, and backward goes through autograd's
+    AccumulateGrad, so the fused backends' weight gradient is accumulated into that
+    buffer (megaft.kernels.linear.fused) while torch's is cast and added by autograd: the
+    wgrad fusion is part of what is checked and timed. Weight, buffer and residual stream
+    are fp32, or with ``master_weights`` (optim.master_weights) of the case's dtype (bf16
+    params and grads; the hidden stream is bf16 too). The residual goes into the GEMM
+    epilogue (Triton, cuBLASLt) only where RowParallelLinear puts it there
+    (``fuse_residual``: tp=1); elsewhere it is a separate add. The returned weight
+    gradient is the buffer's contents, accumulated over the calls on one set of inputs
+    (one call per set in the agreement check)."""
     def make(device, dtype):
         gen = torch.Generator().manual_seed(0)
-        return (_randn(gen, tokens, k, device=device, dtype=dtype, grad=True),
-                _randn(gen, n, k, device=device, dtype=dtype, scale=k ** -0.5, grad=True),
-                _randn(gen, tokens, n, device=device, dtype=dtype),
-                _randn(gen, tokens, n, device=device, dtype=dtype))
+        param = dtype if master_weights else torch.float32  # params, grads and the residual stream
+        weight = _randn(gen, n, k, device=device, dtype=param, scale=k ** -0.5, grad=True)
+        main_grad = torch.zeros(n * k, device=device, dtype=param)  # the flat buffer; weight.grad is a view
+        weight.grad = main_grad.view(n, k)
+        return (_randn(gen, tokens, k, device=device, dtype=dtype, grad=True), weight, main_grad,
+                _randn(gen, tokens, n, device=device, dtype=param),
+                _randn(gen, tokens, n, device=device, dtype=param))
 
     def step(backend, inputs):
-        from megaft.kernels.linear import layer_linear
+        from megaft.kernels.linear import EPILOGUE_BACKENDS, layer_linear
 
-        x, w, residual, dy = inputs
-        return _backward(layer_linear(x, w, None, residual, backend=backend), (x, w), dy)
+        x, weight, main_grad, residual, dy = inputs
+        x.grad = None  # x's gradient is the call's own; the weight's accumulates, as in training
+        with torch.autocast(x.device.type, dtype=x.dtype, enabled=x.dtype != torch.float32):
+            if fuse_residual and backend in EPILOGUE_BACKENDS:
+                out = layer_linear(x, weight, None, residual, backend=backend)
+            else:
+                out = residual + layer_linear(x, weight, backend=backend)
+        torch.autograd.backward(out, dy, inputs=(x, weight))
+        return [out.detach(), x.grad, main_grad.view(n, k)]
 
-    return Case("linear", (("tokens", tokens), ("k", k), ("n", n)), make, step)
+    shape = (("tokens", tokens), ("k", k), ("n", n), ("fused_residual", int(fuse_residual)),
+             ("master_weights", int(master_weights)))
+    return Case("linear", shape, make, step)
 
 
-def model_cases(model, *, tp: int, batch: int, seq: int) -> dict[str, Case]:
+def model_cases(model, *, tp: int, batch: int, seq: int, master_weights: bool = False) -> dict[str, Case]:
     """The case of every op for a ModelConfig under tensor parallelism ``tp`` with
-    micro-batches of ``batch`` sequences of ``seq`` tokens (on this rank)."""
+    micro-batches of ``batch`` sequences of ``seq`` tokens (on this rank);
+    ``master_weights``: optim.master_weights (bf16 params and main grads: the linears)."""
     seq = max(1, min(seq, MAX_TOKENS))
     batch = max(1, min(batch, MAX_TOKENS // seq))
     tokens = batch * seq
@@ -141,5 +165,5 @@ def model_cases(model, *, tp: int, batch: int, seq: int) -> dict[str, Case]:
         "rope": rope_case(batch, seq, max(1, model.n_heads // tp), max(1, model.kv_heads // tp), model.hd),
         "swiglu": swiglu_case(tokens, ffn),
         "cross_entropy": cross_entropy_case(min(tokens, MAX_CE_TOKENS), max(1, -(-model.vocab_size // tp))),
-        "linear": linear_case(tokens, ffn, model.dim),
+        "linear": linear_case(tokens, ffn, model.dim, fuse_residual=tp == 1, master_weights=master_weights),
     }

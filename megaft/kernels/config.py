@@ -25,7 +25,7 @@ class KernelsConfig:
     rope: Optional[str] = None  # rotary embedding of q and k; None = `backend`
     swiglu: Optional[str] = None  # the MLP's silu(gate) * up; None = `backend`
     cross_entropy: Optional[str] = None  # vocab-parallel loss; None = `backend`
-    linear: Optional[str] = None  # parallel linears: GEMM + epilogue, fp32 wgrad fusion (cuda: cuBLAS wgrad only)
+    linear: Optional[str] = None  # parallel linears: GEMM + epilogue, wgrad fused into the main grad
     fused_linear_cross_entropy: bool = False  # head projection + loss chunk by chunk (never all logits)
     ce_chunk_tokens: int = 2048  # tokens per chunk of the fused linear cross-entropy
     autotune: bool = True  # auto on CUDA: time the available backends once per shape (false: fixed order)
@@ -42,7 +42,7 @@ class KernelsConfig:
         return "auto" if self.backend == "cuda" and op not in CUDA_OPS else self.backend
 
 
-# Ops with a CUDA C++ kernel (linear's is the cuBLAS fp32 wgrad accumulation; its forward is torch).
+# Ops with a CUDA C++ kernel (linear's: the cuBLASLt forward GEMM + epilogue and the cuBLAS wgrad accumulation).
 CUDA_OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear")
 
 

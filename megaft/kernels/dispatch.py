@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 # The torch.ops.megaft op whose presence means megaft._cuda was built with `op`'s kernel
-# (default f"{op}_fwd"); linear's CUDA C++ part is the cuBLAS wgrad accumulation.
+# (default f"{op}_fwd"); linear's CUDA C++ ops (the cuBLASLt forward, the cuBLAS wgrad
+# accumulation) come from one build, so the wgrad op stands for both.
 CUDA_OP_NAMES = {"linear": "wgrad_accumulate"}
 _logged: set[tuple[str, str, str]] = set()
 

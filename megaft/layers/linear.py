@@ -5,8 +5,9 @@ Weights are [out, in] like nn.Linear. Column splits `out` over tp ranks; Row spl
 outside these layers are split along the sequence (dim 1 of [batch, seq, hidden]).
 
 `backend` is `kernels.linear` (megaft.kernels.linear.layer_linear): "torch" is F.linear;
-"triton" fuses the bias (and, in RowParallelLinear at tp=1, the residual add) into the
-GEMM and accumulates the weight gradient straight into the fp32 `weight.grad`.
+"triton" and "cuda" fuse the bias (and, in RowParallelLinear at tp=1, the residual add)
+into the GEMM (a Triton GEMM epilogue, or one cuBLASLt matmul) and accumulate the weight
+gradient straight into the fp32 `weight.grad`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megaft.kernels.linear import layer_linear, resolve_backend
+from megaft.kernels.linear import EPILOGUE_BACKENDS, layer_linear, resolve_backend
 from megaft.kernels.linear.fused import compute_dtype
 from megaft.layers.shard import mark_sequence_parallel, mark_sharded, padded_size
 from megaft.parallel.comm import (
@@ -91,12 +92,13 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if group_size(self.group) == 1 and resolve_backend(self.backend, x.device) == "triton" and (
+        choice = resolve_backend(self.backend, x.device)
+        if group_size(self.group) == 1 and choice in EPILOGUE_BACKENDS and (
                 self.bias is None or self.bias.dtype == compute_dtype(x)):
             # no sum: bias and residual go into the epilogue (an fp32 bias under autocast
             # promotes y to fp32 in the unfused path, so that case stays unfused)
-            return layer_linear(x, self.weight, self.bias, residual, backend="triton")
-        y = layer_linear(x, self.weight, backend=self.backend)
+            return layer_linear(x, self.weight, self.bias, residual, backend=choice)
+        y = layer_linear(x, self.weight, backend=choice)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y

@@ -68,16 +68,13 @@ def _check_fused_triton(device: str | None) -> list[str]:
             f"{why}. fix: optim.fused=auto (or run on GPUs)"]
 
 
-def check_master_weights(cfg: OptimConfig, *, precision: str, grad_compression: str) -> list[str]:
-    """optim.master_weights=true: the combinations built so far (megaft.optim.zero docstring)."""
+def check_master_weights(cfg: OptimConfig, *, precision: str) -> list[str]:
+    """optim.master_weights=true: needs precision=bf16; any tp/pp/dp, zero 0-3, offload and
+    grad_compression (bf16 buckets are reduced in fp32, PowerSGD included: megaft.parallel.buckets)."""
     if not cfg.master_weights:
         return []
     errors = []
     if precision != "bf16":  # the AdamW kernels take fp32 or bf16 params (no fp16 path, no loss scaling)
         errors.append(f"optim.master_weights=true needs precision=bf16 (got precision={precision}): the model "
                       "holds bf16 params and grads; fix: precision=bf16, or optim.master_weights=false")
-    if grad_compression == "powersgd":  # built and tested on fp32 buckets only (megaft.parallel.compress)
-        errors.append("optim.master_weights=true is not supported yet with parallel.grad_compression=powersgd "
-                      "(supported: precision=bf16, any tp/pp/dp, zero 0-3 and offload, grad_compression none|bf16); "
-                      "fix: parallel.grad_compression=none or bf16, or optim.master_weights=false")
     return errors

@@ -31,7 +31,9 @@ where it lands, so no rounding per partial sum (Megatron reduces bf16 grads in f
 Compression (`parallel.grad_compression`, megaft.parallel.compress): bf16 casts each
 bucket for its collective (any mode); powersgd (zero 0/1) all-reduces each bucket's P
 factors from the hook and its Q factors in `finish()`, then writes P Q^T back (zero 1
-then keeps its chunk, as the reduce-scatter would have). `sent_bytes` counts the
+then keeps its chunk, as the reduce-scatter would have). With bf16 grads PowerSGD works
+on an fp32 copy of the bucket (P, Q and the fp32 error feedback) and P Q^T is rounded to
+bf16 once where it lands, as the uncompressed fp32 sum is. `sent_bytes` counts the
 bytes of the collectives' inputs on this rank (the payload each rank contributes,
 independent of the collective's algorithm: a ring all-reduce moves 2 (dp-1)/dp of it).
 PowerSGD's state (Q's, error feedback, where the warm-up started) goes into checkpoints
@@ -97,8 +99,10 @@ class GradReducer:
         self._seen: list[set[int]] = [set() for _ in self.buckets]
         self._scratch: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self._next = 0  # the next bucket to launch: launches stay in bucket order
-        # (work, bucket, reduced chunk | None | "powersgd", the collective's input, the fp32 bucket)
+        # (work, bucket, reduced chunk | None, the collective's input, the bucket's grad)
         self._pending: list[tuple] = []
+        # PowerSGD: (work, bucket, the P's all-reduced, the fp32 bucket worked on, the bucket's grad)
+        self._psgd: list[tuple] = []
         self.armed = zero == 2  # zero 2 reduces every micro-batch
         self.after_finish = None  # called at the end of finish() (ZeRO-3 releases layers left gathered)
         self._hooks = []
@@ -154,9 +158,11 @@ class GradReducer:
         self._scratch[i] = None
         mode = self._mode()
         if mode == "powersgd":  # all-reduce the P's now, the Q's in finish()
-            send = self.powersgd.begin(i, grad)
+            # bf16 grads: P, Q and the error feedback run on an fp32 copy of the bucket (fp32: in place)
+            fp32 = grad.float()
+            send = self.powersgd.begin(i, fp32)
             self.sent_bytes += sum(self.powersgd.wire_bytes(i))
-            self._pending.append((dist.all_reduce(send, group=self.group, async_op=True), i, "powersgd", send, grad))
+            self._psgd.append((dist.all_reduce(send, group=self.group, async_op=True), i, send, fp32, grad))
             return
         # bf16 grads (optim.master_weights) are summed over dp in fp32 and rounded to bf16 once
         # when they land: no rounding per partial sum, so the result does not depend on dp
@@ -206,23 +212,23 @@ class GradReducer:
 
     def _finish_powersgd(self) -> None:
         """Second PowerSGD round, in bucket order on every rank: P's summed -> Q's all-reduced,
-        then P Q^T into each bucket; zero 1 keeps its chunk of the (full) sum."""
+        then P Q^T into each bucket; zero 1 keeps its chunk of the (full) sum. bf16 grads get
+        the fp32 result rounded once, where it lands (the whole bucket, or zero 1's chunk)."""
         rounds = []
-        for work, i, kind, send, grad in self._pending:
-            if kind == "powersgd":
-                work.wait()
-                q = self.powersgd.middle(i, grad, send)
-                rounds.append((dist.all_reduce(q, group=self.group, async_op=True), i, send, q, grad))
-        if not rounds:
-            return
-        self._pending = [x for x in self._pending if x[2] != "powersgd"]
-        for work, i, p, q, grad in rounds:
+        for work, i, send, fp32, grad in self._psgd:
             work.wait()
-            self.powersgd.end(i, grad, p, q)
+            q = self.powersgd.middle(i, fp32, send)
+            rounds.append((dist.all_reduce(q, group=self.group, async_op=True), i, send, q, fp32, grad))
+        self._psgd = []
+        for work, i, p, q, fp32, grad in rounds:
+            work.wait()
+            self.powersgd.end(i, fp32, p, q)
             if self.zero == 1:
                 lo, hi = chunk_range(self.buckets[i], self.dp, self.dp_rank)
                 start = self.buckets[i].start
-                self.chunk_grads[i].copy_(grad[lo - start:hi - start])
+                self.chunk_grads[i].copy_(fp32[lo - start:hi - start])
+            elif fp32 is not grad:
+                grad.copy_(fp32)
 
     def compression_state(self) -> Optional[dict]:
         """What a checkpoint keeps of the compression: PowerSGD's Q's and this rank's errors and

@@ -20,6 +20,12 @@ powersgd: Vogels et al. 2019 (Algorithm 1), rank r, with error feedback. Each 2-
   reading reference; it averages, this module sums (the loss is pre-divided by the
   global target count, see megaft.parallel.buckets).
 
+Everything here is fp32: P, Q, E and the bucket M_hat is written into. With bf16
+gradients (`optim.master_weights`) the reducer hands in an fp32 copy of the bucket (the
+upcast is exact) and rounds M_hat to bf16 once where it lands (megaft.parallel.buckets),
+as it rounds the uncompressed fp32 dp sum. E is taken before that rounding: the rounding
+is not fed back, it is the same one an uncompressed master-weights run makes.
+
 A `PowerSGD` works in three phases per bucket, so the reducer can run the two
 all-reduces asynchronously between them: `begin` (add the error, P = M Q, returns
 the tensor to all-reduce: every P then the uncompressed elements), `middle` (takes
@@ -152,6 +158,8 @@ class PowerSGD:
     def begin(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Add the error to bucket i's matrices (in `grad`, its flat fp32 gradient) and
         return [P of every matrix, plain elements] flat, to be summed over dp."""
+        if grad.dtype != torch.float32:  # bf16 buckets are upcast by the caller (megaft.parallel.buckets)
+            raise TypeError(f"PowerSGD works on fp32 buckets, got {grad.dtype}; pass grad.float()")
         plan = self.plans[i]
         parts = []
         for a in plan.matrices:

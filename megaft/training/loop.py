@@ -23,7 +23,7 @@ from megaft.config import Config
 from megaft.data import (
     PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
 )
-from megaft.kernels.autotune import measured_kernels
+from megaft.kernels.autotune import decide_kernels
 from megaft.launch.preempt import NONE, REQUEUE, PreemptFlag, StepBoundary
 from megaft.layers.shard import full_shape
 from megaft.models.llama import Llama
@@ -40,13 +40,22 @@ from megaft.training.metrics import MetricsLog, use_tensorboard, write_summary
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
 
 
-def build_model(cfg: Config, grid: ParallelGrid) -> Llama | StageModel:
+def choose_kernels(cfg: Config, grid: ParallelGrid):
+    """(KernelsConfig, record): kernels.backend=auto on CUDA set to the backends measured
+    fastest (rank 0 decides for all ranks), and each op's backend and its source for
+    summary.json (megaft.kernels.autotune.decide_kernels)."""
+    return decide_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
+                          seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device, rank=grid.rank,
+                          master_weights=cfg.optim.master_weights)
+
+
+def build_model(cfg: Config, grid: ParallelGrid, kernels=None) -> Llama | StageModel:
     """The sharded model on this rank's device: HF weights or a tp-independent init.
-    Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names)."""
+    Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names).
+    `kernels`: the decided KernelsConfig (default: choose_kernels)."""
     par = cfg.parallel
-    # kernels.backend=auto on CUDA: the backends measured fastest (rank 0 decides for all ranks)
-    kernels = measured_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
-                               seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device, rank=grid.rank)
+    if kernels is None:
+        kernels = choose_kernels(cfg, grid)[0]
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
                            group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
@@ -80,7 +89,8 @@ class Trainer:
                                    cfg.data.seed)
         self.eval_batches = eval_batches(encode_examples(self.tok, examples.eval, self.eos_id),
                                          cfg.train.eval_batch_size, pad_id, max_len=cfg.model.max_seq_len)
-        self.model = build_model(cfg, grid)
+        kernels, self.kernel_choices = choose_kernels(cfg, grid)
+        self.model = build_model(cfg, grid, kernels)
         # Flat buffers, optimizer (ZeRO stage) and the bucketed dp reduction (megaft.optim.zero).
         norm_params = self.model.norm_params() if grid.pp_size > 1 else None
         self.flat, self.optimizer, self.reducer = build_optimizer(
@@ -325,6 +335,8 @@ class Trainer:
             "params": self.model_params(),
             # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.optim.zero).
             "zero": self.cfg.parallel.zero, "memory_bytes": self.optimizer.memory_bytes(),
+            # op -> {backend, source: measured | cache | fixed | config | cpu[, ms]} (megaft.kernels.autotune)
+            "kernels": self.kernel_choices,
         }
         summary.update({k: v for k, v in last_eval.items() if k != "step"})
         if grid.device.type == "cuda":

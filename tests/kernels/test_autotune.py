@@ -8,15 +8,17 @@ GPU needed) and must not spill registers with bf16 operands.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import types
 
 import pytest
 import torch
 
-from megaft.kernels import _triton, autotune, cases
-from megaft.kernels.config import KernelsConfig, check_kernels
+from megaft.kernels import _ext, _triton, autotune, cases
+from megaft.kernels.config import OPS, KernelsConfig, check_kernels
 from megaft.models.config import ModelConfig
 from tests.kernels.test_triton_compile import compile_without_interpreter
 from tests.multirank import spawn
@@ -55,7 +57,54 @@ def test_model_cases_follow_the_model_and_tp():
     assert shapes["rope"] == {"batch": 2, "seq": 4096, "heads": 8, "kv_heads": 2, "head_dim": 128}
     assert shapes["swiglu"] == {"tokens": 8192, "ffn": 3584}
     assert shapes["cross_entropy"] == {"tokens": 4096, "vocab": 32064}
-    assert shapes["linear"] == {"tokens": 8192, "k": 3584, "n": 4096}
+    assert shapes["linear"] == {"tokens": 8192, "k": 3584, "n": 4096, "fused_residual": 0,  # tp=4: a separate add
+                                "master_weights": 0}
+    assert dict(cases.model_cases(big, tp=1, batch=1, seq=64)["linear"].shape)["fused_residual"] == 1
+    # optim.master_weights: its own case (bf16 weight and main grad), so its own cache entry
+    mw = cases.model_cases(big, tp=4, batch=4, seq=4096, master_weights=True)["linear"]
+    assert dict(mw.shape) == dict(shapes["linear"], master_weights=1)
+    plain = cases.model_cases(big, tp=4, batch=4, seq=4096)["linear"]
+    key = lambda c: autotune.cache_key(c, ["triton"], "H100", torch.bfloat16)  # noqa: E731
+    assert key(mw) != key(plain) and json.loads(key(mw))["shape"]["master_weights"] == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,master_weights", [(torch.float32, False), (torch.bfloat16, False),
+                                                  (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16_master_weights"])
+def test_linear_case_times_the_wgrad_accumulation_as_training_runs_it(dtype, master_weights, monkeypatch):
+    # training: an fp32 weight whose .grad is a view into FlatParams' flat fp32 buffer
+    # (optim.master_weights: a bf16 weight and bf16 buffer, a bf16 residual stream),
+    # autocast at the run's dtype; the fused backward must add dy.T @ x into that buffer
+    from megaft.kernels.linear import triton as tl_linear
+
+    real, into = tl_linear.wgrad_accumulate_, []
+
+    def spy(main_grad, dy, x):
+        into.append(main_grad.data_ptr())
+        return real(main_grad, dy, x)
+
+    monkeypatch.setattr(tl_linear, "wgrad_accumulate_", spy)
+    for fuse_residual in (True, False):
+        case = cases.linear_case(13, 24, 20, fuse_residual, master_weights)  # odd sizes: tails in every GEMM dim
+        ref = case.make(CPU, dtype)
+        param = dtype if master_weights else torch.float32
+        assert ref[1].dtype == ref[2].dtype == ref[3].dtype == param
+        want = case.step("torch", ref)
+        assert into == []  # torch: autograd computes the weight gradient and adds it in place
+        assert ref[1].grad.data_ptr() == ref[2].data_ptr() and ref[2].abs().sum() > 0
+        inputs = case.make(CPU, dtype)
+        weight, main_grad = inputs[1], inputs[2]
+        got = case.step("triton", inputs)
+        assert into == [main_grad.data_ptr()]  # one accumulation, straight into the flat buffer
+        assert weight.grad.data_ptr() == main_grad.data_ptr()  # autograd added zeros, kept the view
+        assert got[2].dtype == param and got[1].dtype == dtype
+        assert autotune.mismatch(got, want, dtype) is None, autotune.mismatch(got, want, dtype)
+        # timed reps accumulate (as micro-batches do): the buffer holds the sum of the calls
+        # (bf16 buffer: d + d rounds to exactly 2d, one rounding of an exact doubling)
+        first = got[2].clone()
+        again = case.step("triton", inputs)
+        torch.testing.assert_close(again[2], 2 * first, rtol=1e-5, atol=1e-5)
+        into.clear()
 
 
 @needs_triton
@@ -138,6 +187,31 @@ def test_cache_is_written_read_and_invalidated_by_a_version_change(tmp_path, mon
     assert autotune.ChoiceCache(path).get(next(iter(stored))) is None
 
 
+def test_a_rebuilt_cuda_extension_misses_the_cache(tmp_path, monkeypatch):
+    # the key holds a content hash of the megaft._cuda library that was imported
+    so = tmp_path / "_cuda.so"
+    so.write_bytes(b"build 1")
+    monkeypatch.setattr(_ext, "CUDA", _ext.Extension("megaft._cuda", types.SimpleNamespace(__file__=str(so)), None))
+    assert autotune.extension_identity() == hashlib.sha256(b"build 1").hexdigest()[:16]
+    assert autotune.versions("rmsnorm")["cuda_extension"] == autotune.extension_identity()
+    case = cases.rmsnorm_case(4, 16)
+    ops = {"rmsnorm": cases.Case("rmsnorm", case.shape, case.make, lambda b, x: case.step("torch", x))}
+    kw = dict(device=CPU, dtype=torch.float32, cache=autotune.ChoiceCache(tmp_path / "c.json"), device_name="Fake GPU")
+    calls = []
+    timer = fake_timer({"cuda": 0.1, "torch": 0.2}, calls)
+    assert autotune.measure_ops(ops, {"rmsnorm": ["cuda"]}, timer=timer, **kw)["rmsnorm"].cached is False
+    assert autotune.measure_ops(ops, {"rmsnorm": ["cuda"]}, timer=timer, **kw)["rmsnorm"].cached is True
+    assert len(calls) == 2
+    so.write_bytes(b"build 2, other kernels")  # rebuilt in place
+    assert autotune.extension_identity() == hashlib.sha256(b"build 2, other kernels").hexdigest()[:16]
+    assert autotune.measure_ops(ops, {"rmsnorm": ["cuda"]}, timer=timer, **kw)["rmsnorm"].cached is False
+    assert len(calls) == 4 and len(json.loads((tmp_path / "c.json").read_text())) == 2
+    # not built: None (a later build misses too); megaft._C, always built, hashes its .so
+    assert autotune.extension_identity(_ext.Extension("megaft._cuda", None, "ImportError: no module")) is None
+    with open(_ext.C.module.__file__, "rb") as f:
+        assert autotune.extension_identity(_ext.C) == hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def test_default_cache_path(monkeypatch, tmp_path):
     monkeypatch.setenv("MEGAFT_CACHE_DIR", str(tmp_path))
     assert autotune.default_cache_path() == tmp_path / "kernel_choice.json"
@@ -161,13 +235,50 @@ def test_only_auto_ops_on_cuda_with_autotune_are_measured():
 
 def test_measured_kernels_fills_in_the_auto_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "ops_to_measure", lambda kernels, device: {"rmsnorm": ["cuda"], "rope": []})
-    monkeypatch.setattr(autotune, "model_cases", lambda *a, **k: _torch_as_cuda(cases.model_cases(*a, **k)))
+    seen = []  # model_cases' master_weights: the linear case mirrors optim.master_weights
+    monkeypatch.setattr(autotune, "model_cases", lambda *a, **k: (
+        seen.append(k["master_weights"]), _torch_as_cuda(cases.model_cases(*a, **k)))[1])
     kernels = KernelsConfig(swiglu="torch", ce_chunk_tokens=7)
-    out = autotune.measured_kernels(kernels, TINY, tp=1, batch=1, seq=8, precision="fp32", device=CPU,
-                                    timer=fake_timer({"cuda": 0.1, "torch": 0.2}),
-                                    cache_path=str(tmp_path / "c.json"))
+    kw = dict(tp=1, batch=1, seq=8, precision="fp32", device=CPU, cache_path=str(tmp_path / "c.json"))
+    out, record = autotune.decide_kernels(kernels, TINY, timer=fake_timer({"cuda": 0.1, "torch": 0.2}), **kw)
+    assert seen == [False]
     assert (out.rmsnorm, out.rope, out.swiglu, out.ce_chunk_tokens) == ("cuda", "torch", "torch", 7)
     assert kernels.rmsnorm is None  # the run's config is not mutated
+    # summary.json's "kernels": every op, what runs it and why
+    measured = {"backend": "cuda", "source": "measured", "ms": {"cuda": 0.1, "torch": 0.2}}
+    assert record == {"rmsnorm": measured,
+                      "rope": {"backend": "torch", "source": "fixed"},  # nothing but torch to time
+                      "swiglu": {"backend": "torch", "source": "config"},
+                      "cross_entropy": {"backend": "torch", "source": "cpu"},  # auto, not measured: CPU
+                      "linear": {"backend": "torch", "source": "cpu"}}
+    assert list(record) == list(OPS)
+    again, cached = autotune.decide_kernels(kernels, TINY, timer=fake_timer({}), **kw)
+    assert again == out and cached["rmsnorm"] == dict(measured, source="cache")  # the measuring run's ms
+    assert autotune.measured_kernels(kernels, TINY, timer=fake_timer({}), **kw) == out
+    seen.clear()
+    autotune.decide_kernels(kernels, TINY, timer=fake_timer({"cuda": 0.1, "torch": 0.2}),
+                            **dict(kw, precision="bf16"), master_weights=True)
+    assert seen == [True]
+    # training passes its optim.master_weights (megaft.training.loop.choose_kernels)
+    from megaft.config import Config
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training import loop
+
+    passed = []
+    monkeypatch.setattr(loop, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]))
+    cfg = Config()
+    for flag in (False, True):
+        cfg.optim.master_weights = flag
+        loop.choose_kernels(cfg, ParallelGrid.single())
+    assert passed == [False, True]
+
+
+def test_cpu_runs_record_torch_from_cpu():
+    kernels = KernelsConfig(linear="triton")
+    out, record = autotune.decide_kernels(kernels, TINY, tp=1, batch=1, seq=8, precision="fp32", device=CPU)
+    assert out is kernels
+    assert record == {op: {"backend": "triton", "source": "config"} if op == "linear" else
+                      {"backend": "torch", "source": "cpu"} for op in OPS}
 
 
 def _torch_as_cuda(op_cases):
@@ -179,10 +290,12 @@ def _ranks_agree(rank, world, cache_dir):
     autotune.ops_to_measure = lambda kernels, device: {"rmsnorm": ["cuda"], "swiglu": ["cuda"]}
     autotune.model_cases = lambda *a, **k: _torch_as_cuda(cases.model_cases(*a, **k))
     ms = {"cuda": 0.1, "torch": 0.2} if rank == 0 else {"cuda": 0.3, "torch": 0.2}
-    out = autotune.measured_kernels(KernelsConfig(), TINY, tp=1, batch=1, seq=8, precision="fp32", device=CPU,
-                                    rank=rank, timer=fake_timer(ms),
-                                    cache_path=os.path.join(cache_dir, f"rank{rank}.json"))
+    out, record = autotune.decide_kernels(KernelsConfig(), TINY, tp=1, batch=1, seq=8, precision="fp32",
+                                          device=CPU, rank=rank, timer=fake_timer(ms),
+                                          cache_path=os.path.join(cache_dir, f"rank{rank}.json"))
     assert (out.rmsnorm, out.swiglu) == ("cuda", "cuda"), (rank, out)
+    # every rank's summary record is rank 0's measurement
+    assert record["swiglu"] == {"backend": "cuda", "source": "measured", "ms": {"cuda": 0.1, "torch": 0.2}}, rank
     assert os.path.exists(os.path.join(cache_dir, "rank0.json"))
     assert not os.path.exists(os.path.join(cache_dir, "rank1.json"))  # only rank 0 measures
 
@@ -231,7 +344,9 @@ from megaft.kernels.linear import triton as lt
 # Compiled as the JIT specializes them at run time: unit strides are constants, pointers
 # and the other strides 16-byte aligned. Forward (x @ w.T, + bias + residual / SwiGLU):
 # unit strides along K of x and w.T and along N of out; wgrad (main_grad += dy.T @ x):
-# dy.T is column-major, x row-major, main_grad fp32.
+# dy.T is column-major, x row-major, main_grad fp32 (the bf16 main grad of
+# optim.master_weights keeps the same fp32 accumulator and loads half the bytes of C;
+# test_triton_compile.py compiles that variant).
 FWD, WGRAD = {"sak", "sbk", "scn", "srn"}, {"sam", "sbn", "scn", "srn"}
 VARIANTS = [
     ("gemm", lt.GEMM_TILES, dict(HAS_BIAS=True, HAS_RES=True, SWIGLU=False, ACCUMULATE=False), FWD),

@@ -1,7 +1,8 @@
-"""Fused-epilogue GEMMs and the fp32 weight-gradient accumulation against reference.py,
-forward and all grads (x, weight, bias, residual), plus the dispatch rule and the
-layers' fused path (megaft.kernels.linear.fused: weight gradient into the fp32 .grad,
-the two-weight gate/up SwiGLU).
+"""Fused-epilogue GEMMs and the weight-gradient accumulation (fp32, and bf16/fp16 main
+grads: optim.master_weights) against reference.py, forward and all grads (x, weight,
+bias, residual), plus the dispatch rule and the layers' fused path
+(megaft.kernels.linear.fused: weight gradient into the fp32 or bf16 .grad, the
+two-weight gate/up SwiGLU).
 
 Tolerances (atol, rtol): fp32 1e-5 (IEEE fp32 dot products, other summation order);
 bf16 1e-2 relative over the whole tensor (the usual), and no element more than 4
@@ -108,8 +109,50 @@ def test_wgrad_accumulate(shape, dtype, tol):
         wgrad_accumulate_(got, dy, x, backend="triton")
         reference.wgrad_accumulate_(want, dy, x)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)  # fp32 accumulation either way
-    with pytest.raises(ValueError, match="main_grad must be fp32"):
-        wgrad_accumulate_(got.to(torch.bfloat16), dy, x, backend="triton")
+    with pytest.raises(ValueError, match="main_grad must be fp32, bf16 or fp16"):
+        wgrad_accumulate_(got.double(), dy, x, backend="triton")
+
+
+def _round_once(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``v`` rounded to ``dtype`` as the kernel's store does: to nearest even, except
+    that Triton's CPU interpreter truncates fp32 -> bf16 (see the module docstring)."""
+    if dtype == torch.bfloat16 and _triton.interpreting():
+        return (v.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    return v.to(dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_wgrad_accumulate_into_16bit_main_grad(shape, grad_dtype):
+    """optim.master_weights: the main grad is bf16 (fp16 alike) and so are dy and x. The
+    kernel adds the fp32 dy.T @ x to the upcast buffer and rounds the sum ONCE.
+    Random inputs: within one ulp of the reference (fp32 sums in another order may
+    straddle a rounding boundary; the interpreter truncates bf16), per call, so the check
+    cannot drift. Exact inputs (small integers times quarters: every fp32 sum exact in any
+    order): bitwise the single rounding of buf + dy.T @ x, and not the two-rounding
+    result of a 16-bit dw added to the buffer (which these inputs make differ)."""
+    x, w, _, gen = _inputs(shape, grad_dtype, lambda n: n)
+    dy = torch.randn(*x.shape[:-1], w.shape[0], generator=gen).to(DEVICE, grad_dtype)
+    got = torch.randn(w.shape, generator=gen).to(DEVICE, grad_dtype)
+    eps = torch.finfo(grad_dtype).eps  # ulp(v) <= |v| * eps
+    for _ in range(2):  # accumulates, never overwrites
+        want = reference.wgrad_accumulate_(got.clone(), dy, x)
+        wgrad_accumulate_(got, dy, x, backend="triton")
+        assert got.dtype == grad_dtype
+        err = (got.float() - want.float()).abs()
+        bound = eps * torch.maximum(got.float().abs(), want.float().abs()) + 1e-5
+        assert (err <= bound).all(), f"{(err / bound).max().item():.2f} ulps off"
+    *lead, k, n = shape
+    dy = torch.randint(-3, 4, (*lead, n), generator=gen).to(DEVICE, grad_dtype)
+    x = (torch.randint(-512, 513, (*lead, k), generator=gen) / 512).to(DEVICE, grad_dtype)
+    buf = (torch.randn(n, k, generator=gen) * 4).to(DEVICE, grad_dtype)  # full mantissas: the add rounds
+    exact = buf.float() + dy.reshape(-1, n).float().t() @ x.reshape(-1, k).float()
+    got = wgrad_accumulate_(buf.clone(), dy, x, backend="triton")
+    assert torch.equal(got, _round_once(exact, grad_dtype))
+    twice = buf + (exact - buf.float()).to(grad_dtype)  # dw rounded to 16 bits, then the 16-bit add
+    if x.numel() > k:  # sums of several products need more bits than 16-bit dw keeps
+        assert not torch.equal(twice, got)
 
 
 def test_dispatch():
@@ -157,6 +200,41 @@ def test_layer_linear_accumulates_into_main_grad(bias, residual):
             torch.testing.assert_close(got[2].grad, 2 * want[2].grad, atol=1e-5, rtol=1e-5)
         if residual:
             torch.testing.assert_close(got[3].grad, 2 * want[3].grad, atol=0, rtol=0)
+
+
+@needs_triton
+def test_layer_linear_accumulates_into_bf16_main_grad(monkeypatch):
+    """optim.master_weights: a bf16 weight whose .grad is a view into a bf16 flat buffer,
+    under bf16 autocast. Each backward adds dy.T @ x into the buffer with one rounding
+    (within one ulp of reference.wgrad_accumulate_ from the buffer's previous value; the
+    interpreter truncates), the buffer keeps its storage (the zero placeholder is bf16),
+    the post-accumulate-grad hook fires per backward, and x's grad is the torch path's."""
+    from megaft.kernels.linear import triton as tl_linear
+
+    x, w, b, gen = _inputs((2, 19, 24, 40), torch.bfloat16, lambda n: n)
+    dy = torch.randn(2, 19, 40, generator=gen).to(DEVICE, torch.bfloat16)
+    buf = torch.randn(w.numel(), generator=gen).to(DEVICE, torch.bfloat16)
+    wx = w.clone().requires_grad_()
+    wx.grad = buf.view_as(w)
+    fired, into = [], []
+    wx.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    real = tl_linear.wgrad_accumulate_
+    monkeypatch.setattr(tl_linear, "wgrad_accumulate_", lambda g, *a: (into.append(g.data_ptr()), real(g, *a))[1])
+    for _ in range(2):
+        before = buf.clone().view_as(w)
+        xi = x.clone().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = layer_linear(xi, wx, b, backend="triton")
+        out.backward(dy)
+        want = reference.wgrad_accumulate_(before, dy, x)
+        err = (wx.grad.float() - want.float()).abs()  # one bf16 ulp (<= 2^-7 relative)
+        assert (err <= 2.0 ** -7 * want.float().abs().clamp_min(wx.grad.float().abs()) + 1e-5).all()
+        xr = x.clone().requires_grad_()
+        reference.linear(xr, w, b).backward(dy)
+        assert ((xi.grad.float() - xr.grad.float()).norm() / xr.grad.float().norm()).item() <= 1e-2
+    assert into == [buf.data_ptr()] * 2  # the fused kernel, into the flat buffer, once per backward
+    assert wx.grad.dtype == torch.bfloat16 and wx.grad.data_ptr() == buf.data_ptr()
+    assert len(fired) == 2 and torch.equal(fired[1], wx.grad)
 
 
 @needs_triton

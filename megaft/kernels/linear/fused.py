@@ -1,12 +1,15 @@
 """The parallel linears' fused path: GEMM + epilogue forward, dgrad GEMM + the weight
-gradient accumulated straight into the fp32 ``weight.grad`` (Megatron's
+gradient accumulated straight into ``weight.grad`` (Megatron's
 gradient_accumulation_fusion) backward.
 
-``weight.grad`` is FlatParams' persistent fp32 view into the flat gradient buffer (the
-main grad). When it is there, backward adds ``dy.T @ x`` into it with one kernel
-(fp32 accumulation, no weight-sized gradient in the compute dtype, no cast, no separate
-add) and hands autograd a zero placeholder (a stride-0 expanded scalar, no allocation)
-instead of the weight gradient. Autograd's AccumulateGrad still runs for the weight,
+``weight.grad`` is FlatParams' persistent view into the flat gradient buffer (the main
+grad): fp32, or bf16 under ``optim.master_weights`` (bf16 params and grads, fp32
+masters in the optimizer). When it is there, backward adds ``dy.T @ x`` into it with one
+kernel (fp32 accumulation plus the upcast buffer, rounded once to the buffer's dtype:
+Megatron's wgrad_gemm_accum_fp32 / _fp16; no weight-sized gradient in the compute dtype,
+no separate add, which for a bf16 buffer would round twice) and hands autograd a zero
+placeholder of the buffer's dtype (a stride-0 expanded scalar, no allocation) instead of
+the weight gradient. Autograd's AccumulateGrad still runs for the weight,
 adding the zeros in place: that keeps the dp reducer's post-accumulate-grad hooks
 (megaft.parallel.buckets) firing at the right moment, and keeps tied weights exact (the
 head's share is already in the buffer, the embedding's arrives through autograd).
@@ -17,8 +20,10 @@ Under autocast the inputs are cast to the autocast dtype here (as F.linear would
 the weight stays the fp32 parameter so its .grad is reachable.
 
 ``backend`` "triton" runs the forward GEMM + epilogue and the accumulation in Triton;
-"cuda" runs the forward as torch does (megaft.kernels.linear.cuda.gemm) and the
-accumulation with cuBLAS GemmEx (csrc/cuda/wgrad.cu). The gate/up SwiGLU GEMM is Triton only.
+"cuda" runs the forward GEMM + bias/residual epilogue as one cuBLASLt matmul
+(megaft.kernels.linear.cuda.gemm, csrc/cuda/linear_epilogue.cu) and the accumulation with
+cuBLAS GemmEx (csrc/cuda/wgrad.cu). The gate/up SwiGLU GEMM is Triton only (cuBLASLt has
+no SwiGLU epilogue).
 """
 from __future__ import annotations
 
@@ -33,14 +38,22 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+# .grad dtypes the kernels accumulate into: fp32, and 16-bit grads of 16-bit weights
+# (optim.master_weights' bf16 buffers; fp16 alike), rounded once per accumulation.
+MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def main_grad(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """The fp32 buffer the weight gradient can be accumulated into, or None."""
+    """The buffer (fp32, or the 16-bit weight's own dtype) the weight gradient can be
+    accumulated into, or None."""
     if not weight.is_leaf:  # a view or cast of a parameter: autograd owns its gradient
         return None
     g = weight.grad
-    if g is None or g.dtype != torch.float32 or g.shape != weight.shape or not g.is_contiguous():
+    if g is None or g.dtype not in MAIN_GRAD_DTYPES or g.shape != weight.shape or not g.is_contiguous():
         return None
-    return g
+    # torch refuses a .grad of another dtype than the param's; checked here all the same,
+    # since the zero placeholder _weight_grad hands autograd must match both
+    return g if g.dtype == weight.dtype else None
 
 
 class FusedLinearFunction(torch.autograd.Function):
@@ -83,7 +96,9 @@ class FusedLinearFunction(torch.autograd.Function):
 def _weight_grad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor, backend: str = "triton") -> torch.Tensor:
     """dy2.T @ x2 into weight's main grad (returning the zero placeholder), or returned."""
     buf = main_grad(weight)
-    if buf is None:
+    # cuBLAS adds into a 16-bit buffer only from operands of its dtype (an fp16 weight
+    # under bf16 autocast is not): autograd's unfused path there
+    if buf is None or (backend == "cuda" and buf.dtype not in (torch.float32, dy2.dtype)):
         return (dy2.t() @ x2).to(weight.dtype)
     if backend == "cuda":
         from megaft.kernels.linear import cuda as cu_linear
@@ -93,8 +108,9 @@ def _weight_grad(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor, back
         from megaft.kernels.linear import triton as tl_linear
 
         tl_linear.wgrad_accumulate_(buf, dy2, x2)
-    # zeros for AccumulateGrad: its hooks (the dp reducer) must still fire
-    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    # zeros for AccumulateGrad: its hooks (the dp reducer) must still fire; of the buffer's
+    # dtype (== weight's, main_grad checks), so the in-place add is exact and keeps the view
+    return torch.zeros((), dtype=buf.dtype, device=weight.device).expand(weight.shape)
 
 
 class FusedGateUpFunction(torch.autograd.Function):

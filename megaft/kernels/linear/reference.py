@@ -5,7 +5,8 @@
     linear_swiglu(x, w, bias)         silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up) with
                                       w = cat([w_gate, w_up]) [2F, D]: the MLP's fused gate/up
     wgrad_accumulate_(main_grad, dy, x)   main_grad += dy.T @ x in fp32 (Megatron's
-                                      gradient-accumulation fusion into the fp32 main grad)
+                                      gradient-accumulation fusion into the main grad: fp32,
+                                      or bf16 under optim.master_weights, rounded once)
 Rounding: matmuls in the input dtype (fp32 accumulation), epilogue in fp32, one rounding.
 """
 
@@ -28,5 +29,7 @@ def linear_swiglu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 @torch.no_grad()
 def wgrad_accumulate_(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """main_grad [N, K] (fp32) += dy[M, N].T @ x[M, K], in place."""
-    return main_grad.addmm_(dy.reshape(-1, dy.shape[-1]).t().float(), x.reshape(-1, x.shape[-1]).float())
+    """main_grad [N, K] (fp32, or bf16/fp16 under optim.master_weights) += dy[M, N].T @ x[M, K],
+    in place: fp32 math on the upcast buffer, rounded once to its dtype."""
+    acc = main_grad.float().addmm_(dy.reshape(-1, dy.shape[-1]).t().float(), x.reshape(-1, x.shape[-1]).float())
+    return main_grad if acc is main_grad else main_grad.copy_(acc)

@@ -1,13 +1,14 @@
-"""GEMM with fused epilogues, and the fp32 weight-gradient accumulation, in Triton.
+"""GEMM with fused epilogues, and the weight-gradient accumulation, in Triton.
 
 One tiled kernel computes C = A @ B over [BLOCK_M, BLOCK_N] output tiles with an fp32
 accumulator (tl.dot; IEEE fp32 for fp32 inputs so that it matches torch within
 rounding, not TF32; bf16 operands upcast first when interpreted on CPU), then in registers: + bias, + residual, or the SwiGLU of two
-accumulators (gate and up halves of one [2F, D] weight), or + the old C (ACCUMULATE:
-``main_grad += dy.T @ x``, Megatron's gradient-accumulation fusion, no fp32 copy of
-the weight gradient). The backward of the fused linears uses torch matmuls for the
-input and weight gradients (they are plain GEMMs) and recomputes nothing: the SwiGLU
-pre-activations are stored by the forward.
+accumulators (gate and up halves of one [2F, D] weight), or + the old C upcast to fp32
+(ACCUMULATE: ``main_grad += dy.T @ x``, Megatron's gradient-accumulation fusion, no copy
+of the weight gradient; a bf16 main grad, optim.master_weights, is rounded once). The
+backward of the fused linears uses torch matmuls for the input and weight gradients
+(they are plain GEMMs) and recomputes nothing: the SwiGLU pre-activations are stored by
+the forward.
 
 Tiles are picked by ``triton.autotune`` per (M, N, K) from GEMM_TILES / SWIGLU_TILES on
 a GPU (the first call of each shape times the candidates), and fixed to one small
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from megaft.kernels import _triton
+from megaft.kernels.linear.fused import MAIN_GRAD_DTYPES
 
 
 @triton.jit
@@ -207,9 +209,10 @@ class LinearSwiGLUFunction(torch.autograd.Function):
 
 
 def wgrad_accumulate_(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """main_grad[N, K] (fp32, contiguous) += dy[..., N].T @ x[..., K] in one kernel."""
+    """main_grad[N, K] (fp32, bf16 or fp16) += dy[..., N].T @ x[..., K] in one kernel: the
+    fp32 accumulator plus the upcast buffer, rounded once to the buffer's dtype."""
     dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    if main_grad.dtype != torch.float32 or main_grad.shape != (dy2.shape[1], x2.shape[1]):
-        raise ValueError(f"main_grad must be fp32 [{dy2.shape[1]}, {x2.shape[1]}], got "
+    if main_grad.dtype not in MAIN_GRAD_DTYPES or main_grad.shape != (dy2.shape[1], x2.shape[1]):
+        raise ValueError(f"main_grad must be fp32, bf16 or fp16 [{dy2.shape[1]}, {x2.shape[1]}], got "
                          f"{main_grad.dtype} {tuple(main_grad.shape)}")
     return gemm(dy2.t(), x2, main_grad, accumulate=True)
