@@ -19,7 +19,7 @@ key skips the timing; any version or source change, or a rebuilt extension, miss
 measures again.
 
 All ranks run the same backends: global rank 0 decides (cache or measurement) and
-broadcasts its choices (:func:`measured_kernels`). Per-rank timings would be noisy
+broadcasts its choices (:func:`decide_kernels`). Per-rank timings would be noisy
 enough to split a tp group or pp stages across backends; that is still correct, but
 one decision keeps every rank's numerics and speed alike. ``kernels.autotune=false``
 keeps the fixed order of megaft.kernels.dispatch (triton, else cuda, else torch), and
@@ -339,8 +339,3 @@ def decide_kernels(kernels, model, *, tp: int, batch: int, seq: int, precision: 
     record.update(decided)
     return dataclasses.replace(kernels, **{op: r["backend"] for op, r in decided.items()}), record
 
-
-def measured_kernels(kernels, model, **kwargs):
-    """``kernels`` with every auto op set to its measured backend (:func:`decide_kernels`
-    without the record)."""
-    return decide_kernels(kernels, model, **kwargs)[0]

@@ -29,6 +29,11 @@ needs_triton = pytest.mark.skipif(_WHY is not None, reason=f"triton cannot run h
 TINY = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=70)
 
 
+def measured_kernels(kernels, model, **kwargs):
+    """The decided KernelsConfig alone (decide_kernels without its summary record)."""
+    return autotune.decide_kernels(kernels, model, **kwargs)[0]
+
+
 def fake_timer(ms: dict[str, float], calls: list | None = None):
     """Runs fn once (the call must work) and reports the table's time for the backend."""
     def timer(op, backend, fn):
@@ -230,10 +235,10 @@ def test_only_auto_ops_on_cuda_with_autotune_are_measured():
         assert all("triton" in backends for backends in todo.values())
     fixed = KernelsConfig(autotune=False)
     kw = dict(tp=1, batch=1, seq=8, precision="fp32", device=cuda, timer=fake_timer({}))
-    assert autotune.measured_kernels(fixed, TINY, **kw) is fixed  # nothing timed, nothing changed
+    assert measured_kernels(fixed, TINY, **kw) is fixed  # nothing timed, nothing changed
 
 
-def test_measured_kernels_fills_in_the_auto_ops(monkeypatch, tmp_path):
+def test_decided_kernels_fill_in_the_auto_ops(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "ops_to_measure", lambda kernels, device: {"rmsnorm": ["cuda"], "rope": []})
     seen = []  # model_cases' master_weights: the linear case mirrors optim.master_weights
     monkeypatch.setattr(autotune, "model_cases", lambda *a, **k: (
@@ -254,7 +259,7 @@ def test_measured_kernels_fills_in_the_auto_ops(monkeypatch, tmp_path):
     assert list(record) == list(OPS)
     again, cached = autotune.decide_kernels(kernels, TINY, timer=fake_timer({}), **kw)
     assert again == out and cached["rmsnorm"] == dict(measured, source="cache")  # the measuring run's ms
-    assert autotune.measured_kernels(kernels, TINY, timer=fake_timer({}), **kw) == out
+    assert measured_kernels(kernels, TINY, timer=fake_timer({}), **kw) == out
     seen.clear()
     autotune.decide_kernels(kernels, TINY, timer=fake_timer({"cuda": 0.1, "torch": 0.2}),
                             **dict(kw, precision="bf16"), master_weights=True)
@@ -303,7 +308,7 @@ def _ranks_agree(rank, world, cache_dir):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
     with pytest.raises(RuntimeError, match="autotune failed on rank 0: OutOfMemoryError"):  # on every rank
-        autotune.measured_kernels(KernelsConfig(), TINY, tp=1, batch=1, seq=8, precision="fp32", device=CPU,
+        measured_kernels(KernelsConfig(), TINY, tp=1, batch=1, seq=8, precision="fp32", device=CPU,
                                   rank=rank, timer=broken, cache_path=os.path.join(cache_dir, "fresh.json"))
 
 
@@ -415,8 +420,8 @@ def test_measured_auto_on_a_gpu(precision, tmp_path, caplog):
     todo = autotune.ops_to_measure(KernelsConfig(), cuda)
     kw = dict(tp=1, batch=2, seq=1024, precision=precision, device=cuda, cache_path=str(tmp_path / "c.json"))
     with caplog.at_level(logging.INFO, logger="megaft.kernels.autotune"):
-        out = autotune.measured_kernels(KernelsConfig(), model, **kw)
+        out = measured_kernels(KernelsConfig(), model, **kw)
     for op, available in todo.items():
         assert getattr(out, op) in available + ["torch"], (op, getattr(out, op))
     assert "rmsnorm: " in caplog.text and " ms" in caplog.text
-    assert autotune.measured_kernels(KernelsConfig(), model, timer=fake_timer({}), **kw) == out  # from the cache
+    assert measured_kernels(KernelsConfig(), model, timer=fake_timer({}), **kw) == out  # from the cache
