@@ -15,8 +15,8 @@
 #include "megaft_kernels.h"
 
 // torch's per-thread, per-device cuBLAS and cuBLASLt handles (setup = true: torch sets
-// the handle's stream and workspace) and its cuBLASLt workspace size. Declared here rather
-// than via ATen/cuda/CUDAContextLight.h, which pulls in the cuSPARSE and cuSOLVER headers;
+// the handle's stream and workspace) and its cuBLASLt workspace (pointer, size). Declared
+// here rather than via ATen/cuda/CUDAContextLight.h, which pulls in the cuSPARSE and cuSOLVER headers;
 // the signatures must be torch's exactly (the C++ mangling holds the parameter list:
 // getCurrentCUDABlasHandle() without `bool` is a symbol torch 2.13 does not export), which
 // tests/test_csrc_compile.py checks by compiling this file together with torch's header.
@@ -25,6 +25,7 @@ namespace at::cuda {
 cublasContext* getCurrentCUDABlasHandle(bool setup);
 cublasLtContext* getCurrentCUDABlasLtHandle();
 size_t getCUDABlasLtWorkspaceSize();
+void* getCUDABlasLtWorkspace();
 }  // namespace at::cuda
 
 namespace {
@@ -307,14 +308,14 @@ at::Tensor linear_fwd(const at::Tensor& x, const at::Tensor& weight, const std::
     if (residual.has_value()) y.add_(*residual);
     return y;
   }
-  // The workspace comes from torch's caching allocator (cheap after the first call and
-  // ordered on this stream), sized as torch sizes its own cuBLASLt workspace.
+  // torch's own cuBLASLt workspace for this handle and stream (what its addmm uses): no
+  // allocation per call on the forward's hot path.
   const size_t ws_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
-  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  void* ws = ws_bytes ? at::cuda::getCUDABlasLtWorkspace() : nullptr;
   const int err = megaft_linear_fwd(at::cuda::getCurrentCUDABlasLtHandle(), x.data_ptr(), weight.data_ptr(),
                                     bias.has_value() ? bias->data_ptr() : nullptr,
                                     residual.has_value() ? residual->data_ptr() : nullptr, y.data_ptr(), m, n, k,
-                                    type, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, stream_of(x));
+                                    type, ws, ws_bytes, stream_of(x));
   TORCH_CHECK(err == 0, "megaft_linear_fwd failed: cublasStatus_t ", err, " (M=", m, " N=", n, " K=", k, ", ",
               x.scalar_type(), "; 15 = CUBLAS_STATUS_NOT_SUPPORTED: no cuBLASLt algorithm for this case)");
   return y;
