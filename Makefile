@@ -13,7 +13,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 TEST_ARGS ?=
 
-.PHONY: install train test bench clean slurm-up slurm-down
+.PHONY: install train test lint bench clean slurm-up slurm-down
 
 install: $(STAMP)
 
@@ -34,9 +34,13 @@ train: $(STAMP)
 # cannot start, tests/slurm skips or fails with the reason. The cluster stays up afterwards.
 SLURM_UP = if [ "$$(id -u)" = 0 ]; then slurm/cluster.sh up >/dev/null || echo "make: slurm/cluster.sh up failed (exit $$?); tests/slurm will say why"; fi
 
-test: $(STAMP)
+# Lint first (seconds; pyproject.toml [tool.ruff]): a lint error fails the suite like a test does.
+test: lint
 	@$(SLURM_UP)
 	$(PY) -m pytest -q tests $(TEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megaft tests benchmarks hydra_plugins setup.py
 
 slurm-up:
 	slurm/cluster.sh up

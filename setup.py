@@ -176,7 +176,14 @@ setup(
     # listing it here lets pip replace it with another build.
     install_requires=["numpy", "hydra-core>=1.3", "omegaconf>=2.3", "safetensors",
                       "tokenizers", "tqdm", "submitit", "matplotlib"],
-    entry_points={"console_scripts": ["megaft-train = megaft.launch.entry:train", "megaft-report = megaft.report:main"]},
+    entry_points={"console_scripts": [
+        "megaft-train = megaft.cli:train",
+        "megaft-verify = megaft.cli:verify",
+        "megaft-report = megaft.report:main",
+        "megaft-prepare = megaft.prepare:main",
+        "megaft-commbench = megaft.cli:commbench",
+        "megaft-plan = megaft.cli:plan",
+    ]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

@@ -9,26 +9,35 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from hydra.core.config_store import ConfigStore
 
+from megaft.commbench.config import CommbenchConfig
 from megaft.data.config import DataConfig, build_tokenizer, check_data
 from megaft.kernels.config import KernelsConfig, check_kernels
+from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.models.config import ModelConfig, check_model
 from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
+from megaft.peft.config import LoraConfig, check_lora
+from megaft.plan.config import ClusterConfig, PlanConfig
 from megaft.training.config import TrainConfig, accumulation_steps, check_train
+from megaft.verify.config import VerifyConfig
 
 
-@dataclass
-class LauncherConfig:
-    name: str = "local"  # local: start nproc ranks here (torchrun/Slurm set their own env)
-    nproc: int = 2  # ranks to start with the local launcher
-    timeout_s: int = 300  # seconds: a collective waiting on a hung or dead rank fails after this
-    max_requeue: int = 3  # Slurm requeues after a preemption signal (counted by SLURM_RESTART_COUNT)
-    world_size: int = 0  # Slurm sweeps (hydra/launcher=slurm): ranks per job; 0 = tp*pp*dp (dp unset = 1)
-    nodes: int = 0  # Slurm sweeps: nodes per job; 0 = the preset's, else as few as hold the ranks
-    gpu_mem_gb: float = 0.0  # GiB per GPU for the memory check; 0 = a sweep preset's gpu_type, else this machine's GPU
+class Precision(StrEnum):
+    """Compute precision: autocast compute, fp32 weights and loss; fp16 adds loss scaling."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Device(StrEnum):
+    auto = "auto"  # cuda when available
+    cpu = "cpu"
+    cuda = "cuda"
 
 
 @dataclass
@@ -39,9 +48,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast compute, fp32 weights and loss; fp16 adds loss scaling)
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (Hydra rejects other values when composing)
+    device: Device = Device.auto  # auto (cuda when available) | cpu | cuda
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)  # megaft-verify only
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # megaft-plan only (conf/cluster/)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # megaft-plan only
+    commbench: CommbenchConfig = field(default_factory=CommbenchConfig)  # megaft-commbench only
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (megaft.peft); rank 0 = off
 
 
 class ConfigError(ValueError):
@@ -56,7 +70,9 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in (("model", ModelConfig), ("parallel", ParallelConfig), ("optim", OptimConfig),
-                        ("data", DataConfig), ("launcher", LauncherConfig), ("kernels", KernelsConfig)):
+                        ("data", DataConfig), ("launcher", LauncherConfig), ("kernels", KernelsConfig),
+                        ("verify", VerifyConfig), ("cluster", ClusterConfig),
+                        ("commbench", CommbenchConfig), ("lora", LoraConfig)):
         cs.store(group=group, name=f"base_{group}", node=node)
 
 
@@ -76,7 +92,8 @@ def resolve(cfg: Config) -> Config:
 def _model_file_problems(init_from: str) -> list[str]:
     if not os.path.isdir(init_from):
         return [f"model.init_from={init_from!r} is not a directory; fix: point it at a Hugging Face "
-                "Llama checkpoint directory (config.json, *.safetensors, tokenizer.json)"]
+                "checkpoint directory of a supported family, megaft.models.arch.SPECS (config.json, "
+                "*.safetensors, tokenizer.json)"]
     problems = []
     if not os.path.isfile(os.path.join(init_from, "config.json")):
         problems.append(f"{os.path.join(init_from, 'config.json')} is missing; fix: save the model with "
@@ -85,17 +102,6 @@ def _model_file_problems(init_from: str) -> list[str]:
                for f in ("model.safetensors", "model.safetensors.index.json")):
         problems.append(f"{init_from} has neither model.safetensors nor model.safetensors.index.json; "
                         "fix: save with safe_serialization=True")
-    return problems
-
-
-def check_launcher(cfg: LauncherConfig) -> list[str]:
-    """Timeout and requeue bounds (megaft.launch.preempt, megaft.launch.health)."""
-    problems = []
-    if cfg.timeout_s < 1:
-        problems.append(f"launcher.timeout_s={cfg.timeout_s} must be >= 1 second; fix: e.g. launcher.timeout_s=300")
-    if cfg.max_requeue < 0:
-        problems.append(f"launcher.max_requeue={cfg.max_requeue} must be >= 0 (0 = never requeue); fix: e.g. "
-                        "launcher.max_requeue=3")
     return problems
 
 
@@ -130,24 +136,18 @@ def _pipeline_problems(cfg: Config, world_size: int) -> list[str]:
                           max(accumulation_steps(cfg.train, dp), 1))
 
 
-def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
-    """All problems of `cfg` for a world of `world_size` ranks (empty when valid).
-    Resolves `cfg` in place (see `resolve`) when its files are usable. `gpu_budget`
-    (bytes per GPU, its source) is the target GPU when the caller knows it (a Slurm
-    preset's gpu_type); launcher.gpu_mem_gb still wins (megaft.estimate.memory_budget).
-
-    Architecture checks run on the resolved config (HF config.json, tokenizer
-    vocabulary), so they are skipped only when model.init_from's files are missing.
-    """
+def check_settings(cfg: Config, world_size: int) -> list[str]:
+    """Problems of the values as written, for a world of `world_size` ranks: pure (reads
+    the data and tokenizer files it names, changes nothing)."""
     problems = check_parallel(cfg.parallel, world_size)
     problems += check_optim(cfg.optim, device=cfg.device)
     problems += check_master_weights(cfg.optim, precision=cfg.precision)
     problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))
     problems += check_data(cfg.data, init_from=cfg.model.init_from)
     problems += check_launcher(cfg.launcher)
-    problems += [f"launcher.{k}={v} must be >= 0 (0 = derive); fix: a positive count or 0"
-                 for k, v in (("world_size", cfg.launcher.world_size), ("nodes", cfg.launcher.nodes)) if v < 0]
-    if cfg.precision not in ("fp32", "bf16", "fp16"):
+    problems += check_lora(cfg.lora, precision=cfg.precision, zero=cfg.parallel.zero, export_hf=cfg.train.export_hf,
+                           fused_linear_cross_entropy=cfg.kernels.fused_linear_cross_entropy)
+    if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
         problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
     if cfg.parallel.zero in (2, 3) and cfg.parallel.pp > 1 and cfg.model.tie_embeddings:
         problems.append(f"parallel.zero={cfg.parallel.zero} with parallel.pp>1 and model.tie_embeddings: the tied "
@@ -161,22 +161,16 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
                          (cfg.kernels.fused_linear_cross_entropy, "kernels.fused_linear_cross_entropy")):
             if on:
                 problems.append(f"parallel.zero=3 does not support {name} yet; fix: parallel.zero=2 or turn it off")
-    if cfg.device not in ("auto", "cpu", "cuda"):
+    if cfg.device not in set(Device):
         problems.append(f"device={cfg.device!r} is unknown; fix: auto, cpu or cuda")
     else:
         problems += check_kernels(cfg.kernels, _device_type(cfg.device))
-    if cfg.model.init_from:
-        file_problems = _model_file_problems(cfg.model.init_from)
-        problems += file_problems
-        if file_problems:  # the architecture lives in the missing files
-            return problems
-    tokenizer_ok = not any("tokenizer" in p for p in problems)
-    try:
-        if cfg.model.init_from or tokenizer_ok:
-            resolve(cfg)
-    except (OSError, ValueError) as exc:
-        return problems + [str(exc)]
-    problems += check_model(cfg.model, cfg.parallel.tp)
+    return problems
+
+
+def check_resolved(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
+    """Problems of the architecture and layout once `resolve` filled them in: pure."""
+    problems = check_model(cfg.model, cfg.parallel.tp)
     problems += _pipeline_problems(cfg, world_size)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
@@ -186,3 +180,27 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
 
         problems += check_memory(cfg, world_size, gpu_budget)
     return problems
+
+
+def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
+    """All problems of `cfg` for a world of `world_size` ranks (empty when valid): the
+    one call before any rank starts or any job is queued.
+
+    Three steps: `check_settings` (the values as written), `resolve` (the one step
+    with an effect: it fills `cfg` in place from the HF config.json and the
+    tokenizer, when those files are usable), `check_resolved` (architecture, layout,
+    memory). `gpu_budget` (bytes per GPU, its source) is the target GPU when the
+    caller knows it (a Slurm preset's gpu_type); launcher.gpu_mem_gb still wins
+    (megaft.estimate.memory_budget).
+    """
+    problems = check_settings(cfg, world_size)
+    if cfg.model.init_from:
+        file_problems = _model_file_problems(cfg.model.init_from)
+        if file_problems:  # the architecture lives in the missing files
+            return problems + file_problems
+    if cfg.model.init_from or not any("tokenizer" in p for p in problems):
+        try:
+            resolve(cfg)
+        except (OSError, ValueError) as exc:
+            return problems + [str(exc)]
+    return problems + check_resolved(cfg, world_size, gpu_budget=gpu_budget)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megaft.layers.shard import padded_size
+from megaft.parallel.shard import padded_size
 from megaft.pipeline.partition import stage_layer_counts
 
 GIB = 2 ** 30
@@ -73,6 +73,33 @@ def rank_params(m, *, tp: int, pp: int, vpp: int, pp_layers=None) -> list[int]:
     return out
 
 
+def lora_layer_params(m, lora, tp: int) -> tuple[int, int]:
+    """(adapter parameters, base linear weight elements) of one decoder block on one tp rank
+    under LoRA (megaft.peft.lora: column A [r, in] whole, B [out/tp, r]; row A [r, in/tp], B
+    [out, r] whole)."""
+    q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
+    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True),
+              "gate": (m.dim, m.ffn_dim, False), "up": (m.dim, m.ffn_dim, False), "down": (m.ffn_dim, m.dim, True)}
+    adapters = sum(r * (i // tp + o) if row else r * (i + o // tp)
+                   for t, (i, o, row) in shapes.items() if t in lora.targets)
+    return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
+
+
+def lora_rank_bytes(cfg, r: int, n: int, layers: int) -> tuple[int, int]:
+    """(frozen base bytes, trainable adapter parameters) of pp rank `r` holding `n` base params
+    and `layers` blocks: base linears in lora.base_dtype, embedding and norms fp32."""
+    m, lora, par = cfg.model, cfg.lora, cfg.parallel
+    adapters, linear = lora_layer_params(m, lora, par.tp)
+    adapters, linear = adapters * layers, linear * layers
+    if r == par.pp - 1 and not m.tie_embeddings:  # the untied head is a linear too
+        vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp)
+        linear += vocab // par.tp * m.dim
+        if "lm_head" in lora.targets:
+            adapters += lora.rank * (m.dim + vocab // par.tp)
+    saved = (FP32 - BF16) * linear if lora.base_dtype == "bf16" else 0
+    return n * FP32 - saved, adapters
+
+
 def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int) -> float:
     """Micro-batches whose activations (of all this rank's layers) are alive at the peak."""
     if pp == 1:
@@ -85,13 +112,25 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int)
     return float(min(pp - pp_rank, microbatches))  # 1f1b
 
 
-def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision: str) -> float:
-    """Bytes saved for backward per token per decoder block: the fp32 residual entering each
-    norm, the norm outputs feeding the linears (replicated unless sequence parallel), q, k,
-    v and the attention output, and the SwiGLU gate, up and product (tp-sharded)."""
+def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision: str,
+                               recompute: str = "none") -> float:
+    """Bytes saved for backward per token per decoder block, as megaft's block saves them
+    (tests/test_recompute.py counts the saved tensors and checks this to a few percent):
+    the fp32 residual entering each norm and the attention output added to it, the norm
+    outputs feeding the linears (replicated unless sequence parallel); q, k, v, the
+    attention output before and after o_proj's reshape; the MLP's gate, up, activation
+    and product (tp-sharded). The attention kernel keeps no seq x seq scores (SDPA's
+    flash/efficient kernels on GPUs and torch's CPU flash kernel save only a logsumexp).
+
+    model.recompute=selective recomputes the attention core and the MLP activation (one
+    ffn-wide tensor less); full keeps only the block's fp32 input."""
+    sp = tp if sequence_parallel else 1
+    if recompute == "full":
+        return m.dim * FP32 / sp
     half = 2 if precision in ("bf16", "fp16") else FP32
-    replicated = m.dim * (FP32 + half) * 2 / (tp if sequence_parallel else 1)
-    sharded = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd + 3 * m.ffn_dim) * half / tp
+    replicated = (m.dim * (FP32 + half) * 2 + m.dim * FP32) / sp
+    ffn = 4 * m.ffn_dim if recompute == "none" else 3 * m.ffn_dim
+    sharded = (3 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd + ffn) * half / tp
     return replicated + sharded
 
 
@@ -110,7 +149,10 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     micro = max(accumulation_steps(cfg.train, dp), 1)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     per_token = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                           precision=cfg.precision)
+                                           precision=cfg.precision, recompute=m.recompute)
+    # recomputed blocks hold only their input, and the one being recomputed holds everything
+    every = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                                       precision=cfg.precision)
     counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = getattr(par, "offload", "none") == "cpu"  # Adam moments live in host memory
@@ -120,7 +162,13 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     for r, n in enumerate(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)):
         layers = sum(counts[r + c * par.pp] for c in range(par.vpp))
         live = in_flight(par.schedule, par.pp, par.vpp, r, micro)
-        acts = layers * per_token * tokens * live
+        # model.recompute_layers: the first N blocks of each of this rank's virtual stages
+        again = 0 if m.recompute == "none" else sum(
+            counts[r + c * par.pp] if m.recompute_layers is None else min(counts[r + c * par.pp], m.recompute_layers)
+            for c in range(par.vpp))
+        acts = (again * per_token + (layers - again) * every) * tokens * live
+        if m.recompute == "full" and again:
+            acts += every * tokens  # the block being recomputed in backward
         if r == par.pp - 1:  # fp32 logits and their softmax for the loss, one micro-batch at a time
             acts += 2 * tokens * vocab_local * FP32
         buffers = 0
@@ -128,8 +176,12 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
             buffers += int(2 * par.bucket_mb * 2 ** 20)
         if par.zero == 3:  # the gathered whole params and grads of the running and the next block
             buffers += 2 * 2 * layer_params(m, par.tp) * weight
+        frozen = 0
+        if getattr(cfg, "lora", None) is not None and cfg.lora.rank > 0:  # LoRA: only the adapters train
+            frozen, n = lora_rank_bytes(cfg, r, n, layers)
         out.append(MemoryEstimate(
-            rank=r, params=n * weight // (dp if par.zero == 3 else 1), grads=n * weight // (dp if par.zero >= 2 else 1),
+            rank=r, params=frozen + n * weight // (dp if par.zero == 3 else 1),
+            grads=n * weight // (dp if par.zero >= 2 else 1),
             optimizer=0 if offloaded else n * opt_bytes // (dp if par.zero >= 1 else 1), activations=int(acts),
             buffers=buffers))
     return out

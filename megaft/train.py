@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from megaft.config import Config, ConfigError, check_local_launch, register_configs, validate
+from megaft.launch.runlock import RunLockedError
 
 log = logging.getLogger("megaft")
 register_configs()
@@ -23,20 +24,41 @@ def conf_dir() -> str:
     return source if os.path.isdir(source) else str(files("megaft.conf"))
 
 
+def prepare_data(cfg: Config, *, progress: bool) -> None:
+    """Tokenize file data for packing=docs|none into the prepared store once, before any rank
+    joins a collective: here in the launcher, or (torchrun/srun) in every rank's process,
+    where a file lock lets one prepare and the others wait (megaft.data.prepare)."""
+    from megaft.data import data_sources, prepare_dataset
+
+    if cfg.data.packing != "stream" and data_sources(cfg.data):
+        prepare_dataset(cfg.data, init_from=cfg.model.init_from, eos_token_id=cfg.model.extra.get("eos_token_id"),
+                        progress=progress)
+
+
 def run(cfg: Config, run_dir: str) -> None:
     """Validate, then train in `run_dir`; raises ConfigError listing every problem."""
     from megaft.launch.env import external_env
 
     env = external_env()
     world = env.world_size if env else cfg.launcher.nproc
+    if cfg.launcher.elastic:  # dp follows the world this (re)start got (megaft.launch.elastic)
+        from megaft.launch.elastic import ElasticError, adapt
+
+        try:
+            adapt(cfg, world, run_dir)
+        except ElasticError as exc:
+            raise ConfigError([str(exc)]) from exc
     problems = validate(cfg, world) + ([] if env else check_local_launch(cfg))
     if problems:
         raise ConfigError(problems)
     os.makedirs(run_dir, exist_ok=True)
+    prepare_data(cfg, progress=env is None or env.rank == 0)
     if env is not None:
         from megaft.launch.rank import run_rank
+        from megaft.launch.runlock import run_lock
 
-        run_rank(cfg, run_dir, env)
+        with run_lock(run_dir, enabled=env.rank == 0):  # one run per run directory (rank 0 holds it)
+            run_rank(cfg, run_dir, env)
     else:
         from megaft.launch.local import launch_local
 
@@ -49,9 +71,16 @@ def _hydra_main(dcfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         run(cfg, run_dir)
-    except ConfigError as exc:
+    except (ConfigError, RunLockedError) as exc:  # before any rank started: no traceback
         print(f"megaft-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as exc:
+        from megaft.launch.local import InterruptedRunError
+
+        if not isinstance(exc, InterruptedRunError):
+            raise
+        print(f"megaft-train: {exc}", file=sys.stderr)
+        sys.exit(130)  # the shell's code for a run ended by SIGINT
     log.info("run directory: %s", run_dir)
 
 

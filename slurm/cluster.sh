@@ -5,6 +5,7 @@
 #   slurm/cluster.sh up       install what is missing, start the daemons, wait until the node is idle
 #   slurm/cluster.sh status   daemons, pids and `sinfo`; exit 0 only when the node takes jobs
 #   slurm/cluster.sh down     cancel jobs, stop the daemons this script started
+#   slurm/cluster.sh up|down|status --nodes 2   two nodes in network namespaces (slurm/twonode.sh)
 #
 # Environment: MEGAFT_SLURM_DIR (state dir, default /tmp/megaft-slurm),
 # MEGAFT_SLURM_WAIT (seconds `up` waits for the node, default 60).
@@ -216,6 +217,17 @@ stop_pidfiles() {
     rm -f "$@"  # the daemons remove their own; this covers a kill -9
 }
 
+# Pids of daemon $1 not started from this state dir, except the two-node cluster's
+# (slurm/twonode.sh: ClusterName=megaft2, other ports), which runs beside this one.
+other_daemons() {
+    local p conf
+    for p in $(pgrep -x "$1" || true); do
+        conf=$(tr '\0' '\n' <"/proc/$p/cmdline" 2>/dev/null | sed -n '/^-f$/{n;p;}')
+        [[ -n $conf ]] && grep -qx 'ClusterName=megaft2' "$conf" 2>/dev/null && continue
+        echo "$p"
+    done | xargs
+}
+
 # One real job step proves the whole chain (munge credentials, slurmd launching tasks).
 smoke_test() {
     timeout 60 srun --immediate=30 --time=1 -n 1 -J megaft-smoke true >/dev/null 2>"$STATE/smoke.log" ||
@@ -236,7 +248,7 @@ up() {
     for d in slurmctld slurmd; do
         alive "$STATE/$d.pid" && continue
         # Ports 6817/6818 are fixed: a daemon of another state dir would answer for ours.
-        others=$(pgrep -x "$d" | xargs || true)
+        others=$(other_daemons "$d")
         [[ -z $others ]] || die 1 "a $d not started from $STATE runs (pid $others); stop it first" \
             "(MEGAFT_SLURM_DIR=<its state dir> $0 down)"
         "$d" -f "$CONF" || fail "$d failed to start"
@@ -282,9 +294,19 @@ status() {
     return $ok
 }
 
+# `--nodes 2`: two slurmd in network namespaces beside this cluster (slurm/twonode.sh).
+if [[ ${2:-} == --nodes ]]; then
+    case ${3:-} in
+        1) ;;
+        2) exec "$(dirname "$0")/twonode.sh" "$1" ;;
+        *) echo "usage: $0 up|down|status [--nodes 1|2]" >&2; exit 2 ;;
+    esac
+fi
 case ${1:-} in
     up) up ;;
     down) down ;;
     status) status ;;
-    *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+    # munged (and the packages) for twonode.sh, which shares them
+    munge) need_root; mkdir -p "$STATE"; install_packages; start_munge ;;
+    *) echo "usage: $0 up|down|status [--nodes 1|2]" >&2; exit 2 ;;
 esac

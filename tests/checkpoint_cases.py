@@ -5,9 +5,10 @@ import os
 import shutil
 from typing import Optional
 
+from train_cases import read_metrics, small_config
+
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
-from train_cases import read_metrics, small_config
 
 
 def assert_same_losses(got_dir: str, want_dir: str) -> None:

@@ -14,13 +14,13 @@ import os
 
 import torch
 import torch.distributed as dist
+from train_cases import small_config
 
 from megaft.config import Config
-from megaft.layers.shard import shard_of
 from megaft.parallel.comm import all_gather
 from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.shard import shard_of
 from megaft.training.loop import Trainer
-from train_cases import small_config
 
 STEPS = 10
 PROMPTS = [[3, 5, 7, 9], [4, 4, 4, 4], [11, 2, 6]]  # token ids; same on every rank
@@ -106,7 +106,7 @@ def train_reference(root: str) -> None:
 def _tied_copies_equal(trainer: Trainer) -> bool:
     """Whether the tied embedding's two copies (first and last pp rank) are bit-identical."""
     weight = trainer.model.tied_weight()
-    group = trainer.embedding_group
+    group = trainer.grid.embedding_group
     if weight is None:
         return True
     copies = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
@@ -118,7 +118,7 @@ def _generate(trainer: Trainer, run_dir: str) -> None:
     """Greedy completions of PROMPTS through the pipeline, written by rank 0."""
     from megaft.models.generate import pipeline_greedy_generate
 
-    outs = pipeline_greedy_generate(trainer.pipeline, PROMPTS, max_new_tokens=NEW_TOKENS, eos_id=None)
+    outs = pipeline_greedy_generate(trainer.step.runtime, PROMPTS, max_new_tokens=NEW_TOKENS, eos_id=None)
     if trainer.grid.rank == 0:
         with open(os.path.join(run_dir, "generated.json"), "w") as f:
             json.dump(outs, f)

@@ -4,18 +4,30 @@ import shutil
 
 import pytest
 import torch
-
 from checkpoint_cases import (
-    RESUMED_SINGLE, RESUMED_WORLD2, assert_same_losses, resume_resharded, run_layout, save_and_reshard_zero,
-    tp2_straight_and_resumed, train,
+    RESUMED_SINGLE,
+    RESUMED_WORLD2,
+    assert_same_losses,
+    resume_resharded,
+    run_layout,
+    save_and_reshard_zero,
+    tp2_straight_and_resumed,
+    train,
 )
+from multirank import spawn
+from train_cases import read_metrics, read_rows
+
 from megaft.checkpoint import (
-    CheckpointWarning, CheckpointWriter, LayoutMismatchError, find_latest, io, list_checkpoints, problem,
+    CheckpointWarning,
+    CheckpointWriter,
+    LayoutMismatchError,
+    find_latest,
+    io,
+    list_checkpoints,
+    problem,
 )
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.config import TrainConfig, check_train
-from multirank import spawn
-from train_cases import read_metrics, read_rows
 
 
 @pytest.fixture(scope="module")
@@ -256,9 +268,10 @@ def test_zero_shards_record_their_moment_ranges(zero_runs):
 
 
 def test_layout_mismatch_without_reshard_is_a_clear_error(tp2_runs, tmp_path):
+    from train_cases import small_config
+
     from megaft.checkpoint import load_latest
     from megaft.training.loop import Trainer
-    from train_cases import small_config
 
     run = copy_at_step_10(tp2_runs, str(tmp_path / "run"))
     trainer = Trainer(small_config(), ParallelGrid.single(), run)
@@ -270,9 +283,10 @@ def test_layout_mismatch_without_reshard_is_a_clear_error(tp2_runs, tmp_path):
 def test_resume_off_starts_fresh(tmp_path):
     run = str(tmp_path)
     train(run, save_every=10, stop_after=10)
+    from train_cases import small_config
+
     from megaft.parallel.grid import ParallelGrid
     from megaft.training.loop import Trainer
-    from train_cases import small_config
 
     cfg = small_config()
     cfg.train.resume = False
@@ -288,9 +302,10 @@ def test_config_rejects_negative_values():
 
 def test_a_signal_after_the_last_step_finishes_the_run(tmp_path):
     """The time limit's warning may come after the last step: the run is done (summary, no requeue)."""
-    from megaft.launch.preempt import REQUEUE, PreemptFlag
-    from megaft.training.loop import Trainer
     from train_cases import small_config
+
+    from megaft.training.loop import Trainer
+    from megaft.training.stop import REQUEUE, PreemptFlag
 
     flag = PreemptFlag()
     trainer = Trainer(small_config(steps=3), ParallelGrid.single(), str(tmp_path))
@@ -309,9 +324,10 @@ def test_a_signal_after_the_last_step_finishes_the_run(tmp_path):
 
 
 def test_another_model_at_the_same_layout_is_a_clear_error(tmp_path):
+    from train_cases import small_config
+
     from megaft.checkpoint import load_latest
     from megaft.training.loop import Trainer
-    from train_cases import small_config
 
     run = str(tmp_path)
     train(run, save_every=2, stop_after=2)

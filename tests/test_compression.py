@@ -6,17 +6,18 @@ import os
 
 import pytest
 import torch
+from multirank import spawn
+from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.checkpoint import io
 from megaft.config import Config, resolve, validate
-from megaft.optim.flat import FlatParams
 from megaft.parallel.buckets import GradReducer
 from megaft.parallel.compress import PowerSGD, compressible, orthonormalize_
 from megaft.parallel.config import ParallelConfig, check_parallel
+from megaft.parallel.flat import FlatParams
 from megaft.parallel.grid import ParallelGrid
-from megaft.training.loop import Trainer, build_model
-from multirank import spawn
-from train_cases import DP_STEPS, dp_config, read_rows
+from megaft.training.loop import Trainer
+from megaft.training.parts import build_model
 
 # ---------------------------------------------------------------- one process
 

@@ -15,13 +15,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from multirank import spawn
+from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.checkpoint import io
 from megaft.parallel.compress import compressible, initial_q
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
-from multirank import spawn
-from train_cases import DP_STEPS, dp_config, read_rows
 
 PSGD = dict(grad_compression="powersgd", powersgd_warmup_steps=2)  # powersgd_rank: the default 2
 RESUME_RUNS = {"powersgd_zero0": dict(zero=0, **PSGD), "powersgd_zero1_async": dict(zero=1, **PSGD),
@@ -132,7 +132,7 @@ def _check_powersgd(trainer: Trainer) -> dict:
 def _tied_copies_equal(trainer: Trainer) -> bool:
     w = trainer.model.tied_weight()
     top = w.detach().clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=trainer.embedding_group)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=trainer.grid.embedding_group)
     return torch.equal(top, w.detach())
 
 

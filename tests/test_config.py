@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from train_cases import small_config
 
 from megaft.config import Config, validate
-from train_cases import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,3 +130,21 @@ def test_explicit_unavailable_adamw_kernel_is_a_config_error():
         assert not any("optim.fused" in p for p in problems)
     else:
         assert any("optim.fused=cuda: megaft._cuda is not available" in p for p in problems), problems
+
+
+def test_checks_are_pure_and_resolve_is_the_one_step_with_an_effect():
+    import copy
+
+    from megaft.config import check_resolved, check_settings, resolve
+
+    cfg = Config()
+    cfg.parallel.tp, cfg.launcher.nproc = 1, 1
+    before = copy.deepcopy(cfg)
+    assert check_settings(cfg, 1) == [] and cfg == before  # values as written: nothing changes
+    assert cfg.model.vocab_size == 0
+    resolve(cfg)  # fills the vocabulary from the tokenizer
+    assert cfg.model.vocab_size > 0 and cfg != before
+    resolved = copy.deepcopy(cfg)
+    assert check_resolved(cfg, 1) == [] and cfg == resolved
+    cfg.parallel.tp = 3  # a layout problem is reported without touching the config
+    assert any("parallel.tp=3" in p for p in check_resolved(cfg, 3)) and cfg.model == resolved.model

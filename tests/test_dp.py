@@ -4,13 +4,21 @@ import json
 import os
 
 import pytest
-
-from megaft.config import validate
 from multirank import spawn
 from train_cases import (
-    DP2_RUNS, DP4_RUNS, DP_STEPS, FP16_INF_STEP, dp_config, read_metrics, read_rows, train_dp_reference,
-    train_dp_runs, train_fp16_and_resume,
+    DP2_RUNS,
+    DP4_RUNS,
+    DP_STEPS,
+    FP16_INF_STEP,
+    dp_config,
+    read_metrics,
+    read_rows,
+    train_dp_reference,
+    train_dp_runs,
+    train_fp16_and_resume,
 )
+
+from megaft.config import validate
 
 # fp32: dp sums two ranks' partial gradients (one reordered add) and tp splits matmuls,
 # so curves agree to rounding over 10 AdamW steps; 1e-5 relative is the issue's bound.

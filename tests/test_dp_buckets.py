@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from megaft.optim import OptimConfig, build_optimizer
-from megaft.optim.flat import FlatParams, plan_buckets
+from megaft.parallel.flat import FlatParams, plan_buckets
 from megaft.parallel.grid import ParallelGrid
 
 

@@ -5,15 +5,15 @@ import os
 
 import pytest
 import torch
+from multirank import spawn
 from omegaconf import OmegaConf
+from train_cases import small_config
 
 from megaft.config import Config, validate
 from megaft.estimate import GIB, check_memory, estimate_memory, estimate_ranks, rank_params
 from megaft.optim import build_optimizer
 from megaft.parallel.grid import ParallelGrid
-from megaft.training.loop import build_model
-from multirank import spawn
-from train_cases import small_config
+from megaft.training.parts import build_model
 
 CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
 LLAMA_32_1B_PARAMS = 1_235_814_400  # the published count of Llama-3.2-1B (tied embeddings)

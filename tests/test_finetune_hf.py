@@ -8,9 +8,8 @@ import sys
 import torch
 import torch.nn.functional as F
 import transformers
-from tokenizers import Tokenizer
-
 from models.hf_fixture import make_hf_llama, write_char_tokenizer
+from tokenizers import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL_LINES = ["hello world", "abc", "The quick brown fox 42", "Z"]

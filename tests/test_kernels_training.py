@@ -13,11 +13,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from train_cases import small_config  # noqa: E402
+
 from megaft.config import ConfigError, validate  # noqa: E402
 from megaft.kernels import _triton, dispatch  # noqa: E402
 from megaft.parallel.grid import ParallelGrid  # noqa: E402
 from megaft.training.loop import Trainer  # noqa: E402
-from train_cases import small_config  # noqa: E402
 
 STEPS = 3  # step 1's loss checks the forward, steps 2-3 the gradients of the updates before
 # fp32: the kernels compute the same math, with their own summation order inside the
@@ -197,7 +198,7 @@ def test_fused_linear_grads_into_flat_buffer():
     from megaft.kernels.config import KernelsConfig
     from megaft.models.init import init_params
     from megaft.models.llama import Llama
-    from megaft.optim.flat import FlatParams
+    from megaft.parallel.flat import FlatParams
 
     cfg = small_config(steps=1).model
     cfg.tie_embeddings = cfg.attention_bias = cfg.mlp_bias = True

@@ -7,16 +7,17 @@ import os
 import numpy as np
 import pytest
 import torch
+from multirank import spawn
+from train_cases import read_rows, small_config
 
 from megaft.config import Config, validate
 from megaft.kernels.config import OPS
 from megaft.models.config import ModelConfig
 from megaft.parallel.grid import ParallelGrid
-from megaft.training import flops, metrics
+from megaft.training import config as train_config
+from megaft.training import flops
 from megaft.training.loop import Trainer
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
-from multirank import spawn
-from train_cases import read_rows, small_config
 
 STEPS = 4
 PEAK = 0.5  # TFLOP/s given on CPU, where the device table knows no peak
@@ -139,11 +140,11 @@ def test_tensorboard_setting_is_validated(monkeypatch):
         assert not [p for p in validate(cfg, 1) if "tensorboard" in p], value
     cfg.train.tensorboard = "sometimes"
     assert any("train.tensorboard='sometimes' is unknown; fix: auto, true or false" in p for p in validate(cfg, 1))
-    monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
+    monkeypatch.setattr(train_config, "tensorboard_available", lambda: False)
     cfg.train.tensorboard = "true"
     (problem,) = [p for p in validate(cfg, 1) if "tensorboard" in p]
     assert "not installed" in problem and "train.tensorboard=auto" in problem
-    assert not metrics.use_tensorboard("auto") and metrics.use_tensorboard("true")
+    assert not train_config.use_tensorboard("auto") and train_config.use_tensorboard("true")
     cfg.train.peak_tflops = -1
     assert any("train.peak_tflops=-1" in p for p in validate(cfg, 1))
 

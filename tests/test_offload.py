@@ -6,14 +6,14 @@ import os
 
 import pytest
 import torch
+from multirank import spawn
 from torch import nn
+from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.config import validate
 from megaft.optim import OptimConfig, build_optimizer
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
-from multirank import spawn
-from train_cases import DP_STEPS, dp_config, read_rows
 
 # fp32: dp sums two ranks' partial gradients (one reordered add), so curves agree to
 # rounding over 10 AdamW steps; 1e-5 relative is the issue's bound.

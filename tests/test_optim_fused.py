@@ -10,11 +10,12 @@ import torch
 if not torch.cuda.is_available():  # before any Triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from train_cases import read_metrics, small_config  # noqa: E402
+
 import megaft.kernels.adamw as adamw_front  # noqa: E402
 from megaft.kernels import _ext, _triton  # noqa: E402
 from megaft.parallel.grid import ParallelGrid  # noqa: E402
 from megaft.training.loop import Trainer  # noqa: E402
-from train_cases import read_metrics, small_config  # noqa: E402
 
 STEPS = 3
 # zero=1 at dp=1 still runs ShardedAdamW (its chunks are whole buckets); bucket_mb=0.01 cuts

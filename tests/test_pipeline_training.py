@@ -7,13 +7,21 @@ import os
 
 import pytest
 import torch
+from multirank import spawn
+from pipeline_cases import (
+    NEW_TOKENS,
+    PP2_RUNS,
+    PROMPTS,
+    RANK4_RUNS,
+    STEPS,
+    reference_of,
+    train_pipeline_runs,
+    train_reference,
+)
+from train_cases import read_metrics, read_rows
 
 from megaft.config import validate
 from megaft.pipeline.partition import stage_layer_counts, stage_layers
-from multirank import spawn
-from pipeline_cases import (NEW_TOKENS, PP2_RUNS, PROMPTS, RANK4_RUNS, STEPS, reference_of, train_pipeline_runs,
-                            train_reference)
-from train_cases import read_metrics, read_rows
 
 RTOL = 1e-5  # fp32; stages only move activations, so sums are reordered at most by tp
 
@@ -85,14 +93,14 @@ def test_first_step_grads_match_single_process(runs, name):
 def test_export_and_generation_under_pp(runs, name):
     """The pp export loads into a pp=1 Llama and holds the same tensors as a pp=1 model
     would export; greedy generation through the pipeline equals pp=1 generation."""
+    from pipeline_cases import pipeline_config
     from safetensors import safe_open
 
-    from megaft.models.hf import load_hf_weights
     from megaft.models.generate import greedy_generate
+    from megaft.models.hf import load_hf_weights
     from megaft.models.hf_export import export_hf
     from megaft.models.hf_load import checkpoint_files
     from megaft.models.llama import Llama
-    from pipeline_cases import pipeline_config
 
     spec = dict(ALL_RUNS[name])
     hf_dir = os.path.join(runs, name, "hf")

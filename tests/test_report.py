@@ -6,13 +6,13 @@ import pickle
 import shutil
 
 import pytest
+from train_cases import small_config
 
 from megaft import report
 from megaft.launch.submit_record import merge_submitted
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.flops import flops_per_token
 from megaft.training.loop import Trainer
-from train_cases import small_config
 
 
 @pytest.fixture(scope="module")

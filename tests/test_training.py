@@ -2,7 +2,6 @@
 import os
 
 import pytest
-
 from multirank import spawn
 from train_cases import PARALLEL_RUNS, read_metrics, read_rows, train_parallel_runs, train_single
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from megaft.models.config import ModelConfig
 from megaft.models.llama import Llama
-from megaft.optim.flat import FlatParams
 from megaft.parallel.buckets import GradReducer
+from megaft.parallel.flat import FlatParams
 
 
 def model_of(args) -> Llama:

@@ -29,7 +29,7 @@ from megaft.models.init import init_params
 from megaft.models.llama import Llama
 from megaft.optim.adamw import AdamW
 from megaft.optim.config import OptimConfig
-from megaft.optim.flat import FlatParams
+from megaft.parallel.flat import FlatParams
 from megaft.report import kernels_cell
 
 # vocab_size 0 in a preset means "the tokenizer's": the benchmark has none, so it takes

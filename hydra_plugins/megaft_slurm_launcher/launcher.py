@@ -13,6 +13,7 @@ job ids, overrides, run dirs and shapes for `megaft-report`.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import sys
@@ -25,8 +26,17 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megaft.config import Config
-from megaft.launch.submit import (Budget, NodeSpec, Shape, check_point, group_by_shape, preset_gpu_budget,
-                                  sbatch_parameters, shape_dict, task_python)
+from megaft.launch.submit import (
+    Budget,
+    NodeSpec,
+    Shape,
+    check_point,
+    group_by_shape,
+    preset_gpu_budget,
+    sbatch_parameters,
+    shape_dict,
+    task_python,
+)
 from megaft.launch.submit_record import SUBMITTED_FILE, merge_submitted
 
 log = logging.getLogger(__name__)
@@ -59,10 +69,13 @@ class MegaftSlurmLauncher(Launcher):
         self.params = params  # the hydra.launcher node (SlurmLauncherConf fields)
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
+        self.body = None  # the Slurm task body of the entry point (None: training)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        # task_function is not used: each Slurm task runs megaft.launch.submit_task instead.
+        # task_function is not called: each Slurm task runs megaft.launch.submit_task instead, with the
+        # entry point's own task body when its module names one (megaft-verify: SLURM_TASK_BODY).
         self.config, self.hydra_context = config, hydra_context
+        self.body = getattr(inspect.getmodule(task_function), "SLURM_TASK_BODY", None)
 
     def _compose(self, num: int, overrides: Sequence[str], spec: NodeSpec, budget: Optional[Budget]) -> Point:
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -103,7 +116,7 @@ class MegaftSlurmLauncher(Launcher):
         for point in points:
             self._write_hydra_files(point)
         with executor.batch():
-            jobs = [executor.submit(SlurmRankTask(point.cfg, point.run_dir)) for point in points]
+            jobs = [executor.submit(SlurmRankTask(point.cfg, point.run_dir, self.body)) for point in points]
         for point, job in zip(points, jobs):
             point.job = job
         log.info("array %s (%s, %d job(s)): %s", jobs[0].job_id.split("_")[0], shape.tag(), len(jobs),

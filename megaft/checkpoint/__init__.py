@@ -6,10 +6,10 @@ background saves, `train.async_save`) and megaft.checkpoint.reshard (loading at
 another tp/pp/dp or ZeRO stage).
 """
 from megaft.checkpoint.io import CheckpointWarning, find_latest, list_checkpoints, problem, step_dir
-from megaft.checkpoint.state import LayoutMismatchError, capture, load_latest, save, trim_metrics
+from megaft.checkpoint.state import LayoutMismatchError, ModelMismatchError, capture, load_latest, save, trim_metrics
 from megaft.checkpoint.writer import CheckpointWriter
 
 __all__ = [
-    "CheckpointWarning", "CheckpointWriter", "LayoutMismatchError", "capture", "find_latest", "list_checkpoints",
-    "load_latest", "problem", "save", "step_dir", "trim_metrics",
+    "CheckpointWarning", "CheckpointWriter", "LayoutMismatchError", "ModelMismatchError", "capture", "find_latest",
+    "list_checkpoints", "load_latest", "problem", "save", "step_dir", "trim_metrics",
 ]

@@ -55,14 +55,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_manifest(tmp_dir: str, step: int, layout: dict[str, int]) -> dict[str, Any]:
-    """Checksum every shard in `tmp_dir` and write manifest.json last (itself via rename)."""
+def write_manifest(tmp_dir: str, step: int, layout: dict[str, int],
+                   meta: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Checksum every shard in `tmp_dir` and write manifest.json last (itself via rename);
+    `meta` adds keys (the trainer records the model's architecture as "model")."""
     files = {}
     for name in sorted(os.listdir(tmp_dir)):
         if name.startswith("rank_") and name.endswith(".pt"):
             path = os.path.join(tmp_dir, name)
             files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
-    manifest = {"format": FORMAT_VERSION, "step": step, "layout": layout, "files": files}
+    manifest = {**(meta or {}), "format": FORMAT_VERSION, "step": step, "layout": layout, "files": files}
     write_json_atomic(os.path.join(tmp_dir, MANIFEST), manifest)
     return manifest
 
@@ -135,6 +137,22 @@ def find_latest(root: str) -> tuple[Optional[tuple[int, str]], list[str]]:
         warnings.warn(f"{msg}; no complete checkpoint left, starting from scratch", CheckpointWarning,
                       stacklevel=2)
     return None, skipped
+
+
+def remove_partial(root: str) -> list[str]:
+    """Delete the `step_N.tmp/` directories a failed or killed save left under root (never read:
+    only final names count); one CheckpointWarning each. Call before this run saves anything."""
+    if not os.path.isdir(root):
+        return []
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if _STEP_DIR.match(name.removesuffix(".tmp")) and name.endswith(".tmp") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            warnings.warn(f"removed {path}: an unfinished checkpoint left by an earlier save that failed or was "
+                          "killed (it was never used)", CheckpointWarning, stacklevel=2)
+    return removed
 
 
 def prune(root: str, keep_last: int) -> list[str]:

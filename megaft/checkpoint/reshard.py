@@ -2,7 +2,7 @@
 
 Every shard carries an index of its flat buffers (`param_index`): for each parameter
 its global name, local shape, offset in its buffer and tensor-parallel split
-(megaft.layers.shard.TPShard), and where its AdamW moments live (`moment_ranges`:
+(megaft.parallel.shard.TPShard), and where its AdamW moments live (`moment_ranges`:
 per buffer, the element ranges [lo, hi) whose moments this rank holds, at `at` in
 its moment tensor; zero=0: the whole buffer, ZeRO: its chunk of every bucket). The
 parameter buffers themselves are always saved whole (ZeRO-3 gathers them to save).
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megaft.checkpoint import io
-from megaft.layers.shard import local_from_full, shard_of
+from megaft.parallel.shard import local_from_full, shard_of
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 # The fp32 values of the params: the saved fp32 masters (optim.master_weights, laid out like the
@@ -50,7 +50,8 @@ def param_index(model: nn.Module, flat) -> list[list[dict[str, Any]]]:
         for p in group.params:
             spec = shard_of(p)
             entries.append({"name": names[id(p)], "shape": tuple(p.shape), "offset": _offset(p.data, group.data),
-                            "split": None if spec is None else (spec.dim, spec.full, spec.padded)})
+                            "split": None if spec is None else (spec.dim, spec.full, spec.padded,
+                                                                getattr(spec, "replicas", 1))})
         index.append(entries)
     return index
 
@@ -103,8 +104,10 @@ class _Saved:
         self.first = _load(path, 0)
         # Rank order: tp fastest, then dp, then pp. Moments sharded over dp (ZeRO) need every
         # dp rank's shard; otherwise dp replicas hold the same values and dp rank 0 suffices.
-        sharded = any(lo != 0 or hi != m.numel() for ranges, m in zip(_ranges(self.first), self.first["exp_avg"])
-                      for lo, hi, _ in ranges)
+        # (Compared with the whole buffer: a group of one bucket gives rank 0 the single range
+        # [0, numel/dp), which starts at 0 and ends at its own moment's length.)
+        sharded = any(sum(hi - lo for lo, hi, _ in ranges) != p.numel()
+                      for ranges, p in zip(_ranges(self.first), self.first["params"]))
         coords: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for rank in range(lay["world_size"]):
             if not sharded and (rank // lay["tp"]) % lay["dp"] != 0:
@@ -132,7 +135,10 @@ class _Saved:
         split = by_tp[0]["split"]
         if split is None:
             return by_tp[0][key]  # replicated over tp
-        dim, full, padded = split
+        dim, full, padded = split[:3]
+        replicas = split[3] if len(split) > 3 else 1  # older checkpoints: no copied kv heads
+        if replicas > 1:  # kv heads copied over tp > n_kv_heads (megaft.models.kv): one piece per head
+            return torch.cat([by_tp[r][key] for r in range(0, self.tp, replicas)], dim)
         local = padded // self.tp
         parts = []
         for tp_rank in range(self.tp):
@@ -192,3 +198,11 @@ def load_resharded(path: str, manifest: dict[str, Any], model: nn.Module, flat, 
         optimizer.scaler.load_state_dict(first["scaler"])
     torch.set_rng_state(first["rng"]["cpu"])  # dropout streams differ from the saved layout's anyway
     return int(first["step"])
+
+
+def named_tensors(ckpt_dir: str, key: str = "params") -> dict[str, torch.Tensor]:
+    """Every parameter's whole, unpadded `key` tensor (params, exp_avg, exp_avg_sq, masters)
+    of a published checkpoint, by name, whatever layout wrote it (megaft.verify reads
+    the step-1 first moments this way)."""
+    saved = _Saved(ckpt_dir, io.read_manifest(ckpt_dir))
+    return {name: saved.full(name, key).clone() for name in saved.pieces}

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megaft.checkpoint import io
+from megaft.checkpoint.adapters import check_lora_base
 from megaft.checkpoint.io import CheckpointWarning
 from megaft.checkpoint.reshard import load_resharded, moment_ranges
 from megaft.optim import AdamW, FlatParams
@@ -39,6 +40,29 @@ from megaft.parallel.grid import ParallelGrid
 
 class LayoutMismatchError(RuntimeError):
     """The checkpoint was saved with another parallel layout and cannot be resharded into this one."""
+
+
+class ModelMismatchError(ValueError):
+    """The checkpoint holds another model (shape or architecture): never resharded, always refused."""
+
+
+def check_model(manifest: dict[str, Any], expect: Optional[dict[str, Any]], path: str) -> None:
+    """Raise ModelMismatchError naming every `model.*` field where the manifest's recorded model
+    differs from `expect`; a checkpoint from before models were recorded only gets a warning."""
+    if expect is None:
+        return
+    saved = manifest.get("model")
+    if saved is None:
+        warnings.warn(f"checkpoint {path} records no model config (written by an older megaft): cannot check that "
+                      "it holds this run's model architecture", CheckpointWarning, stacklevel=3)
+        return
+    diff = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {expect.get(k)!r}"
+            for k in sorted(set(saved) | set(expect)) if saved.get(k) != expect.get(k)]
+    if diff:
+        raise ModelMismatchError(
+            f"checkpoint {path} holds another model than this run: {'; '.join(diff)}. Only the parallel layout "
+            "(tp, pp, dp, ZeRO) may change on resume; fix: resume with the checkpoint's model settings, or start "
+            "in a new run directory (hydra.run.dir), or set train.resume=false to train from scratch here")
 
 
 def layout(grid: ParallelGrid) -> dict[str, int]:
@@ -176,22 +200,24 @@ def write_shard(tmp: str, state: dict[str, Any], rank: int) -> None:
         os.fsync(f.fileno())
 
 
-def publish(root: str, step: int, tmp: str, saved_layout: dict[str, int], *, keep_last: int) -> str:
-    """Rank 0 only, once every shard is on disk: manifest, atomic rename, prune."""
+def publish(root: str, step: int, tmp: str, saved_layout: dict[str, int], *, keep_last: int,
+            meta: Optional[dict[str, Any]] = None) -> str:
+    """Rank 0 only, once every shard is on disk: manifest (plus `meta`), atomic rename, prune."""
     final = io.step_dir(root, step)
-    io.write_manifest(tmp, step, saved_layout)
+    io.write_manifest(tmp, step, saved_layout, meta)
     io.publish(tmp, final)
     io.prune(root, keep_last)
     return final
 
 
-def save(root: str, step: int, state: dict[str, Any], grid: ParallelGrid, *, keep_last: int) -> str:
+def save(root: str, step: int, state: dict[str, Any], grid: ParallelGrid, *, keep_last: int,
+         meta: Optional[dict[str, Any]] = None) -> str:
     """Write this rank's `state` into checkpoint `step` under root; all ranks must call it."""
     tmp = prepare(root, step, grid)
     write_shard(tmp, state, grid.rank)
     barrier(grid)  # every shard is on disk before the manifest vouches for it
     if grid.rank == 0:
-        publish(root, step, tmp, layout(grid), keep_last=keep_last)
+        publish(root, step, tmp, layout(grid), keep_last=keep_last, meta=meta)
     barrier(grid)  # nobody races ahead (e.g. into the next save or a resume) before it is visible
     return io.step_dir(root, step)
 
@@ -206,12 +232,16 @@ def _agree(step: int, grid: ParallelGrid) -> int:
 
 
 def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGrid,
-                model: Optional[torch.nn.Module] = None, reducer=None) -> Optional[int]:
+                model: Optional[torch.nn.Module] = None, reducer=None,
+                model_config: Optional[dict[str, Any]] = None, lora: Optional[dict[str, Any]] = None) -> Optional[int]:
     """Load the newest complete checkpoint under root into this rank; its step, or None if none.
 
     Only rank 0 reads every byte (checksums); the others trust its choice. A checkpoint
     of another tp/pp/dp layout, ZeRO stage or bucket size is resharded when `model` is given;
-    the `reducer`'s compression state is then restarted (`restore_compression`).
+    the `reducer`'s compression state is then restarted (`restore_compression`). `model_config`:
+    this run's architecture fields, checked against the manifest's first (`check_model`). `lora`:
+    this run's adapter record (megaft.peft.base.lora_record; {} without LoRA, None: unchecked),
+    checked against the manifest's (`check_lora_base`: adapters of another base are refused).
     """
     step = -1
     if grid.rank == 0:
@@ -222,6 +252,8 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
         return None
     path = io.step_dir(root, step)
     manifest = io.read_manifest(path)
+    check_model(manifest, model_config, path)  # every rank reads the same manifest: all raise together
+    check_lora_base(manifest, lora, path)  # adapters of another base: refused (megaft.checkpoint.adapters)
     same = manifest["layout"] == layout(grid)
     if same:
         state = torch.load(os.path.join(path, io.shard_name(grid.rank)), map_location="cpu", weights_only=False)

@@ -6,7 +6,7 @@ the training step's):
    (`finish`), copy the state (a CPU run's capture aliases the live buffers), make
    `step_N.tmp/` (one barrier), then start a thread that writes this rank's shard.
 2. `unfinished()` is this rank's vote in the step-boundary collective
-   (megaft.launch.preempt.StepBoundary): once the MAX over ranks is 0, every shard
+   (megaft.training.stop.StepBoundary): once the MAX over ranks is 0, every shard
    is on disk and `all_written()` lets rank 0 write the manifest and publish.
 3. `finish()` (next save, end of run, preemption) waits for this rank's thread,
    then one barrier, then rank 0 publishes: a run that ends always finalizes.
@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from megaft.checkpoint import io
 from megaft.checkpoint import state as ckpt_state
 from megaft.parallel.grid import ParallelGrid
 
@@ -57,14 +58,20 @@ class _Pending:
 class CheckpointWriter:
     """Saves checkpoints of one rank under `root`, synchronously or in the background."""
 
-    def __init__(self, root: str, grid: ParallelGrid, *, keep_last: int, async_save: bool):
+    def __init__(self, root: str, grid: ParallelGrid, *, keep_last: int, async_save: bool,
+                 meta: Optional[dict[str, Any]] = None):
+        """`meta`: extra manifest keys of every checkpoint (the trainer's "model" record).
+        Rank 0 removes the `step_N.tmp/` an earlier failed save left (before this run saves)."""
         self.root, self.grid, self.keep_last, self.async_save = root, grid, keep_last, async_save
+        self.meta = meta
         self.pending: Optional[_Pending] = None
+        if grid.rank == 0:
+            io.remove_partial(root)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Every rank calls it at the same step (it holds barriers)."""
         if not self.async_save:
-            ckpt_state.save(self.root, step, state, self.grid, keep_last=self.keep_last)
+            ckpt_state.save(self.root, step, state, self.grid, keep_last=self.keep_last, meta=self.meta)
             return
         self.finish()  # at most one save in flight
         if self.grid.device.type == "cpu":
@@ -95,4 +102,4 @@ class CheckpointWriter:
         pending.wait()  # already finished: surfaces a write error
         if self.grid.rank == 0:
             ckpt_state.publish(self.root, pending.step, pending.tmp, ckpt_state.layout(self.grid),
-                               keep_last=self.keep_last)
+                               keep_last=self.keep_last, meta=self.meta)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from tokenizers import Tokenizer
 
 from megaft.data.errors import DataError
-from megaft.data.jsonl import jsonl_problems, read_jsonl, scan_jsonl
+from megaft.data.formats import example_texts
+from megaft.data.plan import LONG_DOCS, PACKING
+from megaft.data.sources import SourceConfig, mixture, read_source, scan_file, source_files, source_problems
 from megaft.data.tasks import TASKS, Task, make_task, task_tokenizer
 from megaft.data.tokenizer import load_tokenizer
+
+TRAIN_ON = ("assistant", "all", "last")  # megaft.data.chat.TRAIN_ON (kept jinja-free here)
+MAX_PROBLEMS = 20  # malformed records reported per check, over all sources
 
 
 @dataclass
@@ -27,6 +32,21 @@ class DataConfig:
     task_eval_size: int = 256  # generated held-out prompts, never in the training set
     seed: int = 1234  # generates the task and shuffles each epoch's packing order
     eval_max_lines: Optional[int] = None  # read at most this many examples of eval_path; None = all
+    # Fine-tuning data (megaft.data.formats/sources/chat/plan/prepare). Defaults keep the demo as it was.
+    sources: list[SourceConfig] = field(default_factory=list)  # [{path, weight}] mixed; instead of path
+    chat_template: str = "auto"  # auto (the checkpoint's) | llama3 | chatml | path to a .jinja file
+    train_on: str = "assistant"  # conversation tokens with a loss: assistant | all | last (assistant turn)
+    packing: str = "stream"  # stream: one continuous stream | docs: whole documents kept apart | none: one per row
+    long_docs: str = "split"  # documents longer than seq_len (packing=docs|none): split | truncate | drop
+    cache_dir: Optional[str] = None  # prepared datasets live here; None = ~/.cache/megaft/prepared
+    prepare_workers: int = 0  # processes tokenizing while preparing; 0 = min(8, CPUs)
+
+
+def data_sources(cfg: DataConfig) -> list[SourceConfig]:
+    """The training sources: data.sources, else data.path as one source of weight 1."""
+    if cfg.sources:
+        return list(cfg.sources)
+    return [SourceConfig(cfg.path, 1.0)] if cfg.path is not None else []
 
 
 def check_data(cfg: DataConfig, *, init_from: Optional[str] = None) -> list[str]:
@@ -43,22 +63,87 @@ def check_data(cfg: DataConfig, *, init_from: Optional[str] = None) -> list[str]
     if cfg.task not in TASKS:
         problems.append(f"data.task={cfg.task!r} is not a known task; "
                         f"fix: use one of {sorted(TASKS)}")
-    elif cfg.path is None:
+    elif not data_sources(cfg):
         problems += _task_problems(cfg)
     if cfg.eval_max_lines is not None and cfg.eval_max_lines < 1:
         problems.append(f"data.eval_max_lines={cfg.eval_max_lines}; "
                         "fix: set it >= 1, or null for all lines")
-    for key in ("path", "eval_path"):
-        if getattr(cfg, key) is not None:
-            problems += [f"data.{key}: {p}" for p in jsonl_problems(getattr(cfg, key))]
+    problems += _option_problems(cfg)
+    chat = False
+    budget = MAX_PROBLEMS
+    for key, path in _scanned(cfg):
+        found, has_chat = source_problems(path, limit=budget)
+        problems += [f"{key}: {p}" for p in found]
+        budget, chat = max(budget - len(found), 0), chat or has_chat
+    tokenizer_problems = []
     if cfg.tokenizer is not None:
-        problems += _tokenizer_problems(cfg.tokenizer, "data.tokenizer")
+        tokenizer_problems = _tokenizer_problems(cfg.tokenizer, "data.tokenizer")
     elif init_from is not None and os.path.isdir(init_from):
         # A missing init_from directory is the model config's problem to report.
-        problems += _tokenizer_problems(init_from, "the tokenizer of model.init_from")
-    elif cfg.path is not None and cfg.task in TASKS:
+        tokenizer_problems = _tokenizer_problems(init_from, "the tokenizer of model.init_from")
+    elif data_sources(cfg) and cfg.task in TASKS:
         problems += _alphabet_problems(cfg)
+    problems += tokenizer_problems
+    # The template check may build the tokenizer: only when there is a usable one.
+    if not tokenizer_problems and (cfg.task in TASKS or cfg.tokenizer or init_from):
+        problems += _template_problems(cfg, init_from, chat)
     return problems
+
+
+def _scanned(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(config key, path) of every source check_data reads."""
+    if cfg.sources:
+        out = [(f"data.sources[{i}]", s.path) for i, s in enumerate(cfg.sources)]
+    else:
+        out = [("data.path", cfg.path)] if cfg.path is not None else []
+    return out + ([("data.eval_path", cfg.eval_path)] if cfg.eval_path is not None else [])
+
+
+def _option_problems(cfg: DataConfig) -> list[str]:
+    """The fine-tuning fields: enum values, counts and weights."""
+    problems = []
+    for key, allowed in (("train_on", TRAIN_ON), ("packing", PACKING), ("long_docs", LONG_DOCS)):
+        if getattr(cfg, key) not in allowed:
+            problems.append(f"data.{key}={getattr(cfg, key)!r} is unknown; fix: use one of {list(allowed)}")
+    if cfg.chat_template not in ("auto", "llama3", "chatml") and not os.path.isfile(cfg.chat_template):
+        problems.append(f"data.chat_template={cfg.chat_template!r} is neither auto, llama3, chatml nor an "
+                        "existing .jinja file; fix: use one of those or fix the path")
+    if cfg.prepare_workers < 0:
+        problems.append(f"data.prepare_workers={cfg.prepare_workers}; fix: set it >= 1, or 0 for min(8, CPUs)")
+    if cfg.sources and cfg.path is not None:
+        problems.append("data.path and data.sources are both set; fix: list data.path in data.sources "
+                        "(or set data.path=null)")
+    for i, s in enumerate(cfg.sources):
+        if not s.weight > 0:
+            problems.append(f"data.sources[{i}].weight={s.weight}; fix: a positive number (times each "
+                            "example appears per epoch; drop the source to leave it out)")
+    return problems
+
+
+def _template_problems(cfg: DataConfig, init_from: Optional[str], chat: bool) -> list[str]:
+    """The chat template: it must load and compile; conversations need one; a built-in
+    template's turn markers must be tokens of the vocabulary."""
+    if cfg.chat_template not in ("auto", "llama3", "chatml") and not os.path.isfile(cfg.chat_template):
+        return []  # reported by _option_problems
+    from megaft.data.chat import check_template_tokens
+    from megaft.data.templates import BUILTIN_TOKENS, load_chat_template, tokenizer_dir_of
+
+    try:
+        template = load_chat_template(cfg.chat_template, tokenizer_dir_of(cfg.tokenizer, init_from))
+    except DataError as e:
+        return [f"data.chat_template: {e}"]
+    if template is None:
+        if not chat:
+            return []
+        where = tokenizer_dir_of(cfg.tokenizer, init_from) or "the task tokenizer"
+        return [f"data.chat_template=auto: the data holds conversations but {where} has no chat template "
+                "(chat_template.jinja or tokenizer_config.json's chat_template); fix: set "
+                "data.chat_template=llama3, chatml or a .jinja file"]
+    if cfg.chat_template in BUILTIN_TOKENS and chat:
+        problem = check_template_tokens(build_tokenizer(cfg, init_from=init_from), template,
+                                        BUILTIN_TOKENS[cfg.chat_template])
+        return [f"data.chat_template: {problem}"] if problem else []
+    return []
 
 
 def _task_problems(cfg: DataConfig) -> list[str]:
@@ -84,16 +169,19 @@ def _alphabet_problems(cfg: DataConfig) -> list[str]:
     """With no tokenizer set, file data goes through the task's character
     tokenizer: characters outside its alphabet would silently become <unk>."""
     alphabet, problems = set(TASKS[cfg.task].alphabet), []
-    for key in ("path", "eval_path"):
-        path, unknown = getattr(cfg, key), set()
-        if path is None:
-            continue
-        for _, ex, _ in scan_jsonl(path):
-            for text in (ex or {}).values():
-                unknown.update(set(text) - alphabet)
+    for key, path in _scanned(cfg):
+        unknown = set()
+        try:
+            files = source_files(path)
+        except DataError:
+            continue  # reported by the scan
+        for file in files:
+            for _, ex, _ in scan_file(file):
+                for text in example_texts(ex or {}):
+                    unknown.update(set(text) - alphabet)
         if unknown:
             shown = "".join(sorted(unknown))[:40]
-            problems.append(f"data.{key}: {path} uses characters outside the {cfg.task!r} task's "
+            problems.append(f"{key}: {path} uses characters outside the {cfg.task!r} task's "
                             f"alphabet ({shown!r}), which its tokenizer maps to <unk>; fix: set "
                             "data.tokenizer or model.init_from")
     return problems
@@ -109,6 +197,16 @@ def build_tokenizer(cfg: DataConfig, *, init_from: Optional[str] = None) -> Toke
     return task_tokenizer(TASKS[cfg.task])
 
 
+def chat_encoder(cfg: DataConfig, tok: Tokenizer, *, init_from: Optional[str] = None):
+    """The run's megaft.data.chat.ChatEncoder for in-memory encoding (encode_examples(...,
+    chat=...)), or None when data.chat_template=auto finds no template."""
+    from megaft.data.chat import ChatEncoder
+    from megaft.data.templates import load_chat_template, tokenizer_dir_of
+
+    template = load_chat_template(cfg.chat_template, tokenizer_dir_of(cfg.tokenizer, init_from))
+    return None if template is None else ChatEncoder(tok, template, cfg.train_on)
+
+
 class Examples(NamedTuple):
     """The run's examples: train and eval dicts, and the Task when generated."""
 
@@ -120,16 +218,26 @@ class Examples(NamedTuple):
 def load_examples(cfg: DataConfig) -> Examples:
     """Read or generate the examples a DataConfig names.
 
-    train: data.path, else the generated task's train set. eval: data.eval_path
-    (at most eval_max_lines), else the task's held-out set when the task is
-    used for training, else []. Deterministic, so every rank can call it.
+    train: data.path or data.sources (each source's examples repeated by its
+    weight, the epoch-0 mixture of megaft.data.sources.mixture), else the
+    generated task's train set. eval: data.eval_path (at most eval_max_lines),
+    else the task's held-out set when the task is used for training, else [].
+    Deterministic, so every rank can call it. In memory: large data goes through
+    megaft.data.prepare instead.
     """
     task = None
-    if cfg.path is None:
+    if not data_sources(cfg):
         task = make_task(cfg.task, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
         train, eval_ = task.train, task.eval
     else:
-        train, eval_ = read_jsonl(cfg.path), []
+        train, source = [], []
+        for i, s in enumerate(data_sources(cfg)):
+            part = read_source(s.path)
+            train += part
+            source += [i] * len(part)
+        if cfg.sources:  # data.path alone is the file as it is
+            train = [train[j] for j in mixture(source, [s.weight for s in cfg.sources], cfg.seed, 0)]
+        eval_ = []
     if cfg.eval_path is not None:
-        eval_ = read_jsonl(cfg.eval_path, max_lines=cfg.eval_max_lines)
+        eval_ = read_source(cfg.eval_path, max_lines=cfg.eval_max_lines)
     return Examples(train, eval_, task)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from tokenizers import Tokenizer
+
+from megaft.data.errors import DataError
+from megaft.data.formats import is_chat
 
 
 class Encoded(NamedTuple):
@@ -27,8 +30,12 @@ class Encoded(NamedTuple):
     prompt_len: int = 0
 
 
-def encode_example(tok: Tokenizer, ex: dict, eos_id: Optional[int]) -> Encoded:
+def encode_example(tok: Tokenizer, ex: dict, eos_id: Optional[int], chat: Any = None) -> Encoded:
     """Tokenize one example (a dict from `read_jsonl` or a generated task).
+
+    conversations ({"messages"}): `chat.encode(messages)`, `chat` being the run's
+    megaft.data.chat.ChatEncoder (its template decides the tokens and the mask;
+    nothing is appended). Without one, a DataError says how to get a template.
 
     text: `ids = tok.encode(text).ids` exactly as the tokenizer gives them,
     special tokens included as its post-processor adds them (e.g. Llama's BOS)
@@ -43,21 +50,39 @@ def encode_example(tok: Tokenizer, ex: dict, eos_id: Optional[int]) -> Encoded:
     are tokenized separately so the mask boundary is exact; put any separating
     space in the completion (" Paris"), as HF chat/SFT data usually does.
     """
+    if is_chat(ex):
+        return _encode_chat(chat, ex)
     first = tok.encode(ex["text"] if "text" in ex else ex["prompt"]).ids
     answer = None if "text" in ex else tok.encode(ex["completion"], add_special_tokens=False).ids
     return _assemble(first, answer, eos_id)
 
 
-def encode_examples(tok: Tokenizer, examples: list[dict], eos_id: Optional[int]) -> list[Encoded]:
-    """`encode_example` over a list, in order; batched through `encode_batch`
-    (the tokenizers library parallelizes it), with identical results."""
-    firsts = tok.encode_batch([ex["text"] if "text" in ex else ex["prompt"] for ex in examples])
-    pcs = [i for i, ex in enumerate(examples) if "text" not in ex]
-    answers = [None] * len(examples)
-    encoded = tok.encode_batch([examples[i]["completion"] for i in pcs], add_special_tokens=False)
-    for i, enc in zip(pcs, encoded):
-        answers[i] = enc.ids
-    return [_assemble(f.ids, a, eos_id) for f, a in zip(firsts, answers)]
+def encode_examples(tok: Tokenizer, examples: list[dict], eos_id: Optional[int],
+                    chat: Any = None) -> list[Encoded]:
+    """`encode_example` over a list, in order; text and prompt/completion examples
+    are batched through `encode_batch` (the tokenizers library parallelizes it),
+    with identical results."""
+    plain = [i for i, ex in enumerate(examples) if not is_chat(ex)]
+    firsts = tok.encode_batch([examples[i]["text"] if "text" in examples[i] else examples[i]["prompt"]
+                               for i in plain])
+    pcs = [i for i in plain if "text" not in examples[i]]
+    answers = {i: enc.ids for i, enc in zip(pcs, tok.encode_batch(
+        [examples[i]["completion"] for i in pcs], add_special_tokens=False))}
+    out: list[Optional[Encoded]] = [None] * len(examples)
+    for i, f in zip(plain, firsts):
+        out[i] = _assemble(f.ids, answers.get(i), eos_id)
+    for i, ex in enumerate(examples):
+        if out[i] is None:
+            out[i] = _encode_chat(chat, ex)
+    return out
+
+
+def _encode_chat(chat: Any, ex: dict) -> Encoded:
+    if chat is None:
+        raise DataError("a conversation needs a chat template, and the run has none; fix: set "
+                        "data.chat_template to llama3, chatml or a .jinja file, or use a checkpoint "
+                        "whose tokenizer_config.json has a chat_template")
+    return chat.encode(ex["messages"])
 
 
 def _assemble(first: list[int], answer: Optional[list[int]], eos_id: Optional[int]) -> Encoded:

@@ -1,7 +1,6 @@
-"""JSONL example files: one JSON object per line, in one of two forms.
-
-    {"text": "..."}                          plain text, every token is a target
-    {"prompt": "...", "completion": "..."}   only the completion is a target
+"""JSONL example files: one JSON object per line, in one of the forms of
+megaft.data.formats ({"text"}, {"prompt","completion"}, {"messages"}, ShareGPT's
+{"conversations"}).
 
 Other keys are ignored; blank lines are skipped. Every other deviation is an
 error naming the file and the 1-based line number, with its fix.
@@ -14,13 +13,14 @@ import os
 from typing import Iterator, Optional
 
 from megaft.data.errors import DataError
+from megaft.data.formats import FORMS, parse_record
 
-FORMS = ('{"text": str}', '{"prompt": str, "completion": str}')
-_FIX_FORM = f"fix: write each line as {FORMS[0]} or {FORMS[1]}"
+__all__ = ["FORMS", "parse_example", "scan_jsonl", "read_jsonl", "jsonl_problems"]
 
 
 def parse_example(line: str) -> dict:
-    """Parse one non-blank line into `{"text": ...}` or `{"prompt": ..., "completion": ...}`.
+    """Parse one non-blank line into a normalized example (see megaft.data.formats):
+    `{"text"}`, `{"prompt", "completion"}` or `{"messages": [{"role", "content"}, ...]}`.
 
     Raises DataError with "problem; fix: ..." (no file or line: callers add them).
     """
@@ -29,23 +29,7 @@ def parse_example(line: str) -> dict:
     except json.JSONDecodeError as e:
         raise DataError(f"invalid JSON ({e}); "
                         "fix: write one complete JSON object per line") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"expected a JSON object, got {type(obj).__name__}; {_FIX_FORM}")
-    has_text, has_pc = "text" in obj, ("prompt" in obj or "completion" in obj)
-    if has_text and has_pc:
-        raise DataError("has both 'text' and 'prompt'/'completion'; fix: keep one form per line")
-    if not has_text and not has_pc:
-        keys = ", ".join(map(repr, obj)) or "none"
-        raise DataError(f"has neither 'text' nor 'prompt'+'completion' (keys: {keys}); {_FIX_FORM}")
-    keys = ("text",) if has_text else ("prompt", "completion")
-    for key in keys:
-        if key not in obj:
-            other = "prompt" if key == "completion" else "completion"
-            raise DataError(f"has '{other}' but no '{key}'; fix: add a \"{key}\" string")
-        if not isinstance(obj[key], str):
-            raise DataError(f"'{key}' must be a string, got {type(obj[key]).__name__}; "
-                            f"fix: quote the value as a JSON string")
-    return {k: obj[k] for k in keys}
+    return parse_record(obj)
 
 
 def scan_jsonl(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:

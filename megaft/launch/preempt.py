@@ -1,20 +1,13 @@
-"""Preemption and time limits: a signal sets a flag, ranks agree at step boundaries, rank 0 requeues.
+"""Preemption and time limits on Slurm: after every rank stopped and saved, rank 0 requeues.
 
 Slurm warns a job before its time limit with `#SBATCH --signal=USR1@<seconds>` (or a
 user sends `scancel --signal=USR1 <job>`), and preemption/scancel send SIGTERM. The
-handlers only set a flag: nothing is safe to do inside a signal handler while a
-collective may be in flight. At every step boundary `StepBoundary.agree` combines
-this rank's flag (and the async-save progress, megaft.checkpoint.async_save) with
-ONE all_reduce(MAX) over the world, so every rank stops after the same step; it
-works on gloo and NCCL alike. The trainer then saves and returns; rank 0 calls
-`requeue()`.
+ranks agree on the strongest request at a step boundary and save
+(megaft.training.stop); this module decides the job's fate:
 
-- SIGUSR1 (time limit / an explicit request): save, requeue, exit 0. SIGUSR2, the
-  signal submitit asks Slurm for before a time limit, does the same: during training
-  it takes over submitit's own handler, so submitit jobs requeue exactly like sbatch ones.
-- SIGTERM (scancel, or Slurm's own preemption, which requeues by itself): save and
-  exit 0 without requeueing, so `scancel` still ends a job for good. A second
-  SIGTERM kills the process at once (a rank stuck in a collective stays killable).
+- SIGUSR1/SIGUSR2 (REQUEUE): save, requeue, exit 0.
+- SIGTERM (STOP): save and exit 0 without requeueing, so `scancel` still ends a job
+  for good (Slurm's own preemption requeues by itself).
 
 Requeueing is `scontrol requeue $SLURM_JOB_ID`, the route submitit's own checkpoint
 handler takes too, so it also works for submitit-launched jobs. `launcher.max_requeue`
@@ -25,80 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
-import threading
 from typing import Mapping, Optional
 
-import torch
-import torch.distributed as dist
-
-from megaft.launch.entry import WARNING_SIGNALS
-
 log = logging.getLogger("megaft")
-
-# Stop, save and requeue: USR1 from `--signal=USR1@N`/scancel, USR2 from submitit's `--signal=USR2@N`
-# (the signals megaft-train blocks before its imports: one definition, in the light entry module).
-REQUEUE_SIGNALS = WARNING_SIGNALS
-STOP_SIGNALS = (signal.SIGTERM,)  # stop and save; Slurm decides the job's fate
-NONE, STOP, REQUEUE = 0, 1, 2  # flag values, ordered so that MAX picks the strongest request
-
-
-class PreemptFlag:
-    """Signal handlers that only record the strongest request seen; `installed()` scopes them."""
-
-    def __init__(self):
-        self.value = NONE
-        self.signal_name: Optional[str] = None
-        self._previous: dict[int, object] = {}
-        self._seen: set[int] = set()
-
-    def _handle(self, signum, _frame) -> None:
-        if signum in STOP_SIGNALS and signum in self._seen:
-            # A second SIGTERM means "now": die as if no handler were installed (a hung rank stays killable).
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self._seen.add(signum)
-        want = REQUEUE if signum in REQUEUE_SIGNALS else STOP
-        if want > self.value:
-            self.value, self.signal_name = want, signal.Signals(signum).name
-
-    def install(self) -> "PreemptFlag":
-        # signal.signal works only in the main thread; elsewhere (a test harness thread) no handlers.
-        if threading.current_thread() is threading.main_thread():
-            for sig in REQUEUE_SIGNALS + STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            # A process that blocked these signals from its start (so that one arriving during the
-            # slow imports stays pending instead of killing it) gets them delivered here, now handled.
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, REQUEUE_SIGNALS + STOP_SIGNALS)
-        return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def __enter__(self) -> "PreemptFlag":
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.uninstall()
-
-
-class StepBoundary:
-    """The one per-step collective: (stop request, unfinished async shards) agreed by MAX."""
-
-    def __init__(self, world_size: int, device: torch.device):
-        self.world_size, self.device = world_size, device
-
-    def agree(self, flag: int, pending: int) -> tuple[int, int]:
-        """(max flag, max pending) over all ranks; every rank gets the same pair."""
-        if self.world_size == 1:
-            return flag, pending
-        t = torch.tensor([flag, pending], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t[0].item()), int(t[1].item())
 
 
 def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
@@ -108,7 +31,7 @@ def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
 
 
 def requeue(max_requeue: int, environ: Optional[Mapping[str, str]] = None,
-            run=subprocess.run) -> str:
+            run=subprocess.run, why: str = "stopped by a signal and saved a checkpoint") -> str:
     """Requeue this Slurm job unless max_requeue is reached; returns the message it logged.
 
     Call on one rank only, after every rank's checkpoint is published. Not under a
@@ -118,20 +41,59 @@ def requeue(max_requeue: int, environ: Optional[Mapping[str, str]] = None,
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID")  # an array task has its own SLURM_JOB_ID too
     if not job:
-        msg = "megaft: stopped by a signal and saved a checkpoint; not a Slurm job, so not requeued: " \
+        msg = f"megaft: {why}; not a Slurm job, so not requeued: " \
               "run the same command again to resume"
     elif restart_count(env) >= max_requeue:
-        msg = (f"megaft: stopped by a signal and saved a checkpoint; job {job} was already requeued "
+        msg = (f"megaft: {why}; job {job} was already requeued "
                f"{restart_count(env)} time(s) (launcher.max_requeue={max_requeue}), so it is NOT requeued "
                "again: resubmit it to resume, or raise launcher.max_requeue")
     else:
         out = run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         if out.returncode == 0:
-            msg = (f"megaft: stopped by a signal and saved a checkpoint; requeued Slurm job {job} "
+            msg = (f"megaft: {why}; requeued Slurm job {job} "
                    f"(restart {restart_count(env) + 1} of at most {max_requeue}); it resumes from the checkpoint")
         else:
-            msg = (f"megaft: stopped by a signal and saved a checkpoint; `scontrol requeue {job}` failed "
+            msg = (f"megaft: {why}; `scontrol requeue {job}` failed "
                    f"({out.returncode}: {(out.stderr or out.stdout).strip()}): resubmit the job to resume")
+    log.warning(msg)
+    print(msg, flush=True)
+    return msg
+
+
+def _tasks_per_node(env: Mapping[str, str]) -> int:
+    """SLURM_NTASKS_PER_NODE, else the first count of SLURM_TASKS_PER_NODE ("2(x2)" -> 2)."""
+    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    digits = value.split("(")[0].split(",")[0]
+    return int(digits) if digits.isdigit() else 1
+
+
+def shrink_requeued(lost_hosts: list[str], environ: Optional[Mapping[str, str]] = None,
+                    run=subprocess.run) -> Optional[str]:
+    """After `requeue` of an elastic job that lost `lost_hosts`: ask for the nodes that remain.
+
+    Slurm keeps the node and task counts of a requeued job's first allocation, so a job
+    that ran on 2 nodes would wait for 2 again; this sets them to the remaining nodes
+    (same tasks per node) and excludes the lost ones, which Slurm may not have marked
+    DOWN yet. Returns the message logged, None when nothing is to be done.
+    """
+    from megaft.launch.env import expand_hostlist
+
+    env = os.environ if environ is None else environ
+    job, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not job or not nodelist or not lost_hosts:
+        return None
+    remaining = [h for h in expand_hostlist(nodelist) if h not in set(lost_hosts)]
+    if not remaining:
+        return None
+    tasks = len(remaining) * _tasks_per_node(env)
+    cpus = tasks * int(env.get("SLURM_CPUS_PER_TASK", "1") or 1)
+    args = ["scontrol", "update", f"JobId={job}", f"NumNodes={len(remaining)}", f"NumTasks={tasks}",
+            f"NumCPUs={cpus}", f"ExcNodeList={','.join(sorted(set(lost_hosts)))}"]
+    out = run(args, capture_output=True, text=True, timeout=60)
+    msg = (f"megaft: job {job} asks for the {len(remaining)} node(s) that remain ({', '.join(remaining)}; "
+           f"{tasks} tasks), without {', '.join(sorted(set(lost_hosts)))}" if out.returncode == 0 else
+           f"megaft: `{' '.join(args)}` failed ({out.returncode}: {(out.stderr or out.stdout).strip()}): the "
+           "requeued job waits for its old node count")
     log.warning(msg)
     print(msg, flush=True)
     return msg

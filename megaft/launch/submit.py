@@ -15,8 +15,8 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 from megaft.config import Config, validate
 from megaft.estimate import GIB, gpu_type_memory
-from megaft.launch.entry import WARNING_SIGNALS
 from megaft.launch.env import slurm_port
+from megaft.signals import WARNING_SIGNALS
 
 Budget = tuple[int, str]  # bytes per GPU, and where the number came from (for messages)
 
@@ -28,6 +28,7 @@ class Shape(NamedTuple):
     tasks_per_node: int  # one task per rank
     gpus_per_node: int  # 0 on CPU nodes
     cpus_per_task: int
+    min_nodes: int = 0  # launcher.elastic + launcher.min_nodes: accept min_nodes..nodes (`--nodes=min-max`)
 
     @property
     def world_size(self) -> int:
@@ -35,7 +36,8 @@ class Shape(NamedTuple):
 
     def tag(self) -> str:
         """Short folder-safe name: n1_t2_g0_c1."""
-        return f"n{self.nodes}_t{self.tasks_per_node}_g{self.gpus_per_node}_c{self.cpus_per_task}"
+        elastic = f"_m{self.min_nodes}" if self.min_nodes else ""
+        return f"n{self.nodes}{elastic}_t{self.tasks_per_node}_g{self.gpus_per_node}_c{self.cpus_per_task}"
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,10 @@ def resource_shape(cfg: Config, spec: NodeSpec) -> tuple[Optional[Shape], list[s
     if cfg.device == "cuda" and not spec.gpus_per_node:
         return None, ["device=cuda but the preset asks for no GPUs (hydra.launcher.gpus_per_node=0); fix: "
                       "hydra/launcher=slurm (GPU nodes), hydra.launcher.gpus_per_node=N, or device=cpu"]
-    return Shape(nodes, tasks, min(spec.gpus_per_node, tasks), spec.cpus_per_task), []
+    # An elastic job may start on fewer nodes (its ranks then set dp from the world they get,
+    # megaft.launch.elastic); tp * pp must fit in what min_nodes hold, checked when it starts.
+    min_nodes = cfg.launcher.min_nodes if cfg.launcher.elastic and cfg.launcher.min_nodes < nodes else 0
+    return Shape(nodes, tasks, min(spec.gpus_per_node, tasks), spec.cpus_per_task, min_nodes), []
 
 
 def preset_gpu_budget(preset: Mapping[str, Any]) -> tuple[Optional[Budget], list[str]]:
@@ -134,7 +139,7 @@ def task_python(executable: str = sys.executable) -> str:
     blocks SIGUSR1/2, then execs Python with the same arguments (the mask survives exec).
 
     A warning that arrives while the task imports torch stays pending instead of killing it
-    (the default action), as under megaft-train (megaft.launch.entry), and submitit's own
+    (the default action), as under megaft-train (megaft.cli), and submitit's own
     USR2 handler never fires: PreemptFlag.install() in run_rank unblocks both and handles them.
     """
     blocked = ", ".join(f"signal.{sig.name}" for sig in WARNING_SIGNALS)
@@ -158,6 +163,9 @@ def sbatch_parameters(shape: Shape, preset: Mapping[str, Any]) -> dict[str, Any]
         # job where the cluster's JobRequeue=0, as slurm/train_srun.sbatch asks too.
         additional_parameters={"signal": f"USR1@{preset['signal_delay_s']}", "requeue": True,
                                **preset["additional_parameters"]})
+    if shape.min_nodes:
+        # The script's --nodes=min-max; submitit's own `nodes` (an int) still counts the tasks of a full job.
+        params["additional_parameters"]["nodes"] = f"{shape.min_nodes}-{shape.nodes}"
     if preset["partition"]:
         params["partition"] = preset["partition"]
     if shape.gpus_per_node:

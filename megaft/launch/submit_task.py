@@ -21,22 +21,26 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megaft.config import Config
 from megaft.fileio import write_json_atomic
+from megaft.launch.elastic import adapt
 from megaft.launch.env import DistEnv
 from megaft.launch.preempt import restart_count
+from megaft.launch.runlock import run_lock
 from megaft.launch.submit import task_port
 
 RENDEZVOUS_FILE = "slurm.json"  # in the run dir: which job ran it and where its ranks met
 
 
 class SlurmRankTask:
-    """Train `cfg` in `run_dir` as the rank this Slurm task is (submitit callable)."""
+    """Train `cfg` in `run_dir` as the rank this Slurm task is (submitit callable).
+    `body(cfg, run_dir, env, threads) -> dict` replaces training (run_rank) for another
+    entry point's sweep, e.g. megaft-verify's (megaft.verify.run.slurm_body)."""
 
-    def __init__(self, cfg: Config, run_dir: str):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: Config, run_dir: str, body: Optional[Callable[..., dict]] = None):
+        self.cfg, self.run_dir, self.body = cfg, run_dir, body
 
     def __call__(self) -> dict[str, Any]:
         import submitit
@@ -57,7 +61,9 @@ class SlurmRankTask:
                 "init_method": env.init_method, "port": port, "start_time": time.time()})
         # torch threads per rank = the cores Slurm gave the task, not every core of the node.
         threads = int(os.environ.get("SLURM_CPUS_PER_TASK") or 1)
-        summary = run_rank(self.cfg, self.run_dir, env, threads)
+        adapt(self.cfg, env.world_size, self.run_dir)  # launcher.elastic: dp follows this allocation
+        with run_lock(self.run_dir, enabled=env.rank == 0):  # a requeued job takes over its own lock
+            summary = (self.body or run_rank)(self.cfg, self.run_dir, env, threads)
         # The run is over (finished, or saved for a requeue): a late warning has nothing left to save,
         # and submitit's USR2 handler would requeue a finished run.
         for sig in (signal.SIGUSR1, signal.SIGUSR2):

@@ -8,6 +8,10 @@ outside these layers are split along the sequence (dim 1 of [batch, seq, hidden]
 "triton" and "cuda" fuse the bias (and, in RowParallelLinear at tp=1, the residual add)
 into the GEMM (a Triton GEMM epilogue, or one cuBLASLt matmul) and accumulate the weight
 gradient straight into the fp32 `weight.grad`.
+
+`adapter` (None, or a module set by megaft.peft.apply_lora): called on the layer's local
+input, its output is added to the local GEMM's before any reduction (a row-parallel
+adapter's partial product is summed by the layer's own all-reduce / reduce-scatter).
 """
 from __future__ import annotations
 
@@ -17,12 +21,17 @@ import torch
 from torch import nn
 
 from megaft.kernels.linear import EPILOGUE_BACKENDS, layer_linear, resolve_backend
-from megaft.kernels.linear.fused import compute_dtype
-from megaft.layers.shard import mark_sequence_parallel, mark_sharded, padded_size
+from megaft.kernels.linear.main_grad import compute_dtype
 from megaft.parallel.comm import (
-    Group, copy_to_tp, gather_from_sp, gather_from_tp, group_size, reduce_from_tp,
+    Group,
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    group_size,
+    reduce_from_tp,
     reduce_scatter_to_sp,
 )
+from megaft.parallel.shard import mark_sequence_parallel, mark_sharded, padded_size
 
 
 def column_input(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
@@ -58,11 +67,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = mark_sharded(nn.Parameter(torch.zeros(padded // tp)), 0, out_features, padded)
+        self.adapter: Optional[nn.Module] = None  # LoRA (megaft.peft): its output is added to y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_input:
             x = column_input(x, self.group, self.sequence_parallel)
         y = layer_linear(x, self.weight, self.bias, backend=self.backend)
+        if self.adapter is not None:
+            y = y + self.adapter(x)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -84,21 +96,25 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={tp}")
         self.group, self.sequence_parallel, self.backend = group, sequence_parallel, backend
         self.in_features, self.out_features = in_features, out_features
-        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // tp)), 1, in_features, in_features)
+        weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.weight = mark_sharded(weight, 1, in_features, in_features)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
             if sequence_parallel:
                 mark_sequence_parallel(self.bias)
+        self.adapter: Optional[nn.Module] = None  # LoRA (megaft.peft): partial output added before the sum
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         choice = resolve_backend(self.backend, x.device)
-        if group_size(self.group) == 1 and choice in EPILOGUE_BACKENDS and (
+        if group_size(self.group) == 1 and choice in EPILOGUE_BACKENDS and self.adapter is None and (
                 self.bias is None or self.bias.dtype == compute_dtype(x)):
             # no sum: bias and residual go into the epilogue (an fp32 bias under autocast
             # promotes y to fp32 in the unfused path, so that case stays unfused)
             return layer_linear(x, self.weight, self.bias, residual, backend=choice)
         y = layer_linear(x, self.weight, backend=choice)
+        if self.adapter is not None:  # B replicated: sum over tp of B (A_i x_i) = B A x, in the same reduction
+            y = y + self.adapter(x)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y

@@ -6,22 +6,34 @@ import torch
 from torch import nn
 
 from megaft.kernels.rmsnorm import rmsnorm
-from megaft.layers.shard import mark_sequence_parallel
+from megaft.parallel.comm import Group, copy_to_tp
+from megaft.parallel.shard import mark_sequence_parallel
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, computed in fp32 and cast back (HF LlamaRMSNorm's order).
+    """x / rms(x) * (offset + w), computed in fp32 and cast back (HF LlamaRMSNorm's order).
 
+    `offset` is 0 for Llama; Gemma stores w - 1 and scales by (1 + w) (offset 1): the
+    sum is formed in the weight's dtype and handed to the same kernel, so every backend
+    serves both and the gradient reaches w unchanged. (Gemma multiplies before casting
+    back to a 16-bit input dtype; in fp32 the two orders are the same numbers.)
     `backend` is the kernel front's (auto | torch | triton | cuda); called with a
     `residual`, the pre-norm residual add is fused in front and (norm(x + residual),
-    x + residual) is returned."""
+    x + residual) is returned.
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, sequence_parallel: bool = False, backend: str = "torch"):
+    `group`: the weight is shared by the heads of every tp rank (Qwen3's q/k norms over
+    head_dim): each rank's gradient is partial, so the weight enters through
+    copy_to_tp, whose backward sums it over the group (Megatron's f on a weight)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, sequence_parallel: bool = False, backend: str = "torch",
+                 offset: float = 0.0, group: Group = None):
         super().__init__()
-        self.eps, self.backend = eps, backend
+        self.eps, self.backend, self.offset, self.group = eps, backend, offset, group
         self.weight = nn.Parameter(torch.ones(dim))
         if sequence_parallel:
             mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rmsnorm(x, self.weight, self.eps, self.backend, residual=residual)
+        weight = self.weight if self.group is None else copy_to_tp(self.weight, self.group)
+        weight = weight + self.offset if self.offset else weight
+        return rmsnorm(x, weight, self.eps, self.backend, residual=residual)

@@ -1,8 +1,18 @@
-"""ModelConfig: the Llama architecture knobs (`model.*`) and their validation."""
+"""ModelConfig: the decoder's architecture knobs (`model.*`) and their validation.
+
+The defaults are Llama's block; the fields after `mlp_bias` switch on what other
+families change (megaft.models.arch holds one spec per family, mapping their HF
+config.json onto these fields). The model code reads only these fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
+
+from megaft.models.arch import SPECS
+from megaft.models.rope import ROPE_TYPES
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP (SwiGLU, GeGLU)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values megaft runs
 
 
 @dataclass
@@ -17,14 +27,25 @@ class ModelConfig:
     vocab_size: int = 0  # 0 = the tokenizer's vocabulary size
     norm_eps: float = 1e-5  # RMSNorm epsilon (HF rms_norm_eps)
     rope_theta: float = 10000.0  # rotary base
-    rope_scaling: Optional[Dict[str, Any]] = None  # HF rope_scaling (rope_type "llama3" supported)
-    max_seq_len: int = 2048  # longest sequence the rotary cache covers
+    rope_scaling: Optional[Dict[str, Any]] = None  # HF rope parameters with rope_type (see ROPE_TYPES)
+    max_seq_len: int = 2048  # longest sequence the rotary cache covers (HF max_position_embeddings on import)
     tie_embeddings: bool = False  # share the input embedding with the output head
     attention_bias: bool = False  # biases on q/k/v/o (HF attention_bias)
     mlp_bias: bool = False  # biases on gate/up/down (HF mlp_bias)
+    arch: str = "llama"  # architecture family (HF model_type) export writes; see megaft.models.arch
+    qkv_bias: bool = False  # biases on q/k/v only, none on o (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: Optional[int] = None  # keys a query sees, itself included (Mistral); None = full causal
+    layer_types: Optional[List[str]] = None  # per layer full_attention | sliding_attention; None = all sliding
+    #   when sliding_window is set (HF layer_types, Qwen2's max_window_layers)
+    activation: str = "silu"  # gate activation of the MLP: silu (SwiGLU) | gelu_pytorch_tanh (GeGLU, Gemma)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma stores w - 1 (offset 1)
+    scale_embeddings: bool = False  # multiply input embeddings by sqrt(dim) (Gemma)
     dropout: float = 0.0  # residual dropout; 0 for exact parallel equivalence
+    recompute: str = "none"  # activation checkpointing: none | selective (attention core, MLP activation) | full
+    recompute_layers: Optional[int] = None  # recompute the first N blocks of each pipeline stage; None = all
     init_std: float = 0.02  # normal init std; output projections scaled by 1/sqrt(2*n_layers)
-    init_from: Optional[str] = None  # Hugging Face Llama directory to load (overrides the shape fields)
+    init_from: Optional[str] = None  # Hugging Face checkpoint directory to load (overrides the shape fields)
     make_vocab_size_divisible_by: int = 1  # pad the vocabulary to a multiple of this * tp (Megatron uses 128)
     extra: Dict[str, Any] = field(default_factory=dict)  # HF config fields kept for export (bos/eos ids)
 
@@ -35,6 +56,61 @@ class ModelConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    def window(self, layer: int) -> Optional[int]:
+        """The attention window of block `layer` (None = full causal)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+
+def kv_replicas(cfg: ModelConfig, tp: int) -> int:
+    """Ranks holding a copy of each kv head: tp / n_kv_heads when tp is wider than the
+    kv heads (each rank keeps the one kv head its query heads read), else 1."""
+    return tp // cfg.kv_heads if tp > cfg.kv_heads else 1
+
+
+def _rope_problems(cfg: ModelConfig) -> list[str]:
+    s = dict(cfg.rope_scaling or {})
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        return [f"model.rope_scaling rope_type {kind!r} is not supported; fix: one of {', '.join(ROPE_TYPES)}"]
+    need = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("original_max_position_embeddings",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            }.get(kind, ())
+    errors = [f"model.rope_scaling of rope_type {kind} needs {k}" for k in need if k not in s]
+    if s.get("partial_rotary_factor", 1.0) != 1.0:
+        errors.append(f"model.rope_scaling partial_rotary_factor={s['partial_rotary_factor']} is not supported "
+                      "(megaft rotates the whole head); fix: a model with partial_rotary_factor 1")
+    max_pos = cfg.extra.get("max_position_embeddings", cfg.max_seq_len)
+    if kind == "dynamic" and cfg.max_seq_len > max_pos:
+        # transformers recomputes dynamic-NTK frequencies from each batch's length past
+        # max_position_embeddings: no fixed table equals it there.
+        errors.append(f"model.max_seq_len={cfg.max_seq_len} exceeds max_position_embeddings={max_pos} under "
+                      "dynamic rope scaling, where transformers rescales by each batch's length (a fixed rotary "
+                      f"table cannot match); fix: model.max_seq_len <= {max_pos}")
+    return errors
+
+
+def _variant_problems(cfg: ModelConfig) -> list[str]:
+    errors = []
+    if cfg.activation not in ACTIVATIONS:
+        errors.append(f"model.activation={cfg.activation!r} is not supported; fix: one of {', '.join(ACTIVATIONS)}")
+    if cfg.sliding_window is not None and cfg.sliding_window < 1:
+        errors.append(f"model.sliding_window={cfg.sliding_window} must be >= 1 (or null for full attention)")
+    if cfg.layer_types is not None:
+        if len(cfg.layer_types) != cfg.n_layers:
+            errors.append(f"model.layer_types has {len(cfg.layer_types)} entries for model.n_layers={cfg.n_layers}")
+        bad = sorted(set(cfg.layer_types) - set(LAYER_TYPES))
+        if bad:
+            errors.append(f"model.layer_types {bad} not supported; fix: entries among {', '.join(LAYER_TYPES)}")
+    if cfg.arch not in SPECS:
+        errors.append(f"model.arch={cfg.arch!r} is not supported; fix: one of {', '.join(SPECS)}")
+    else:  # what the family's HF class fixes: a model it cannot express would export wrong
+        errors += [p + "; fix: set model.arch to a family that has it" for p in SPECS[cfg.arch].refuse(cfg)]
+    return errors
 
 
 def check_model(cfg: ModelConfig, tp: int) -> list[str]:
@@ -53,12 +129,20 @@ def check_model(cfg: ModelConfig, tp: int) -> list[str]:
     if cfg.hd % 2:
         errors.append(f"head dim {cfg.hd} must be even for rotary embeddings; fix: change model.dim/n_heads/head_dim")
     if tp > 0:
-        for name, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_dim", cfg.ffn_dim)):
+        for name, value in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim)):
             if value % tp:
                 errors.append(f"parallel.tp={tp} does not divide model.{name}={value}; "
                               f"fix: pick tp among the divisors of {value}")
+        # tp wider than the kv heads replicates them (kv_replicas), which needs whole
+        # copies: tp a multiple of n_kv_heads; narrower tp splits them evenly.
+        if cfg.kv_heads % tp and tp % cfg.kv_heads:
+            errors.append(f"parallel.tp={tp} neither divides nor is a multiple of model.n_kv_heads={cfg.kv_heads}; "
+                          f"fix: a divisor or a multiple of {cfg.kv_heads}")
     if not 0.0 <= cfg.dropout < 1.0:
         errors.append(f"model.dropout={cfg.dropout} must be in [0, 1)")
-    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) not in ("llama3", "default"):
-        errors.append(f"model.rope_scaling={dict(cfg.rope_scaling)} is not supported; fix: use rope_type llama3 or none")
-    return errors
+    if cfg.recompute not in ("none", "selective", "full"):
+        errors.append(f"model.recompute={cfg.recompute!r} is unknown; fix: none, selective or full")
+    if cfg.recompute_layers is not None and cfg.recompute_layers < 0:
+        errors.append(f"model.recompute_layers={cfg.recompute_layers} must be >= 0; fix: a count of blocks per "
+                      "pipeline stage, or null for all")
+    return errors + _rope_problems(cfg) + _variant_problems(cfg)

@@ -1,4 +1,5 @@
-"""Write a tp-sharded Llama as a Hugging Face checkpoint directory.
+"""Write a tp-sharded model as a Hugging Face checkpoint directory of its own family
+(ModelConfig.arch: config.json from the family's spec in megaft.models.arch).
 
 Every tp rank takes part in gathering each parameter (one all-gather per sharded
 tensor, a safetensors shard at a time, so peak memory is one shard); only the
@@ -18,17 +19,20 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from megaft.layers.shard import full_shape, shard_of
+from megaft.models.arch import spec_for
+from megaft.models.arch.spec import write_common
 from megaft.models.config import ModelConfig
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE, hf_name
+from megaft.models.kv import ReplicatedShard, dedupe_gathered
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
+from megaft.parallel.shard import full_shape, shard_of
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, like save_pretrained)
 # Files a tokenizer.json usually travels with; copied when present beside it.
@@ -40,41 +44,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json of `cfg` as a transformers LlamaConfig (loads in transformers 4 and 5)."""
-    scaling = None
-    if cfg.rope_scaling:
-        scaling = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
-        scaling["rope_type"] = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
-    rope = {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
-    extra = cfg.extra
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.hd,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": extra.get("max_position_embeddings", cfg.max_seq_len),
-        "initializer_range": cfg.init_std,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "attention_dropout": 0.0,
-        "mlp_bias": cfg.mlp_bias,
-        "rope_parameters": rope,  # transformers 5
-        "rope_theta": cfg.rope_theta,  # transformers 4 and tools that follow it (vLLM, llama.cpp)
-        "rope_scaling": scaling,
-        "bos_token_id": extra.get("bos_token_id"),
-        "eos_token_id": extra.get("eos_token_id"),
-        "pad_token_id": extra.get("pad_token_id"),
-        "dtype": _dtype_name(dtype),  # transformers 5 name
-        "torch_dtype": _dtype_name(dtype),  # transformers 4 name
-        "use_cache": True,
-    }
+    """config.json of `cfg` for its family's transformers class (loads in transformers 4 and 5).
+    Raises ValueError when the family's HF class cannot express `cfg` (check_model
+    reports the same before launch)."""
+    spec = spec_for(cfg.arch, "model.arch")
+    problems = spec.refuse(cfg)
+    if problems:
+        raise ValueError("cannot export: " + "; ".join(problems))
+    return {**write_common(cfg, spec), **spec.write(cfg),
+            "dtype": _dtype_name(dtype),  # transformers 5 name
+            "torch_dtype": _dtype_name(dtype)}  # transformers 4 name
 
 
 def _plan(params: list[tuple[str, nn.Parameter]], tp_size: int, dtype: Optional[torch.dtype],
@@ -93,17 +72,23 @@ def _plan(params: list[tuple[str, nn.Parameter]], tp_size: int, dtype: Optional[
     return shards
 
 
-def _full(param: torch.Tensor, group: Group) -> torch.Tensor:
-    """The unsharded tensor of `param`: all-gathered along its shard dim, padding cropped."""
+def _full(param: torch.Tensor, group: Group, local: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The unsharded tensor of `param` (or of `local`, a tensor shaped and split like it):
+    all-gathered along its shard dim, padding cropped."""
     spec = shard_of(param)
-    local = param.detach()
+    local = param.detach() if local is None else local
     if spec is None:
         return local
     full = all_gather(local, spec.dim, group)
+    if isinstance(spec, ReplicatedShard):  # kv heads copied over tp > n_kv_heads: write each once
+        return dedupe_gathered(full, spec, group_size(group))
     if full.shape[spec.dim] != spec.padded:
         raise ValueError(f"tp group of {group_size(group)} ranks gathered {full.shape[spec.dim]} rows, "
                          f"the parameter was sharded for {spec.padded}: pass the model's own tp group")
     return full.narrow(spec.dim, 0, spec.full)
+
+
+gather_full = _full  # the public name (megaft.peft.export gathers adapters with it)
 
 
 def _publish(tmp: str, out_dir: str) -> None:
@@ -131,8 +116,10 @@ def _copy_tokenizer(tokenizer_json: str, tmp: str) -> None:
 @torch.no_grad()
 def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_json: Optional[str],
               tp_group: Group, is_writer: bool, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              dtype: Optional[torch.dtype] = None, pp_group: Group = None) -> str:
-    """Write `model` (tp-sharded over `tp_group`) as an HF Llama checkpoint in `out_dir`.
+              dtype: Optional[torch.dtype] = None, pp_group: Group = None,
+              skip: Optional[Callable[[str], bool]] = None,
+              transform: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> str:
+    """Write `model` (tp-sharded over `tp_group`) as an HF checkpoint of family `cfg.arch` in `out_dir`.
 
     Collective: every rank of `tp_group` must call it. The writer rank writes
     config.json, model.safetensors (or model-0000i-of-0000n.safetensors and
@@ -144,12 +131,16 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
     With a `pp_group` of more than one rank, `model` is this rank's `StageModel`;
     every rank of the tp and pp groups calls it, `is_writer` marks each stage's
     writer (tp_rank 0 of the first dp replica), see the module docstring.
+
+    `skip(name)`: leave that parameter out; `transform(name, local)`: the local shard to write
+    instead of the parameter's own (LoRA's merged export, megaft.peft.export: both by our names).
     """
     if group_size(pp_group) > 1:
         return _export_stages(model, cfg, out_dir, tokenizer_json=tokenizer_json, tp_group=tp_group,
-                              pp_group=pp_group, is_writer=is_writer, max_shard_bytes=max_shard_bytes, dtype=dtype)
+                              pp_group=pp_group, is_writer=is_writer, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                              skip=skip, transform=transform)
     out_dir = os.path.abspath(out_dir)
-    params = list(model.named_parameters())
+    params = [(n, p) for n, p in model.named_parameters() if skip is None or not skip(n)]
     tp_size = group_size(tp_group)
     shards = _plan(params, tp_size, dtype, max_shard_bytes)
     tmp = None
@@ -162,9 +153,10 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
             file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
             for name, p in shard:
-                full = _full(p, tp_group)  # collective: every rank gathers, the writer keeps it
+                local = transform(name, p.detach()) if transform else None
+                full = _full(p, tp_group, local)  # collective: every rank gathers, the writer keeps it
                 if is_writer:
-                    tensors[hf_name(name)] = full.to("cpu", dtype or full.dtype).contiguous()
+                    tensors[hf_name(name, cfg.arch)] = full.to("cpu", dtype or full.dtype).contiguous()
             if is_writer:
                 save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, file))
@@ -188,7 +180,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
 
 
 def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_group: Group,
-                  dtype: Optional[torch.dtype]) -> tuple[dict[str, str], int]:
+                  dtype: Optional[torch.dtype], arch: str, transform=None) -> tuple[dict[str, str], int]:
     """Gather and (on a writer, `tmp` set) save `shards` as files first+1.. of total_files;
     returns (weight map, bytes written)."""
     weight_map, nbytes = {}, 0
@@ -196,9 +188,9 @@ def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_g
         file = f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
         tensors = {}
         for name, p in shard:
-            full = _full(p, tp_group)  # collective over tp
+            full = _full(p, tp_group, transform(name, p.detach()) if transform else None)  # collective over tp
             if tmp:
-                tensors[hf_name(name)] = full.to("cpu", dtype or full.dtype).contiguous()
+                tensors[hf_name(name, arch)] = full.to("cpu", dtype or full.dtype).contiguous()
         if tmp:
             save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
@@ -209,11 +201,11 @@ def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_g
 @torch.no_grad()
 def _export_stages(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_json: Optional[str],
                    tp_group: Group, pp_group: Group, is_writer: bool, max_shard_bytes: int,
-                   dtype: Optional[torch.dtype]) -> str:
+                   dtype: Optional[torch.dtype], skip=None, transform=None) -> str:
     """`export_hf` under pp: each stage writes its own files, the first stage publishes."""
     out_dir = os.path.abspath(out_dir)
-    skip = "embed_tokens.weight" if getattr(model, "tied_copy", False) else None  # the first stage writes it
-    params = [(n, p) for n, p in model.named_parameters() if n != skip]
+    tied = "embed_tokens.weight" if getattr(model, "tied_copy", False) else None  # the first stage writes it
+    params = [(n, p) for n, p in model.named_parameters() if n != tied and (skip is None or not skip(n))]
     shards = _plan(params, group_size(tp_group), dtype, max_shard_bytes)
     first_stage = group_rank(pp_group) == 0
     publisher = first_stage and is_writer
@@ -226,7 +218,8 @@ def _export_stages(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenize
     dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, 0), group=pp_group)
     tmp = box[0] if is_writer else None
     try:
-        written = _write_shards(shards, sum(counts[:group_rank(pp_group)]), sum(counts), tmp, tp_group, dtype)
+        written = _write_shards(shards, sum(counts[:group_rank(pp_group)]), sum(counts), tmp, tp_group, dtype,
+                                cfg.arch, transform)
         everything: list = [None] * group_size(pp_group)
         dist.all_gather_object(everything, written, group=pp_group)
         if publisher:

@@ -1,4 +1,5 @@
-"""Read a Hugging Face Llama checkpoint: config.json -> ModelConfig, safetensors -> shards.
+"""Read a Hugging Face checkpoint: config.json -> ModelConfig (through the family's
+spec, megaft.models.arch), safetensors -> shards.
 
 Each tp rank reads only its slice of every sharded tensor (`safe_open(...).get_slice`),
 so a rank never holds a full copy of the model in memory.
@@ -14,26 +15,21 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from megaft.layers.shard import full_shape, shard_of
+from megaft.models.arch import SPECS, spec_for
+from megaft.models.arch.spec import HFCheckpointError, read_common
 from megaft.models.config import ModelConfig
+from megaft.models.kv import local_rows
+from megaft.parallel.shard import full_shape, shard_of
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-LLAMA_LIKE = ("llama",)  # model_types whose weights and math are exactly Llama's
-ROPE_TYPES = ("default", "llama3")
-# HF config fields kept in ModelConfig.extra so that export writes them back.
-EXTRA_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 _LIST_LIMIT = 20  # names listed in an error before "... and N more"
 
 
-class HFCheckpointError(ValueError):
-    """An HF checkpoint is unusable; the message names the file and tensor."""
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> its name in an HF LlamaForCausalLM state dict."""
-    return name if name == "lm_head.weight" else "model." + name
+def hf_name(name: str, arch: str = "llama") -> str:
+    """Our parameter name -> its name in the HF *ForCausalLM state dict of family `arch`."""
+    return SPECS[arch].hf_name(name)
 
 
 def _names(names: list[str]) -> str:
@@ -48,8 +44,9 @@ def read_hf_config(path: str) -> dict[str, Any]:
         with open(file) as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise HFCheckpointError(f"{file}: not found; fix: point model.init_from at an HF Llama "
-                                "checkpoint directory (config.json + *.safetensors)") from None
+        raise HFCheckpointError(f"{file}: not found; fix: point model.init_from at an HF checkpoint "
+                                f"directory (config.json + *.safetensors) of a supported model "
+                                f"({', '.join(SPECS)})") from None
     except (OSError, ValueError) as e:
         raise HFCheckpointError(f"{file}: cannot read it as JSON ({e})") from e
     if not isinstance(raw, dict):
@@ -57,66 +54,27 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return raw
 
 
-def _rope(raw: dict[str, Any], file: str) -> tuple[float, Optional[dict[str, Any]]]:
-    """(theta, scaling) from transformers 5's `rope_parameters` or the older
-    top-level `rope_theta` + `rope_scaling` (whose type key may be "type")."""
-    params = dict(raw.get("rope_parameters") or {})
-    if not params:
-        params = dict(raw.get("rope_scaling") or {})
-        if "rope_theta" in raw:
-            params["rope_theta"] = raw["rope_theta"]
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    theta = float(params.pop("rope_theta", 10000.0))
-    if kind not in ROPE_TYPES:
-        raise HFCheckpointError(f"{file}: rope type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})")
-    if kind == "default":
-        return theta, None
-    return theta, {"rope_type": kind, **params}
-
-
 def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
-    """ModelConfig of the HF Llama checkpoint in directory `path`.
+    """ModelConfig of the HF checkpoint in directory `path` (a supported model_type).
 
-    Shape fields come from config.json; the rest (dropout, init, vocab padding) from
-    `base` (default ModelConfig()). `max_seq_len` is min(base.max_seq_len,
-    max_position_embeddings): the rotary cache covers what training uses, not the
-    model's whole context (131072 for Llama 3.1). bos/eos/pad ids and
-    max_position_embeddings are kept in `extra` for export.
+    Shape and architecture fields come from config.json through the family's spec
+    (megaft.models.arch), which refuses what megaft cannot compute exactly; the rest
+    (dropout, init, vocab padding) from `base` (default ModelConfig()). `max_seq_len` is
+    max_position_embeddings, the model's own limit (the rotary tables cover it).
+    bos/eos/pad ids and max_position_embeddings are kept in `extra` for export.
     """
     base = base or ModelConfig()
     raw, file = read_hf_config(path), os.path.join(path, CONFIG)
-    if raw.get("model_type") not in LLAMA_LIKE:
-        raise HFCheckpointError(f"{file}: model_type {raw.get('model_type')!r} is not supported; "
-                                f"megaft imports {', '.join(LLAMA_LIKE)} checkpoints")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"{file}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in raw]
-    if missing:
-        raise HFCheckpointError(f"{file}: missing {', '.join(missing)}")
-    theta, scaling = _rope(raw, file)
-    n_heads = raw["num_attention_heads"]
-    max_pos = raw.get("max_position_embeddings") or base.max_seq_len
-    return dataclasses.replace(
-        base,
-        name=os.path.basename(os.path.normpath(path)),
-        dim=raw["hidden_size"],
-        n_layers=raw["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
-        ffn_dim=raw["intermediate_size"],
-        vocab_size=raw["vocab_size"],
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=min(base.max_seq_len, max_pos),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        init_from=str(path),
-        extra={**base.extra, **{k: raw[k] for k in EXTRA_KEYS if k in raw}},
-    )
+    spec = spec_for(raw.get("model_type"), file)
+    family = spec.read(raw, file)
+    common = read_common(raw, spec, file, base, act=family.pop("activation", None))
+    # The family's fields win over the common ones they refine; the Llama-only
+    # defaults a family does not set fall back to ModelConfig's (Llama behaviour).
+    fields = {f: getattr(ModelConfig, f) for f in ("attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
+                                                   "sliding_window", "layer_types", "norm_offset",
+                                                   "scale_embeddings")}
+    return dataclasses.replace(base, name=os.path.basename(os.path.normpath(path)), init_from=str(path),
+                               **{**fields, **common, **family})
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
@@ -173,15 +131,17 @@ def _by_file(wanted: dict[str, str], files: dict[str, str]) -> list[tuple[str, l
 def _check_tp(model: nn.Module, tp_size: int) -> None:
     for name, param in model.named_parameters():
         spec = shard_of(param)
-        if spec is not None and param.shape[spec.dim] * tp_size != spec.padded:
-            raise ValueError(f"{name} was built for tp={spec.padded // param.shape[spec.dim]}, "
-                             f"not tp_size={tp_size}")
+        if spec is not None and param.shape[spec.dim] != local_rows(spec, tp_size):
+            raise ValueError(f"{name} has {param.shape[spec.dim]} rows per rank, not the "
+                             f"{local_rows(spec, tp_size)} of tp_size={tp_size}: built for another tp")
 
 
 def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int, strict: bool) -> dict[str, str]:
     """Map our param names -> HF names after checking names and shapes; every problem at once."""
-    wanted = {name: hf_name(name) for name, _ in model.named_parameters()}
-    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    cfg = getattr(model, "cfg", None)
+    arch = getattr(cfg, "arch", "llama")
+    wanted = {name: hf_name(name, arch) for name, _ in model.named_parameters()}
+    tied = getattr(cfg, "tie_embeddings", False)
     problems = []
     missing = [hf for hf in wanted.values() if hf not in files]
     if missing:

@@ -12,8 +12,8 @@ import math
 import torch
 from torch import nn
 
-from megaft.layers.shard import full_shape, local_from_full
 from megaft.models.config import ModelConfig
+from megaft.parallel.shard import full_shape, local_from_full
 
 # Output projections of each residual branch get std / sqrt(2 * n_layers) (GPT-2, Megatron).
 _SCALED = ("o_proj.weight", "down_proj.weight")
@@ -28,8 +28,8 @@ def _seed_for(seed: int, name: str) -> int:
 def init_params(model: nn.Module, cfg: ModelConfig, *, seed: int, tp_rank: int, tp_size: int) -> None:
     for name, param in model.named_parameters():
         shape = full_shape(param, tp_size)
-        if name.endswith("norm.weight"):
-            full = torch.ones(shape)
+        if name.endswith("norm.weight"):  # a unit scale: w = 1, or 0 where the norm adds 1 (Gemma)
+            full = torch.full(shape, 1.0 - cfg.norm_offset)
         elif name.endswith(".bias"):
             full = torch.zeros(shape)
         else:

@@ -4,6 +4,10 @@ Activations are [batch, seq, hidden]; with sequence parallel the residual stream
 between blocks is a sequence shard [batch, seq / tp, hidden]. Parameter names
 follow the Hugging Face layout (see megaft.models.hf) with `layers.N.` prefixes.
 
+The block is Llama's; what other families change (biases, qk-norm, sliding window,
+(1 + w) norms, scaled embeddings, GeGLU) is read from ModelConfig fields, set by the
+family's spec in megaft.models.arch (attention variants: megaft.models.attention).
+
 RMSNorm (with the residual add fused in front of the post-attention norm), RoPE,
 SwiGLU, the loss and the linears' GEMMs (kernels.linear: gate/up + SwiGLU in one GEMM,
 the MLP residual add fused into down_proj at tp=1) go through the kernel fronts
@@ -22,56 +26,28 @@ from megaft.kernels.config import KernelsConfig
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from megaft.kernels.linear import fused_gate_up
 from megaft.kernels.linear.fused import fused_gate_up_swiglu
-from megaft.kernels.rope import rope
 from megaft.kernels.swiglu import swiglu
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from megaft.layers.linear import column_input
+from megaft.models import recompute
+from megaft.models.attention import Attention, op_backend
 from megaft.models.config import ModelConfig
-from megaft.models.rope import inv_frequencies, rope_tables
+from megaft.models.docs import Docs
+from megaft.models.rope import rope_init, rope_tables
 from megaft.parallel.comm import Group, group_rank, group_size
 
 
-def op_backend(kernels: Optional[KernelsConfig], op: str) -> str:
-    """The kernel backend of `op` ("torch", the reference, without a kernels config)."""
-    return "torch" if kernels is None else kernels.for_op(op)
-
-
-class Attention(nn.Module):
-    """Grouped-query attention; each tp rank owns n_heads/tp query and n_kv_heads/tp kv heads."""
-
-    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None):
-        super().__init__()
-        tp, hd = group_size(group), cfg.hd
-        self.group, self.sp, self.rope_backend = group, sequence_parallel, op_backend(kernels, "rope")
-        self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads // tp, hd
-        lin = op_backend(kernels, "linear")
-        col = dict(group=group, bias=cfg.attention_bias, sequence_parallel=sequence_parallel, shared_input=True,
-                   backend=lin)
-        self.q_proj = ColumnParallelLinear(cfg.dim, cfg.n_heads * hd, **col)
-        self.k_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * hd, **col)
-        self.v_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * hd, **col)
-        self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
-                                        sequence_parallel=sequence_parallel, backend=lin)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = column_input(x, self.group, self.sp)
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
-        q, k = rope(q, k, cos[:s], sin[:s], self.rope_backend)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
-
-
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up split by columns, down by rows."""
+    """Gated MLP down(act(gate(x)) * up(x)), gate/up split by columns, down by rows:
+    SwiGLU (act silu, through the swiglu kernels) or GeGLU (gelu_pytorch_tanh, Gemma:
+    torch ops, the SwiGLU kernels do not apply)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
                  kernels: Optional[KernelsConfig] = None):
         super().__init__()
         self.group, self.sp, self.swiglu_backend = group, sequence_parallel, op_backend(kernels, "swiglu")
+        self.activation = cfg.activation
+        self.selective = False  # recompute the activation in backward (set by Block)
         lin = op_backend(kernels, "linear")
         col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True,
                    backend=lin)
@@ -84,25 +60,40 @@ class MLP(nn.Module):
         """down(...) (+ residual: down_proj fuses the add where exact, see RowParallelLinear)."""
         x = column_input(x, self.group, self.sp)
         gate, up = self.gate_proj, self.up_proj
-        if fused_gate_up(gate.backend, x.device):  # one GEMM reads both weights, SwiGLU in its epilogue
+        if self.activation == "gelu_pytorch_tanh":  # HF GELUTanh: F.gelu(approximate="tanh")
+            h = recompute.run(geglu, gate(x), up(x), enabled=self.selective)
+        elif fused_gate_up(gate.backend, x.device) and gate.adapter is None and up.adapter is None:
+            # one GEMM reads both weights, SwiGLU in its epilogue (LoRA adapters: the unfused path)
             h = fused_gate_up_swiglu(x, gate.weight, up.weight, gate.bias, up.bias)
-        else:
-            h = swiglu(gate(x), up(x), self.swiglu_backend)
+        else:  # selective recompute: the activation runs again in backward, gate/up outputs are kept
+            h = recompute.run(swiglu, gate(x), up(x), self.swiglu_backend, enabled=self.selective)
         return self.down_proj(h, residual)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class Block(nn.Module):
+    """Pre-norm decoder block `layer` (its index picks the attention window); `recompute`:
+    what it recomputes in backward (megaft.models.recompute)."""
+
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None):
+                 kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none"):
         super().__init__()
-        self.dropout = cfg.dropout
+        self.dropout, self.full_recompute = cfg.dropout, recompute == "full"
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
-        self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
+        self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
+                                   layer=layer)
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
+        self.self_attn.selective = self.mlp.selective = recompute == "selective"
 
-    def forward(self, x, cos, sin):
-        h = self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, docs=None):
+        return recompute.run(self._forward, x, cos, sin, docs, enabled=self.full_recompute)
+
+    def _forward(self, x, cos, sin, docs=None):
+        h = self.self_attn(self.input_layernorm(x), cos, sin, docs)
         # The attention residual add is fused into the next norm: (norm(h + x), h + x). h is cast
         # to the residual stream's dtype first (bf16 under autocast, x fp32), as `x + h` would.
         h = F.dropout(h, self.dropout, self.training).to(x.dtype)
@@ -114,7 +105,7 @@ class Block(nn.Module):
 
 def make_norm(cfg: ModelConfig, *, sequence_parallel: bool, kernels: Optional[KernelsConfig] = None) -> RMSNorm:
     return RMSNorm(cfg.dim, eps=cfg.norm_eps, sequence_parallel=sequence_parallel,
-                   backend=op_backend(kernels, "rmsnorm"))
+                   backend=op_backend(kernels, "rmsnorm"), offset=cfg.norm_offset)
 
 
 def make_embedding(cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> VocabParallelEmbedding:
@@ -131,7 +122,9 @@ def make_head(cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
 
 def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
     """cos/sin tables as non-persistent buffers (they follow .to(device), never saved)."""
-    cos, sin = rope_tables(inv_frequencies(cfg.hd, cfg.rope_theta, cfg.rope_scaling), cfg.max_seq_len)
+    inv, attention_factor = rope_init(cfg.hd, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.extra.get("max_position_embeddings", cfg.max_seq_len))
+    cos, sin = rope_tables(inv, cfg.max_seq_len, attention_factor)
     module.register_buffer("rope_cos", cos, persistent=False)
     module.register_buffer("rope_sin", sin, persistent=False)
 
@@ -176,45 +169,93 @@ def fused_head_loss_sum(hidden: torch.Tensor, head: ColumnParallelLinear, labels
     return losses.sum()
 
 
-class Llama(nn.Module):
-    """The decoder. `forward` returns this rank's vocabulary slice of the logits,
-    [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
+class Decoder(nn.Module):
+    """The parts of the decoder one rank holds, built one way for every layout: the
+    embedding (`embedding`), the blocks `layer_ids` (global indices, so parameter names
+    match the whole model's), and the final norm and head (`head`). `Llama` holds them
+    all; a pipeline rank (megaft.pipeline.stage) holds its stages' slice, with the
+    blocks keyed by global index (`keyed`)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
-                 kernels: Optional[KernelsConfig] = None):
+                 kernels: Optional[KernelsConfig] = None, layer_ids=None, embedding: bool = True,
+                 head: bool = True, keyed: bool = False, stage_ranges=None):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building")
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and group_size(group) > 1
-        self.kernels = kernels
-        self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
-        self.layers = nn.ModuleList(Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
-                                    for _ in range(cfg.n_layers))
-        self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
-        self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.kernels = kernels  # KernelsConfig of the fused ops (None = the torch references)
+        layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        # model.recompute applies to the first recompute_layers blocks of each pipeline stage
+        again = recompute.recomputed_layers(stage_ranges or [layer_ids], cfg.recompute_layers)
+        # Registration order (embedding, blocks, norm, head) is the flat buffers' layout order.
+        if embedding:
+            self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
+        blocks = {str(i): Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels, layer=i,
+                                recompute=cfg.recompute if i in again else "none") for i in layer_ids}
+        self.layers = nn.ModuleDict(blocks) if keyed else nn.ModuleList(blocks.values())
+        if head:
+            self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
+            self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
+            if cfg.tie_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
         register_rope(self, cfg)
 
     @property
     def vocab_start(self) -> int:
-        return self.embed_tokens.vocab_start
+        """First vocabulary id of this tp rank's slice of the head."""
+        return group_rank(self.group) * self.lm_head.weight.shape[0]
 
-    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The final norm's output (sequence-sharded and right-padded under sequence parallel)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of `input_ids` (a sequence shard, right-padded, under sequence parallel),
+        times sqrt(dim) with `scale_embeddings` (Gemma: the factor rounded to the weight's
+        dtype first, as transformers does; the tied head uses the unscaled weight)."""
         x = self.embed_tokens(prepare_ids(input_ids, self.cfg, group=self.group, sequence_parallel=self.sp))
+        if self.cfg.scale_embeddings:
+            x = x * torch.tensor(self.cfg.dim ** 0.5, dtype=self.embed_tokens.weight.dtype, device=x.device)
+        return x
+
+    def prepare_docs(self, docs: Optional[Docs]) -> Optional[Docs]:
+        """`docs` on the activations' device, right-padded as `prepare_ids` pads the ids."""
+        if docs is None:
+            return None
+        seq = docs.doc_ids.shape[1]
+        tp = group_size(self.group) if self.sp else 1
+        return docs.to(self.rope_cos.device).padded(seq + (-seq % tp))
+
+    def head_out(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final norm and head on the last block's output: the summed token loss against
+        `labels` (see `token_loss_sum`; with kernels.fused_linear_cross_entropy the logits
+        are never built whole), or without labels this tp rank's vocabulary slice of the
+        logits (padded sequence under sequence parallel: the caller crops)."""
+        h = self.norm(x)
+        if labels is not None and self.kernels is not None and self.kernels.fused_linear_cross_entropy:
+            return fused_head_loss_sum(h, self.lm_head, labels, vocab_size=self.cfg.vocab_size,
+                                       kernels=self.kernels)
+        logits = self.lm_head(h)
+        if labels is None:
+            return logits
+        return token_loss_sum(logits[:, :labels.shape[1]], labels, group=self.group,
+                              vocab_size=self.cfg.vocab_size, kernels=self.kernels)
+
+
+class Llama(Decoder):
+    """The whole decoder. `forward` returns this rank's vocabulary slice of the logits,
+    [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
+                 kernels: Optional[KernelsConfig] = None):
+        super().__init__(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
+
+    def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
+        """The last block's output; `docs`: packed documents kept apart (megaft.models.docs)."""
+        x, docs = self.embed(input_ids), self.prepare_docs(docs)
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
-        return self.norm(x)
+            x = layer(x, self.rope_cos, self.rope_sin, docs)
+        return x
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden(input_ids))[:, :input_ids.shape[1]]
+    def forward(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
+        return self.head_out(self.blocks(input_ids, docs))[:, :input_ids.shape[1]]
 
-    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of a micro-batch (see `token_loss_sum`); with
-        kernels.fused_linear_cross_entropy the logits are never built whole."""
-        if self.kernels is not None and self.kernels.fused_linear_cross_entropy:
-            return fused_head_loss_sum(self.hidden(input_ids), self.lm_head, labels,
-                                       vocab_size=self.cfg.vocab_size, kernels=self.kernels)
-        return token_loss_sum(self(input_ids), labels, group=self.group, vocab_size=self.cfg.vocab_size,
-                              kernels=self.kernels)
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
+        """Summed token loss of a micro-batch (see `token_loss_sum`)."""
+        return self.head_out(self.blocks(input_ids, docs), labels)

@@ -1,6 +1,7 @@
 """AdamW over FlatParams (plain dp, ZeRO stage 0): one multi-tensor kernel call per step."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -8,9 +9,9 @@ import torch
 from megaft.kernels.adamw import adamw_multi_tensor_
 from megaft.optim.clip import grad_norm
 from megaft.optim.config import OptimConfig
-from megaft.optim.flat import FlatParams
 from megaft.optim.offload import NO_HOST, HostAdamW, host_zeros
 from megaft.parallel.comm import Group
+from megaft.parallel.flat import FlatParams
 from megaft.parallel.grads import sync_sequence_parallel_grads
 
 
@@ -84,6 +85,11 @@ class AdamW:
 
     def grad_norm(self, tp_group: Group, pp_group: Group) -> torch.Tensor:
         return grad_norm(self.norm_params, tp_group, pp_group)
+
+    def whole_params(self):
+        """A context in which every parameter is whole on this rank (evaluation, export):
+        always so without ZeRO-3."""
+        return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
         self.flat.zero_grad()

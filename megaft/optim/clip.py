@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megaft.layers.shard import shard_of
 from megaft.parallel.comm import Group, all_reduce
+from megaft.parallel.shard import shard_of
 
 
 @torch.no_grad()
@@ -25,10 +25,11 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group: Group, pp_group: Group
         if p.grad is None:
             continue
         sq = p.grad.detach().float().pow(2).sum()
-        if shard_of(p) is None:
+        spec = shard_of(p)
+        if spec is None:
             replicated += sq
-        else:
-            sharded += sq
+        else:  # kv heads copied over tp > n_kv_heads (megaft.models.kv) count once, not once per copy
+            sharded += sq / getattr(spec, "replicas", 1)
     return all_reduce(all_reduce(sharded, tp_group) + replicated, pp_group).sqrt()
 
 

@@ -29,20 +29,18 @@ then all-gathered (stage 3: gathered per layer) in bf16 as usual.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from megaft.layers.shard import is_sequence_parallel, shard_of
 from megaft.optim.adamw import adamw_update_, state_bytes
 from megaft.optim.config import OptimConfig
-from megaft.optim.flat import FlatParams
 from megaft.optim.offload import HostAdamW, host_zeros
 from megaft.parallel.buckets import chunk_range
-from megaft.parallel.comm import Group, all_reduce, group_rank, group_size
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from megaft.parallel.comm import Group, all_gather_single, all_reduce, group_rank, group_size
+from megaft.parallel.flat import FlatParams
+from megaft.parallel.shard import is_sequence_parallel, shard_of
 
 # Kinds of gradient segments for the norm: tp-sharded (sum over tp), replicated
 # over tp (count once), or left out (the last pp stage's tied embedding copy).
@@ -97,14 +95,16 @@ class ShardedAdamW:
         self.segments = [self._segments(b, lo, hi, counted) for b, (lo, hi) in zip(self.buckets, self.ranges)]
 
     @staticmethod
-    def _segments(bucket, lo: int, hi: int, counted: set) -> list[tuple[int, int, str, bool]]:
-        """(start, stop within the chunk, norm kind, sequence-parallel) of each param piece in [lo, hi)."""
+    def _segments(bucket, lo: int, hi: int, counted: set) -> list[tuple[int, int, str, bool, float]]:
+        """(start, stop within the chunk, norm kind, sequence-parallel, weight of its squares in the
+        norm) of each param piece in [lo, hi); kv heads copied over tp count 1/copies each."""
         out = []
         for p, off in zip(bucket.params, bucket.offsets):
             a, z = max(off, lo), min(off + p.numel(), hi)
             if a < z:
-                kind = SKIP if id(p) not in counted else (REPLICATED if shard_of(p) is None else SHARDED)
-                out.append((a - lo, z - lo, kind, is_sequence_parallel(p)))
+                spec = shard_of(p)
+                kind = SKIP if id(p) not in counted else (REPLICATED if spec is None else SHARDED)
+                out.append((a - lo, z - lo, kind, is_sequence_parallel(p), 1.0 / getattr(spec, "replicas", 1)))
         return out
 
     @property
@@ -123,7 +123,7 @@ class ShardedAdamW:
         tp ranks of one dp rank share a layout, and the tp and dp sums commute."""
         if group_size(tp_group) == 1:
             return
-        pieces = [c[2][a:z] for c, segs in zip(self.chunks, self.segments) for a, z, _, sp in segs if sp]
+        pieces = [c[2][a:z] for c, segs in zip(self.chunks, self.segments) for a, z, _, sp, _ in segs if sp]
         if not pieces:
             return
         flat = all_reduce(torch.cat(pieces).float(), tp_group)  # bf16 grads: summed in fp32, rounded once
@@ -139,9 +139,9 @@ class ShardedAdamW:
         device = self.device  # the grads' (the moments may be on the host: offload)
         sq = {SHARDED: torch.zeros((), device=device), REPLICATED: torch.zeros((), device=device)}
         for c, segs in zip(self.chunks, self.segments):
-            for a, z, kind, _ in segs:
+            for a, z, kind, _, weight in segs:
                 if kind != SKIP:
-                    sq[kind] += c[2][a:z].float().pow(2).sum()  # bf16 grads: squares summed in fp32
+                    sq[kind] += c[2][a:z].float().pow(2).sum() * weight  # bf16 grads: squares summed in fp32
         total = all_reduce(sq[SHARDED], tp_group) + sq[REPLICATED]
         return all_reduce(all_reduce(total, self.group), pp_group).sqrt()
 
@@ -159,6 +159,18 @@ class ShardedAdamW:
                 param.copy_(self.flat.groups[b.group].data[lo:hi])
         if self.host is not None and not self.masters:  # master_weights: the checkpoint held the masters
             self.host.reload_masters()
+
+    @contextlib.contextmanager
+    def whole_params(self):
+        """A context in which every parameter is whole on this rank (evaluation, export):
+        ZeRO-3 gathers every layer for its duration (dp ranks may run unequal forwards)."""
+        if self.gatherer is not None:
+            self.gatherer.acquire_all()
+        try:
+            yield
+        finally:
+            if self.gatherer is not None:
+                self.gatherer.release_all()
 
     def zero_grad(self) -> None:
         if self.stage >= 2:
@@ -191,20 +203,23 @@ class ShardedAdamW:
         if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
             return
         sends = [param.clone() for _, param, *_ in self.chunks]  # the output overlaps the input: copy it
-        works = [_all_gather(self.flat.groups[b.group].data[b.start:b.stop], send, group=self.group, async_op=True)
+        works = [all_gather_single(self.flat.groups[b.group].data[b.start:b.stop], send, group=self.group,
+                                   async_op=True)
                  for (b, *_), send in zip(self.chunks, sends)]
         for w in works:
             w.wait()
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, bucket_mb: float, grid,
-                    norm_params: Optional[list] = None, compression=None, offload: str = "none"):
+                    norm_params: Optional[list] = None, compression=None, offload: str = "none",
+                    scaler=None):
     """(FlatParams, optimizer, GradReducer) of one rank for ZeRO stage `zero` (0 to 3);
     stage 3 also installs the per-layer parameter gathering (`optimizer.gatherer`).
 
     `norm_params`: the params the grad norm counts (pp: all but a tied copy).
     `compression`: the ParallelConfig whose grad_compression/powersgd_* the reducer uses.
-    `offload="cpu"`: masters and moments on the host (megaft.optim.offload)."""
+    `offload="cpu"`: masters and moments on the host (megaft.optim.offload).
+    `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state."""
     from megaft.optim.adamw import AdamW
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.buckets import GradReducer
@@ -220,9 +235,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
                       dtype=torch.bfloat16 if cfg.master_weights else torch.float32)
     if zero == 0:
         optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
+        optimizer.scaler = scaler
         return flat, optimizer, GradReducer(flat, grid.dp_group, clock=lambda: optimizer.step_count, **options)
     optimizer = ShardedAdamW(flat, cfg, grid.dp_group, stage=zero, norm_params=norm_params,
                              offload=offload == "cpu")
+    optimizer.scaler = scaler
     reducer = GradReducer(flat, grid.dp_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads,
                           clock=lambda: optimizer.step_count, **options)
     if units:

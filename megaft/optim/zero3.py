@@ -26,10 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megaft.optim.flat import FlatParams
-from megaft.parallel.comm import Group, group_size
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from megaft.parallel.comm import Group, all_gather_single, group_size
+from megaft.parallel.flat import FlatParams
 
 
 def model_units(model: nn.Module) -> list[nn.Module]:
@@ -97,7 +95,7 @@ class ParamGatherer:
         if group_size(self.group) == 1:
             data.copy_(shard)
         else:
-            self._inflight[gi] = _all_gather(data, shard, group=self.group, async_op=True)
+            self._inflight[gi] = all_gather_single(data, shard, group=self.group, async_op=True)
 
     def acquire(self, i: int) -> None:
         for gi in self.unit_groups[i]:

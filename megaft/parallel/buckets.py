@@ -46,11 +46,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaft.optim.flat import Bucket, FlatParams
+from megaft.parallel.comm import Group, group_rank, group_size, reduce_scatter_single
 from megaft.parallel.compress import COMPRESSIONS, PowerSGD
-from megaft.parallel.comm import Group, group_rank, group_size
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from megaft.parallel.flat import Bucket, FlatParams
 
 
 def chunk_range(bucket: Bucket, dp: int, dp_rank: int) -> tuple[int, int]:
@@ -177,7 +175,7 @@ class GradReducer:
             self._pending.append((None, i, grad, grad, grad))
             return
         out = torch.empty(wire.numel() // self.dp, dtype=wire.dtype, device=wire.device)
-        work = _reduce_scatter(out, wire, group=self.group, async_op=True)
+        work = reduce_scatter_single(out, wire, group=self.group, async_op=True)
         self._pending.append((work, i, out, wire, grad))
 
     @torch.no_grad()

@@ -17,8 +17,8 @@ Group = Optional[dist.ProcessGroup]
 
 # torch >= 2.13 names the single-tensor collectives *_single; older releases (a
 # system CUDA torch reused by the venv) only have the *_tensor spelling.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: Group) -> int:
@@ -42,7 +42,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((n * x.shape[0],) + x.shape[1:])
-    _all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -55,7 +55,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if x.shape[0] % n:
         raise ValueError(f"reduce_scatter: size {x.shape[0]} not divisible by {n} ranks")
     out = x.new_empty((x.shape[0] // n,) + x.shape[1:])
-    _reduce_scatter_single(out, x, group=group)
+    reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -2,7 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import List, Optional
+
+
+# Choices as enums: Hydra rejects other values when composing, naming the allowed ones.
+# Member names equal their values, so a member hashes and compares like its string.
+class Offload(StrEnum):
+    none = "none"
+    cpu = "cpu"
+
+
+class Compression(StrEnum):
+    none = "none"
+    bf16 = "bf16"
+    powersgd = "powersgd"
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
 
 
 @dataclass
@@ -14,17 +34,17 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
     pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
     sequence_parallel: bool = False  # split norms/dropout regions along the sequence over tp
-    backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    backend: Backend = Backend.auto  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
     # ZeRO stage over dp: 0 plain dp | 1 Adam state sharded | 2 grads too | 3 params too.
     # With dp=1 any stage is a no-op (every shard is the whole model).
     zero: int = 0
     bucket_mb: float = 25.0  # MiB of fp32 grads per dp reduction bucket; smaller = earlier overlap, more launches
     # none | cpu: fp32 master weights and Adam moments of this rank's shard in (pinned) host
     # memory, updated by the C++ AdamW (megaft.optim.offload); the device keeps no Adam moments (8 B/param, /dp)
-    offload: str = "none"
+    offload: Offload = Offload.none
     # dp gradient compression (megaft.parallel.compress): none | bf16 (half the bytes, bf16 sums)
     # | powersgd (rank-r factors with error feedback; zero 0/1 only)
-    grad_compression: str = "none"
+    grad_compression: Compression = Compression.none
     powersgd_rank: int = 2  # r of PowerSGD's P (n x r) and Q (m x r); sends (n+m)r of n*m elements
     powersgd_warmup_steps: int = 0  # optimizer steps reduced uncompressed before PowerSGD starts
 
@@ -56,17 +76,17 @@ def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
         errors.append(f"parallel.zero={cfg.zero} is unknown; fix: 0 (plain dp), 1, 2 or 3")
     if cfg.bucket_mb <= 0:
         errors.append(f"parallel.bucket_mb={cfg.bucket_mb} must be > 0; fix: e.g. parallel.bucket_mb=25")
-    if cfg.offload not in ("none", "cpu"):
+    if cfg.offload not in set(Offload):  # a config built in Python
         errors.append(f"parallel.offload={cfg.offload!r} is unknown; fix: none or cpu")
     errors += _check_compression(cfg)
-    if cfg.backend not in ("auto", "nccl", "gloo"):
+    if cfg.backend not in set(Backend):
         errors.append(f"parallel.backend={cfg.backend!r} is unknown; fix: use auto, nccl or gloo")
     return errors
 
 
 def _check_compression(cfg: ParallelConfig) -> list[str]:
     """parallel.grad_compression and the PowerSGD knobs."""
-    if cfg.grad_compression not in ("none", "bf16", "powersgd"):
+    if cfg.grad_compression not in set(Compression):
         return [f"parallel.grad_compression={cfg.grad_compression!r} is unknown; fix: none, bf16 or powersgd"]
     if cfg.grad_compression != "powersgd":
         return []

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from megaft.layers.shard import is_sequence_parallel
 from megaft.parallel.comm import Group, all_reduce, group_size
+from megaft.parallel.shard import is_sequence_parallel
 
 
 @torch.no_grad()

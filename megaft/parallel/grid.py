@@ -38,6 +38,9 @@ class ParallelGrid:
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
+    # {first pp rank, last pp rank} of this rank's (dp, tp) position, when it is one of them and pp > 1:
+    # tied embedding copies sum their gradients over it (megaft.pipeline.stage.sync_tied_grads).
+    embedding_group: Optional[dist.ProcessGroup] = None
     # Collective timeout of every group (launcher.timeout_s); None = torch's default, 30 min for subgroups.
     timeout: Optional[datetime.timedelta] = None
 
@@ -84,8 +87,13 @@ class ParallelGrid:
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     groups[axis] = group
+        # Megatron's embedding group: the first and last pp stage of each (dp, tp) position.
+        for members in (ranks[[0, -1]].reshape(2, -1).t().tolist() if pp > 1 else []):
+            group = dist.new_group(members, timeout=timeout)
+            if rank in members:
+                groups["embedding"] = group
         return cls(
             tp_size=tp, dp_size=dp, pp_size=pp, rank=rank, device=torch.device(device),
             backend=dist.get_backend(), tp_group=groups[Axis.TP], dp_group=groups[Axis.DP],
-            pp_group=groups[Axis.PP], timeout=timeout,
+            pp_group=groups[Axis.PP], embedding_group=groups.get("embedding"), timeout=timeout,
         )

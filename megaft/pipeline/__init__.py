@@ -6,12 +6,28 @@ CSV; `validate` checks it without processes and `simulate` replays it with costs
 `plot_timeline` (matplotlib) lives in `megaft.pipeline.plot` so importing this
 package never needs matplotlib.
 """
-from megaft.pipeline.actions import (Action, ActionKind, ScheduleError, chunk_of, format_table,
-                                     message_of, parse_action, rank_of)
-from megaft.pipeline.schedules import (SCHEDULES, Schedule, add_send_recv, build_schedule,
-                                       dump_schedule, gpipe, interleaved_1f1b, load_schedule,
-                                       one_f_one_b)
+from megaft.pipeline.actions import (
+                                     Action,
+                                     ActionKind,
+                                     ScheduleError,
+                                     chunk_of,
+                                     format_table,
+                                     message_of,
+                                     parse_action,
+                                     rank_of,
+)
 from megaft.pipeline.comm_plan import nccl_problems
+from megaft.pipeline.schedules import (
+                                     SCHEDULES,
+                                     Schedule,
+                                     add_send_recv,
+                                     build_schedule,
+                                     dump_schedule,
+                                     gpipe,
+                                     interleaved_1f1b,
+                                     load_schedule,
+                                     one_f_one_b,
+)
 from megaft.pipeline.simulate import Cost, Interval, SimResult, peak_in_flight, simulate
 from megaft.pipeline.validate import validate
 

@@ -23,10 +23,10 @@ def plot_timeline(result: SimResult, path: str | Path, *, width: int = 1200,
 
     `height` defaults to 80 + 45 pixels per rank. Returns the path written.
     """
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import to_rgb
     from matplotlib.figure import Figure
-    from matplotlib import colormaps
 
     pp = result.pp
     height = height or 80 + 45 * pp

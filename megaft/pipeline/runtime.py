@@ -52,8 +52,8 @@ def _tag(direction: str, stage: int, mb: int) -> int:
 class _StepState:
     """What one step keeps between actions, keyed by (stage, micro-batch)."""
 
-    def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device):
-        self.inputs, self.labels, self.n_targets = inputs, labels, n_targets
+    def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device, docs=None):
+        self.inputs, self.labels, self.n_targets, self.docs = inputs, labels, n_targets, docs
         self.shape, self.autocast, self.device = shape, autocast, device
         self.received: dict[tuple, tuple[torch.Tensor, list]] = {}  # message -> (buffer, works to wait)
         self.stage_in: dict[tuple, Optional[torch.Tensor]] = {}
@@ -79,7 +79,8 @@ class PipelineRuntime:
     """One rank's executor: `train_step` for a schedule; `forward_loss` and
     `forward_logits` (stage after stage) for evaluation and generation."""
 
-    def __init__(self, model: StageModel, grid, schedule: str, microbatches: int, vpp: int = 1):
+    def __init__(self, model: StageModel, grid, schedule: str, microbatches: int, vpp: int = 1,
+                 wrap_compute: Optional[Callable[[Callable, str], Callable]] = None):
         self.model, self.grid = model, grid
         self.pp, self.m = grid.pp_size, microbatches
         full = build_schedule(schedule, self.pp, microbatches, vpp)
@@ -94,6 +95,8 @@ class PipelineRuntime:
         self.wait_s = 0.0  # seconds the last train_step spent blocked on peers (benchmarks/pipeline)
         # Compute kinds -> handlers (STYLE §3: a short loop dispatching each action).
         self._compute = {K.F: self._forward, K.B: self._backward}
+        if wrap_compute is not None:  # e.g. phase timing: wrap_compute(handler, "forward" | "backward")
+            self._compute = {K.F: wrap_compute(self._forward, "forward"), K.B: wrap_compute(self._backward, "backward")}
 
     def _check_nccl(self, name: str, full, vpp: int) -> None:
         problems = nccl_problems(full, self.pp, vpp)
@@ -155,7 +158,8 @@ class PipelineRuntime:
             x = state.take(("F", s - 1, mb)).requires_grad_()
             state.stage_in[(s, mb)] = x
         with state.autocast():
-            out = self.model(s, x, state.labels[mb].to(state.device) if s == self.last else None)
+            out = self.model(s, x, state.labels[mb].to(state.device) if s == self.last else None,
+                             state.docs[mb] if state.docs else None)
         state.stage_out[(s, mb)] = out
         if s == self.last:
             state.loss_sum += out.detach().double()
@@ -171,11 +175,12 @@ class PipelineRuntime:
         del out, x  # the graph and saved activations of (s, mb) go now
 
     def train_step(self, inputs: list[torch.Tensor], labels: list[torch.Tensor], n_targets: int,
-                   autocast: Callable) -> torch.Tensor:
+                   autocast: Callable, docs: Optional[list] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in the params.
-        Returns this rank's summed token loss (fp64; zero unless it holds the last stage)."""
+        Returns this rank's summed token loss (fp64; zero unless it holds the last stage).
+        `docs`: each micro-batch's packed-document layout (megaft.models.docs.Docs), or None."""
         state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
-                           self.grid.device)
+                           self.grid.device, docs)
         for item in self.program:
             if isinstance(item, list):
                 self._post(item, state)

@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping, Sequence
 
-from megaft.pipeline.actions import (Action, ActionKind, ScheduleError, format_table, message_of,
-                                     rank_of)
+from megaft.pipeline.actions import Action, ActionKind, ScheduleError, format_table, message_of, rank_of
 from megaft.pipeline.comm_plan import nccl_problems
 from megaft.pipeline.simulate import peak_in_flight, replay
 

@@ -1,9 +1,9 @@
 """TrainConfig (`train.*`): steps, batch arithmetic, evaluation and output."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
-
-from megaft.training.metrics import check_tensorboard
+from typing import Any
 
 
 @dataclass
@@ -23,6 +23,11 @@ class TrainConfig:
     peak_tflops: float = 0.0  # per-GPU peak TFLOP/s for MFU; 0 = the device table (megaft.training.flops), CPU: none
     log_phases: bool = True  # forward/backward/optimizer/comm seconds in every metrics line (CUDA events)
     tensorboard: str = "auto"  # auto | true | false: event files in run_dir/tensorboard (auto: when installed)
+    # Abort after this many consecutive steps with a non-finite loss or grad norm (fp16 overflow skips
+    # included; megaft.training.guards); no checkpoint is written during such a streak. 0 = never abort.
+    max_bad_steps: int = 10
+    straggler_every: int = 0  # gather every rank's step time every N steps (one small all-gather); 0 = off
+    straggler_factor: float = 1.5  # warn about a rank slower than the median step time times this
 
 
 def accumulation_steps(cfg: TrainConfig, dp: int) -> int:
@@ -46,9 +51,48 @@ def check_train(cfg: TrainConfig, dp: int) -> list[str]:
     if cfg.peak_tflops < 0:
         errors.append(f"train.peak_tflops={cfg.peak_tflops} must be >= 0 (0 = the device table); fix: e.g. "
                       "train.peak_tflops=989")
+    if cfg.max_bad_steps < 0:
+        errors.append(f"train.max_bad_steps={cfg.max_bad_steps} must be >= 0 (0 = never abort); fix: e.g. "
+                      "train.max_bad_steps=10")
+    if cfg.straggler_every < 0:
+        errors.append(f"train.straggler_every={cfg.straggler_every} must be >= 0 (0 = off); fix: e.g. "
+                      "train.straggler_every=50")
+    if cfg.straggler_factor <= 1:
+        errors.append(f"train.straggler_factor={cfg.straggler_factor} must be > 1 (times the median step "
+                      "time); fix: e.g. train.straggler_factor=1.5")
     if not errors and dp >= 1 and cfg.global_batch_size % (cfg.micro_batch_size * dp):
         errors.append(
             f"train.global_batch_size={cfg.global_batch_size} is not a multiple of "
             f"train.micro_batch_size * dp = {cfg.micro_batch_size} * {dp}; fix: make it one, e.g. "
             f"{cfg.micro_batch_size * dp * max(1, cfg.global_batch_size // (cfg.micro_batch_size * dp))}")
     return errors + check_tensorboard(cfg.tensorboard)
+
+
+TENSORBOARD_CHOICES = ("auto", "true", "false")
+
+
+def tensorboard_available() -> bool:
+    """Whether torch.utils.tensorboard can write (it needs the tensorboard package);
+    looked up without importing it (validation stays fast)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def tensorboard_setting(value: Any) -> str:
+    """train.tensorboard as one of TENSORBOARD_CHOICES (YAML turns true/false into bools)."""
+    return str(value).lower()
+
+
+def check_tensorboard(value: Any) -> list[str]:
+    """Problems of train.tensorboard: an unknown value, or true without the package."""
+    setting = tensorboard_setting(value)
+    if setting not in TENSORBOARD_CHOICES:
+        return [f"train.tensorboard={value!r} is unknown; fix: auto, true or false"]
+    if setting == "true" and not tensorboard_available():
+        return ["train.tensorboard=true but the tensorboard package is not installed; fix: pip install "
+                "tensorboard, or train.tensorboard=auto (write event files only when it is installed)"]
+    return []
+
+
+def use_tensorboard(value: Any) -> bool:
+    setting = tensorboard_setting(value)
+    return setting == "true" or (setting == "auto" and tensorboard_available())

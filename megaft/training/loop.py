@@ -20,96 +20,44 @@ from tqdm import tqdm
 from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.config import Config
-from megaft.data import (
-    PackedStream, build_tokenizer, count_targets, encode_examples, eval_batches, load_examples, special_ids,
-)
-from megaft.kernels.autotune import decide_kernels
-from megaft.launch.preempt import NONE, REQUEUE, PreemptFlag, StepBoundary
-from megaft.layers.shard import full_shape
-from megaft.models.llama import Llama
-from megaft.optim import LossScaler, build_optimizer, clip_grad_norm_, lr_at
+from megaft.data import count_targets
+from megaft.models.docs import Docs, kernel_name
+from megaft.optim import clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
-from megaft.pipeline.actions import ActionKind
-from megaft.pipeline.runtime import PipelineRuntime
-from megaft.pipeline.stage import StageModel, build_embedding_group, sync_tied_grads
-from megaft.training.config import accumulation_steps
-from megaft.training.evaluate import eval_accuracy, eval_loss, pipeline_eval_loss
+from megaft.parallel.shard import full_shape
+from megaft.peft.base import lora_record
+from megaft.training.config import use_tensorboard
+from megaft.training.evaluate import eval_accuracy
 from megaft.training.flops import device_peak_tflops, flops_per_token, mfu
-from megaft.training.metrics import MetricsLog, use_tensorboard, write_summary
+from megaft.training.guards import BadStepGuard, model_signature
+from megaft.training.metrics import MetricsLog, write_summary
+from megaft.training.parts import TrainSpec
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
-
-
-def choose_kernels(cfg: Config, grid: ParallelGrid):
-    """(KernelsConfig, record): kernels.backend=auto on CUDA set to the backends measured
-    fastest (rank 0 decides for all ranks), and each op's backend and its source for
-    summary.json (megaft.kernels.autotune.decide_kernels)."""
-    return decide_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
-                          seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device, rank=grid.rank,
-                          master_weights=cfg.optim.master_weights)
-
-
-def build_model(cfg: Config, grid: ParallelGrid, kernels=None) -> Llama | StageModel:
-    """The sharded model on this rank's device: HF weights or a tp-independent init.
-    Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names).
-    `kernels`: the decided KernelsConfig (default: choose_kernels)."""
-    par = cfg.parallel
-    if kernels is None:
-        kernels = choose_kernels(cfg, grid)[0]
-    if grid.pp_size > 1:
-        model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
-                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
-    else:
-        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
-    if cfg.model.init_from:
-        from megaft.models.hf import load_hf_weights
-
-        load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size,
-                        strict=grid.pp_size == 1)
-    else:
-        from megaft.models.init import init_params
-
-        init_params(model, cfg.model, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
-    return model.to(grid.device)
+from megaft.training.stop import NONE, REQUEUE, PreemptFlag, StepBoundary
+from megaft.training.stragglers import StragglerMonitor
 
 
 class Trainer:
-    """Owns the model, optimizer and data of one rank for one run."""
+    """One rank's run, composed of the parts a `TrainSpec` builds (megaft.training.parts):
+    data, kernels, model, optimizer, and the step (plain or pipeline), plus metrics,
+    phase timing and checkpointing. It calls them; it never reaches into them."""
 
-    def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str):
+    def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str, *, spec: TrainSpec = TrainSpec()):
         self.cfg, self.grid, self.run_dir = cfg, grid, run_dir
         self.is_writer = grid.rank == 0
         # Dropout differs across dp replicas but matches across tp ranks (replicated activations).
         torch.manual_seed(cfg.train.seed + 1000 * grid.dp_rank)
-        self.tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
-        self.eos_id, pad_id = special_ids(self.tok, cfg.model.extra.get("eos_token_id"))
-        examples = load_examples(cfg.data)
-        self.task = examples.task
-        self.stream = PackedStream(encode_examples(self.tok, examples.train, self.eos_id), cfg.data.seq_len,
-                                   cfg.data.seed)
-        self.eval_batches = eval_batches(encode_examples(self.tok, examples.eval, self.eos_id),
-                                         cfg.train.eval_batch_size, pad_id, max_len=cfg.model.max_seq_len)
-        kernels, self.kernel_choices = choose_kernels(cfg, grid)
-        self.model = build_model(cfg, grid, kernels)
-        # Flat buffers, optimizer (ZeRO stage) and the bucketed dp reduction (megaft.optim.zero).
-        norm_params = self.model.norm_params() if grid.pp_size > 1 else None
-        self.flat, self.optimizer, self.reducer = build_optimizer(
-            self.model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
-            norm_params=norm_params, compression=cfg.parallel, offload=cfg.parallel.offload)
-        self.scaler: Optional[LossScaler] = None
-        if cfg.precision == "fp16":
-            self.scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
-        self.optimizer.scaler = self.scaler  # saved in checkpoints with the optimizer state
-        self.pipeline: Optional[PipelineRuntime] = None
-        if grid.pp_size > 1:
-            self.pipeline = PipelineRuntime(self.model, grid, cfg.parallel.schedule,
-                                            accumulation_steps(cfg.train, grid.dp_size), cfg.parallel.vpp)
-            self.embedding_group = build_embedding_group(grid) if cfg.model.tie_embeddings else None
+        self.data = spec.data(cfg, grid)
+        kernels, self.kernel_choices = spec.kernels(cfg, grid)
+        self.model = spec.model(cfg, grid, kernels)
+        self.optim = spec.optim(cfg, grid, self.model)
+        self.flat, self.optimizer, self.reducer = self.optim.flat, self.optim.optimizer, self.optim.reducer
+        self.scaler = self.optim.scaler
+        self.phases = PhaseTimer(grid.device, enabled=cfg.train.log_phases)
+        self.step = spec.step(cfg, grid, self.model, self.optim, self.phases)
         self.metrics = MetricsLog(run_dir, enabled=self.is_writer,
                                   tensorboard=self.is_writer and use_tensorboard(cfg.train.tensorboard))
-        self.phases = PhaseTimer(grid.device, enabled=cfg.train.log_phases)
-        if self.pipeline is not None:
-            self.phases.wrap_pipeline(self.pipeline._compute, ActionKind.F, ActionKind.B)
         # MFU (megaft.training.flops): None on CPU unless train.peak_tflops is set.
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_tflops = device_peak_tflops(grid.device, cfg.precision, cfg.train.peak_tflops)
@@ -117,6 +65,13 @@ class Trainer:
         self.writer = checkpoint.CheckpointWriter(self.checkpoint_dir, grid, keep_last=cfg.train.keep_last,
                                                   async_save=cfg.train.async_save)
         self.boundary = StepBoundary(grid.world_size, grid.device)
+        # Robustness (megaft.training.guards, .stragglers): the model record every manifest carries and
+        # resume checks, the non-finite-step abort, the per-rank step-time report.
+        self.writer.meta = {"model": model_signature(cfg.model)}
+        if cfg.lora.rank > 0:  # adapter-only checkpoints name their base (megaft.peft.base): resume checks it
+            self.writer.meta["lora"] = lora_record(cfg.lora, cfg.model.init_from, cfg.train.seed)
+        self.guard = BadStepGuard(cfg.train.max_bad_steps, self.checkpoint_dir)
+        self.stragglers = StragglerMonitor(grid, cfg.train.straggler_every, cfg.train.straggler_factor)
 
     def autocast(self):
         if self.cfg.precision in ("bf16", "fp16"):
@@ -126,31 +81,19 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, grid = self.cfg.train, self.grid
-        inputs, labels = self.stream.global_batch(step, cfg.global_batch_size)
+        inputs, labels, docs = self.data.global_batch(step, cfg.global_batch_size)
         n_targets = max(count_targets(labels), 1)
         share = cfg.global_batch_size // grid.dp_size
         rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
         micro_in, micro_lab = inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)
+        micro_docs = None if docs is None else [
+            Docs(p, d) for p, d in zip(docs.position_ids[rows].split(cfg.micro_batch_size),
+                                       docs.doc_ids[rows].split(cfg.micro_batch_size))]
         # fp16 backpropagates loss * scale: dividing by n_targets / scale keeps one code path.
         divisor = n_targets / self.scaler.scale if self.scaler else n_targets
         phase = self.phases.phase
         self.phases.start_step()
-        if self.pipeline is not None:  # dp reduction after the schedule (reducer not armed)
-            loss_sum = self.pipeline.train_step(list(micro_in), list(micro_lab), divisor, self.autocast)
-            self.phases.add("comm", self.pipeline.wait_s)
-            with phase("comm"):
-                sync_tied_grads(self.model, self.embedding_group)
-                all_reduce(loss_sum, grid.pp_group)  # the last stage's loss, on every pp rank
-        else:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=grid.device)
-            for i, (mb_in, mb_lab) in enumerate(zip(micro_in, micro_lab)):
-                if i == len(micro_in) - 1:
-                    self.reducer.arm()  # buckets reduce during the last backward only
-                with phase("forward"), self.autocast():
-                    loss = self.model.loss_sum(mb_in.to(grid.device), mb_lab.to(grid.device))
-                with phase("backward"):
-                    (loss / divisor).backward()
-                loss_sum += loss.detach().double()
+        loss_sum = self.step.forward_backward(micro_in, micro_lab, divisor, self.autocast, micro_docs)
         with phase("comm"):
             self.reducer.finish()  # every bucket reduced over dp before any gradient is read
         opt = self.optimizer
@@ -177,21 +120,13 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
-        # ZeRO-3: whole params while evaluating (dp ranks run unequal numbers of forwards)
-        gatherer = getattr(self.optimizer, "gatherer", None)
-        if gatherer is not None:
-            gatherer.acquire_all()
-        if self.pipeline is not None:
-            loss = pipeline_eval_loss(self.pipeline, self.eval_batches, self.grid, self.autocast)
-        else:
-            loss = eval_loss(self.model, self.eval_batches, self.grid, self.autocast)
-        if loss is not None:
-            record["eval_loss"] = loss
-        if self.task is not None:  # under pp, greedy generation runs through the stages
-            record["eval_accuracy"] = eval_accuracy(self.pipeline or self.model, self.task, self.tok, self.eos_id,
-                                                    self.grid, self.autocast)
-        if gatherer is not None:
-            gatherer.release_all()
+        with self.optimizer.whole_params():  # ZeRO-3: whole layers while evaluating
+            loss = self.step.eval_loss(self.data.eval_batches, self.autocast)
+            if loss is not None:
+                record["eval_loss"] = loss
+            if self.data.task is not None:  # under pp, greedy generation runs through the stages
+                record["eval_accuracy"] = eval_accuracy(self.step.generator, self.data.task, self.data.tokenizer,
+                                                        self.data.eos_id, self.grid, self.autocast)
         self.metrics.write(**record)
         return record
 
@@ -200,7 +135,9 @@ class Trainer:
         if not self.cfg.train.resume:
             return 0
         step = checkpoint.load_latest(self.checkpoint_dir, self.flat, self.optimizer, self.grid, model=self.model,
-                                      reducer=self.reducer)  # + PowerSGD state (megaft.checkpoint.state)
+                                      reducer=self.reducer,  # + PowerSGD state (megaft.checkpoint.state)
+                                      model_config=self.writer.meta["model"],  # another model: an error
+                                      lora=self.writer.meta.get("lora", {}))  # another LoRA base: an error
         if step is None:
             return 0
         if self.is_writer:
@@ -211,7 +148,7 @@ class Trainer:
         """Checkpoint after `done` steps every train.save_every steps, when the run stops at `end`,
         and always when `force` (a preemption signal: losing the work would be worse)."""
         every = self.cfg.train.save_every
-        if force or (every and (done % every == 0 or done == end)):
+        if (force or (every and (done % every == 0 or done == end))) and self.guard.may_save():
             state = checkpoint.capture(self.flat, self.optimizer, self.grid, done, reducer=self.reducer)
             state["index"] = param_index(self.model, self.flat)  # names/offsets/splits: resharding on load
             self.writer.save(done, state)
@@ -255,14 +192,19 @@ class Trainer:
         last: Optional[dict[str, float]] = None
         tokens, train_time, stop = 0, 0.0, NONE
         for step in range(first, end):
+            self.current_step = step + 1  # the step being trained, as metrics.jsonl numbers it (hang reports)
             t0 = time.perf_counter()
             last = self.train_step(step)
             dt = time.perf_counter() - t0
             tokens, train_time = tokens + last["tokens"], train_time + dt
+            # The rank's own work: the step minus the time it waited for the others (comm_s).
+            spread = self.stragglers.observe(step + 1, dt - last.get("comm_s", 0.0))
             self.metrics.write(step=step + 1, loss=last["loss"], lr=last["lr"], grad_norm=last["grad_norm"],
                                tokens_per_s=last["tokens"] / dt, comm_bytes=self.reducer.take_sent_bytes(),
                                **{k: last[k] for k in ("loss_scale", "skipped_steps") if k in last},
-                               **self._mfu(last["tokens"] / dt), **{k: last[k] for k in PHASE_KEYS if k in last})
+                               **self._mfu(last["tokens"] / dt), **{k: last[k] for k in PHASE_KEYS if k in last},
+                               **spread)
+            self.guard.observe(step + 1, last)  # raises after train.max_bad_steps non-finite steps in a row
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 last_eval = self.evaluate(step + 1)
             # After eval, so the saved RNG state is the next step's.
@@ -294,8 +236,14 @@ class Trainer:
             tok_json = tokenizer_file(self.cfg.data.tokenizer or self.cfg.model.init_from)
         elif self.is_writer:
             tok_json = os.path.join(self.run_dir, "tokenizer.json")
-            self.tok.save(tok_json)
+            self.data.tokenizer.save(tok_json)
         grid = self.grid  # under pp, each stage's tp_rank 0 (first dp replica) writes its own tensors
+        if self.cfg.lora.rank > 0:  # a peft adapter folder in hf/ (+ the merged model in hf_merged/)
+            from megaft.peft.export import export_lora
+
+            return export_lora(self.model, self.cfg.model, self.cfg.lora, self.run_dir, tokenizer_json=tok_json,
+                               tp_group=grid.tp_group, pp_group=grid.pp_group,
+                               is_writer=grid.tp_rank == 0 and grid.dp_rank == 0)
         export_hf(self.model, self.cfg.model, os.path.join(self.run_dir, "hf"), tokenizer_json=tok_json,
                   tp_group=grid.tp_group, pp_group=grid.pp_group, is_writer=grid.tp_rank == 0 and grid.dp_rank == 0)
 
@@ -310,11 +258,14 @@ class Trainer:
             out["acc"] = f"{ev['eval_accuracy']:.1%}"
         return out
 
-    def model_params(self) -> int:
-        """Parameters of the whole (unsharded, unpadded) model."""
-        if self.pipeline is None:
-            return sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.flat.params)
-        local = sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.model.norm_params())
+    def model_params(self, *, trainable: bool = False) -> int:
+        """Parameters of the whole (unsharded, unpadded) model; `trainable`: only those the
+        optimizer updates (LoRA: the adapters)."""
+        copy = self.model.embed_tokens.weight if getattr(self.model, "tied_copy", False) else None
+        local = sum(math.prod(full_shape(p, self.grid.tp_size)) for p in self.model.parameters()
+                    if p is not copy and (p.requires_grad or not trainable))
+        if self.grid.pp_size == 1:
+            return local
         total = torch.tensor(float(local), dtype=torch.float64, device=self.grid.device)
         return int(all_reduce(total, self.grid.pp_group).item())
 
@@ -332,11 +283,14 @@ class Trainer:
             "wall_s": wall, "world_size": grid.world_size, "tp": grid.tp_size, "dp": grid.dp_size,
             "pp": grid.pp_size, "sequence_parallel": self.cfg.parallel.sequence_parallel,
             "precision": self.cfg.precision, "device": str(grid.device), "model": self.cfg.model.name,
-            "params": self.model_params(),
+            "params": self.model_params(), "trainable_params": self.model_params(trainable=True),
             # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.optim.zero).
             "zero": self.cfg.parallel.zero, "memory_bytes": self.optimizer.memory_bytes(),
             # op -> {backend, source: measured | cache | fixed | config | cpu[, ms]} (megaft.kernels.autotune)
             "kernels": self.kernel_choices,
+            # data.packing=docs: documents kept apart by a mask (sdpa_mask, or flex_attention on CUDA)
+            "attention": kernel_name(grid.device) if self.data.packing == "docs" else "sdpa_causal",
+            "packing": self.data.packing,
         }
         summary.update({k: v for k, v in last_eval.items() if k != "step"})
         if grid.device.type == "cuda":

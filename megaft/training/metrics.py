@@ -2,41 +2,11 @@
 files (run_dir/tensorboard, the same scalars) and summary.json."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from typing import Any, Optional
 
 from megaft.fileio import write_json_atomic
-
-TENSORBOARD_CHOICES = ("auto", "true", "false")
-
-
-def tensorboard_available() -> bool:
-    """Whether torch.utils.tensorboard can write (it needs the tensorboard package);
-    looked up without importing it (validation stays fast)."""
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-def tensorboard_setting(value: Any) -> str:
-    """train.tensorboard as one of TENSORBOARD_CHOICES (YAML turns true/false into bools)."""
-    return str(value).lower()
-
-
-def check_tensorboard(value: Any) -> list[str]:
-    """Problems of train.tensorboard: an unknown value, or true without the package."""
-    setting = tensorboard_setting(value)
-    if setting not in TENSORBOARD_CHOICES:
-        return [f"train.tensorboard={value!r} is unknown; fix: auto, true or false"]
-    if setting == "true" and not tensorboard_available():
-        return ["train.tensorboard=true but the tensorboard package is not installed; fix: pip install "
-                "tensorboard, or train.tensorboard=auto (write event files only when it is installed)"]
-    return []
-
-
-def use_tensorboard(value: Any) -> bool:
-    setting = tensorboard_setting(value)
-    return setting == "true" or (setting == "auto" and tensorboard_available())
 
 
 class MetricsLog:

@@ -87,16 +87,13 @@ class PhaseTimer:
                 seconds[p] += sum(s.elapsed_time(e) for s, e in self._events[p]) / 1e3
         return {f"{p}_s": max(seconds[p], 0.0) for p in PHASES}
 
-    def wrap_pipeline(self, compute: dict, forward_key, backward_key) -> None:
-        """Time the pipeline runtime's forward/backward handlers in place; the time their
-        receives block (the step state's wait_s grows) is not compute: the caller adds the
-        runtime's wait_s to comm."""
+    def timed_handler(self, fn: Callable, name: str) -> Callable:
+        """`fn`, a pipeline runtime's forward/backward handler, timed as phase `name`; the
+        time its receives block (the step state's wait_s grows) is not compute: the caller
+        adds the runtime's wait_s to comm (megaft.pipeline.runtime's wrap_compute)."""
         if not self.enabled:
-            return
-        for key, name in ((forward_key, "forward"), (backward_key, "backward")):
-            compute[key] = self._timed_handler(compute[key], name)
+            return fn
 
-    def _timed_handler(self, fn: Callable, name: str) -> Callable:
         def handler(stage: int, mb: int, state) -> None:
             waited = state.wait_s
             with self.phase(name):

@@ -5,6 +5,7 @@ import torch
 
 from megaft.data import Encoded, PackedStream, count_targets, eval_batches
 
+
 # Example k starts with the unique id 100 + k, so the stream can be parsed back into
 # examples; lengths differ and masks vary, so a misplaced window shows. Odd examples
 # are prompt/completion (a 2-token prompt), even ones are text with a varied mask.
@@ -81,7 +82,7 @@ def test_global_batch_is_the_windowed_stream(seq_len, size):
             assert x[r].tolist() == ids[window:window + seq_len]
             labels = expected_labels(ids, target, start, window, seq_len)
             assert y[r].tolist() == labels
-            cut += sum(target[i] and l == -100 for i, l in enumerate(labels, window + 1))
+            cut += sum(target[i] and lab == -100 for i, lab in enumerate(labels, window + 1))
     assert seq_len == TOKENS or cut > 0  # some windows did cut a prompt off
     # Inputs of consecutive batches concatenate to the stream itself.
     flat = torch.cat([stream.global_batch(s, size)[0].flatten() for s in range(steps)])

@@ -2,8 +2,7 @@
 
 import json
 
-from megaft.data import (DataConfig, build_tokenizer, char_tokenizer, check_data,
-                         load_examples, make_task)
+from megaft.data import DataConfig, build_tokenizer, char_tokenizer, check_data, load_examples, make_task
 
 
 def write(path, lines):

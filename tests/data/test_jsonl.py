@@ -37,7 +37,7 @@ MALFORMED = [
     ('{"completion": "a"}', "has 'completion' but no 'prompt'"),
     ('{"text": "a", "prompt": "b", "completion": "c"}',
      "has both 'text' and 'prompt'/'completion'"),
-    ('{"body": "a"}', "has neither 'text' nor 'prompt'+'completion' (keys: 'body')"),
+    ('{"body": "a"}', "has neither 'text' nor 'prompt'+'completion' nor 'messages' nor 'conversations' (keys: 'body')"),
     ('{}', "has neither"),
 ]
 

@@ -2,8 +2,7 @@
 
 import pytest
 
-from megaft.data import (TASKS, DataError, encode_example, make_task, special_ids,
-                         task_tokenizer)
+from megaft.data import TASKS, DataError, encode_example, make_task, special_ids, task_tokenizer
 
 
 def test_registry_has_more_than_one_task():

@@ -210,9 +210,8 @@ def test_explicit_cuda_without_extension_raises():
 
 
 def test_optim_config_accepts_triton_only_where_it_runs(monkeypatch):
-    from megaft.optim.config import OptimConfig, check_optim
-
     from megaft.config import Config, validate
+    from megaft.optim.config import OptimConfig, check_optim
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     errors = check_optim(OptimConfig(fused="triton"), device="cpu")

@@ -264,17 +264,17 @@ def test_decided_kernels_fill_in_the_auto_ops(monkeypatch, tmp_path):
     autotune.decide_kernels(kernels, TINY, timer=fake_timer({"cuda": 0.1, "torch": 0.2}),
                             **dict(kw, precision="bf16"), master_weights=True)
     assert seen == [True]
-    # training passes its optim.master_weights (megaft.training.loop.choose_kernels)
+    # training passes its optim.master_weights (megaft.training.parts.choose_kernels)
     from megaft.config import Config
     from megaft.parallel.grid import ParallelGrid
-    from megaft.training import loop
+    from megaft.training import parts
 
     passed = []
-    monkeypatch.setattr(loop, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]))
+    monkeypatch.setattr(parts, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]))
     cfg = Config()
     for flag in (False, True):
         cfg.optim.master_weights = flag
-        loop.choose_kernels(cfg, ParallelGrid.single())
+        parts.choose_kernels(cfg, ParallelGrid.single())
     assert passed == [False, True]
 
 

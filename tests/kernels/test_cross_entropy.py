@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multirank import spawn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaft.kernels import _triton
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy, reference, resolve_backend
-from multirank import spawn
 
 DTYPES = [pytest.param(torch.float32, (1e-5, 1e-5), id="fp32"),
           pytest.param(torch.bfloat16, (1e-2, 1e-2), id="bf16")]

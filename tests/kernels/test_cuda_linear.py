@@ -44,7 +44,9 @@ def _inputs(shape, dtype, seed=0):
 
 def _want(x, w, b, r):
     """The spec in fp32 on the same inputs: one rounding, as reference.py states."""
-    up = (lambda t: None if t is None else t.float())
+    def up(t):
+        return None if t is None else t.float()
+
     return reference.linear(up(x), up(w), up(b), up(r))
 
 

@@ -8,8 +8,8 @@ Tolerances (atol, rtol): fp32 1e-5 (IEEE fp32 dot products, other summation orde
 bf16 1e-2 relative over the whole tensor (the usual), and no element more than 4
 bf16 ulps off: Triton's interpreter truncates fp32 -> bf16 casts where GPUs round to
 nearest even (see test_rmsnorm.py), and the SwiGLU epilogue rounds three times
-(gate/up, silu, product) where torch's CPU bf16 addmm rounds at other points. Interpreted on CPU, shapes stay small; the tails (M, N, K not
-multiples of the tiles) are the point.
+(gate/up, silu, product) where torch's CPU bf16 addmm rounds at other points. Interpreted on
+CPU, shapes stay small; the tails (M, N, K not multiples of the tiles) are the point.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def _inputs(shape, dtype, device, transposed):
         q = torch.randn(b, hq, s, d, generator=gen).to(device, dtype)
         k = torch.randn(b, hk, s, d, generator=gen).to(device, dtype)
     cos, sin = rope_tables(inv_frequencies(d, 10000.0, None), s + 3)
-    dq, dk = torch.randn(q.shape, generator=gen).to(device, dtype), torch.randn(k.shape, generator=gen).to(device, dtype)
+    dq = torch.randn(q.shape, generator=gen).to(device, dtype)
+    dk = torch.randn(k.shape, generator=gen).to(device, dtype)
     return q, k, cos[:s].to(device), sin[:s].to(device), dq, dk
 
 

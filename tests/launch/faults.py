@@ -55,3 +55,38 @@ def die_worker(local_rank, cfg, run_dir, nproc, init_file):
     """Rank 1 is killed (SIGKILL, as the OOM killer would) at step FAULT_STEP."""
     _inject(_die)
     local_worker(local_rank, cfg, run_dir, nproc, init_file)
+
+
+def die_once_worker(local_rank, cfg, run_dir, nproc, init_file):
+    """Like die_worker, but only in the first attempt (HANG_MARK not yet written): a restart runs clean."""
+    if not os.path.exists(os.path.join(run_dir, HANG_MARK)):
+        _inject(_die)
+    local_worker(local_rank, cfg, run_dir, nproc, init_file)
+
+
+SLOW_S = 1.0  # seconds rank 1 sleeps in every step under slow_worker
+
+
+def slow_worker(local_rank, cfg, run_dir, nproc, init_file):
+    """Rank 1 is a straggler: SLOW_S more work in every step (before its first collective)."""
+    original = loop.Trainer.train_step
+
+    def train_step(self, step):
+        if self.grid.rank == 1:
+            time.sleep(SLOW_S)
+        return original(self, step)
+
+    loop.Trainer.train_step = train_step
+    local_worker(local_rank, cfg, run_dir, nproc, init_file)
+
+
+def _stop(trainer):
+    with open(os.path.join(trainer.run_dir, HANG_MARK), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def sigstop_worker(local_rank, cfg, run_dir, nproc, init_file):
+    """Rank 1 is frozen by SIGSTOP at the start of step FAULT_STEP (a rank that stops responding)."""
+    _inject(_stop)
+    local_worker(local_rank, cfg, run_dir, nproc, init_file)

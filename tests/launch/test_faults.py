@@ -11,12 +11,12 @@ import sys
 import time
 
 import pytest
-
 from checkpoint_cases import assert_same_losses
+from train_cases import read_rows, small_config
+
 from launch.faults import FAULT_STEP, HANG_MARK, die_worker, hang_worker, signal_worker
 from megaft.checkpoint import io, list_checkpoints, problem
 from megaft.launch.local import RankFailedError, launch_local
-from train_cases import read_rows, small_config
 
 TIMEOUT_S = 3  # launcher.timeout_s of the hang/death cases: small, so the test is fast
 
@@ -88,7 +88,7 @@ def test_dead_rank_is_named_and_the_others_stopped(tmp_path):
 
 def test_a_signal_during_the_imports_is_kept_until_the_handlers_exist(tmp_path):
     """`megaft-train` gets USR1 0.3 s after it starts, long before torch is imported: blocked from
-    the first line (launch/entry.py) it stays pending, the launcher forwards it, and the ranks stop
+    the first line (megaft/cli.py) it stays pending, the launcher forwards it, and the ranks stop
     at their first step boundary with a checkpoint instead of dying of the signal (exit -10)."""
     script = os.path.join(os.path.dirname(sys.executable), "megaft-train")
     assert os.path.exists(script), f"{script} missing: `make install` installs the console script"

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 
-from megaft.config import LauncherConfig, check_launcher
 from megaft.launch import health
-from megaft.launch.preempt import NONE, REQUEUE, STOP, PreemptFlag, StepBoundary, requeue
+from megaft.launch.config import LauncherConfig, check_launcher
+from megaft.launch.preempt import requeue
+from megaft.training.stop import NONE, REQUEUE, STOP, PreemptFlag, StepBoundary
 
 
 def test_flag_records_the_strongest_signal_and_restores_handlers():
@@ -30,7 +31,7 @@ def test_flag_records_the_strongest_signal_and_restores_handlers():
 
 
 def test_second_sigterm_kills():
-    code = ("import os, signal, time; from megaft.launch.preempt import PreemptFlag\n"
+    code = ("import os, signal, time; from megaft.training.stop import PreemptFlag\n"
             "f = PreemptFlag().install(); os.kill(os.getpid(), signal.SIGTERM); assert f.value == 1\n"
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('survived')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -66,6 +67,7 @@ def test_diagnose_names_the_rank_that_never_reported(tmp_path):
     run = str(tmp_path)
     timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
     assert health.is_comm_failure(timeout) and not health.is_comm_failure(ValueError("bad shape"))
+    assert health.is_comm_failure(RuntimeError("Application timeout caused pair closure"))  # gloo, seen on 2 nodes
     # Rank 2 reported its own failure earlier; rank 1 never does.
     os.makedirs(os.path.join(run, health.HEALTH_DIR))
     health.diagnose(timeout, run, rank=2, world=3, timeout_s=5, wait_s=0)

@@ -58,3 +58,15 @@ def load_reference(path: str) -> transformers.LlamaForCausalLM:
     """The HF model of `path` in fp32 with eager attention, for reference logits."""
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def padded_lines(lengths: list[int], *, seed: int, low: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded lines of the given lengths (token ids in [low, VOCAB)); labels are the
+    next tokens, -100 on padding."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(low, VOCAB, (n,), generator=gen)
+        labels[i, : n - 1] = ids[i, 1:n]
+    return ids, labels

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from multirank import spawn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megaft.models import Llama, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.hf import HFCheckpointError, checkpoint_files, export_hf, hf_model_config, load_hf_weights
-from models.hf_fixture import LLAMA3_ROPE, VOCAB, load_reference, make_hf_llama
-from multirank import spawn
+from models.hf_fixture import LLAMA3_ROPE, VOCAB, load_reference, make_hf_llama, padded_lines
 
 # fp32 on both sides; the only differences are summation orders (sdpa vs eager
 # attention, tp partial sums), worth ~1e-6 on logits of magnitude ~1.
@@ -57,14 +57,7 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded lines of different lengths; labels are next tokens, -100 on padding."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [13, 5, 9]
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(0, VOCAB, (n,), generator=gen)
-        labels[i, : n - 1] = ids[i, 1:n]
-    return ids, labels
+    return padded_lines([13, 5, 9], seed=seed)
 
 
 def _reference_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -135,9 +128,10 @@ def test_config_mapping(hf_dirs, tmp_path):
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.hd, cfg.ffn_dim) == (64, 2, 4, 2, 16, 96)
     assert (cfg.vocab_size, cfg.norm_eps, cfg.rope_theta, cfg.rope_scaling) == (VOCAB, 1e-5, 10000.0, None)
     assert cfg.attention_bias and cfg.mlp_bias and not cfg.tie_embeddings
-    assert cfg.max_seq_len == 64 and cfg.dropout == 0.1  # min(caller, max_position_embeddings); base kept
+    assert cfg.max_seq_len == 64 and cfg.dropout == 0.1  # max_position_embeddings; base's other fields kept
     assert cfg.extra == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "max_position_embeddings": 64}
-    assert hf_model_config(hf_dirs["tied"], base=ModelConfig(max_seq_len=32)).max_seq_len == 32
+    # The checkpoint's limit, not the preset's (issue 14): max_position_embeddings sets max_seq_len.
+    assert hf_model_config(hf_dirs["tied"], base=ModelConfig(max_seq_len=32)).max_seq_len == 64
     assert hf_model_config(hf_dirs["tied"]).tie_embeddings
     llama3 = hf_model_config(hf_dirs["llama3"])
     assert llama3.rope_theta == 500000.0
@@ -169,7 +163,7 @@ def test_config_errors(hf_dirs, tmp_path):
     raw = _read_json(os.path.join(hf_dirs["plain"], "config.json"))
     for change, match in (({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
                           ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope type 'yarn'")):
+                          ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "rope type 'longrope'")):
         (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
         _expect(f"{tmp_path}/config.json: {match}", hf_model_config, str(tmp_path))
 

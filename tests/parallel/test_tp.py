@@ -2,12 +2,12 @@
 vocab-parallel cross-entropy (tp=1 is the reference itself; tp=2 and tp=4 spawned)."""
 import torch
 import torch.nn.functional as F
+from multirank import spawn
 
-from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
+from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
 from megaft.models import Llama, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.init import init_params
-from multirank import spawn
 from parallel import tp_cases
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megaft.layers.cross_entropy import vocab_parallel_cross_entropy
-from megaft.layers.shard import local_from_full
+from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
 from megaft.models import Llama, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.init import init_params
 from megaft.parallel.comm import group_rank, group_size, split
 from megaft.parallel.grads import sync_sequence_parallel_grads
 from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.shard import local_from_full
 
 # fp32; the sharded model sums partial products in a different order than the
 # reference matmul (split K in row-parallel layers), so equality holds to rounding.

@@ -3,10 +3,24 @@ from __future__ import annotations
 
 import pytest
 
-from megaft.pipeline import (Action, ActionKind, ScheduleError, add_send_recv, build_schedule,
-                             chunk_of, dump_schedule, format_table, gpipe, interleaved_1f1b,
-                             load_schedule, one_f_one_b, parse_action, peak_in_flight, rank_of,
-                             validate)
+from megaft.pipeline import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    add_send_recv,
+    build_schedule,
+    chunk_of,
+    dump_schedule,
+    format_table,
+    gpipe,
+    interleaved_1f1b,
+    load_schedule,
+    one_f_one_b,
+    parse_action,
+    peak_in_flight,
+    rank_of,
+    validate,
+)
 
 K = ActionKind
 

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from megaft.pipeline import (Action, ActionKind, Cost, ScheduleError, build_schedule, gpipe,
-                             interleaved_1f1b, one_f_one_b, rank_of, simulate)
+from megaft.pipeline import (
+    Action,
+    ActionKind,
+    Cost,
+    ScheduleError,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    rank_of,
+    simulate,
+)
 
 K = ActionKind
 UNIFORM = [Cost(1, 1), Cost(1, 2)]  # F=B, and the usual B = 2F

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from .test_slurm import FINISHED, TINY, ctld_log, job_fields, run_job
 from .conftest import PYTHON, ROOT
+from .test_slurm import FINISHED, TINY, ctld_log, job_fields, run_job
 
 STEPS = 40
 ARGS = [a for a in TINY if not a.startswith("train.max_steps")] + [

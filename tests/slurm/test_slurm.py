@@ -30,6 +30,17 @@ def job_fields(env, job):
     return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
 
 
+def final_state(env, job, timeout=120.0):
+    """The job's state once it left PENDING/RUNNING/COMPLETING (the launcher's wait=true returns
+    with rank 0's result, possibly while the other tasks and the job's epilogue still run)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = job_fields(env, job)["JobState"]
+        if state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
 def ctld_log(env, job):
     """slurmctld's log lines about `job`: why Slurm ended or killed it (for failure messages)."""
     conf = subprocess.run(["scontrol", "show", "config"], env=env, capture_output=True, text=True, timeout=30)

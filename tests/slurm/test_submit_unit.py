@@ -8,13 +8,23 @@ import signal
 import subprocess
 
 import pytest
+from test_estimate import preset_1b  # tests/ is on sys.path (rootdir conftest)
 
 from megaft.config import Config
 from megaft.estimate import GIB, GPU_MEMORY_GIB, estimate_memory
 from megaft.launch.env import PORT_BASE, PORT_SPAN, slurm_port
-from megaft.launch.submit import (NodeSpec, Shape, check_point, group_by_shape, point_world_size, preset_gpu_budget,
-                                  resource_shape, sbatch_parameters, task_port, task_python)
-from test_estimate import preset_1b  # tests/ is on sys.path (rootdir conftest)
+from megaft.launch.submit import (
+    NodeSpec,
+    Shape,
+    check_point,
+    group_by_shape,
+    point_world_size,
+    preset_gpu_budget,
+    resource_shape,
+    sbatch_parameters,
+    task_port,
+    task_python,
+)
 
 from .conftest import ROOT
 

@@ -1,6 +1,6 @@
 """Vocabulary-parallel cross-entropy, plain or fused with the head projection.
 
-    torch   reference.py: the specification (megaft.layers.cross_entropy, fp32 logits copy)
+    torch   reference.py: the specification (vocab_parallel_cross_entropy, fp32 logits copy)
             and, for the fused path, chunked.py's torch statistics (fp32 per row chunk only)
     triton  triton.py: online-logsumexp statistics and the gradient, in the logits' dtype
     cuda    cuda.py: the same in CUDA C++ (csrc/cuda/cross_entropy.cu, torch.ops.megaft.cross_entropy_*)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megaft.layers.cross_entropy import IGNORE_INDEX
+from megaft.kernels.cross_entropy.reference import IGNORE_INDEX
 from megaft.parallel.comm import Group, group_size
 
 TORCH_ROWS = 1024  # rows per fp32 chunk of the torch backend's statistics and gradient

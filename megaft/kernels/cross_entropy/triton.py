@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megaft.layers.cross_entropy import IGNORE_INDEX
+from megaft.kernels.cross_entropy.reference import IGNORE_INDEX
 
 
 @triton.jit

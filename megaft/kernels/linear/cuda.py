@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from megaft.kernels import _ext
-from megaft.kernels.linear.fused import MAIN_GRAD_DTYPES
+from megaft.kernels.linear.main_grad import MAIN_GRAD_DTYPES
 
 
 def _ops():

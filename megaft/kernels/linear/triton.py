@@ -2,7 +2,8 @@
 
 One tiled kernel computes C = A @ B over [BLOCK_M, BLOCK_N] output tiles with an fp32
 accumulator (tl.dot; IEEE fp32 for fp32 inputs so that it matches torch within
-rounding, not TF32; bf16 operands upcast first when interpreted on CPU), then in registers: + bias, + residual, or the SwiGLU of two
+rounding, not TF32; bf16 operands upcast first when interpreted on CPU),
+then in registers: + bias, + residual, or the SwiGLU of two
 accumulators (gate and up halves of one [2F, D] weight), or + the old C upcast to fp32
 (ACCUMULATE: ``main_grad += dy.T @ x``, Megatron's gradient-accumulation fusion, no copy
 of the weight gradient; a bf16 main grad, optim.master_weights, is rounded once). The
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from megaft.kernels import _triton
-from megaft.kernels.linear.fused import MAIN_GRAD_DTYPES
+from megaft.kernels.linear.main_grad import MAIN_GRAD_DTYPES
 
 
 @triton.jit

@@ -1,0 +1,97 @@
+"""The planner's cost model against Megatron-LM's published H100 table.
+
+    python -m benchmarks.plan [--cluster h100] [--matmul-fraction F]
+
+Source: NVIDIA/Megatron-LM, README "Performance Benchmarking", images/model_table.png
+(added in commit f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, 2024-07-15): GPT models with a
+131,072-token vocabulary and 4096-token sequences on H100 (DGX), "fine-grained
+overlapping" of the DP, TP and PP communication, throughput end to end. Each row below is
+(name, attention heads, hidden size, layers, tp, pp, dp, GPUs, global batch, per-GPU
+TFLOP/s, MFU) as printed in that table.
+
+For every row the layout is fed to megaft's cost model (megaft.plan.cost.step_cost) on
+conf/cluster/<cluster>.yaml: a Llama-shaped model with the same FLOPs (multi-head
+attention, SwiGLU width 8/3 x hidden = GPT's 4 x hidden MLP), bf16, micro-batch 1,
+sequence parallelism with tp, ZeRO-1 (Megatron's distributed optimizer) with bf16
+params and fp32 gradient reduction. The model predicts megaft's step, so it differs from
+Megatron where megaft differs: megaft overlaps no tp collective, sends fp32 activations
+between stages, and reduces pp > 1 gradients after the schedule; the interleaving and
+micro-batch size of the published runs are not in the table (1 and 1 assumed here).
+Only the cost is compared: megaft's memory estimate (no activation recomputation) is
+not applied to these layouts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from omegaconf import OmegaConf
+
+from megaft.config import Config
+from megaft.models.config import ModelConfig
+from megaft.plan.config import ClusterConfig
+from megaft.plan.cost import step_cost
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ_LEN, VOCAB = 4096, 131072
+# name, heads, hidden, layers, tp, pp, dp, GPUs, batch, TFLOP/s per GPU, MFU (Megatron-LM model_table.png)
+MEGATRON_H100 = (
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 0.41),
+    ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 0.47),
+    ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1, 0.49),
+    ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6, 0.46),
+    ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7, 0.42),
+    ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5, 0.43),
+    ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8, 0.44),
+    ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4, 0.48),
+    ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 0.47),
+)
+
+
+def load_cluster(name: str) -> ClusterConfig:
+    data = OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "conf", "cluster", f"{name}.yaml")))
+    data.pop("defaults", None)
+    return ClusterConfig(**data)
+
+
+def row_config(heads: int, hidden: int, layers: int, tp: int, pp: int, dp: int, batch: int) -> Config:
+    cfg = Config()
+    cfg.model = ModelConfig(name="gpt", dim=hidden, n_layers=layers, n_heads=heads, ffn_dim=round(8 * hidden / 3),
+                            vocab_size=VOCAB, max_seq_len=SEQ_LEN)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+    cfg.parallel.sequence_parallel, cfg.parallel.zero = tp > 1, 1
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, batch
+    cfg.data.seq_len, cfg.precision, cfg.optim.master_weights = SEQ_LEN, "bf16", True
+    return cfg
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", default="h100", help="conf/cluster/<name>.yaml")
+    ap.add_argument("--matmul-fraction", type=float, default=None, help="override cluster.matmul_fraction")
+    args = ap.parse_args(argv)
+    cluster = load_cluster(args.cluster)
+    if args.matmul_fraction is not None:
+        cluster.matmul_fraction = args.matmul_fraction
+    print(f"megaft cost model on cluster={args.cluster} (matmul_fraction {cluster.matmul_fraction:g}) vs "
+          "Megatron-LM's published H100 table (README, images/model_table.png)")
+    header = f"{'model':>6} {'tp':>3} {'pp':>3} {'dp':>3} {'GPUs':>5} {'batch':>5} {'pub MFU':>8} " \
+             f"{'pred MFU':>8} {'error':>7} {'pub TF/GPU':>10} {'pred TF/GPU':>11}  bottleneck (2nd)"
+    print(header)
+    errors = []
+    for name, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, mfu in MEGATRON_H100:
+        cfg = row_config(heads, hidden, layers, tp, pp, dp, batch)
+        cost = step_cost(cfg, cluster, tp * pp * dp)
+        pred_tflops = cost.tokens_per_s_per_gpu * cost.flops_per_token / 1e12
+        err = (cost.mfu - mfu) / mfu
+        errors.append(err)
+        second = sorted(cost.terms, key=cost.terms.get)[-2]
+        print(f"{name:>6} {tp:>3} {pp:>3} {dp:>3} {gpus:>5} {batch:>5} {100 * mfu:>7.1f}% {100 * cost.mfu:>7.1f}% "
+              f"{100 * err:>+6.1f}% {tflops:>10.1f} {pred_tflops:>11.1f}  {cost.bottleneck} ({second})")
+    mean_abs = sum(abs(e) for e in errors) / len(errors)
+    print(f"mean error {100 * sum(errors) / len(errors):+.1f}%, mean |error| {100 * mean_abs:.1f}%, "
+          f"max |error| {100 * max(abs(e) for e in errors):.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Elastic restart: a run (re)started on another number of ranks keeps tp and pp and changes dp.
+
+`launcher.elastic=true` makes dp follow the world a job gets (an explicit parallel.dp
+is overridden): dp = world / (tp * pp). Gradient accumulation, global_batch_size /
+(micro_batch_size * dp), then keeps the global batch, so the loss curve is the one the
+old layout would have had (up to fp32 summation order), and the newest checkpoint is
+resharded to the new dp on load (megaft.checkpoint.reshard). A world that tp * pp no
+longer divides is an error naming both. Without elastic, an unset parallel.dp already
+follows the world; a set one must match it (validation says so).
+
+`requeue_after_loss`: under Slurm, rank 0 of an elastic job that lost ranks (a node)
+requeues it on the nodes that remain. `record_restarts` adds the launcher's restart count to summary.json: the local
+launcher's (`launcher.max_restarts`) or Slurm's (SLURM_RESTART_COUNT).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+from typing import Optional
+
+from megaft.checkpoint import io
+from megaft.config import Config
+from megaft.fileio import write_json_atomic
+from megaft.launch import health
+from megaft.launch.preempt import requeue, shrink_requeued
+
+log = logging.getLogger("megaft")
+
+
+class ElasticError(RuntimeError):
+    """The world a restarted job got cannot hold the run's tp * pp."""
+
+
+def newest_layout(checkpoint_dir: str) -> Optional[tuple[int, dict]]:
+    """(step, layout) from the newest checkpoint's manifest (not verified: for messages only)."""
+    for step, path in reversed(io.list_checkpoints(checkpoint_dir)):
+        try:
+            return step, io.read_manifest(path)["layout"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def adapt(cfg: Config, world: int, run_dir: str) -> Optional[str]:
+    """With launcher.elastic, set cfg.parallel.dp for a world of `world` ranks; returns a message
+    describing the change against the newest checkpoint (None when nothing changed)."""
+    if not cfg.launcher.elastic:
+        return None
+    par, train = cfg.parallel, cfg.train
+    fixed = par.tp * par.pp
+    if world % fixed:
+        raise ElasticError(
+            f"launcher.elastic: this run got {world} rank(s), which parallel.tp*parallel.pp = {par.tp}*{par.pp} = "
+            f"{fixed} does not divide, so no dp fits; fix: start a multiple of {fixed} ranks (launcher.nproc, Slurm "
+            "tasks), or change parallel.tp/pp (the checkpoint reshards to them too)")
+    dp = world // fixed
+    was = newest_layout(os.path.join(run_dir, "checkpoints"))
+    par.dp = dp
+    if was is None or was[1].get("dp") == dp:
+        return None
+    step, layout = was
+    old_acc = train.global_batch_size // max(train.micro_batch_size * layout["dp"], 1)
+    new_acc = train.global_batch_size // max(train.micro_batch_size * dp, 1)
+    msg = (f"megaft: elastic restart: checkpoint step {step} was written by {layout['world_size']} rank(s) "
+           f"(tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}); this run has {world}: tp={par.tp} pp={par.pp} "
+           f"dp={dp}, gradient accumulation {old_acc} -> {new_acc} micro-batches per rank, global batch "
+           f"{train.global_batch_size} kept; the checkpoint is resharded")
+    log.warning(msg)
+    print(msg, flush=True)
+    return msg
+
+
+def requeue_after_loss(max_requeue: int, run_dir: str, world: int, since: float) -> None:
+    """Rank 0 of an elastic Slurm job whose collective failed on lost ranks: requeue the job and
+    ask for the nodes that remain (megaft.launch.preempt), where dp follows the smaller world and
+    the newest checkpoint is resharded. The requeue SIGTERMs this task: ignored, so the node
+    request can still be updated after it (the caller re-raises and exits right after)."""
+    with contextlib.suppress(ValueError):  # not the main thread: no handlers to change
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    msg = requeue(max_requeue, why="a rank was lost (see the error below)")
+    if "requeued Slurm job" in msg:
+        shrink_requeued(health.silent_hosts(run_dir, world, since=since))
+
+
+def record_restarts(run_dir: str, restarts: int) -> None:
+    """Add `restarts` to the run's summary.json, when the run finished (wrote one)."""
+    path = os.path.join(run_dir, "summary.json")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return
+    summary["restarts"] = restarts
+    write_json_atomic(path, summary)

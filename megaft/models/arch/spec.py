@@ -1,0 +1,201 @@
+"""ArchSpec: what one architecture family changes in the Llama block, its HF names and
+the config.json fields it reads and writes.
+
+`read_common` maps the fields every family shares (shapes, RoPE, norm epsilon, tied
+embeddings, the activation, max_position_embeddings) and refuses what megaft cannot
+compute exactly; a family's `read` adds its own fields. Every key of config.json must
+be read by the family, be metadata (GENERIC) or carry its neutral value (NEUTRAL):
+anything else might change the math, so it is an error naming the key.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from megaft.models.rope import ROPE_TYPES
+
+# `cfg` / `base` below are megaft.models.config.ModelConfig objects; that module is not
+# imported here because its check_model reads this registry (no import cycle).
+ModelConfig = Any
+
+
+class HFCheckpointError(ValueError):
+    """An HF checkpoint is unusable; the message names the file and tensor."""
+
+
+class HFConfigError(HFCheckpointError):
+    """config.json describes a model megaft cannot run exactly; the message names why."""
+
+
+# Metadata and generation defaults (PretrainedConfig's, transformers 4 and 5): no effect on the logits.
+GENERIC = frozenset((
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict",
+    "problem_type", "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "chunk_size_feed_forward", "tokenizer_class", "torchscript", "tie_encoder_decoder", "prefix",
+    "task_specific_params", "finetuning_task", "use_bfloat16", "tf_legacy_loss", "max_length", "min_length",
+    "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
+    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "pretraining_tp",  # Llama 2's sliced matmuls: transformers 5 no longer reads it (same math)
+))
+# Fields megaft accepts only at the value that leaves the math as megaft computes it.
+NEUTRAL = {"attention_dropout": (0, 0.0, None), "pruned_heads": ({}, None), "use_mrope": (False, None),
+           "use_bidirectional_attention": (False, None), "quantization_config": (None,)}
+COMMON = frozenset(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                    "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act"))
+# HF config fields kept in ModelConfig.extra so that export writes them back.
+EXTRA_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# Keys of rope_parameters (besides rope_type / rope_theta) each rope_type reads.
+ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor", "original_max_position_embeddings"),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                      "mscale", "mscale_all_dim", "truncate")}
+ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh", "silu": "silu",
+               "swish": "silu"}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    model_type: str  # HF model_type, also ModelConfig.arch
+    architecture: str  # the *ForCausalLM class written to config.json "architectures"
+    differs: str  # what differs from the Llama block, one line (README, error messages)
+    fields: frozenset  # config.json fields the family reads beyond COMMON
+    defaults: dict  # transformers' values of fields config.json may omit
+    read: Callable[[dict, str], dict]  # (config.json, file) -> the family's ModelConfig fields
+    write: Callable[[ModelConfig], dict]  # ModelConfig -> the family's config.json fields
+    refuse: Callable[[ModelConfig], list[str]] = lambda cfg: []  # what this family's HF class cannot express
+
+    def hf_name(self, name: str) -> str:
+        """Our parameter name -> its HF *ForCausalLM state-dict name (all five families
+        share Llama's layout: a `model.` prefix, lm_head at the top)."""
+        return name if name == "lm_head.weight" else "model." + name
+
+
+def get(raw: dict, spec: ArchSpec, key: str) -> Any:
+    """raw[key], transformers' default when config.json omits it (or writes null for a default)."""
+    value = raw.get(key)
+    return spec.defaults.get(key) if value is None else value
+
+
+def activation(raw: dict, spec: ArchSpec, file: str, key: str = "hidden_act") -> str:
+    act = get(raw, spec, key) or "silu"
+    if act not in ACT_ALIASES:
+        raise HFConfigError(f"{file}: {key} {act!r} is not supported (megaft runs {', '.join(sorted(ACT_ALIASES))})")
+    return ACT_ALIASES[act]
+
+
+def _rope(raw: dict[str, Any], file: str) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, scaling) from transformers 5's `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling` (whose type key may be "type")."""
+    params = dict(raw.get("rope_parameters") or {})
+    if not params:
+        params = dict(raw.get("rope_scaling") or {})
+        if "rope_theta" in raw:
+            params["rope_theta"] = raw["rope_theta"]
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta", 10000.0))
+    if kind not in ROPE_TYPES:
+        raise HFConfigError(f"{file}: rope type {kind!r} is not supported (megaft computes {', '.join(ROPE_TYPES)} "
+                            "exactly as transformers does)")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFConfigError(f"{file}: partial_rotary_factor={params['partial_rotary_factor']} is not supported "
+                            "(megaft rotates the whole head dim)")
+    params.pop("partial_rotary_factor", None)
+    unknown = sorted(set(params) - set(ROPE_KEYS[kind]))
+    if unknown:
+        raise HFConfigError(f"{file}: rope parameters {unknown} are not understood for rope type {kind!r} "
+                            f"(megaft reads {', '.join(ROPE_KEYS[kind]) or 'only rope_theta'})")
+    if kind == "default":
+        return theta, None
+    return theta, {"rope_type": kind, **params}
+
+
+def read_common(raw: dict, spec: ArchSpec, file: str, base: ModelConfig, act: Optional[str] = None
+                ) -> dict[str, Any]:
+    """ModelConfig fields every family reads the same way; refuses unknown fields.
+    `act`: the activation when the family reads it itself (Gemma)."""
+    unknown = sorted(k for k in raw if k not in GENERIC and k not in NEUTRAL and k not in COMMON
+                     and k not in spec.fields)
+    if unknown:
+        raise HFConfigError(f"{file}: config.json fields {unknown} are not understood by megaft's "
+                            f"{spec.model_type} spec and may change the model's math; fix: use a supported "
+                            "checkpoint, or remove the fields if you know they have no effect")
+    for key, ok in NEUTRAL.items():
+        if key in raw and raw[key] not in ok:
+            raise HFConfigError(f"{file}: {key}={raw[key]!r} is not supported (megaft needs "
+                                f"{' or '.join(repr(v) for v in ok)})")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if k not in raw]
+    if missing:
+        raise HFConfigError(f"{file}: missing {', '.join(missing)}")
+    theta, scaling = _rope(raw, file)
+    n_heads = raw["num_attention_heads"]
+    max_pos = get(raw, spec, "max_position_embeddings") or base.max_seq_len
+    return dict(
+        arch=spec.model_type, dim=raw["hidden_size"], n_layers=raw["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=get(raw, spec, "head_dim") or raw["hidden_size"] // n_heads,
+        ffn_dim=raw["intermediate_size"], vocab_size=raw["vocab_size"],
+        norm_eps=float(get(raw, spec, "rms_norm_eps") or 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=int(max_pos), tie_embeddings=bool(get(raw, spec, "tie_word_embeddings") or False),
+        activation=act or activation(raw, spec, file),
+        extra={**base.extra, **{k: raw[k] for k in EXTRA_KEYS if k in raw}},
+    )
+
+
+def write_common(cfg: ModelConfig, spec: ArchSpec) -> dict[str, Any]:
+    """The config.json fields every family writes (rope both ways: transformers 4 and 5)."""
+    scaling = None
+    if cfg.rope_scaling:
+        scaling = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
+        scaling["rope_type"] = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+    extra = cfg.extra
+    return {
+        "architectures": [spec.architecture], "model_type": spec.model_type, "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.hd, "intermediate_size": cfg.ffn_dim, "vocab_size": cfg.vocab_size,
+        "hidden_act": cfg.activation, "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": extra.get("max_position_embeddings", cfg.max_seq_len),
+        "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},  # transformers 5
+        "rope_theta": cfg.rope_theta,  # transformers 4 and tools that follow it (vLLM, llama.cpp)
+        "rope_scaling": scaling,
+        "bos_token_id": extra.get("bos_token_id"), "eos_token_id": extra.get("eos_token_id"),
+        "pad_token_id": extra.get("pad_token_id"), "use_cache": True,
+    }
+
+
+def refuse_unless(cfg: ModelConfig, spec: ArchSpec, **expected: Any) -> list[str]:
+    """Problems for ModelConfig fields this family's HF class fixes at other values."""
+    return [f"model.{k}={getattr(cfg, k)!r} cannot be exported as {spec.model_type} ({spec.architecture} "
+            f"has {k}={v!r})" for k, v in expected.items()
+            if not (getattr(cfg, k) == v or (isinstance(v, float) and math.isclose(getattr(cfg, k), v)))]
+
+
+def sliding_layers(raw: dict, spec: ArchSpec, file: str) -> dict[str, Any]:
+    """Qwen2/Qwen3 windows: `layer_types` when written (transformers 5), else layers
+    >= max_window_layers slide when use_sliding_window (Qwen2Config.__post_init__)."""
+    window = get(raw, spec, "sliding_window") if get(raw, spec, "use_sliding_window") else None
+    types = raw.get("layer_types")
+    if types is None:
+        start = get(raw, spec, "max_window_layers")
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                 for i in range(raw["num_hidden_layers"])]
+    if "sliding_attention" in types and window is None:
+        raise HFConfigError(f"{file}: layer_types has sliding_attention layers but no sliding_window is in use")
+    if window is None or "sliding_attention" not in types:
+        return dict(sliding_window=None, layer_types=None)
+    return dict(sliding_window=int(window), layer_types=list(types))
+
+
+def write_sliding_layers(cfg: ModelConfig) -> dict[str, Any]:
+    types = [("sliding_attention" if cfg.window(i) is not None else "full_attention") for i in range(cfg.n_layers)]
+    first = next((i for i, t in enumerate(types) if t == "sliding_attention"), cfg.n_layers)
+    return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+            "max_window_layers": first, "layer_types": types}

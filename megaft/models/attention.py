@@ -1,0 +1,104 @@
+"""Grouped-query attention and its variants, read from ModelConfig (no per-family branches):
+
+* q/k/v(/o) biases (`attention_bias`, Qwen2's `qkv_bias`);
+* qk-norm (`qk_norm`, Qwen3): an RMSNorm over head_dim on q and k before RoPE, through
+  the rmsnorm kernel front, its weight shared by all tp ranks' heads;
+* sliding window (`sliding_window`, `layer_types`, Mistral/Qwen2): query i sees keys
+  j with i - window < j <= i (transformers' sliding_window_overlay), a boolean mask
+  for SDPA; RoPE goes through the rope kernel front either way;
+* tp wider than the kv heads: kv heads replicated (megaft.models.kv).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaft.kernels.config import KernelsConfig
+from megaft.kernels.linear import layer_linear
+from megaft.kernels.rope import rope
+from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from megaft.layers.linear import column_input
+from megaft.models import recompute
+from megaft.models.config import ModelConfig, kv_replicas
+from megaft.models.docs import Docs, attend, rope_at
+from megaft.models.kv import mark_replicated, replica_sum
+from megaft.parallel.comm import Group, group_size
+
+
+def op_backend(kernels: Optional[KernelsConfig], op: str) -> str:
+    """The kernel backend of `op` ("torch", the reference, without a kernels config)."""
+    return "torch" if kernels is None else kernels.for_op(op)
+
+
+def window_mask(seq: int, window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
+    """[seq, seq] boolean mask (True = attend) of causal attention limited to `window`
+    keys; None when plain causal attention is the same thing (no window or window >= seq)."""
+    if window is None or window >= seq:
+        return None
+    i = torch.arange(seq, device=device).unsqueeze(1)
+    j = torch.arange(seq, device=device).unsqueeze(0)
+    return (j <= i) & (j > i - window)
+
+
+class Attention(nn.Module):
+    """Each tp rank owns n_heads/tp query heads and the kv heads they read: n_kv_heads/tp,
+    or one replicated kv head when tp > n_kv_heads. `layer` picks the block's window."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+                 kernels: Optional[KernelsConfig] = None, layer: int = 0):
+        super().__init__()
+        tp, hd = group_size(group), cfg.hd
+        self.group, self.sp, self.rope_backend = group, sequence_parallel, op_backend(kernels, "rope")
+        self.replicas = kv_replicas(cfg, tp)
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads * self.replicas // tp, hd
+        self.window = cfg.window(layer)
+        self.selective = False  # recompute the attention core in backward (set by Block)
+        lin = op_backend(kernels, "linear")
+        col = dict(group=group, bias=cfg.attention_bias or cfg.qkv_bias, sequence_parallel=sequence_parallel,
+                   shared_input=True, backend=lin)
+        self.q_proj = ColumnParallelLinear(cfg.dim, cfg.n_heads * hd, **col)
+        # With replicas, k/v are built tp * hd wide (one head per rank) and re-marked as
+        # replicated copies of the n_kv_heads * hd rows of the real tensor.
+        self.k_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * self.replicas * hd, **col)
+        self.v_proj = ColumnParallelLinear(cfg.dim, cfg.kv_heads * self.replicas * hd, **col)
+        if self.replicas > 1:
+            for p in (self.k_proj.weight, self.k_proj.bias, self.v_proj.weight, self.v_proj.bias):
+                if p is not None:
+                    mark_replicated(p, cfg.kv_heads * hd, self.replicas)
+        self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
+                                        sequence_parallel=sequence_parallel, backend=lin)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.norm_eps, backend=op_backend(kernels, "rmsnorm"), offset=cfg.norm_offset,
+                        group=group if tp > 1 else None)
+            self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
+
+    def _kv(self, proj: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        if self.replicas == 1:
+            return proj(x)
+        return layer_linear(x, replica_sum(proj.weight, self.group, self.replicas),
+                            replica_sum(proj.bias, self.group, self.replicas), backend=proj.backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: Optional[Docs] = None) -> torch.Tensor:
+        """`docs`: packed documents kept apart (megaft.models.docs), positions restarting
+        in each; None = one causal sequence per row."""
+        x = column_input(x, self.group, self.sp)
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.hd)
+        k = self._kv(self.k_proj, x).view(b, s, self.n_kv, self.hd)
+        v = self._kv(self.v_proj, x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:  # back to the projections' dtype (an fp32 weight promotes under autocast)
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        if docs is not None:
+            q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs.position_ids, self.rope_backend)
+            out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads, enabled=self.selective)
+        else:
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)
+            mask = window_mask(s, self.window, x.device)
+            out = recompute.run(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
+                                enable_gqa=self.n_kv != self.n_heads, enabled=self.selective)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))

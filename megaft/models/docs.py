@@ -1,0 +1,177 @@
+"""Packed documents kept apart in attention (data.packing=docs).
+
+A packed row holds several documents; `Docs` says, per token, its position inside its
+document (RoPE restarts at 0 in every document) and its document's id in the row. A
+query attends to the keys of its own document only, causally, and within the sliding
+window if the layer has one. Right padding is one more "document" of its own: it sees
+only padding, and has no loss.
+
+Kernels, first that runs: flash-attn's varlen kernel when the package is installed on a
+CUDA device (the documents of a micro-batch laid end to end, `cu_seqlens` marking them);
+torch's flex_attention with a block mask built from the same rule (`mask_mod`) on CUDA;
+else (CPU) SDPA with an explicit boolean mask [batch, 1, seq, seq]. All compute the same
+function; on CPU the tests check flex's forward and the varlen path's layout (through a
+torch model of flash_attn_varlen_func) against SDPA's.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megaft.kernels.rope import rope
+
+
+@dataclass
+class Docs:
+    """Document layout of a micro-batch: both [batch, seq] int64. The attention masks of a
+    forward pass are built once per window and kept here (`mask`), not once per layer."""
+
+    position_ids: torch.Tensor  # position of each token inside its document (0 at its start)
+    doc_ids: torch.Tensor  # document index of each token in its row (padding: an index of its own)
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def to(self, device) -> "Docs":
+        return Docs(self.position_ids.to(device), self.doc_ids.to(device))
+
+    def padded(self, seq: int) -> "Docs":
+        """Right-padded to `seq` tokens (sequence parallel pads ids to a multiple of tp):
+        the padding continues as one more document, so it sees nothing real."""
+        pad = seq - self.doc_ids.shape[1]
+        if pad <= 0:
+            return self
+        last = self.doc_ids.max(dim=1, keepdim=True).values + 1
+        return Docs(F.pad(self.position_ids, (0, pad)), torch.cat([self.doc_ids, last.expand(-1, pad)], dim=1))
+
+    def mask(self, window: Optional[int], flex: bool):
+        """The flex block mask (`flex`) or the SDPA boolean mask for `window`, built once."""
+        key = (window, flex)
+        if key not in self._masks:
+            if flex:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                b, s = self.doc_ids.shape
+                self._masks[key] = create_block_mask(mask_mod(self, window), b, None, s, s,
+                                                     device=self.doc_ids.device)
+            else:
+                self._masks[key] = document_mask(self, window)
+        return self._masks[key]
+
+
+def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:
+    """[batch, 1, seq, seq] boolean (True = attend): same document, causal, and at most
+    `window` keys back (itself included) when given."""
+    seq = docs.doc_ids.shape[1]
+    i = torch.arange(seq, device=docs.doc_ids.device)
+    allowed = (i[None, :] <= i[:, None]).unsqueeze(0) & (docs.doc_ids[:, :, None] == docs.doc_ids[:, None, :])
+    if window is not None:
+        allowed &= (i[None, :] > i[:, None] - window).unsqueeze(0)
+    return allowed.unsqueeze(1)
+
+
+def mask_mod(docs: Docs, window: Optional[int] = None):
+    """The same rule as `document_mask`, as flex_attention's mask_mod(b, h, q, kv)."""
+    doc = docs.doc_ids
+
+    def allowed(b, h, q, kv):
+        ok = (kv <= q) & (doc[b, q] == doc[b, kv])
+        return ok & (kv > q - window) if window is not None else ok
+
+    return allowed
+
+
+def rope_at(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor,
+            backend: str):
+    """RoPE of q [b, h, s, d] and k [b, kv, s, d] at per-token positions [b, s], through the
+    rope kernel front of any backend: the rows are laid end to end as one sequence of b*s
+    positions whose cos/sin are gathered at `position_ids` (RoPE is per token, so exact)."""
+    b, h, s, d = q.shape
+    flat = position_ids.reshape(-1)
+
+    def one_row(x: torch.Tensor) -> torch.Tensor:  # [b, n, s, d] -> [1, n, b*s, d]
+        return x.transpose(0, 1).reshape(1, x.shape[1], b * s, d)
+
+    q2, k2 = rope(one_row(q), one_row(k), cos[flat], sin[flat], backend)
+
+    def back(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[1], b, s, d).transpose(0, 1)
+
+    return back(q2), back(k2)
+
+
+def flex_available(device: torch.device) -> bool:
+    """flex_attention trains only on CUDA (its CPU path has no backward in torch 2.13)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 [segments + 1], longest segment) of the documents of [batch, seq]
+    rows laid end to end: a segment is a run of one doc id within a row."""
+    b, s = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    edges = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * s], device=doc_ids.device)])
+    return edges.to(torch.int32), int((edges[1:] - edges[:-1]).max())
+
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs, window: Optional[int],
+                  fn: Optional[Callable] = None) -> torch.Tensor:
+    """Packed-document attention through a varlen kernel (`fn`: flash_attn_varlen_func's
+    signature; default flash-attn's): q [b, h, s, d], k/v [b, kv, s, d] (GQA as is)."""
+    if fn is None:
+        from flash_attn import flash_attn_varlen_func as fn
+    b, h, s, d = q.shape
+    cu, longest = segments(docs.doc_ids)
+
+    def flat(x: torch.Tensor) -> torch.Tensor:  # [b, n, s, d] -> [b*s, n, d]
+        return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
+
+    out = fn(flat(q), flat(k), flat(v), cu, cu, longest, longest, causal=True,
+             window_size=(window - 1, 0) if window is not None else (-1, -1))
+    return out.reshape(b, s, h, d).transpose(1, 2)
+
+
+def flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs, window: Optional[int],
+           gqa: bool) -> torch.Tensor:
+    """Attention of packed documents: flash-attn's varlen kernel, else compiled
+    flex_attention with a block mask on CUDA, else SDPA with the explicit mask
+    (`kernel_name` says which)."""
+    if flash_available(q.device):
+        return varlen_attend(q, k, v, docs, window)
+    if flex_available(q.device):
+        return _compiled_flex()(q, k, v, block_mask=docs.mask(window, True), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(window, False), enable_gqa=gqa)
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process (uncompiled it materializes the scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def kernel_name(device: torch.device) -> str:
+    """What `attend` runs on `device` (summary.json's attention record)."""
+    if flash_available(device):
+        return "flash_attn_varlen"
+    return "flex_attention" if flex_available(device) else "sdpa_mask"

@@ -1,0 +1,76 @@
+"""LoRA settings (`lora.*`) and their validation. Imports nothing of megaft: the root
+config (megaft.config) assembles it, megaft.peft.lora reads it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import List
+
+# Target name -> the module it adapts (HF's names, which are also megaft's: megaft.models.llama).
+TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+                  "up": "up_proj", "down": "down_proj", "lm_head": "lm_head"}
+
+
+class BaseDtype(StrEnum):
+    fp32 = "fp32"  # frozen base linears kept in fp32 (as the full fine-tune keeps them)
+    bf16 = "bf16"  # frozen base linears stored in bf16: half their memory (needs precision=bf16)
+
+
+class LoraInit(StrEnum):
+    kaiming = "kaiming"  # peft's default (init_lora_weights=True): A kaiming-uniform(a=sqrt(5)), B zeros
+    gaussian = "gaussian"  # peft's "gaussian": A ~ N(0, 1/rank), B zeros
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # r of the adapters B (out x r) A (r x in); 0 = LoRA off (full fine-tuning)
+    alpha: float = 16.0  # the update is (alpha / rank) * B A x (alpha / sqrt(rank) with rslora)
+    dropout: float = 0.0  # dropout probability on the adapter input (training only)
+    # which linears get an adapter: q, k, v, o, gate, up, down, lm_head (one adapter per target)
+    targets: List[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+    rslora: bool = False  # rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023)
+    base_dtype: BaseDtype = BaseDtype.fp32  # storage of the frozen base linears: fp32 | bf16
+    init: LoraInit = LoraInit.kaiming  # adapter init, seeded by parameter name: kaiming | gaussian
+    export_merged: bool = False  # with train.export_hf: also write base + adapters merged (RUN_DIR/hf_merged)
+
+    @property
+    def scale(self) -> float:
+        """The factor of B A x: alpha / rank, or alpha / sqrt(rank) with rslora."""
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
+def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: bool = False,
+               zero: int = 0, export_hf: bool = False) -> list[str]:
+    """Every problem of the `lora.*` settings (none when LoRA is off), each with its fix."""
+    if cfg.rank == 0:
+        return []
+    problems = []
+    if cfg.rank < 0:
+        problems.append(f"lora.rank={cfg.rank} must be >= 0; fix: 0 (off) or e.g. lora.rank=16")
+    if cfg.alpha <= 0:
+        problems.append(f"lora.alpha={cfg.alpha} must be > 0; fix: e.g. lora.alpha=2*lora.rank")
+    if not 0.0 <= cfg.dropout < 1.0:
+        problems.append(f"lora.dropout={cfg.dropout} must be in [0, 1); fix: e.g. lora.dropout=0.05")
+    unknown = [t for t in cfg.targets if t not in TARGET_MODULES]
+    if unknown:
+        problems.append(f"lora.targets has unknown {unknown}; fix: choose from {list(TARGET_MODULES)}")
+    if not cfg.targets:
+        problems.append("lora.targets is empty: nothing would train; fix: e.g. lora.targets=[q,k,v,o,gate,up,down]")
+    if len(set(cfg.targets)) != len(cfg.targets):
+        problems.append(f"lora.targets={list(cfg.targets)} repeats a target; fix: list each once")
+    if cfg.base_dtype not in set(BaseDtype):
+        problems.append(f"lora.base_dtype={cfg.base_dtype!r} is unknown; fix: fp32 or bf16")
+    elif cfg.base_dtype == BaseDtype.bf16 and precision != "bf16":
+        problems.append(f"lora.base_dtype=bf16 needs bf16 compute, not precision={precision}; fix: precision=bf16 "
+                        "or lora.base_dtype=fp32")
+    if cfg.init not in set(LoraInit):
+        problems.append(f"lora.init={cfg.init!r} is unknown; fix: kaiming or gaussian")
+    if "lm_head" in cfg.targets and fused_linear_cross_entropy:
+        problems.append("lora.targets has lm_head, whose adapter the fused linear cross-entropy would skip; fix: "
+                        "kernels.fused_linear_cross_entropy=false or drop lm_head from lora.targets")
+    if zero == 3:
+        problems.append("lora with parallel.zero=3 is not supported (the adapters are small: ZeRO-3 saves nothing "
+                        "over ZeRO-2); fix: parallel.zero=2")
+    if cfg.export_merged and not export_hf:
+        problems.append("lora.export_merged=true writes with the export; fix: also set train.export_hf=true")
+    return problems

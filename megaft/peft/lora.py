@@ -1,0 +1,183 @@
+"""LoRA adapters on the tensor-parallel linears (Hu et al. 2021): y = W x + s * B A drop(x).
+
+Each targeted ColumnParallelLinear / RowParallelLinear gets an `adapter` submodule
+(megaft.layers.linear calls it on the layer's local input and adds its output to the
+local GEMM's, before any reduction). The shapes follow the weight's split:
+
+* column-parallel (q, k, v, gate, up, lm_head): A [r, in] replicated, B [out/tp, r]
+  split by output like the weight. Each rank's B slice sees all of A, so A's gradient
+  is a partial sum per rank: it is marked like a sequence-parallel parameter and summed
+  over tp after backward (megaft.parallel.grads), then counted once in the grad norm.
+* row-parallel (o, down): A [r, in/tp] split by input like the weight, B [out, r]
+  replicated. A's slice gives a partial A x; since B is replicated, B (sum A x) =
+  sum (B A x), so each rank adds B (its partial A x) to its partial GEMM output and the
+  layer's own all-reduce (or, with sequence parallel, reduce-scatter) sums both at once.
+  B's gradient is then partial per rank and summed over tp like column A's.
+
+Dropout masks are drawn for the WHOLE input and a row adapter keeps its slice, so the
+same RNG stream (every tp rank of a dp replica shares it) gives the same masks at any
+tp, the single process included. Init is tp-independent as well: each full A is drawn
+from a generator seeded by (seed, parameter name) and sliced (megaft.models.init's rule).
+
+Parameter names: `<linear>.adapter.A` / `.B` (peft's lora_A / lora_B: megaft.peft.export).
+The base parameters are frozen (requires_grad=False): FlatParams, the dp buckets, the
+grad norm and the optimizer see only the adapters (megaft.parallel.flat takes trainable
+parameters only), so checkpoints hold the adapters and their AdamW state.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaft.layers import ColumnParallelLinear, RowParallelLinear
+from megaft.parallel.comm import Group, group_rank, group_size
+from megaft.parallel.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
+from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit
+
+
+def whole_dropout(x: torch.Tensor, p: float, *, dim_size: int, start: int) -> torch.Tensor:
+    """Inverted dropout of `x`, the slice [start, start + x.shape[-1]) of a tensor whose last dim
+    has `dim_size` elements: the mask is drawn for the whole tensor, then sliced, so every tp
+    split of the same input (and the single process) draws the same mask from the same stream."""
+    shape = (*x.shape[:-1], dim_size)
+    keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - p)
+    return x * keep.narrow(-1, start, x.shape[-1]) / (1.0 - p)
+
+
+class LoraAdapter(nn.Module):
+    """s * B A drop(x) on a linear's local input; see the module docstring for the splits.
+    `row`: the linear is row-parallel (x is its tp slice of the input features)."""
+
+    def __init__(self, linear: ColumnParallelLinear | RowParallelLinear, cfg: LoraConfig, *, group: Group):
+        super().__init__()
+        self.row, self.p, self.scale = isinstance(linear, RowParallelLinear), cfg.dropout, cfg.scale
+        tp, r = group_size(group), cfg.rank
+        device = linear.weight.device
+        if self.row:  # A split by input like the weight, B replicated (grad summed over tp)
+            self.A = mark_sharded(nn.Parameter(torch.zeros(r, linear.in_features // tp, device=device)), 1,
+                                  linear.in_features, linear.in_features)
+            self.B = mark_sequence_parallel(nn.Parameter(torch.zeros(linear.out_features, r, device=device)))
+        else:  # A replicated (grad summed over tp), B split by output like the weight (padding included)
+            spec = shard_of(linear.weight)
+            self.A = mark_sequence_parallel(nn.Parameter(torch.zeros(r, linear.in_features, device=device)))
+            self.B = mark_sharded(nn.Parameter(torch.zeros(linear.weight.shape[0], r, device=device)), 0,
+                                  spec.full, spec.padded)
+        self.in_full, self.in_start = linear.in_features, (group_rank(group) * self.A.shape[1] if self.row else 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.p > 0:
+            x = whole_dropout(x, self.p, dim_size=self.in_full, start=self.in_start)
+        return F.linear(F.linear(x, self.A), self.B) * self.scale
+
+    @torch.no_grad()
+    def delta(self) -> torch.Tensor:
+        """s * B A: this rank's piece of the weight update, shaped like the local weight (fp32)."""
+        return (self.B.float() @ self.A.float()) * self.scale
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def target_linears(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Module]]:
+    """(module name, linear) of every targeted linear in `model`, in model order."""
+    wanted = {TARGET_MODULES[t] for t in targets}
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in wanted and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            yield name, module
+
+
+def adapters(model: nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
+    """(linear's module name, adapter) of every adapter in `model`."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraAdapter):
+            yield name.removesuffix(".adapter"), module
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int, tp_size: int) -> None:
+    """A drawn whole from a generator seeded by (seed, name) and sliced (so any tp starts from
+    the same adapters); B zeros, so the adapted model starts as the base model."""
+    for name, param in model.named_parameters():
+        if not name.endswith(".adapter.A"):
+            continue
+        shape = full_shape(param, tp_size)
+        gen = torch.Generator().manual_seed(_seed_for(seed, name))
+        if cfg.init == LoraInit.gaussian:
+            full = torch.randn(shape, generator=gen) / cfg.rank
+        else:  # kaiming_uniform_(a=sqrt(5)) as nn.Linear and peft: bound = 1 / sqrt(fan_in)
+            bound = 1.0 / math.sqrt(shape[1])
+            full = (torch.rand(shape, generator=gen) * 2 - 1) * bound
+        param.copy_(local_from_full(full, param, tp_rank, tp_size).to(param.device))
+
+
+def _check_targets(model: nn.Module, cfg: LoraConfig, found: list[tuple[str, nn.Module]]) -> None:
+    model_cfg = getattr(model, "cfg", None)
+    if "lm_head" in cfg.targets and model_cfg is not None and model_cfg.tie_embeddings:
+        raise ValueError("lora.targets has lm_head but model.tie_embeddings: the head is the embedding, which "
+                         "peft's lm_head adapter would not reproduce; fix: drop lm_head from lora.targets")
+    for name, linear in found:
+        kv = name.endswith(("k_proj", "v_proj"))
+        attn = model.get_submodule(name.rpartition(".")[0])
+        if kv and getattr(attn, "replicas", 1) > 1:
+            raise ValueError(f"lora on {name}: tp is larger than the kv heads (copied kv heads read the weight "
+                             "directly); fix: drop k and v from lora.targets or lower parallel.tp to at most "
+                             "the kv heads")
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int, tp_size: int,
+               group: Group = None) -> nn.Module:
+    """Freeze every base parameter of `model` (its weights loaded or initialized), optionally
+    store the base linears in bf16 (`lora.base_dtype`), and attach seeded adapters to the
+    targeted linears (those this rank holds: a pipeline stage's). Returns `model`."""
+    group = getattr(model, "group", None) if group is None else group
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found = list(target_linears(model, list(cfg.targets)))
+    _check_targets(model, cfg, found)
+    if cfg.base_dtype == BaseDtype.bf16:
+        to_bf16(model)
+    for _, linear in found:
+        linear.adapter = LoraAdapter(linear, cfg, group=group)
+    init_adapters(model, cfg, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
+    return model
+
+
+def to_bf16(model: nn.Module) -> None:
+    """Store the frozen base linears' weights (and biases) in bf16. The embedding and norms stay
+    fp32 (the residual stream keeps the full fine-tune's fp32); a head tied to the embedding too."""
+    embed = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            for p in (module.weight, module.bias):
+                if p is not None and p is not embed:
+                    p.data = p.data.to(torch.bfloat16)
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for _, a in adapters(model) for p in (a.A, a.B)]
+
+
+def merged_weight(model: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's piece of parameter `name`) with its adapter's s * B A added (fp32),
+    or unchanged when `name` is no adapted linear's weight: megaft.peft.export's merge."""
+    if not name.endswith(".weight"):
+        return local
+    module = _get(model, name.removesuffix(".weight"))
+    adapter: Optional[LoraAdapter] = getattr(module, "adapter", None)
+    if not isinstance(adapter, LoraAdapter):
+        return local
+    return local.float() + adapter.delta()
+
+
+def _get(model: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None

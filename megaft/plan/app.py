@@ -1,0 +1,155 @@
+"""`megaft-plan`: the Hydra app. Same config tree and overrides as megaft-train plus the
+`cluster` group (conf/cluster/) and `plan.*`; prints the best layouts that fit, writes
+plan.json in its run directory, and exits 0 when a layout fits, 1 when none does, 2 on
+a bad config.
+
+    megaft-plan model.init_from=/ckpt/Llama-3.1-70B cluster=h100 cluster.nodes=8 \\
+        data.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=128 precision=bf16
+
+The checkpoint folder needs only config.json: the planner reads the architecture with
+megaft.models.hf.hf_model_config and never the weights, the tokenizer or the data files
+(megaft-train validates those when it runs). Every layout is then checked with
+megaft.config's check_settings/check_resolved on that architecture, so a layout the
+planner prints passes megaft-train's validation of the same shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from megaft.config import Config, ConfigError, check_settings, register_configs
+from megaft.data.config import DataConfig, build_tokenizer
+from megaft.fileio import write_json_atomic
+from megaft.models.config import check_model
+from megaft.plan.config import check_cluster, check_plan
+from megaft.plan.report import (
+    explain_rule,
+    format_explanation,
+    format_rejections,
+    format_table,
+    layout_row,
+    plan_json,
+)
+from megaft.plan.space import rule_of_thumb, search
+from megaft.train import conf_dir
+
+register_configs()
+# megaft-train's root config plus a cluster preset (conf/train.yaml names no cluster).
+ConfigStore.instance().store(name="megaft_plan", node={"defaults": ["train", {"cluster": "h100"}, "_self_"]})
+
+LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.schedule",
+               "parallel.sequence_parallel", "parallel.zero", "parallel.offload", "parallel.pp_layers",
+               "train.micro_batch_size", "launcher.nproc", "launcher.world_size")
+
+
+def planning_model(cfg: Config):
+    """(ModelConfig with every shape field filled and no init_from, problems): the
+    architecture of model.init_from's config.json (no weights needed), else the preset's
+    with the tokenizer's vocabulary when vocab_size is 0."""
+    m = cfg.model
+    if m.init_from:
+        from megaft.models.hf import hf_model_config
+
+        if not os.path.isfile(os.path.join(m.init_from, "config.json")):
+            return m, [f"model.init_from={m.init_from!r} has no config.json; fix: point it at a Hugging Face "
+                       "Llama checkpoint directory (config.json is all megaft-plan reads)"]
+        try:
+            m = hf_model_config(m.init_from, base=m)
+        except (OSError, ValueError) as exc:
+            return m, [str(exc)]
+    elif m.vocab_size == 0:
+        try:
+            m = dataclasses.replace(m, vocab_size=build_tokenizer(cfg.data, init_from=None).get_vocab_size())
+        except (OSError, ValueError) as exc:
+            return m, [f"model.vocab_size=0 and the tokenizer cannot be read ({exc}); fix: set model.vocab_size"]
+    return dataclasses.replace(m, init_from=None), []
+
+
+def planning_config(cfg: Config) -> tuple[Config, list[str]]:
+    """(the config every layout is applied to, problems that no layout can fix).
+
+    It keeps the user's settings but the model's shapes are resolved (no init_from) and
+    the data is only its sequence length: the data files are megaft-train's to check.
+    """
+    problems = check_cluster(cfg.cluster, str(cfg.precision)) + check_plan(cfg.plan)
+    model, model_problems = planning_model(cfg)
+    problems += model_problems
+    shaped = dataclasses.replace(cfg, model=model, data=DataConfig(seq_len=cfg.data.seq_len))
+    if not model_problems:  # the layout-free half: a single rank, the whole batch at once
+        single = dataclasses.replace(
+            shaped, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, vpp=1, zero=0, pp_layers=None),
+            train=dataclasses.replace(cfg.train, micro_batch_size=cfg.train.global_batch_size))
+        problems += check_settings(single, 1) + check_model(model, 1)
+        if cfg.data.seq_len > model.max_seq_len:
+            problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={model.max_seq_len}; "
+                            f"fix: model.max_seq_len={cfg.data.seq_len} (megaft-train needs it too)")
+    return shaped, problems
+
+
+def user_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides that megaft-train needs too: not cluster/plan ones,
+    and not the keys every layout sets."""
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] in ("cluster", "plan", "hydra") or key in LAYOUT_KEYS:
+            continue
+        out.append(o)
+    return out
+
+
+def run_plan(cfg: Config, run_dir: str, overrides: list[str]) -> tuple[int, dict]:
+    """Plan, print, write run_dir/plan.json; (exit status, the plan). Raises ConfigError."""
+    shaped, problems = planning_config(cfg)
+    if problems:
+        raise ConfigError(problems)
+    cluster, plan = cfg.cluster, cfg.plan
+    result = search(shaped, cluster, plan)
+    rule = rule_of_thumb(shaped, cluster)
+    explanation = explain_rule(result, rule, shaped, cluster)
+    out = plan_json(result, shaped, cluster, user_overrides=user_overrides(overrides), top_k=plan.top_k,
+                    explanation=explanation)
+    m = shaped.model
+    print(f"megaft-plan: {m.name} ({out['model']['params'] / 1e9:.2f}B params) on {cluster.name}: "
+          f"{cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} GPUs, seq_len {shaped.data.seq_len}, "
+          f"global batch {shaped.train.global_batch_size}, {shaped.precision}, "
+          f"budget {out['memory_budget_gib']:.1f} GiB/GPU")
+    if result.ranked:
+        print(format_table([layout_row(i + 1, c) for i, c in enumerate(result.ranked[:plan.top_k])]))
+        print("best: megaft-train " + " ".join(out["layouts"][0]["overrides"]))
+    else:
+        print("no layout fits; see the reasons below")
+    print(format_rejections(result))
+    if plan.explain:
+        print(format_explanation(explanation))
+    os.makedirs(run_dir, exist_ok=True)
+    write_json_atomic(os.path.join(run_dir, "plan.json"), out)
+    print(f"megaft-plan: {json.dumps(os.path.join(run_dir, 'plan.json'))}", flush=True)
+    return (0 if result.ranked else 1), out
+
+
+@hydra.main(version_base="1.3", config_path=conf_dir(), config_name="megaft_plan")
+def _hydra_main(dcfg: DictConfig) -> None:
+    cfg: Config = OmegaConf.to_object(dcfg)
+    hc = HydraConfig.get()
+    try:
+        status, _ = run_plan(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+    except ConfigError as exc:
+        print(f"megaft-plan: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(status)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""ClusterConfig (`cluster.*`, presets in conf/cluster/) and PlanConfig (`plan.*`):
+what `megaft-plan` plans for. Config-layer leaves: the root Config composes them, so
+one set of overrides serves megaft-train and megaft-plan alike.
+
+The defaults describe no cluster (zeros): megaft-train never reads `cluster`, and
+megaft-plan asks for a preset (`cluster=h100 cluster.nodes=8`). Bandwidths are per
+device and per direction, in GB/s (1e9 bytes/s); memory sizes are vendor GB (1e9 bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "none"  # preset name, informational
+    nodes: int = 1  # nodes the job gets; the planner uses nodes * gpus_per_node ranks
+    gpus_per_node: int = 0  # devices (one rank each) per node; 0 = no cluster chosen
+    gpu_type: str = ""  # megaft.estimate.GPU_MEMORY_GIB key: the memory budget, as in Slurm sweeps; "" = hbm_gb
+    hbm_gb: float = 0.0  # device memory from the datasheet (GB)
+    hbm_tbps: float = 0.0  # device memory bandwidth (TB/s): the optimizer step's time
+    peak_tflops_bf16: float = 0.0  # dense (no sparsity) peak TFLOP/s per device at bf16
+    peak_tflops_fp16: float = 0.0  # same at fp16
+    peak_tflops_fp32: float = 0.0  # same at plain fp32 (torch runs fp32 matmuls without TF32)
+    matmul_fraction: float = 0.0  # achievable fraction of the peak over a whole model's FLOPs
+    nvlink_gbps: float = 0.0  # intra-node link, GB/s per device per direction
+    nvlink_latency_us: float = 0.0  # per ring step inside a node
+    ib_gbps: float = 0.0  # inter-node network, GB/s per device per direction (one NIC per GPU)
+    ib_latency_us: float = 0.0  # per ring step across nodes
+    comm_fraction: float = 0.0  # achievable fraction of a link's bandwidth for large collectives
+    pcie_gbps: float = 0.0  # host link, GB/s per device per direction (parallel.offload=cpu traffic)
+    host_memory_gbps: float = 0.0  # a node's DRAM bandwidth (GB/s), shared by its ranks: the offloaded AdamW
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def peak_tflops(self, precision: str) -> float:
+        return getattr(self, f"peak_tflops_{precision}", 0.0)
+
+
+@dataclass
+class PlanConfig:
+    top_k: int = 5  # layouts printed and written to plan.json
+    explain: bool = False  # also show the rule-of-thumb layout and why it lost
+    max_tp: int = 0  # largest tp tried (divisors of gpus_per_node); 0 = gpus_per_node (tp within a node)
+    max_vpp: int = 4  # largest interleaved chunk count per pp rank tried (1, 2, 4, ...)
+    max_micro_batch_size: int = 8  # largest train.micro_batch_size tried (divisors of the global batch)
+    zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])  # parallel.zero values tried
+    offload: bool = True  # also try parallel.offload=cpu
+
+
+def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
+    """Problems of a cluster for planning at `precision`, each with its fix."""
+    if cfg.gpus_per_node < 1:
+        return [f"cluster={cfg.name} has gpus_per_node={cfg.gpus_per_node}; fix: pick a preset, e.g. "
+                "cluster=h100 (conf/cluster/), or set cluster.gpus_per_node"]
+    problems = []
+    if cfg.nodes < 1:
+        problems.append(f"cluster.nodes={cfg.nodes} must be >= 1; fix: e.g. cluster.nodes=8")
+    if precision in PRECISIONS and cfg.peak_tflops(precision) <= 0:
+        problems.append(f"cluster.peak_tflops_{precision}={cfg.peak_tflops(precision)} must be > 0; fix: the "
+                        "device's dense peak from its datasheet")
+    for name in ("matmul_fraction", "comm_fraction"):
+        if not 0 < getattr(cfg, name) <= 1:
+            problems.append(f"cluster.{name}={getattr(cfg, name)} must be in (0, 1]; fix: e.g. 0.7")
+    for name in ("hbm_tbps", "nvlink_gbps", "ib_gbps", "pcie_gbps", "host_memory_gbps"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"cluster.{name}={getattr(cfg, name)} must be > 0; fix: the datasheet's value")
+    if not cfg.gpu_type and cfg.hbm_gb <= 0:
+        problems.append("cluster.gpu_type is empty and cluster.hbm_gb is 0: no memory budget; fix: set one")
+    return problems
+
+
+def check_plan(cfg: PlanConfig) -> list[str]:
+    problems = []
+    for name in ("top_k", "max_vpp", "max_micro_batch_size"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"plan.{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.max_tp < 0:
+        problems.append(f"plan.max_tp={cfg.max_tp} must be >= 0 (0 = gpus_per_node)")
+    bad = [z for z in cfg.zero_stages if z not in (0, 1, 2, 3)]
+    if bad or not cfg.zero_stages:
+        problems.append(f"plan.zero_stages={list(cfg.zero_stages)} must be a non-empty list of 0, 1, 2, 3")
+    return problems

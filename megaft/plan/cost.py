@@ -1,0 +1,227 @@
+"""Predicted step time of a layout: compute, collectives, the pipeline bubble, the optimizer.
+
+Every term is in seconds per optimizer step for the slowest rank, and the terms add up
+to the step (`StepCost.step_s`):
+
+* **compute**: the FLOPs megaft counts for MFU (`megaft.training.flops`: 6 per matmul
+  weight per token plus attention's 12·layers·heads·head_dim·seq) split over the layers
+  each virtual stage holds, run at `peak × cluster.matmul_fraction`.
+* **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
+  with sequence parallelism reduce-scatter + all-gather: the same bytes), plus the
+  vocab-parallel embedding and head; megaft does not overlap them with compute.
+* **pp_bubble**: what megaft's own simulator (`megaft.pipeline.simulate.replay`) leaves
+  idle on the busiest rank when every F/B action costs its stage's compute + tp + ZeRO
+  time and every p2p message (fp32 activations, megaft's wire dtype) its transfer time.
+* **zero_comm**: ZeRO-3's per-layer all-gathers (before forward and backward) and
+  reduce-scatters, each hidden behind the previous layer's compute as megaft prefetches
+  one layer ahead; ZeRO-2's per-micro-batch reduce-scatter behind that backward.
+* **dp_comm**: ZeRO 0/1's gradient reduction. Buckets launch during the last
+  micro-batch's backward, so only what backward cannot hide (at least the last bucket)
+  shows; under pp > 1 megaft reduces after the schedule, so all of it shows.
+* **param_gather**: ZeRO 1/2's all-gather of the updated parameters after the step.
+* **optimizer**: the AdamW update, memory-bound (~32 bytes touched per updated element).
+* **offload**: with `parallel.offload=cpu`, the grad/master copies over PCIe overlapped
+  with the host AdamW, whichever is slower.
+
+Collectives use the ring formulas with the bandwidth of the slowest link the group
+spans (NVLink when the group fits in a node; across nodes the NICs of the group's
+ranks in a node, as NCCL runs one ring per NIC), times `cluster.comm_fraction`:
+all-reduce 2(n−1)/n·B/bw + 2(n−1)·α, reduce-scatter and all-gather (n−1)/n·B/bw +
+(n−1)·α (B: the whole buffer). Groups are laid out as megaft orders ranks (tp fastest,
+then dp, then pp), so a dp group fits in a node when tp·dp ≤ gpus_per_node and holds
+gpus_per_node / tp ranks of each node otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from megaft.estimate import layer_params, rank_params
+from megaft.parallel.config import resolve_dp
+from megaft.pipeline.partition import stage_layer_counts
+from megaft.pipeline.schedules import build_schedule
+from megaft.pipeline.simulate import replay
+from megaft.training.config import accumulation_steps
+from megaft.training.flops import flops_per_token
+
+TERMS = ("compute", "tp_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer", "offload")
+P2P_BYTES = 4  # megaft.pipeline.runtime.WIRE_DTYPE: activations travel in fp32
+ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
+MIB = 2 ** 20
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective's transport: bandwidth in bytes/s and latency per ring step in s."""
+
+    bandwidth: float
+    latency: float
+
+
+def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of an n-rank group over a buffer of `nbytes`."""
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def gather_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather or reduce-scatter; `nbytes` is the whole (gathered) buffer."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def p2p_s(nbytes: float, link: Link) -> float:
+    return nbytes / link.bandwidth + link.latency
+
+
+def group_link(cluster, size: int, stride: int = 1) -> Link:
+    """The link of a group of `size` ranks `stride` apart in megaft's rank order (tp
+    fastest: a dp group has stride tp). Within a node: NVLink. Across nodes: NCCL runs
+    one ring per NIC, so a group with k ranks in each node moves k NICs' worth, up to
+    NVLink's rate."""
+    if size * stride <= cluster.gpus_per_node:
+        return Link(cluster.nvlink_gbps * 1e9 * cluster.comm_fraction, cluster.nvlink_latency_us * 1e-6)
+    per_node = max(1, min(size, cluster.gpus_per_node // stride))
+    gbps = min(cluster.nvlink_gbps, per_node * cluster.ib_gbps)
+    return Link(gbps * 1e9 * cluster.comm_fraction, cluster.ib_latency_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The predicted step of one layout: seconds per term (they add up to step_s)."""
+
+    terms: dict = field(default_factory=dict)
+    tokens_per_step: int = 0
+    world_size: int = 1
+    flops_per_token: float = 0.0
+    peak_tflops: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_s / self.world_size
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization as megaft reports it (megaft.training.flops.mfu)."""
+        return self.tokens_per_s_per_gpu * self.flops_per_token / (self.peak_tflops * 1e12)
+
+    @property
+    def bottleneck(self) -> str:
+        """The term that takes the most time."""
+        return max(self.terms, key=self.terms.get)
+
+
+def _layer_forward_flops(m, seq_len: int) -> float:
+    """Forward FLOPs per token of one block: a third of flops_per_token's per-layer share."""
+    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
+    return 2.0 * (m.dim * (q + 2 * kv) + q * m.dim + 3 * m.dim * m.ffn_dim) + 4.0 * m.n_heads * m.hd * seq_len
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(schedule: str, pp: int, vpp: int, m: int, forward: tuple, backward: tuple,
+              p2p: float) -> tuple[float, tuple]:
+    """(makespan, busy per rank) of megaft's schedule with per-virtual-stage F/B durations."""
+    sched = build_schedule(schedule, pp, m, vpp)
+    durations = {"F": forward, "B": backward}
+    timelines, stuck = replay(sched, lambda a: durations[a.kind.value][a.stage]
+                              if a.kind.is_compute else 0.0, p2p)
+    if stuck:  # the schedules of megaft.pipeline never deadlock (tests/pipeline)
+        raise RuntimeError(f"simulated schedule {schedule} pp={pp} vpp={vpp} m={m} deadlocked")
+    makespan = max(iv.end for tl in timelines.values() for iv in tl)
+    busy = tuple(sum(iv.end - iv.start for iv in timelines[r] if iv.action.kind.is_compute) for r in range(pp))
+    return makespan, busy
+
+
+def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
+    """Per virtual stage, one micro-batch's seconds: f/b compute, tp and ZeRO (exposed)."""
+    m, par, seq = cfg.model, cfg.parallel, cfg.data.seq_len
+    tp, stages = par.tp, par.pp * par.vpp
+    tokens = cfg.train.micro_batch_size * seq
+    rate = cluster.peak_tflops(str(cfg.precision)) * 1e12 * cluster.matmul_fraction
+    act = 2 if cfg.precision in ("bf16", "fp16") else 4
+    wbytes = 2 if cfg.optim.master_weights else 4
+    gbytes = 2 if par.grad_compression == "bf16" else 4
+    tp_link, dp_link = group_link(cluster, tp), group_link(cluster, dp, tp)
+    tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
+    layer_f = tokens * _layer_forward_flops(m, seq) / tp / rate
+    head_f = tokens * 2.0 * m.dim * m.vocab_size / tp / rate
+    # recomputed in backward: the whole block (full) or the attention core and activation (selective)
+    core_f = tokens * (4.0 * m.n_heads * m.hd * seq + 4.0 * m.ffn_dim) / tp / rate
+    again_f = {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0)
+    lp = layer_params(m, tp)
+    vocab_bytes = m.vocab_size * m.dim / tp * wbytes
+    ag_layer = gather_s(lp * wbytes, dp, dp_link)
+    rs_layer = gather_s(lp * gbytes, dp, dp_link)
+    out = []
+    for s, n in enumerate(stage_layer_counts(m.n_layers, stages, par.pp_layers)):
+        first, last = s == 0, s == stages - 1
+        c = {"f_compute": n * layer_f + (head_f if last else 0.0)}
+        c["b_compute"] = 2 * c["f_compute"] + n * again_f  # model.recompute runs (part of) the forward again
+        c["f_tp"] = tp_one * (2 * n + first + (last and par.sequence_parallel)) + (
+            3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
+        c["b_tp"] = tp_one * (2 * n + last) + (tp_one * 2 * n if m.recompute == "full" else 0.0)
+        c["f_zero"] = c["b_zero"] = 0.0
+        if par.zero == 3 and dp > 1:  # prefetch hides a gather behind the previous layer's compute
+            ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
+            c["f_zero"] = ag_layer + (n - 1) * max(0.0, ag_layer - layer_f) + ends
+            c["b_zero"] = ag_layer + rs_layer + (n - 1) * max(0.0, ag_layer + rs_layer - 2 * layer_f) + 2 * ends
+        elif par.zero == 2 and dp > 1:  # every micro-batch reduce-scatters its grads during backward
+            grads = (n * lp + (m.vocab_size * m.dim / tp if first or last else 0)) * gbytes
+            bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
+            c["b_zero"] = max(bucket, gather_s(grads, dp, dp_link) - c["b_compute"])
+        out.append(c)
+    return out
+
+
+def step_cost(cfg, cluster, world_size: int) -> StepCost:
+    """The predicted step of a validated `cfg` (megaft.config.Config) on `world_size`
+    ranks of `cluster` (megaft.plan.config.ClusterConfig)."""
+    m, par = cfg.model, cfg.parallel
+    dp = resolve_dp(par, world_size)
+    micro = max(accumulation_steps(cfg.train, dp), 1)
+    stages = _stage_costs(cfg, cluster, dp)
+    terms = dict.fromkeys(TERMS, 0.0)
+    f = tuple(c["f_compute"] + c["f_tp"] + c["f_zero"] for c in stages)
+    b = tuple(c["b_compute"] + c["b_tp"] + c["b_zero"] for c in stages)
+    if par.pp == 1:
+        makespan, busy, rank = micro * (f[0] + b[0]), (micro * (f[0] + b[0]),), 0
+    else:
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        seq_share = par.tp if par.sequence_parallel else 1
+        p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * dp))
+        schedule = "interleaved" if par.vpp > 1 else par.schedule
+        makespan, busy = _pipeline(schedule, par.pp, par.vpp, micro, f, b, p2p)
+        rank = max(range(par.pp), key=lambda r: busy[r])
+    mine = [stages[s] for s in range(rank, len(stages), par.pp)]
+    terms["compute"] = micro * sum(c["f_compute"] + c["b_compute"] for c in mine)
+    terms["tp_comm"] = micro * sum(c["f_tp"] + c["b_tp"] for c in mine)
+    terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
+    terms["pp_bubble"] = makespan - busy[rank]
+    _add_dp_terms(terms, cfg, cluster, dp, b[0])
+    return StepCost(terms=terms, tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
+                    world_size=world_size, flops_per_token=flops_per_token(m, cfg.data.seq_len),
+                    peak_tflops=cluster.peak_tflops(str(cfg.precision)))
+
+
+def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
+    """dp_comm, param_gather, optimizer and offload of the fullest pp rank."""
+    m, par = cfg.model, cfg.parallel
+    params = max(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers))
+    wbytes = 2 if cfg.optim.master_weights else 4
+    gbytes = 2 if par.grad_compression == "bf16" else 4
+    link = group_link(cluster, dp, par.tp)
+    if dp > 1 and par.zero in (0, 1):
+        reduce = (all_reduce_s if par.zero == 0 else gather_s)(params * gbytes, dp, link)
+        bucket = (all_reduce_s if par.zero == 0 else gather_s)(min(par.bucket_mb * MIB, params * gbytes), dp, link)
+        terms["dp_comm"] = reduce if par.pp > 1 else max(bucket, reduce - last_backward)
+    if dp > 1 and par.zero in (1, 2):
+        terms["param_gather"] = gather_s(params * wbytes, dp, link)
+    owned = params / (dp if par.zero >= 1 else 1)
+    if par.offload == "cpu":
+        pcie = owned * 4 / (cluster.pcie_gbps * 1e9)  # grads down and masters up, one direction each
+        host = owned * ADAM_BYTES / (cluster.host_memory_gbps * 1e9 / cluster.gpus_per_node)
+        terms["offload"] = max(pcie, host)
+    else:
+        terms["optimizer"] = owned * ADAM_BYTES / (cluster.hbm_tbps * 1e12)

@@ -1,0 +1,208 @@
+"""The layouts `megaft-plan` considers, checked by megaft's own validation.
+
+A layout is tp, pp, vpp, dp, the ZeRO stage, the micro-batch size and optimizer offload,
+on all `cluster.nodes * cluster.gpus_per_node` ranks:
+
+* tp: divisors of gpus_per_node (tp stays within a node), at most `plan.max_tp`; with
+  tp > 1 sequence parallelism is on (same bytes as plain tp, less activation memory);
+* pp: divisors of world / tp; layers split as megaft does by default (as even as
+  possible, earlier stages take the extra layer, so pp need not divide the layers);
+* vpp: 1, or 2, 4, ... up to `plan.max_vpp` with the interleaved schedule when pp > 1;
+* dp = world / (tp·pp); zero: `plan.zero_stages` (with dp = 1 only the lowest: the
+  stages are the same then); micro-batch: divisors of train.global_batch_size up to
+  `plan.max_micro_batch_size`; offload: none, or also cpu (`plan.offload`);
+* recompute: none, selective, full (model.recompute, all blocks); cp = 1 (not in megaft yet).
+
+Every layout goes through `check_settings` and `check_resolved` (the two halves of
+megaft.config.validate around `resolve`, which the planner does once up front), with the
+cluster's memory budget for the memory estimate. A rejected layout is counted under the
+reason of its first problem (`REASONS`), with that problem kept as an example.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from megaft.config import check_resolved, check_settings
+from megaft.estimate import GIB, MemoryEstimate, estimate_memory, gpu_type_memory
+from megaft.plan.cost import StepCost, step_cost
+from megaft.training.flops import matmul_params
+
+# (substring of a validation problem, the reason it is counted under); first match wins.
+REASONS = (
+    ("estimated memory per GPU", "memory estimate over the budget"),
+    ("does not divide model.", "tp does not divide the heads, kv heads or MLP width"),
+    ("global_batch_size", "micro-batch x dp does not divide the global batch"),
+    ("interleaved schedule needs", "interleaved: micro-batches per step not a multiple of pp"),
+    ("every virtual stage needs a layer", "more pipeline stages (pp x vpp) than layers"),
+    ("tied copies", "zero>=2 with pp>1 and tied embeddings"),
+    ("parallel.zero=3 does not support", "zero=3 with an unsupported feature"),
+)
+NOOP_ZERO = "zero stage > 0 with dp=1 (the same as the lowest stage)"
+
+
+RECOMPUTE = ("none", "selective", "full")  # model.recompute modes, cheapest in compute first
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space; `overrides()` are its megaft-train overrides."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+    zero: int = 0
+    micro_batch_size: int = 1
+    offload: str = "none"
+    cp: int = 1  # context parallelism: not in megaft yet
+    recompute: str = "none"  # model.recompute: none | selective | full
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def overrides(self) -> list[str]:
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
+                f"parallel.vpp={self.vpp}", f"parallel.schedule={self.schedule}",
+                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+                f"parallel.zero={self.zero}", f"parallel.offload={self.offload}",
+                f"train.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}"]
+
+    def short(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} zero={self.zero} "
+                f"mbs={self.micro_batch_size} offload={self.offload} recompute={self.recompute}")
+
+
+@dataclass
+class Candidate:
+    """A layout that passed validation: its config, memory estimate and predicted step."""
+
+    layout: Layout
+    cfg: object  # megaft.config.Config with the layout applied
+    memory: MemoryEstimate
+    cost: StepCost
+
+
+@dataclass
+class SearchResult:
+    ranked: list  # Candidates, fastest first
+    rejected: Counter = field(default_factory=Counter)  # reason -> layouts
+    examples: dict = field(default_factory=dict)  # reason -> the first problem counted under it
+    reasons: dict = field(default_factory=dict)  # Layout -> (reason, problem) of every rejected layout
+    considered: int = 0
+    budget: tuple = (0, "")  # (bytes per GPU, its source)
+
+    def rank_of(self, layout: Layout) -> Optional[int]:
+        """1-based rank of `layout` among the valid ones, None when it was rejected."""
+        return next((i + 1 for i, c in enumerate(self.ranked) if c.layout == layout), None)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def memory_target(cluster) -> tuple[int, str]:
+    """(bytes per GPU, source) of the cluster: its gpu_type's budget (megaft.estimate's table,
+    as Slurm sweeps use), else hbm_gb."""
+    if cluster.gpu_type:
+        gib, _ = gpu_type_memory(cluster.gpu_type)
+        if gib is not None:
+            return int(gib * GIB), f"cluster={cluster.name}: {gib:g} GiB"
+    return int(cluster.hbm_gb * 1e9), f"cluster={cluster.name}: {cluster.hbm_gb:g} GB"
+
+
+def layouts(cfg, cluster, plan) -> Iterator[Layout]:
+    """Every layout of the search space (module docstring), including invalid ones."""
+    world, gpn = cluster.world_size, cluster.gpus_per_node
+    max_tp = plan.max_tp or gpn
+    vpps = [1] + [v for v in (2 ** i for i in range(1, 8)) if v <= plan.max_vpp]
+    mbs = [d for d in divisors(cfg.train.global_batch_size) if d <= plan.max_micro_batch_size]
+    offloads = ["none", "cpu"] if plan.offload else ["none"]
+    for tp in [d for d in divisors(gpn) if d <= max_tp and world % d == 0]:
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            for vpp in vpps if pp > 1 else [1]:
+                for zero in sorted(set(plan.zero_stages)):
+                    for mb in mbs:
+                        for offload in offloads:
+                            for recompute in RECOMPUTE:
+                                yield Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, micro_batch_size=mb,
+                                             offload=offload, recompute=recompute)
+
+
+def apply_layout(cfg, layout: Layout):
+    """A copy of `cfg` (megaft.config.Config) running `layout`; `cfg` is not changed."""
+    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp,
+                              schedule=layout.schedule if layout.pp > 1 else cfg.parallel.schedule,
+                              sequence_parallel=layout.sequence_parallel, zero=layout.zero,
+                              offload=layout.offload, pp_layers=None)
+    train = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size)
+    model = dataclasses.replace(cfg.model, recompute=layout.recompute, recompute_layers=None)
+    return dataclasses.replace(cfg, parallel=par, train=train, model=model)
+
+
+def layout_problems(cfg, world: int, budget: tuple[int, str]) -> list[str]:
+    """megaft.config.validate's checks of a resolved config (it has no files left to resolve)."""
+    return check_settings(cfg, world) + check_resolved(cfg, world, gpu_budget=budget)
+
+
+def reason_of(problem: str) -> str:
+    for needle, reason in REASONS:
+        if needle in problem:
+            return reason
+    return problem.split(" ", 1)[0].split("=", 1)[0]  # the config key the problem names
+
+
+def search(cfg, cluster, plan) -> SearchResult:
+    """Every layout of the space checked and costed; valid ones ranked by predicted step
+    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, less memory)."""
+    world, budget = cluster.world_size, memory_target(cluster)
+    result = SearchResult(ranked=[], budget=budget)
+    lowest_zero = min(plan.zero_stages)
+    for layout in layouts(cfg, cluster, plan):
+        result.considered += 1
+        if layout.dp == 1 and layout.zero != lowest_zero:
+            problems = [f"parallel.zero={layout.zero} with dp=1 does what zero={lowest_zero} does"]
+            reason = NOOP_ZERO
+        else:
+            cand = apply_layout(cfg, layout)
+            problems = layout_problems(cand, world, budget)
+            reason = reason_of(problems[0]) if problems else ""
+        if problems:
+            result.rejected[reason] += 1
+            result.examples.setdefault(reason, problems[0])
+            result.reasons[layout] = (reason, problems[0])
+            continue
+        result.ranked.append(Candidate(layout, cand, estimate_memory(cand, world), step_cost(cand, cluster, world)))
+    result.ranked.sort(key=lambda c: (round(c.cost.step_s, 6), c.layout.zero, c.layout.offload != "none",
+                                      c.layout.pp * c.layout.vpp, c.layout.tp, c.memory.total))
+    return result
+
+
+def total_params(m) -> int:
+    """Weights of the model: the matmul weights plus the input embedding."""
+    return matmul_params(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
+
+
+def rule_of_thumb(cfg, cluster) -> Layout:
+    """The usual advice: under 10B parameters data parallel; under 100B tensor parallel
+    within a node plus data parallel; above, tensor + pipeline + data parallel with the
+    fewest stages whose weights, grads and Adam state (16 bytes/param) take at most half
+    of a GPU. ZeRO-1 (Megatron's distributed optimizer), micro-batch 1, no offload."""
+    world, gpn = cluster.world_size, cluster.gpus_per_node
+    params = total_params(cfg.model)
+    tp = 1 if params < 10e9 else min(gpn, world)
+    pp = 1
+    if params >= 100e9:
+        half = memory_target(cluster)[0] / 2
+        pps = [p for p in divisors(world // tp) if p > 1]
+        pp = next((p for p in pps if 16 * params / (tp * p) <= half), pps[-1] if pps else 1)
+    dp = world // (tp * pp)
+    return Layout(tp=tp, pp=pp, dp=dp, zero=1 if dp > 1 else 0)

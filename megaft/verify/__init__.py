@@ -1,0 +1,1 @@
+"""`megaft-verify`: a user's configuration against the single process, step by step."""

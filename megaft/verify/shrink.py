@@ -1,0 +1,32 @@
+"""`verify.shrink=auto`: the smallest model that keeps every constraint of the layout.
+
+Kept: the head counts (tp must divide query and kv heads), the number of blocks each
+virtual pipeline stage holds (one per stage, or `parallel.pp_layers` as given), the
+vocabulary and its padding (`make_vocab_size_divisible_by` × tp), the sequence length,
+biases, tying and RoPE settings. Shrunk: the number of layers, head_dim (8), the
+hidden size (heads × 8) and the MLP width (2 × hidden, rounded up to a multiple of tp).
+A shrunk model is randomly initialized (the checkpoint's weights have other shapes);
+its tokenizer stays the checkpoint's.
+"""
+from __future__ import annotations
+
+import copy
+
+from megaft.config import Config
+
+HEAD_DIM = 8  # the smallest even head size RoPE and every kernel accept
+
+
+def shrink(cfg: Config) -> Config:
+    """A shrunk copy of a resolved `cfg` (see the module docstring)."""
+    out = copy.deepcopy(cfg)
+    m, par = out.model, out.parallel
+    m.n_layers = sum(par.pp_layers) if par.pp_layers else par.pp * par.vpp
+    m.head_dim = HEAD_DIM
+    m.dim = m.n_heads * HEAD_DIM
+    tp = max(par.tp, 1)
+    m.ffn_dim = -(-2 * m.dim // tp) * tp
+    if m.init_from:
+        out.data.tokenizer = out.data.tokenizer or m.init_from
+        m.init_from = None
+    return out

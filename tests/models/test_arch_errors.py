@@ -1,0 +1,158 @@
+"""One test per refusal: unsupported architectures, config.json fields megaft cannot
+honour exactly, model configs check_model rejects, and exports a family cannot express.
+Each asserts the message names the cause (and the supported alternatives)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megaft.models.config import ModelConfig, check_model
+from megaft.models.hf import HFCheckpointError, hf_config_dict, hf_model_config
+from models.arch_fixture import hf_config
+
+SUPPORTED = "megaft imports llama, qwen2, qwen3, mistral, gemma checkpoints"
+
+
+def _write(tmp_path, raw: dict) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return str(tmp_path)
+
+
+def _raw(name: str = "llama3") -> dict:
+    return hf_config(name).to_dict()
+
+
+def _refused(tmp_path, raw: dict, match: str) -> str:
+    with pytest.raises(HFCheckpointError) as info:
+        hf_model_config(_write(tmp_path, raw))
+    message = str(info.value)
+    assert f"{tmp_path}/config.json: " in message and match in message, message
+    return message
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "qwen2_moe", "gemma2", None])
+def test_unsupported_model_type(tmp_path, model_type):
+    _refused(tmp_path, {**_raw(), "model_type": model_type}, f"model_type {model_type!r} is not supported; "
+             + SUPPORTED)
+
+
+def test_unknown_field_that_may_change_the_math(tmp_path):
+    # e.g. a mixture-of-experts field under a llama model_type
+    _refused(tmp_path, {**_raw(), "num_local_experts": 8, "final_logit_softcapping": 30.0},
+             "config.json fields ['final_logit_softcapping', 'num_local_experts'] are not understood by megaft's "
+             "llama spec and may change the model's math")
+
+
+def test_family_field_outside_its_family(tmp_path):
+    # qk-norm models say so by model_type; Qwen2's window fields are not Llama's
+    _refused(tmp_path, {**_raw(), "use_sliding_window": True}, "fields ['use_sliding_window'] are not understood")
+
+
+@pytest.mark.parametrize("field,value", [("attention_dropout", 0.1), ("quantization_config", {"bits": 4}),
+                                         ("use_mrope", True)])
+def test_non_neutral_value(tmp_path, field, value):
+    _refused(tmp_path, {**_raw(), field: value}, f"{field}={value!r} is not supported")
+
+
+def test_gemma_bidirectional_attention(tmp_path):
+    _refused(tmp_path, {**_raw("gemma"), "use_bidirectional_attention": True},
+             "use_bidirectional_attention=True is not supported")
+
+
+def test_activation(tmp_path):
+    _refused(tmp_path, {**_raw(), "hidden_act": "relu"}, "hidden_act 'relu' is not supported")
+
+
+def test_rope_type(tmp_path):
+    _refused(tmp_path, {**_raw(), "rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}},
+             "rope type 'longrope' is not supported (megaft computes default, linear, dynamic, llama3, yarn")
+
+
+def test_partial_rotary_factor(tmp_path):
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    _refused(tmp_path, {**_raw(), "rope_parameters": rope}, "partial_rotary_factor=0.5 is not supported")
+
+
+def test_unknown_rope_parameter(tmp_path):
+    rope = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "mrope_section": [8, 8]}
+    _refused(tmp_path, {**_raw(), "rope_parameters": rope},
+             "rope parameters ['mrope_section'] are not understood for rope type 'linear'")
+
+
+def test_missing_shape_field(tmp_path):
+    raw = _raw()
+    del raw["hidden_size"]
+    _refused(tmp_path, raw, "missing hidden_size")
+
+
+def test_sliding_layers_without_window(tmp_path):
+    raw = {**_raw("qwen2"), "use_sliding_window": False, "layer_types": ["sliding_attention"] * 2}
+    _refused(tmp_path, raw, "layer_types has sliding_attention layers but no sliding_window is in use")
+
+
+def test_max_position_embeddings_sets_max_seq_len(tmp_path):
+    raw = {**_raw("mistral"), "max_position_embeddings": 40}
+    assert hf_model_config(_write(tmp_path, raw), base=ModelConfig(max_seq_len=256)).max_seq_len == 40
+
+
+def _problems(**fields) -> list[str]:
+    return check_model(ModelConfig(vocab_size=10, **fields), 1)
+
+
+def test_check_model_dynamic_rope_past_max_position_embeddings():
+    cfg = ModelConfig(vocab_size=10, max_seq_len=128, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                      extra={"max_position_embeddings": 64})
+    assert any("exceeds max_position_embeddings=64 under dynamic rope scaling" in p for p in check_model(cfg, 1))
+
+
+def test_check_model_unknown_arch_and_activation():
+    problems = _problems(arch="gpt2", activation="relu")
+    assert any("model.arch='gpt2' is not supported; fix: one of llama, qwen2, qwen3, mistral, gemma" in p
+               for p in problems), problems
+    assert any("model.activation='relu' is not supported" in p for p in problems), problems
+
+
+def test_check_model_feature_the_family_cannot_export():
+    problems = _problems(sliding_window=8)
+    assert problems == ["model.sliding_window=8 cannot be exported as llama (LlamaForCausalLM has "
+                        "sliding_window=None); fix: set model.arch to a family that has it"]
+    assert _problems(arch="mistral", sliding_window=8) == []
+
+
+def test_check_model_layer_types():
+    problems = _problems(arch="qwen2", qkv_bias=True, sliding_window=4, n_layers=2,
+                         layer_types=["full_attention", "local"])
+    assert any("model.layer_types ['local'] not supported" in p for p in problems), problems
+    assert any("model.layer_types has 2 entries" in p for p in _problems(
+        arch="qwen2", qkv_bias=True, sliding_window=4, n_layers=3, layer_types=["full_attention"] * 2))
+
+
+def test_check_model_tp_and_kv_heads():
+    """tp may divide n_kv_heads or be a multiple of it (kv heads replicated), nothing in between."""
+    cfg = ModelConfig(vocab_size=10, n_heads=12, n_kv_heads=4, dim=96, ffn_dim=96)
+    assert check_model(cfg, 2) == [] and check_model(cfg, 12) == []  # split; 3 copies of each kv head
+    assert check_model(cfg, 6) == ["parallel.tp=6 neither divides nor is a multiple of model.n_kv_heads=4; "
+                                   "fix: a divisor or a multiple of 4"]
+
+
+def test_export_refuses_what_the_family_cannot_express():
+    cfg = ModelConfig(vocab_size=10, qk_norm=True)  # arch llama: LlamaForCausalLM has no qk-norm
+    with pytest.raises(ValueError, match="cannot export: model.qk_norm=True cannot be exported as llama"):
+        hf_config_dict(cfg)
+
+
+def test_validate_reports_unsupported_architecture_before_launch(tmp_path):
+    """megaft.config.validate (run before any rank or job) carries the refusal."""
+    from megaft.config import Config, validate
+    from models.hf_fixture import make_hf_llama
+
+    make_hf_llama(str(tmp_path))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "mixtral"}))
+    cfg = Config()
+    cfg.model.init_from = str(tmp_path)
+    problems = validate(cfg, 1)
+    assert any(f"{os.path.join(str(tmp_path), 'config.json')}: model_type 'mixtral' is not supported; "
+               + SUPPORTED in p for p in problems), problems

@@ -1,0 +1,48 @@
+"""The attention variants and family differences run on the fused kernel paths
+(kernels.backend=triton: RMSNorm incl. qk-norm and the (1 + w) norm, RoPE ahead of the
+windowed attention, the fused linears with q/k/v biases; GeGLU keeps to torch ops since
+the SwiGLU kernels do not apply): logits and every grad equal the torch paths', and the
+logits equal transformers'. Without a GPU Triton runs in its CPU interpreter (set before
+any kernel module is imported)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from megaft.kernels import _triton  # noqa: E402
+from megaft.kernels.config import KernelsConfig  # noqa: E402
+from megaft.models import Llama  # noqa: E402
+from megaft.models.generate import full_logits  # noqa: E402
+from megaft.models.hf import hf_model_config, load_hf_weights  # noqa: E402
+from models.arch_cases import batch  # noqa: E402
+from models.arch_fixture import load_reference, make_hf, sample_ids  # noqa: E402
+
+# fp32: the kernels reduce rows in their own order; 1e-5 is the parallel-equivalence bound.
+ATOL = RTOL = 1e-5
+NAMES = ("qwen2", "qwen3", "mistral", "gemma")  # biases, qk-norm + head_dim, window, (1 + w)/GeGLU/scale
+pytestmark = pytest.mark.skipif(_triton.unavailable_reason(torch.device("cpu")) is not None,
+                                reason="Triton (interpreted on CPU) is not available")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_triton_kernels_match_torch_and_transformers(tmp_path, name):
+    path = str(tmp_path / name)
+    make_hf(path, name)
+    cfg = hf_model_config(path)
+    ids, (lines, labels) = sample_ids(), batch()
+    logits, grads = {}, {}
+    for backend in ("torch", "triton"):
+        model = Llama(cfg, kernels=KernelsConfig(backend=backend, autotune=False))
+        load_hf_weights(model, path, tp_rank=0, tp_size=1)
+        with torch.no_grad():
+            logits[backend] = full_logits(model, ids)
+        (model.loss_sum(lines, labels) / (labels != -100).sum()).backward()
+        grads[backend] = {n: p.grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        torch.testing.assert_close(logits["triton"], load_reference(path)(ids).logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=ATOL, rtol=RTOL)
+    for n, g in grads["torch"].items():
+        torch.testing.assert_close(grads["triton"][n], g, atol=ATOL, rtol=RTOL, msg=lambda m: f"{n}: {m}")

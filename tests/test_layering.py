@@ -1,0 +1,132 @@
+"""The import structure of megaft: no cycles, and every import points down the layers.
+
+The layers, lowest first (README "Architecture"); a module may import from its own
+layer and the layers below. A module's layer is that of its longest matching prefix,
+so a component's config dataclass can sit in the config layer while its code sits
+higher (megaft.training.config, megaft.launch.config).
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+import megaft
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("megaft.fileio", "megaft.signals")),
+    ("parallel", ("megaft.parallel",)),
+    ("kernels", ("megaft.kernels",)),
+    ("layers", ("megaft.layers",)),
+    ("models", ("megaft.models",)),
+    ("peft", ("megaft.peft",)),
+    ("optim", ("megaft.optim",)),
+    ("pipeline", ("megaft.pipeline",)),
+    ("checkpoint", ("megaft.checkpoint",)),
+    ("data", ("megaft.data",)),
+    ("config", ("megaft.config", "megaft.estimate", "megaft.training.config", "megaft.launch.config",
+                "megaft.verify.config", "megaft.commbench.config", "megaft.plan.config")),
+    ("training", ("megaft.training",)),
+    ("launch", ("megaft.launch",)),
+    ("entry", ("megaft", "megaft.cli", "megaft.train", "megaft.report", "megaft.prepare", "megaft.verify",
+               "megaft.conf", "megaft.commbench", "megaft.plan")),
+]
+RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
+ROOT = os.path.dirname(megaft.__file__)
+
+
+def modules() -> dict[str, str]:
+    """Dotted name -> path of every module of the package."""
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = os.path.join(folder, f)
+    return out
+
+
+def imports(name: str, path: str, known: dict[str, str]) -> set[str]:
+    """The megaft modules `name` imports, at module level or inside functions."""
+    pkg = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            # `from pkg import mod` imports the module pkg.mod when there is one
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    return {m for m in found if m == "megaft" or m.startswith("megaft.")} - {name}
+
+
+def layer_of(name: str) -> str:
+    best = max((p for _, prefixes in LAYERS for p in prefixes if name == p or name.startswith(p + ".")), key=len)
+    return next(layer for layer, prefixes in LAYERS if best in prefixes)
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (iterative DFS, three colours)."""
+    state: dict[str, int] = {}
+    for start in sorted(edges):
+        if state.get(start):
+            continue
+        stack, path = [(start, iter(sorted(edges[start])))], [start]
+        state[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt) and nxt in edges:
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(edges[nxt]))))
+                path.append(nxt)
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in modules() if not any(m == p or m.startswith(p + ".") for _, ps in LAYERS for p in ps)] == []
+
+
+def test_no_import_cycles():
+    assert find_cycle(graph()) is None, " -> ".join(find_cycle(graph()))
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted(f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, deps in graph().items()
+                    for b in deps if RANK[layer_of(b)] > RANK[layer_of(a)])
+    assert upward == [], "\n".join(upward)
+
+
+def test_the_checker_finds_cycles_and_upward_imports():
+    # The guard must be able to fail: a planted cycle and a planted upward edge are caught.
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert RANK[layer_of("megaft.kernels.rmsnorm")] < RANK[layer_of("megaft.layers.norm")]
+    assert layer_of("megaft.training.config") == "config" and layer_of("megaft.training.loop") == "training"
+
+
+@pytest.mark.parametrize("name", ["megaft.parallel.grid", "megaft.kernels.rmsnorm", "megaft.models.llama"])
+def test_low_layers_import_without_the_high_ones(name):
+    # Importing a low-layer module in a fresh interpreter must not pull in the trainer or launcher.
+    import subprocess
+    import sys
+
+    code = (f"import sys, {name}; bad = [m for m in sys.modules if m.startswith(('megaft.training.loop', "
+            "'megaft.launch', 'megaft.config'))]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,137 @@
+"""megaft-verify: passes on tp=2 with sequence parallel, pp=2 interleaved and dp=2 ZeRO-3,
+and fails naming the parameter when one tensor-parallel gradient all-reduce is skipped.
+
+Each case is one local launch of 2 ranks plus the single-process reference, as a user
+runs it (megaft.verify.run.run_verify); the fault comes in through a TrainSpec whose
+optimizer builder skips the sequence-parallel all-reduce of one norm weight's gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megaft.config import Config
+from megaft.training.parts import TrainSpec, build_optim
+from megaft.verify.compare import compare
+from megaft.verify.config import TOLERANCES, Shrink
+from megaft.verify.run import run_verify
+from megaft.verify.shrink import shrink
+
+FAULTY = "layers.1.post_attention_layernorm.weight"
+
+
+def verify_config(**parallel) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.max_seq_len = 32, 2, 4, 2, 64, 64
+    cfg.data.task_train_size, cfg.data.task_eval_size, cfg.data.seq_len = 500, 8, 32
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size = 4, 8
+    cfg.verify.steps = 3
+    cfg.launcher.nproc = 2
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def skip_one_sp_reduce(cfg, grid, model):
+    """build_optim, except that the tp all-reduce of FAULTY's gradient never happens."""
+    parts = build_optim(cfg, grid, model)
+    opt, param = parts.optimizer, dict(model.named_parameters())[FAULTY]
+    real = opt.sync_sequence_parallel
+
+    def sync(tp_group):
+        kept = param.grad.clone()
+        real(tp_group)
+        param.grad.copy_(kept)  # this rank's partial sum, as if its all-reduce were skipped
+
+    opt.sync_sequence_parallel = sync
+    return parts
+
+
+CASES = {
+    "tp2_sp": dict(tp=2, dp=1, sequence_parallel=True),
+    "pp2_interleaved": dict(pp=2, dp=1, vpp=2, schedule="interleaved"),
+    "dp2_zero3": dict(dp=2, zero=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_verify_passes_on_the_layouts(tmp_path, name):
+    cfg = verify_config(**CASES[name])
+    if name == "pp2_interleaved":
+        cfg.model.n_layers = 4  # pp * vpp stages of one block each
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed, report.format()
+    assert [r.step for r in report.rows] == [1, 2, 3]
+    assert all(r.loss_rel <= 1e-5 and r.grad_norm_rel <= 1e-4 for r in report.rows)
+    # every parameter of the model was compared, by its full name
+    assert len(report.grads) == sum(1 for _ in range(cfg.model.n_layers)) * 9 + 3
+    assert report.grads[0][1] <= 1e-4
+
+
+def test_verify_fails_naming_the_parameter_of_a_skipped_all_reduce(tmp_path):
+    cfg = verify_config(tp=2, dp=1, sequence_parallel=True)
+    report = run_verify(cfg, str(tmp_path), spec=TrainSpec(optim=skip_one_sp_reduce))
+    assert not report.passed
+    assert report.grads[0][0] == FAULTY and report.grads[0][1] > 1e-2, report.format()
+    assert report.grads[1][1] <= 1e-4  # every other parameter still equals the reference
+    assert any(FAULTY in f for f in report.failures), report.failures
+    assert report.rows[0].loss_rel <= 1e-6  # step 1's loss comes before any update
+
+
+def test_compare_flags_the_first_differing_step(tmp_path):
+    def write(path, losses):
+        with open(path, "w") as f:
+            for i, loss in enumerate(losses, 1):
+                f.write(json.dumps({"step": i, "loss": loss, "grad_norm": 1.0}) + "\n")
+
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    write(a, [2.0, 1.5, 1.2])
+    write(b, [2.0, 1.5 * (1 + 1e-3), 1.2])
+    grads = {"w": torch.ones(3)}
+    report = compare(a, b, grads, {"w": torch.ones(3)}, TOLERANCES["fp32"])
+    assert not report.passed and report.failures[0].startswith("step 2 differs")
+    assert compare(a, a, grads, grads, TOLERANCES["fp32"]).passed
+    missing = compare(a, a, {}, grads, TOLERANCES["fp32"])
+    assert missing.grads == [("w", math.inf)] and not missing.passed
+
+
+def test_shrink_keeps_the_layout_constraints():
+    cfg = verify_config(tp=2, pp=2, vpp=2, schedule="interleaved")
+    m = cfg.model
+    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = 4096, 32, 32, 8, 11008
+    cfg.model.vocab_size = 1000
+    cfg.model.make_vocab_size_divisible_by = 64
+    small = shrink(cfg)
+    m = small.model
+    assert (m.n_layers, m.n_heads, m.kv_heads, m.head_dim, m.dim) == (4, 32, 8, 8, 256)
+    assert m.ffn_dim % 2 == 0 and m.ffn_dim < 11008
+    assert (m.vocab_size, m.make_vocab_size_divisible_by) == (1000, 64)
+    assert cfg.model.dim == 4096  # the user's config is left as it was
+    cfg.parallel.pp_layers = [1, 2, 2, 1]
+    assert shrink(cfg).model.n_layers == 6
+    assert dataclasses.replace(cfg.verify, shrink=Shrink.auto).shrink == "auto"
+
+
+def test_megaft_verify_command_exits_2_on_a_bad_config_and_0_on_a_good_one(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "megaft-verify")
+    if not os.path.exists(exe):
+        exe = None
+    cmd = [exe] if exe else [sys.executable, "-c", "from megaft.cli import verify; verify()"]
+    base = [f"hydra.run.dir={tmp_path}", "parallel=single", "launcher.nproc=1", "model.n_layers=1",
+            "data.task_train_size=200", "data.task_eval_size=4", "train.micro_batch_size=4",
+            "train.global_batch_size=4", "verify.steps=2"]
+    bad = subprocess.run(cmd + base + ["verify.steps=0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "verify.steps=0 must be >= 1" in bad.stderr, bad.stderr[-2000:]
+    good = subprocess.run(cmd + base, capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    assert "PASS" in good.stdout
+    assert json.load(open(tmp_path / "verify.json"))["passed"] is True
