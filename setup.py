@@ -183,6 +183,7 @@ setup(
         "megaft-prepare = megaft.prepare:main",
         "megaft-commbench = megaft.cli:commbench",
         "megaft-plan = megaft.cli:plan",
+        "megaft-scale = megaft.cli:scale",
     ]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},

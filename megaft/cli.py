@@ -37,3 +37,8 @@ def commbench() -> None:
 def plan() -> None:
     """`megaft-plan`: starts no rank, but behaves like every other entry point."""
     _run("megaft.plan.app")
+
+
+def scale() -> None:
+    """`megaft-scale`: submits a scaling study (megaft-train -m) and reports it; starts no rank."""
+    _run("megaft.scale.app")

@@ -7,6 +7,7 @@ everything once, before any rank starts.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -136,10 +137,27 @@ def _pipeline_problems(cfg: Config, world_size: int) -> list[str]:
                           max(accumulation_steps(cfg.train, dp), 1))
 
 
+def _context_problems(cfg: Config) -> list[str]:
+    """parallel.cp against the sequence: 2·cp equal chunks, each a multiple of tp under
+    sequence parallel (the ring's chunks are never padded)."""
+    par, seq = cfg.parallel, cfg.data.seq_len
+    if par.cp <= 1 or par.tp < 1:
+        return []
+    if seq % (2 * par.cp):
+        return [f"parallel.cp={par.cp} cuts data.seq_len={seq} into 2*cp={2 * par.cp} equal chunks, which it does "
+                f"not divide; fix: a data.seq_len that is a multiple of {2 * par.cp}"]
+    if par.sequence_parallel and (seq // par.cp) % par.tp:
+        return [f"parallel.cp={par.cp} with sequence parallel gives each rank data.seq_len/cp={seq // par.cp} "
+                f"tokens, which parallel.tp={par.tp} does not divide; fix: a data.seq_len that is a multiple "
+                f"of {2 * par.cp * par.tp // math.gcd(2, par.tp)}"]
+    return []
+
+
 def check_settings(cfg: Config, world_size: int) -> list[str]:
     """Problems of the values as written, for a world of `world_size` ranks: pure (reads
     the data and tokenizer files it names, changes nothing)."""
     problems = check_parallel(cfg.parallel, world_size)
+    problems += _context_problems(cfg)
     problems += check_optim(cfg.optim, device=cfg.device)
     problems += check_master_weights(cfg.optim, precision=cfg.precision)
     problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))

@@ -113,25 +113,33 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int)
 
 
 def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision: str,
-                               recompute: str = "none") -> float:
-    """Bytes saved for backward per token per decoder block, as megaft's block saves them
-    (tests/test_recompute.py counts the saved tensors and checks this to a few percent):
-    the fp32 residual entering each norm and the attention output added to it, the norm
-    outputs feeding the linears (replicated unless sequence parallel); q, k, v, the
-    attention output before and after o_proj's reshape; the MLP's gate, up, activation
-    and product (tp-sharded). The attention kernel keeps no seq x seq scores (SDPA's
-    flash/efficient kernels on GPUs and torch's CPU flash kernel save only a logsumexp).
+                               recompute: str = "none", cp: int = 1) -> float:
+    """Bytes saved for backward per token (of this rank) per decoder block, as megaft's
+    block saves them with the torch kernels (tests/test_recompute.py and
+    tests/test_cp_training.py count the saved tensors and check this to a few percent).
 
-    model.recompute=selective recomputes the attention core and the MLP activation (one
-    ffn-wide tensor less); full keeps only the block's fp32 input."""
+    Each norm: its fp32 input (the residual), the normalized fp32 rows and the per-row
+    rstd, sequence-sharded under sequence parallel; and the linears' input (the norm's
+    output cast to the compute dtype; whole, as gathered, under sequence parallel; one
+    tensor shared by q/k/v and by gate/up). Attention (tp-sharded heads): q, k, v, the
+    output (o_proj reads it in place) and an fp32 log-sum-exp per head; SDPA's kernels and
+    the ring keep no seq x seq scores. The MLP: gate, up, activation and product.
+
+    model.recompute=selective recomputes the attention core (its log-sum-exp is not kept)
+    and the MLP activation (one ffn-wide tensor less); full keeps only the block's fp32
+    input. Under context parallelism (`cp` > 1) a rank holds seq/cp tokens of each row, and
+    the ring attention keeps its log-sum-exp under selective too (it stores no scores,
+    so there is nothing to recompute)."""
     sp = tp if sequence_parallel else 1
     if recompute == "full":
         return m.dim * FP32 / sp
     half = 2 if precision in ("bf16", "fp16") else FP32
-    replicated = (m.dim * (FP32 + half) * 2 + m.dim * FP32) / sp
-    ffn = 4 * m.ffn_dim if recompute == "none" else 3 * m.ffn_dim
-    sharded = (3 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd + ffn) * half / tp
-    return replicated + sharded
+    norms = 2 * ((2 * m.dim + 1) * FP32 / sp + m.dim * half)
+    attention = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd) * half / tp
+    if recompute == "none" or cp > 1:
+        attention += m.n_heads * FP32 / tp
+    ffn = (4 if recompute == "none" else 3) * m.ffn_dim * half / tp
+    return norms + attention + ffn
 
 
 def estimate_memory(cfg, world_size: int) -> MemoryEstimate:
@@ -147,12 +155,14 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     m, par = cfg.model, cfg.parallel
     dp = resolve_dp(par, world_size)
     micro = max(accumulation_steps(cfg.train, dp), 1)
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    cp = getattr(par, "cp", 1)
+    replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
     per_token = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                           precision=cfg.precision, recompute=m.recompute)
+                                           precision=cfg.precision, recompute=m.recompute, cp=cp)
     # recomputed blocks hold only their input, and the one being recomputed holds everything
     every = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                       precision=cfg.precision)
+                                       precision=cfg.precision, cp=cp)
     counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = getattr(par, "offload", "none") == "cpu"  # Adam moments live in host memory
@@ -180,9 +190,9 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         if getattr(cfg, "lora", None) is not None and cfg.lora.rank > 0:  # LoRA: only the adapters train
             frozen, n = lora_rank_bytes(cfg, r, n, layers)
         out.append(MemoryEstimate(
-            rank=r, params=frozen + n * weight // (dp if par.zero == 3 else 1),
-            grads=n * weight // (dp if par.zero >= 2 else 1),
-            optimizer=0 if offloaded else n * opt_bytes // (dp if par.zero >= 1 else 1), activations=int(acts),
+            rank=r, params=frozen + n * weight // (replicas if par.zero == 3 else 1),
+            grads=n * weight // (replicas if par.zero >= 2 else 1),
+            optimizer=0 if offloaded else n * opt_bytes // (replicas if par.zero >= 1 else 1), activations=int(acts),
             buffers=buffers))
     return out
 
@@ -236,6 +246,10 @@ def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None)
         return []
     par = cfg.parallel
     fixes = [f"raise parallel.tp={par.tp} or parallel.pp={par.pp}"]
+    if est.activations > est.total / 2:  # activations dominate: split the sequence, or recompute
+        fixes.append(f"raise parallel.cp={par.cp} (each rank holds seq_len/cp tokens)")
+        if cfg.model.recompute != "full":
+            fixes.append(f"set model.recompute={'selective' if cfg.model.recompute == 'none' else 'full'}")
     if par.zero < 3:
         fixes.append(f"raise parallel.zero={par.zero} (up to 3)")
     if par.offload == "none":

@@ -18,6 +18,10 @@ run's GPU at its precision; runs on CPU without a given peak show "-". The phase
 metrics.jsonl after the first (warm-up) step. The kernels column is summary.json's
 `kernels` record in short: the one backend every op ran, else `backend(op,...)` groups
 (why each was chosen, and the measured times, stay in summary.json).
+
+A scaling study's sweep dir (`megaft-scale`, with scale.json) gets the columns nodes,
+step_s, steady_tokens_per_s, speedup, ideal, efficiency and comm_share, and scaling.png
+(measured against ideal speedup); megaft.scale.report defines them.
 """
 from __future__ import annotations
 
@@ -219,7 +223,7 @@ def kernels_cell(record: Optional[dict]) -> Optional[str]:
 def _cell(key: str, value: Any) -> str:
     if value is None or value == "":
         return "-"
-    if key == "mfu" or key == "eval_accuracy":
+    if key in ("mfu", "eval_accuracy", "efficiency", "comm_share"):
         return f"{value:.1%}"
     if key == "tokens_per_s":
         return f"{value:,.0f}"
@@ -242,7 +246,7 @@ def short_overrides(rows: list[dict[str, Any]]) -> tuple[list[str], str]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as an aligned text table (shared overrides on a line above it)."""
     shown, common = short_overrides(rows)
-    cols = [c for c in COLUMNS if c != "reason"]
+    cols = [c for c in columns(rows) if c != "reason"]
     cells = [[_cell(c, v if c != "overrides" else o) for c, v in ((c, r[c]) for c in cols)]
              for r, o in zip(rows, shown)]
     widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
@@ -252,21 +256,35 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(rows: list[dict[str, Any]], out_dir: str, plot: bool = True) -> list[str]:
-    """report.csv, report.json, report.md (and report.png) in out_dir; returns their paths."""
+def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """COLUMNS, plus a scaling study's (megaft.scale.report) when the rows carry them."""
+    from megaft.scale.report import SCALE_COLUMNS
+
+    return COLUMNS + (SCALE_COLUMNS if rows and "speedup" in rows[0] else ())
+
+
+def write_outputs(rows: list[dict[str, Any]], out_dir: str, plot: bool = True,
+                  study: Optional[dict] = None) -> list[str]:
+    """report.csv, report.json, report.md (and report.png; for a scaling `study`, scaling.png)
+    in out_dir; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f"report.{ext}") for ext in ("csv", "json", "md")]
+    cols = columns(rows)
     with open(paths[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=cols)
         writer.writeheader()
         writer.writerows(rows)
     with open(paths[1], "w") as f:
         json.dump(rows, f, indent=2)
     with open(paths[2], "w") as f:
-        f.write("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
-        f.writelines("| " + " | ".join(_cell(c, r[c]).replace("|", "\\|") for c in COLUMNS) + " |\n" for r in rows)
+        f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+        f.writelines("| " + " | ".join(_cell(c, r[c]).replace("|", "\\|") for c in cols) + " |\n" for r in rows)
     if plot:
         paths.append(plot_rows(rows, os.path.join(out_dir, "report.png")))
+    if plot and study:
+        from megaft.scale.report import plot_scaling
+
+        paths.append(plot_scaling(rows, study, os.path.join(out_dir, "scaling.png")))
     return paths
 
 
@@ -305,12 +323,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megaft-report: {args.dir} is not a directory", file=sys.stderr)
         return 1
     rows = collect(args.dir, args.peak_tflops)
+    from megaft.scale.study import read_study
+
+    study = read_study(args.dir)  # a megaft-scale sweep: speedup, efficiency and comm share columns
+    if study and rows:
+        from megaft.scale.report import add_scaling
+
+        add_scaling(rows, args.dir, study)
     if not rows:
         print(f"megaft-report: no runs under {args.dir} (no summary.json, metrics.jsonl, .hydra/ or "
               "submitted.json)", file=sys.stderr)
         return 1
     print(format_table(rows))
-    for path in write_outputs(rows, args.out or args.dir, plot=not args.no_plot):
+    for path in write_outputs(rows, args.out or args.dir, plot=not args.no_plot, study=study):
         print(f"wrote {path}")
     return 0
 

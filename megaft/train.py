@@ -46,8 +46,12 @@ def run(cfg: Config, run_dir: str) -> None:
 
         try:
             adapt(cfg, world, run_dir)
-        except ElasticError as exc:
-            raise ConfigError([str(exc)]) from exc
+        except ElasticError as exc:  # tp*pp*cp no longer divide the world: the planner, if a cluster is named
+            from megaft.plan.replan import replan
+
+            if replan(cfg, world, str(exc)) is None:
+                raise ConfigError([f"{exc}; or name a cluster (cluster=<preset>, conf/cluster/) so the "
+                                   "planner re-plans the layout"]) from exc
     problems = validate(cfg, world) + ([] if env else check_local_launch(cfg))
     if problems:
         raise ConfigError(problems)

@@ -126,6 +126,10 @@ wait_idle() {
 
 up() {
     [[ $(id -u) -eq 0 ]] || die 4 "needs root (network namespaces, root daemons)"
+    local tool
+    for tool in ip nsenter unshare; do
+        command -v "$tool" >/dev/null || die 6 "no $tool here (packages iproute2, util-linux)"
+    done
     mkdir -p "$STATE/ctld"
     # munged and the packages: the single-node script owns them.
     "$(dirname "$0")/cluster.sh" munge >/dev/null
@@ -169,7 +173,7 @@ status() {
     for n in "${NODES[@]}"; do
         alive "$STATE/slurmd-$n.pid" && echo "slurmd $n: running" || { echo "slurmd $n: not running"; ok=1; }
     done
-    sinfo -N 2>&1 || ok=1
+    if alive "$STATE/slurmctld.pid"; then sinfo -N 2>&1 || ok=1; fi
     return $ok
 }
 

@@ -89,11 +89,16 @@ def capture_first_grads(trainer: Trainer, path: str) -> None:
 def _run(name: str, spec: dict, root: str, grid: ParallelGrid) -> Trainer:
     run_dir = os.path.join(root, name)
     os.makedirs(run_dir, exist_ok=True)
-    spec = dict(spec)
-    cfg = pipeline_config(**spec)
+    return fit_capturing(pipeline_config(**spec), grid, run_dir)
+
+
+def fit_capturing(cfg: Config, grid: ParallelGrid, run_dir: str) -> Trainer:
+    """Train `cfg` on `grid` into run_dir, saving the first step's gradients (below ZeRO-2:
+    ZeRO-2/3 keep only their shard of them) as grads_<rank>.pt."""
     cfg.parallel.dp = grid.dp_size
     trainer = Trainer(cfg, grid, run_dir)
-    capture_first_grads(trainer, os.path.join(run_dir, f"grads_{grid.rank}.pt"))
+    if cfg.parallel.zero < 2:
+        capture_first_grads(trainer, os.path.join(run_dir, f"grads_{grid.rank}.pt"))
     trainer.fit()
     return trainer
 

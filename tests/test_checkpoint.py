@@ -275,7 +275,8 @@ def test_layout_mismatch_without_reshard_is_a_clear_error(tp2_runs, tmp_path):
 
     run = copy_at_step_10(tp2_runs, str(tmp_path / "run"))
     trainer = Trainer(small_config(), ParallelGrid.single(), run)
-    with pytest.raises(LayoutMismatchError, match=r"saved with tp=2 dp=1 pp=1 .*resuming with tp=1 dp=1 pp=1.*"
+    with pytest.raises(LayoutMismatchError, match=r"saved with tp=2 cp=1 dp=1 pp=1 .*"
+                                                   r"resuming with tp=1 cp=1 dp=1 pp=1.*"
                                                    r"resharding needs the model.*; fix: .*parallel.tp=2"):
         load_latest(os.path.join(run, "checkpoints"), trainer.flat, trainer.optimizer, trainer.grid)
 

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training", ("megaft.training",)),
     ("launch", ("megaft.launch",)),
     ("entry", ("megaft", "megaft.cli", "megaft.train", "megaft.report", "megaft.prepare", "megaft.verify",
-               "megaft.conf", "megaft.commbench", "megaft.plan")),
+               "megaft.conf", "megaft.commbench", "megaft.plan", "megaft.scale")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 ROOT = os.path.dirname(megaft.__file__)

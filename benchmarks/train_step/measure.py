@@ -99,12 +99,22 @@ def block(provider: str, cfg: ModelConfig, *, device: torch.device, batch: int, 
     model.to(device)
     flat = FlatParams(model, weight_decay=0.1, device=device)
     opt = AdamW(flat, OptimConfig())
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen).to(device)
-    inputs, labels = ids[:, :-1], ids[:, 1:]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    times, first = timed_steps(model, flat, opt, vocab=cfg.vocab_size, device=device, batch=batch, seq=seq,
+                               precision=precision, warmup=warmup, steps=steps, seed=seed)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return Block(times, first, peak)
+
+
+def timed_steps(model, flat, opt, *, vocab: int, device: torch.device, batch: int, seq: int, precision: str,
+                warmup: int, steps: int, seed: int = 0) -> tuple[list[float], float]:
+    """(seconds of each timed step, first-step loss): ``warmup`` untimed then ``steps`` timed
+    train steps (forward, backward, AdamW) on a seeded batch of ``batch`` x ``seq`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     times, first = [], None
     for i in range(warmup + steps):
         _sync(device)
@@ -119,8 +129,7 @@ def block(provider: str, cfg: ModelConfig, *, device: torch.device, batch: int, 
             times.append(time.perf_counter() - start)
         if first is None:
             first = loss.item()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return Block(times, first, peak)
+    return times, first
 
 
 def round_orders(providers: list[str], rounds: int) -> list[list[str]]:

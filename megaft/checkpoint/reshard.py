@@ -102,21 +102,21 @@ class _Saved:
         self.tp = lay["tp"]
         self.pieces: dict[str, dict[int, dict[str, Any]]] = {}  # name -> saved tp rank -> piece
         self.first = _load(path, 0)
-        # Rank order: tp fastest, then dp, then pp. Moments sharded over dp (ZeRO) need every
-        # dp rank's shard; otherwise dp replicas hold the same values and dp rank 0 suffices.
+        # Rank order: tp fastest, then cp, dp, pp. The dp×cp replicas hold the same parameters;
+        # moments sharded over them (ZeRO) need every replica's shard, otherwise replica 0 suffices.
         # (Compared with the whole buffer: a group of one bucket gives rank 0 the single range
         # [0, numel/dp), which starts at 0 and ends at its own moment's length.)
         sharded = any(sum(hi - lo for lo, hi, _ in ranges) != p.numel()
                       for ranges, p in zip(_ranges(self.first), self.first["params"]))
         coords: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for rank in range(lay["world_size"]):
-            if not sharded and (rank // lay["tp"]) % lay["dp"] != 0:
+            if not sharded and (rank // lay["tp"]) % (lay["dp"] * lay.get("cp", 1)) != 0:
                 continue
             state = self.first if rank == 0 else _load(path, rank)
             c = state["coords"]
             coords.setdefault((c["tp_rank"], c["pp_rank"]), []).append(state)
         for (tp_rank, _), shards in coords.items():
-            shards.sort(key=lambda s: s["coords"]["dp_rank"])
+            shards.sort(key=lambda s: (s["coords"]["dp_rank"], s["coords"].get("cp_rank", 0)))  # replica order
             tensors = {"params": shards[0]["params"]}
             tensors.update({k: _full_moments(shards, k) for k in _MOMENTS})
             tensors[_MASTERS] = (_full_moments(shards, _MASTERS) if shards[0].get(_MASTERS)

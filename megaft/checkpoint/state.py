@@ -66,7 +66,12 @@ def check_model(manifest: dict[str, Any], expect: Optional[dict[str, Any]], path
 
 
 def layout(grid: ParallelGrid) -> dict[str, int]:
-    return {"tp": grid.tp_size, "dp": grid.dp_size, "pp": grid.pp_size, "world_size": grid.world_size}
+    """The parallel layout a checkpoint records; `cp` only when > 1 (the layouts of runs
+    without context parallelism are what they were before it existed)."""
+    out = {"tp": grid.tp_size, "dp": grid.dp_size, "pp": grid.pp_size, "world_size": grid.world_size}
+    if grid.cp_size > 1:
+        out["cp"] = grid.cp_size
+    return out
 
 
 def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int, reducer=None) -> dict[str, Any]:
@@ -85,7 +90,8 @@ def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int, r
     return {
         "step": step,
         "layout": layout(grid),
-        "coords": {"rank": grid.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank},
+        "coords": {"rank": grid.rank, "tp_rank": grid.tp_rank, "dp_rank": grid.dp_rank, "pp_rank": grid.pp_rank,
+                   "cp_rank": grid.cp_rank},
         "params": params,
         "exp_avg": [m.cpu() for m in optimizer.exp_avg],
         "exp_avg_sq": [v.cpu() for v in optimizer.exp_avg_sq],
@@ -167,14 +173,13 @@ def check_layout(saved: dict[str, int], grid: ParallelGrid, path: str,
     if saved == now:
         return
 
-    def fmt(d: dict[str, int]) -> str:
-        return " ".join(f"{k}={d[k]}" for k in ("tp", "dp", "pp"))
+    def fmt(d: dict[str, int], sep: str = " ", prefix: str = "") -> str:
+        return sep.join(f"{prefix}{k}={d.get(k, 1)}" for k in ("tp", "cp", "dp", "pp"))
 
     raise LayoutMismatchError(
         f"checkpoint {path} was saved with {fmt(saved)} (world size {saved['world_size']}), resuming with "
         f"{fmt(now)} (world size {now['world_size']}): {why}; fix: resume with "
-        f"parallel.tp={saved['tp']} parallel.dp={saved['dp']} parallel.pp={saved['pp']}, or start in a new run "
-        "directory, or set train.resume=false")
+        f"{fmt(saved, prefix='parallel.')}, or start in a new run directory, or set train.resume=false")
 
 
 def barrier(grid: ParallelGrid) -> None:
@@ -270,8 +275,8 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
         check_layout(manifest["layout"], grid, path, why=f"cannot reshard: {exc}")
         raise
     moved = ("another parallel.zero or bucket_mb" if same else
-             "tp={tp} dp={dp} pp={pp}".format(**manifest["layout"])
-             + f" to tp={grid.tp_size} dp={grid.dp_size} pp={grid.pp_size}")
+             "tp={tp} dp={dp} pp={pp}".format(**manifest["layout"]) + f" cp={manifest['layout'].get('cp', 1)}"
+             + f" to tp={grid.tp_size} dp={grid.dp_size} pp={grid.pp_size} cp={grid.cp_size}")
     restore_compression(reducer, None, step, why=f"resharded from {moved}; the state is per dp rank and per "
                         "bucket layout, it cannot be mapped")
     return step

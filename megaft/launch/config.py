@@ -12,7 +12,7 @@ class LauncherConfig:
     nproc: int = 2  # ranks to start with the local launcher
     timeout_s: int = 300  # seconds: a collective waiting on a hung or dead rank fails after this
     max_requeue: int = 3  # Slurm requeues after a preemption signal (counted by SLURM_RESTART_COUNT)
-    world_size: int = 0  # Slurm sweeps (hydra/launcher=slurm): ranks per job; 0 = tp*pp*dp (dp unset = 1)
+    world_size: int = 0  # Slurm sweeps (hydra/launcher=slurm): ranks per job; 0 = tp*cp*pp*dp (dp unset = 1)
     nodes: int = 0  # Slurm sweeps: nodes per job; 0 = the preset's, else as few as hold the ranks
     gpu_mem_gb: float = 0.0  # GiB per GPU for the memory check; 0 = a sweep preset's gpu_type, else this machine's GPU
     max_restarts: int = 0  # local launcher: restart a crashed rank set this often (resuming the newest checkpoint)

@@ -50,12 +50,12 @@ def adapt(cfg: Config, world: int, run_dir: str) -> Optional[str]:
     if not cfg.launcher.elastic:
         return None
     par, train = cfg.parallel, cfg.train
-    fixed = par.tp * par.pp
+    fixed = par.tp * par.pp * par.cp  # kept; dp takes what is left
     if world % fixed:
         raise ElasticError(
-            f"launcher.elastic: this run got {world} rank(s), which parallel.tp*parallel.pp = {par.tp}*{par.pp} = "
-            f"{fixed} does not divide, so no dp fits; fix: start a multiple of {fixed} ranks (launcher.nproc, Slurm "
-            "tasks), or change parallel.tp/pp (the checkpoint reshards to them too)")
+            f"launcher.elastic: this run got {world} rank(s), which parallel.tp*parallel.pp*parallel.cp = "
+            f"{par.tp}*{par.pp}*{par.cp} = {fixed} does not divide, so no dp fits; fix: start a multiple of {fixed} "
+            "ranks (launcher.nproc, Slurm tasks), or change parallel.tp/pp/cp (the checkpoint reshards to them too)")
     dp = world // fixed
     was = newest_layout(os.path.join(run_dir, "checkpoints"))
     par.dp = dp

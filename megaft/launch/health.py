@@ -12,9 +12,10 @@ itself (any other exception) leaves a marker saying so, which the others quote.
 The hang report (issue 17): at start every rank writes `who_<rank>.json` (host, pid,
 grid coordinates), and a failed collective's marker also holds what the rank was
 waiting for (megaft.launch.trace: the step and the last collectives with sequence
-numbers). `hang_report` joins them into lines a launcher prints: each rank's host,
-(pp, dp, tp), step and last collective, and which ranks are behind (no report: they
-never reached the collective the others wait in; or an earlier step).
+numbers, and the pipeline action it was executing). `hang_report` joins them into lines
+a launcher prints: each rank's host, (pp, dp, cp, tp), step, pipeline action and last
+collective, and which ranks are behind (no report: they never reached the collective
+the others wait in; or an earlier step).
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def _who(run_dir: str, rank: int) -> dict:
 
 def _place(who: dict) -> str:
     c = who.get("coords") or {}
-    grid = " ".join(f"{k}={c[k]}" for k in ("pp", "dp", "tp") if k in c)
+    grid = " ".join(f"{k}={c[k]}" for k in ("pp", "dp", "cp", "tp") if k in c)
     return f"on {who.get('host', '?')} ({grid or 'coordinates unknown'})"
 
 
@@ -161,7 +162,8 @@ def hang_report(run_dir: str, world: int, since: float) -> Optional[str]:
             step = waiting.get("step")
             late = bool(last) and last[0].get("time", 0) > first_failure
             what = describe(last[0]) if last else "no collective recorded"
-            lines.append(f"  rank {r} {where}: {'starting up' if step is None else f'step {step}'}, in {what}"
+            action = f", pipeline action {waiting['action']}" if waiting.get("action") else ""
+            lines.append(f"  rank {r} {where}: {'starting up' if step is None else f'step {step}'}{action}, in {what}"
                          + (", entered after another rank had failed on it (late)" if late else ""))
             if late or (top is not None and step is not None and step < top):
                 behind.append(r)

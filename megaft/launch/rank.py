@@ -48,10 +48,10 @@ def process_group(cfg: Config, env: DistEnv, run_dir: str,
     dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size,
                             timeout=timeout)
     try:
-        grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+        grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp,
                                   dp=resolve_dp(cfg.parallel, env.world_size), device=device, timeout=timeout)
         if env.world_size > 1:
-            health.announce(run_dir, env.rank, {"pp": grid.pp_rank, "dp": grid.dp_rank, "tp": grid.tp_rank})
+            health.announce(run_dir, env.rank, grid.coords)
             trace.install()
         yield grid
     except Exception as exc:
@@ -84,6 +84,7 @@ def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0, spec=Non
         with PreemptFlag() as flag, process_group(cfg, env, run_dir, trace) as grid:
             trainer = Trainer(cfg, grid, run_dir, spec=spec or TrainSpec())
             trace.step_of = lambda: getattr(trainer, "current_step", None)  # the hang report's step
+            trace.action_of = lambda: getattr(getattr(trainer.step, "runtime", None), "current_action", None)
             summary = trainer.fit(flag=flag)
     except health.RankFailureError:
         if cfg.launcher.elastic and env.rank == 0 and os.environ.get("SLURM_JOB_ID"):

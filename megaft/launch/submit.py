@@ -51,9 +51,9 @@ class NodeSpec:
 
 
 def point_world_size(cfg: Config) -> int:
-    """Ranks of a point: launcher.world_size when set, else tp * pp * dp (dp unset counts as 1)."""
+    """Ranks of a point: launcher.world_size when set, else tp * cp * pp * dp (dp unset counts as 1)."""
     par = cfg.parallel
-    return cfg.launcher.world_size or par.tp * par.pp * (par.dp or 1)
+    return cfg.launcher.world_size or par.tp * par.cp * par.pp * (par.dp or 1)
 
 
 def resource_shape(cfg: Config, spec: NodeSpec) -> tuple[Optional[Shape], list[str]]:

@@ -5,7 +5,9 @@ this process (megaft calls them all as `dist.<name>`, so replacing the module's
 attributes sees every call) while a rank body runs (megaft.launch.rank.process_group).
 Each call gets a sequence number and an entry (op, group size, elements, state:
 `waiting` until a blocking call returns, `async` for async_op calls, `done`). The last
-`keep` entries and the step the trainer is in (`step_of`, set by run_rank) go into the
+`keep` entries, the step the trainer is in (`step_of`, set by run_rank) and the pipeline
+action the rank is executing (`action_of`: PipelineRuntime.current_action, e.g. `1F3`,
+forward of micro-batch 3 on virtual stage 1; None outside the schedule) go into the
 rank's health marker when a collective times out (megaft.launch.health), so the report
 can say who was behind and in which call. Recording is a dict append per call:
 negligible next to a collective.
@@ -49,6 +51,7 @@ class CollectiveTrace:
         self.seq = 0
         self.recent: collections.deque = collections.deque(maxlen=keep)
         self.step_of: Callable[[], Optional[int]] = lambda: None
+        self.action_of: Callable[[], Optional[object]] = lambda: None
         self._originals: dict[str, Any] = {}
 
     def _wrap(self, name: str, fn):
@@ -79,13 +82,15 @@ class CollectiveTrace:
         self._originals.clear()
 
     def snapshot(self) -> dict[str, Any]:
-        """The step and the last collectives, oldest first (JSON-ready)."""
-        step = None
+        """The step, the pipeline action and the last collectives, oldest first (JSON-ready)."""
+        step = action = None
         try:
             step = self.step_of()
+            action = self.action_of()
         except Exception:  # a report must never fail because of the trainer's state
             pass
-        return {"step": step, "collectives": [dict(e) for e in self.recent], "seq": self.seq}
+        return {"step": step, "action": None if action is None else str(action),
+                "collectives": [dict(e) for e in self.recent], "seq": self.seq}
 
 
 def describe(entry: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.config import ModelConfig, kv_replicas
+from megaft.models.context import ring_attention
 from megaft.models.docs import Docs, attend, rope_at
 from megaft.models.kv import mark_replicated, replica_sum
 from megaft.parallel.comm import Group, group_size
@@ -93,8 +94,12 @@ class Attention(nn.Module):
         v = self._kv(self.v_proj, x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
         if self.q_norm is not None:  # back to the projections' dtype (an fp32 weight promotes under autocast)
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        if docs is not None:
-            q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs.position_ids, self.rope_backend)
+        if docs is not None and docs.cp is not None:  # context parallel: this rank's chunks, the ring
+            q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
+            # The ring keeps only q, k, v, out and the log-sum-exp: selective recompute has nothing to add.
+            out = ring_attention(q, k, v, docs.cp, self.window)
+        elif docs is not None:
+            q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
             out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads, enabled=self.selective)
         else:
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)

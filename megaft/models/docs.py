@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from megaft.kernels.rope import rope
+from megaft.models.context import ContextShard, chunk_index
+from megaft.parallel.comm import Group, group_rank, group_size
 
 
 @dataclass
@@ -32,10 +34,14 @@ class Docs:
 
     position_ids: torch.Tensor  # position of each token inside its document (0 at its start)
     doc_ids: torch.Tensor  # document index of each token in its row (padding: an index of its own)
+    # Context parallelism: these are this cp rank's tokens of the rows `cp` describes, and
+    # attention is the ring over the cp group (megaft.models.context); None = whole rows here.
+    cp: Optional[ContextShard] = None
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to(self, device) -> "Docs":
-        return Docs(self.position_ids.to(device), self.doc_ids.to(device))
+        cp = None if self.cp is None else self.cp.to(device)
+        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp)
 
     def padded(self, seq: int) -> "Docs":
         """Right-padded to `seq` tokens (sequence parallel pads ids to a multiple of tp):
@@ -43,8 +49,18 @@ class Docs:
         pad = seq - self.doc_ids.shape[1]
         if pad <= 0:
             return self
+        if self.cp is not None:  # config validation keeps cp chunks multiples of tp
+            raise ValueError("context-parallel chunks are never padded: data.seq_len / cp must be a multiple of tp")
         last = self.doc_ids.max(dim=1, keepdim=True).values + 1
         return Docs(F.pad(self.position_ids, (0, pad)), torch.cat([self.doc_ids, last.expand(-1, pad)], dim=1))
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [b*s, d] at the flattened position_ids, gathered once for all layers."""
+        key = ("rope", cos.data_ptr(), sin.data_ptr())
+        if key not in self._masks:
+            flat = self.position_ids.reshape(-1)
+            self._masks[key] = (cos[flat], sin[flat])
+        return self._masks[key]
 
     def mask(self, window: Optional[int], flex: bool):
         """The flex block mask (`flex`) or the SDPA boolean mask for `window`, built once."""
@@ -59,6 +75,21 @@ class Docs:
             else:
                 self._masks[key] = document_mask(self, window)
         return self._masks[key]
+
+
+def context_shard(input_ids: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs],
+                  group: Group) -> tuple[torch.Tensor, torch.Tensor, Docs]:
+    """This cp rank's tokens of a micro-batch of whole rows [b, seq] (its two chunks,
+    megaft.models.context), and the `Docs` that gives attention the rest: global positions
+    (or each document's own) for RoPE, and the rows' document ids for the ring's masks."""
+    b, seq = input_ids.shape
+    idx = chunk_index(seq, group_size(group), group_rank(group), input_ids.device)
+    if docs is None:
+        local = Docs(idx.expand(b, -1), torch.zeros(b, idx.numel(), dtype=torch.long, device=input_ids.device),
+                     ContextShard(group, seq))
+    else:
+        local = Docs(docs.position_ids[:, idx], docs.doc_ids[:, idx], ContextShard(group, seq, docs.doc_ids))
+    return input_ids[:, idx], labels[:, idx], local
 
 
 def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:
@@ -83,18 +114,19 @@ def mask_mod(docs: Docs, window: Optional[int] = None):
     return allowed
 
 
-def rope_at(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor,
+def rope_at(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: "Docs",
             backend: str):
-    """RoPE of q [b, h, s, d] and k [b, kv, s, d] at per-token positions [b, s], through the
-    rope kernel front of any backend: the rows are laid end to end as one sequence of b*s
-    positions whose cos/sin are gathered at `position_ids` (RoPE is per token, so exact)."""
+    """RoPE of q [b, h, s, d] and k [b, kv, s, d] at the per-token positions `docs.position_ids`
+    [b, s], through the rope kernel front of any backend: the rows are laid end to end as one
+    sequence of b*s positions whose cos/sin are gathered at the positions (RoPE is per
+    token, so exact). The gathered tables are built once per forward (`Docs.rope_tables`):
+    every layer's rope saves the same two tensors for backward."""
     b, h, s, d = q.shape
-    flat = position_ids.reshape(-1)
 
     def one_row(x: torch.Tensor) -> torch.Tensor:  # [b, n, s, d] -> [1, n, b*s, d]
         return x.transpose(0, 1).reshape(1, x.shape[1], b * s, d)
 
-    q2, k2 = rope(one_row(q), one_row(k), cos[flat], sin[flat], backend)
+    q2, k2 = rope(one_row(q), one_row(k), *docs.rope_tables(cos, sin), backend)
 
     def back(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[1], b, s, d).transpose(0, 1)

@@ -224,25 +224,26 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.buckets import GradReducer
 
+    # Gradients and ZeRO shards span the ranks holding the same parameters: dp×cp (cp replicates them).
     numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients (bf16 ones are reduced in fp32 too)
     options = {} if compression is None else dict(
         compression=compression.grad_compression, powersgd_rank=compression.powersgd_rank,
         powersgd_warmup_steps=compression.powersgd_warmup_steps)
     units = model_units(model) if zero == 3 else None
     flat = FlatParams(model, weight_decay=cfg.weight_decay, device=grid.device, bucket_numel=0 if units else numel,
-                      multiple=grid.dp_size if zero else 1, keep_grads=zero < 2,
+                      multiple=grid.replica_size if zero else 1, keep_grads=zero < 2,
                       units=unit_params(units) if units else None,
                       dtype=torch.bfloat16 if cfg.master_weights else torch.float32)
     if zero == 0:
         optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
         optimizer.scaler = scaler
-        return flat, optimizer, GradReducer(flat, grid.dp_group, clock=lambda: optimizer.step_count, **options)
-    optimizer = ShardedAdamW(flat, cfg, grid.dp_group, stage=zero, norm_params=norm_params,
+        return flat, optimizer, GradReducer(flat, grid.replica_group, clock=lambda: optimizer.step_count, **options)
+    optimizer = ShardedAdamW(flat, cfg, grid.replica_group, stage=zero, norm_params=norm_params,
                              offload=offload == "cpu")
     optimizer.scaler = scaler
-    reducer = GradReducer(flat, grid.dp_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads,
+    reducer = GradReducer(flat, grid.replica_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads,
                           clock=lambda: optimizer.step_count, **options)
     if units:
-        optimizer.gatherer = ParamGatherer(flat, units, optimizer.param_shards, grid.dp_group)
+        optimizer.gatherer = ParamGatherer(flat, units, optimizer.param_shards, grid.replica_group)
         reducer.after_finish = optimizer.gatherer.end_backward
     return flat, optimizer, reducer

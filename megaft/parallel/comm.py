@@ -116,7 +116,9 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
+        # contiguous: the layers sharing this input (q/k/v, gate/up) then save one tensor for
+        # backward, not one reshaped copy each
+        return all_gather(x, dim, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

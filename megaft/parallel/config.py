@@ -29,7 +29,10 @@ class Backend(StrEnum):
 class ParallelConfig:
     tp: int = 1  # tensor-parallel degree: ranks that split each linear layer
     pp: int = 1  # pipeline-parallel degree: stages the layers are split into
-    dp: Optional[int] = None  # data-parallel degree; None = world_size // (tp * pp)
+    dp: Optional[int] = None  # data-parallel degree; None = world_size // (tp * cp * pp)
+    # context-parallel degree: ranks that split every sequence (load-balanced ring attention,
+    # megaft.models.context); parameters are replicated over cp like over dp
+    cp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pp rank; > 1 needs schedule=interleaved
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
     pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
@@ -53,24 +56,25 @@ def resolve_dp(cfg: ParallelConfig, world_size: int) -> int:
     """dp as set, or derived from the world size when left unset."""
     if cfg.dp is not None:
         return cfg.dp
-    return max(world_size // max(cfg.tp * cfg.pp, 1), 1)
+    return max(world_size // max(cfg.tp * cfg.cp * cfg.pp, 1), 1)
 
 
 def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
     """Every problem with the parallel degrees against `world_size`, each with its fix."""
     errors = []
-    for axis in ("tp", "pp", "dp"):
+    for axis in ("tp", "cp", "pp", "dp"):
         value = getattr(cfg, axis)
         if value is not None and value < 1:
             errors.append(f"parallel.{axis}={value} must be >= 1; fix: set parallel.{axis} to a positive integer")
     if errors:
         return errors
     dp = resolve_dp(cfg, world_size)
-    if cfg.tp * cfg.pp * dp != world_size:
-        derived = "" if cfg.dp is not None else " (dp derived as world_size // (tp*pp))"
+    if cfg.tp * cfg.cp * cfg.pp * dp != world_size:
+        derived = "" if cfg.dp is not None else " (dp derived as world_size // (tp*cp*pp))"
+        cp, cp_n = ("*cp", f"*{cfg.cp}") if cfg.cp > 1 else ("", "")
         errors.append(
-            f"world size {world_size} != tp*pp*dp = {cfg.tp}*{cfg.pp}*{dp}{derived}; "
-            f"fix: start tp*pp*dp ranks (launcher.nproc or Slurm tasks) or change parallel.tp/pp/dp"
+            f"world size {world_size} != tp*pp*dp{cp} = {cfg.tp}*{cfg.pp}*{dp}{cp_n}{derived}; "
+            f"fix: start tp*cp*pp*dp ranks (launcher.nproc or Slurm tasks) or change parallel.tp/cp/pp/dp"
         )
     if cfg.zero not in (0, 1, 2, 3):
         errors.append(f"parallel.zero={cfg.zero} is unknown; fix: 0 (plain dp), 1, 2 or 3")

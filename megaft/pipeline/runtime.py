@@ -89,10 +89,13 @@ class PipelineRuntime:
         if dist.get_backend(grid.pp_group) == "nccl":
             self._check_nccl(schedule, full, vpp)
         self.last = model.last_stage
-        self.stride = grid.tp_size * grid.dp_size  # global rank distance between pp neighbours
+        self.stride = grid.pp_stride  # global rank distance between pp neighbours
         self.base = grid.rank - grid.pp_rank * self.stride
         self._sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []  # in-flight sends, buffers
         self.wait_s = 0.0  # seconds the last train_step spent blocked on peers (benchmarks/pipeline)
+        # The action (or batch of sends/receives) train_step is executing, None between steps: the
+        # hang report's "pipeline action" (megaft.launch.trace.CollectiveTrace.action_of).
+        self.current_action: Optional[Action | list[Action]] = None
         # Compute kinds -> handlers (STYLE §3: a short loop dispatching each action).
         self._compute = {K.F: self._forward, K.B: self._backward}
         if wrap_compute is not None:  # e.g. phase timing: wrap_compute(handler, "forward" | "backward")
@@ -182,12 +185,14 @@ class PipelineRuntime:
         state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
                            self.grid.device, docs)
         for item in self.program:
+            self.current_action = item
             if isinstance(item, list):
                 self._post(item, state)
             else:
                 self._compute[item.kind](item.stage, item.microbatch, state)
         t0 = time.perf_counter()
         self._drain()
+        self.current_action = None
         self.wait_s = state.wait_s + time.perf_counter() - t0
         assert not state.left_behind(), "schedule left work behind"
         return state.loss_sum

@@ -14,7 +14,6 @@ planner prints passes megaft-train's validation of the same shapes.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -24,11 +23,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, check_settings, register_configs
-from megaft.data.config import DataConfig, build_tokenizer
+from megaft.config import Config, ConfigError, register_configs
 from megaft.fileio import write_json_atomic
-from megaft.models.config import check_model
-from megaft.plan.config import check_cluster, check_plan
 from megaft.plan.report import (
     explain_rule,
     format_explanation,
@@ -37,6 +33,7 @@ from megaft.plan.report import (
     layout_row,
     plan_json,
 )
+from megaft.plan.shape import planning_config
 from megaft.plan.space import rule_of_thumb, search
 from megaft.train import conf_dir
 
@@ -44,53 +41,9 @@ register_configs()
 # megaft-train's root config plus a cluster preset (conf/train.yaml names no cluster).
 ConfigStore.instance().store(name="megaft_plan", node={"defaults": ["train", {"cluster": "h100"}, "_self_"]})
 
-LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.schedule",
+LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.schedule",
                "parallel.sequence_parallel", "parallel.zero", "parallel.offload", "parallel.pp_layers",
                "train.micro_batch_size", "launcher.nproc", "launcher.world_size")
-
-
-def planning_model(cfg: Config):
-    """(ModelConfig with every shape field filled and no init_from, problems): the
-    architecture of model.init_from's config.json (no weights needed), else the preset's
-    with the tokenizer's vocabulary when vocab_size is 0."""
-    m = cfg.model
-    if m.init_from:
-        from megaft.models.hf import hf_model_config
-
-        if not os.path.isfile(os.path.join(m.init_from, "config.json")):
-            return m, [f"model.init_from={m.init_from!r} has no config.json; fix: point it at a Hugging Face "
-                       "Llama checkpoint directory (config.json is all megaft-plan reads)"]
-        try:
-            m = hf_model_config(m.init_from, base=m)
-        except (OSError, ValueError) as exc:
-            return m, [str(exc)]
-    elif m.vocab_size == 0:
-        try:
-            m = dataclasses.replace(m, vocab_size=build_tokenizer(cfg.data, init_from=None).get_vocab_size())
-        except (OSError, ValueError) as exc:
-            return m, [f"model.vocab_size=0 and the tokenizer cannot be read ({exc}); fix: set model.vocab_size"]
-    return dataclasses.replace(m, init_from=None), []
-
-
-def planning_config(cfg: Config) -> tuple[Config, list[str]]:
-    """(the config every layout is applied to, problems that no layout can fix).
-
-    It keeps the user's settings but the model's shapes are resolved (no init_from) and
-    the data is only its sequence length: the data files are megaft-train's to check.
-    """
-    problems = check_cluster(cfg.cluster, str(cfg.precision)) + check_plan(cfg.plan)
-    model, model_problems = planning_model(cfg)
-    problems += model_problems
-    shaped = dataclasses.replace(cfg, model=model, data=DataConfig(seq_len=cfg.data.seq_len))
-    if not model_problems:  # the layout-free half: a single rank, the whole batch at once
-        single = dataclasses.replace(
-            shaped, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, vpp=1, zero=0, pp_layers=None),
-            train=dataclasses.replace(cfg.train, micro_batch_size=cfg.train.global_batch_size))
-        problems += check_settings(single, 1) + check_model(model, 1)
-        if cfg.data.seq_len > model.max_seq_len:
-            problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={model.max_seq_len}; "
-                            f"fix: model.max_seq_len={cfg.data.seq_len} (megaft-train needs it too)")
-    return shaped, problems
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
@@ -105,8 +58,10 @@ def user_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def run_plan(cfg: Config, run_dir: str, overrides: list[str]) -> tuple[int, dict]:
-    """Plan, print, write run_dir/plan.json; (exit status, the plan). Raises ConfigError."""
+def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: list[str] = ()) -> tuple[int, dict]:
+    """Plan, print, write run_dir/plan.json; (exit status, the plan). Raises ConfigError.
+    With plan.probe=K the top K then run on Slurm (megaft.plan.probe, launcher from
+    `hydra_overrides`) and plan.json gains their measurements; status 1 when none was measured."""
     shaped, problems = planning_config(cfg)
     if problems:
         raise ConfigError(problems)
@@ -132,6 +87,16 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str]) -> tuple[int, dict
     os.makedirs(run_dir, exist_ok=True)
     write_json_atomic(os.path.join(run_dir, "plan.json"), out)
     print(f"megaft-plan: {json.dumps(os.path.join(run_dir, 'plan.json'))}", flush=True)
+    if plan.probe and result.ranked:
+        from megaft.plan.probe import launcher_overrides, run_probe
+
+        out["probe"] = run_probe(result.ranked[:plan.probe], cluster, run_dir, user_overrides(overrides),
+                                 launcher_overrides(list(hydra_overrides)), plan)
+        for run in out["probe"]["runs"]:
+            if run["plan_rank"] <= len(out["layouts"]):
+                out["layouts"][run["plan_rank"] - 1]["measured"] = run["measured"]
+        write_json_atomic(os.path.join(run_dir, "plan.json"), out)
+        return (0 if out["probe"]["ranking"] else 1), out
     return (0 if result.ranked else 1), out
 
 
@@ -140,7 +105,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
     cfg: Config = OmegaConf.to_object(dcfg)
     hc = HydraConfig.get()
     try:
-        status, _ = run_plan(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+        status, _ = run_plan(cfg, hc.runtime.output_dir, list(hc.overrides.task), list(hc.overrides.hydra))
     except ConfigError as exc:
         print(f"megaft-plan: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -48,9 +48,18 @@ class PlanConfig:
     explain: bool = False  # also show the rule-of-thumb layout and why it lost
     max_tp: int = 0  # largest tp tried (divisors of gpus_per_node); 0 = gpus_per_node (tp within a node)
     max_vpp: int = 4  # largest interleaved chunk count per pp rank tried (1, 2, 4, ...)
+    max_cp: int = 8  # largest context-parallel degree tried (1, 2, 4, ...; data.seq_len must allow it)
+    # cp > 1 only while each rank keeps at least this many tokens of a row: shorter shards lose
+    # kernel efficiency the cost model does not see (Megatron advises cp for long contexts only)
+    min_cp_tokens: int = 4096
     max_micro_batch_size: int = 8  # largest train.micro_batch_size tried (divisors of the global batch)
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])  # parallel.zero values tried
     offload: bool = True  # also try parallel.offload=cpu
+    # plan.probe=K: run the top K as one short Slurm array and re-rank by measured throughput
+    # (megaft.plan.probe; the launcher is megaft-plan's hydra/launcher=..., default slurm); 0 = don't
+    probe: int = 0
+    probe_steps: int = 6  # optimizer steps per probe run (the first is warm-up and not measured)
+    probe_timeout_min: float = 60.0  # wait at most this long for the probe array, then cancel it
 
 
 def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
@@ -77,9 +86,12 @@ def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
 
 def check_plan(cfg: PlanConfig) -> list[str]:
     problems = []
-    for name in ("top_k", "max_vpp", "max_micro_batch_size"):
+    for name in ("top_k", "max_vpp", "max_cp", "min_cp_tokens", "max_micro_batch_size"):
         if getattr(cfg, name) < 1:
             problems.append(f"plan.{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.probe < 0 or cfg.probe_steps < 2 or cfg.probe_timeout_min <= 0:
+        problems.append(f"plan.probe={cfg.probe} must be >= 0, plan.probe_steps={cfg.probe_steps} >= 2 (the first "
+                        f"step is warm-up) and plan.probe_timeout_min={cfg.probe_timeout_min} > 0")
     if cfg.max_tp < 0:
         problems.append(f"plan.max_tp={cfg.max_tp} must be >= 0 (0 = gpus_per_node)")
     bad = [z for z in cfg.zero_stages if z not in (0, 1, 2, 3)]

@@ -9,6 +9,12 @@ to the step (`StepCost.step_s`):
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
   with sequence parallelism reduce-scatter + all-gather: the same bytes), plus the
   vocab-parallel embedding and head; megaft does not overlap them with compute.
+* **cp_comm**: the context-parallel ring (megaft.models.context): per block, cp-1 K/V
+  blocks in forward, and in backward cp-1 K/V blocks plus cp fp32 dK/dV accumulators, each
+  a p2p over the cp group's link, hidden behind the attention core's compute of the block
+  in hand; only what that compute cannot cover shows. Under cp every rank holds
+  seq_len/cp tokens, so compute, tp collectives and pipeline messages shrink with it, and
+  gradients and ZeRO shards span dp×cp.
 * **pp_bubble**: what megaft's own simulator (`megaft.pipeline.simulate.replay`) leaves
   idle on the busiest rank when every F/B action costs its stage's compute + tp + ZeRO
   time and every p2p message (fp32 activations, megaft's wire dtype) its transfer time.
@@ -28,7 +34,7 @@ spans (NVLink when the group fits in a node; across nodes the NICs of the group'
 ranks in a node, as NCCL runs one ring per NIC), times `cluster.comm_fraction`:
 all-reduce 2(n−1)/n·B/bw + 2(n−1)·α, reduce-scatter and all-gather (n−1)/n·B/bw +
 (n−1)·α (B: the whole buffer). Groups are laid out as megaft orders ranks (tp fastest,
-then dp, then pp), so a dp group fits in a node when tp·dp ≤ gpus_per_node and holds
+then cp, dp, pp), so a dp group fits in a node when tp·dp ≤ gpus_per_node and holds
 gpus_per_node / tp ranks of each node otherwise.
 """
 from __future__ import annotations
@@ -44,7 +50,7 @@ from megaft.pipeline.simulate import replay
 from megaft.training.config import accumulation_steps
 from megaft.training.flops import flops_per_token
 
-TERMS = ("compute", "tp_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer", "offload")
+TERMS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer", "offload")
 P2P_BYTES = 4  # megaft.pipeline.runtime.WIRE_DTYPE: activations travel in fp32
 ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
 MIB = 2 ** 20
@@ -134,11 +140,26 @@ def _pipeline(schedule: str, pp: int, vpp: int, m: int, forward: tuple, backward
     return makespan, busy
 
 
+def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one block's cp ring for this rank's `tokens`."""
+    m, par = cfg.model, cfg.parallel
+    cp = par.cp
+    if cp <= 1:
+        return 0.0, 0.0
+    act = 2 if cfg.precision in ("bf16", "fp16") else 4
+    kv = 2 * tokens * max(m.kv_heads / par.tp, 1) * m.hd  # K and V elements of one block (this tp rank's heads)
+    link = group_link(cluster, cp, par.tp)
+    forward = (cp - 1) * p2p_s(kv * act, link)
+    backward = (cp - 1) * p2p_s(kv * act, link) + cp * p2p_s(kv * 4, link)
+    return max(0.0, forward - core_f), max(0.0, backward - 2 * core_f)
+
+
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
-    """Per virtual stage, one micro-batch's seconds: f/b compute, tp and ZeRO (exposed)."""
+    """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring and ZeRO (exposed)."""
     m, par, seq = cfg.model, cfg.parallel, cfg.data.seq_len
     tp, stages = par.tp, par.pp * par.vpp
-    tokens = cfg.train.micro_batch_size * seq
+    tokens = cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
+    dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
     rate = cluster.peak_tflops(str(cfg.precision)) * 1e12 * cluster.matmul_fraction
     act = 2 if cfg.precision in ("bf16", "fp16") else 4
     wbytes = 2 if cfg.optim.master_weights else 4
@@ -148,8 +169,10 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     layer_f = tokens * _layer_forward_flops(m, seq) / tp / rate
     head_f = tokens * 2.0 * m.dim * m.vocab_size / tp / rate
     # recomputed in backward: the whole block (full) or the attention core and activation (selective)
-    core_f = tokens * (4.0 * m.n_heads * m.hd * seq + 4.0 * m.ffn_dim) / tp / rate
+    attention_f = tokens * 4.0 * m.n_heads * m.hd * seq / tp / rate  # the attention core over whole rows
+    core_f = attention_f + tokens * 4.0 * m.ffn_dim / tp / rate
     again_f = {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0)
+    ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     lp = layer_params(m, tp)
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
     ag_layer = gather_s(lp * wbytes, dp, dp_link)
@@ -162,6 +185,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         c["f_tp"] = tp_one * (2 * n + first + (last and par.sequence_parallel)) + (
             3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
         c["b_tp"] = tp_one * (2 * n + last) + (tp_one * 2 * n if m.recompute == "full" else 0.0)
+        c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
+        c["b_cp"] = n * ring_b
         c["f_zero"] = c["b_zero"] = 0.0
         if par.zero == 3 and dp > 1:  # prefetch hides a gather behind the previous layer's compute
             ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
@@ -183,30 +208,31 @@ def step_cost(cfg, cluster, world_size: int) -> StepCost:
     micro = max(accumulation_steps(cfg.train, dp), 1)
     stages = _stage_costs(cfg, cluster, dp)
     terms = dict.fromkeys(TERMS, 0.0)
-    f = tuple(c["f_compute"] + c["f_tp"] + c["f_zero"] for c in stages)
-    b = tuple(c["b_compute"] + c["b_tp"] + c["b_zero"] for c in stages)
+    f = tuple(c["f_compute"] + c["f_tp"] + c["f_cp"] + c["f_zero"] for c in stages)
+    b = tuple(c["b_compute"] + c["b_tp"] + c["b_cp"] + c["b_zero"] for c in stages)
     if par.pp == 1:
         makespan, busy, rank = micro * (f[0] + b[0]), (micro * (f[0] + b[0]),), 0
     else:
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
         seq_share = par.tp if par.sequence_parallel else 1
-        p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * dp))
+        p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * par.cp * dp))
         schedule = "interleaved" if par.vpp > 1 else par.schedule
         makespan, busy = _pipeline(schedule, par.pp, par.vpp, micro, f, b, p2p)
         rank = max(range(par.pp), key=lambda r: busy[r])
     mine = [stages[s] for s in range(rank, len(stages), par.pp)]
     terms["compute"] = micro * sum(c["f_compute"] + c["b_compute"] for c in mine)
     terms["tp_comm"] = micro * sum(c["f_tp"] + c["b_tp"] for c in mine)
+    terms["cp_comm"] = micro * sum(c["f_cp"] + c["b_cp"] for c in mine)
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
-    _add_dp_terms(terms, cfg, cluster, dp, b[0])
+    _add_dp_terms(terms, cfg, cluster, dp * par.cp, b[0])  # gradients reduce over dp×cp
     return StepCost(terms=terms, tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
                     world_size=world_size, flops_per_token=flops_per_token(m, cfg.data.seq_len),
                     peak_tflops=cluster.peak_tflops(str(cfg.precision)))
 
 
 def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
-    """dp_comm, param_gather, optimizer and offload of the fullest pp rank."""
+    """dp_comm, param_gather, optimizer and offload of the fullest pp rank (`dp`: the dp×cp replicas)."""
     m, par = cfg.model, cfg.parallel
     params = max(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers))
     wbytes = 2 if cfg.optim.master_weights else 4

@@ -1,17 +1,20 @@
 """The layouts `megaft-plan` considers, checked by megaft's own validation.
 
-A layout is tp, pp, vpp, dp, the ZeRO stage, the micro-batch size and optimizer offload,
-on all `cluster.nodes * cluster.gpus_per_node` ranks:
+A layout is tp, cp, pp, vpp, dp, the ZeRO stage, the micro-batch size, optimizer offload
+and recompute, on all `cluster.nodes * cluster.gpus_per_node` ranks:
 
 * tp: divisors of gpus_per_node (tp stays within a node), at most `plan.max_tp`; with
   tp > 1 sequence parallelism is on (same bytes as plain tp, less activation memory);
 * pp: divisors of world / tp; layers split as megaft does by default (as even as
   possible, earlier stages take the extra layer, so pp need not divide the layers);
 * vpp: 1, or 2, 4, ... up to `plan.max_vpp` with the interleaved schedule when pp > 1;
-* dp = world / (tp·pp); zero: `plan.zero_stages` (with dp = 1 only the lowest: the
+* cp: 1, 2, 4, ... up to `plan.max_cp`, dividing world / (tp·pp), while each rank keeps
+  at least `plan.min_cp_tokens` tokens of a row (validation drops the ones data.seq_len
+  does not allow);
+* dp = world / (tp·cp·pp); zero: `plan.zero_stages` (with dp = 1 only the lowest: the
   stages are the same then); micro-batch: divisors of train.global_batch_size up to
   `plan.max_micro_batch_size`; offload: none, or also cpu (`plan.offload`);
-* recompute: none, selective, full (model.recompute, all blocks); cp = 1 (not in megaft yet).
+* recompute: none, selective, full (model.recompute, all blocks).
 
 Every layout goes through `check_settings` and `check_resolved` (the two halves of
 megaft.config.validate around `resolve`, which the planner does once up front), with the
@@ -57,7 +60,7 @@ class Layout:
     zero: int = 0
     micro_batch_size: int = 1
     offload: str = "none"
-    cp: int = 1  # context parallelism: not in megaft yet
+    cp: int = 1  # parallel.cp: every sequence split over cp ranks (ring attention)
     recompute: str = "none"  # model.recompute: none | selective | full
 
     @property
@@ -69,14 +72,14 @@ class Layout:
         return self.tp > 1
 
     def overrides(self) -> list[str]:
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
+        return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
                 f"parallel.vpp={self.vpp}", f"parallel.schedule={self.schedule}",
                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
                 f"parallel.zero={self.zero}", f"parallel.offload={self.offload}",
                 f"train.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}"]
 
     def short(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} zero={self.zero} "
+        return (f"tp={self.tp} cp={self.cp} pp={self.pp} vpp={self.vpp} dp={self.dp} zero={self.zero} "
                 f"mbs={self.micro_batch_size} offload={self.offload} recompute={self.recompute}")
 
 
@@ -123,23 +126,25 @@ def layouts(cfg, cluster, plan) -> Iterator[Layout]:
     world, gpn = cluster.world_size, cluster.gpus_per_node
     max_tp = plan.max_tp or gpn
     vpps = [1] + [v for v in (2 ** i for i in range(1, 8)) if v <= plan.max_vpp]
+    cps = [1] + [c for c in (2 ** i for i in range(1, 8))
+                 if c <= plan.max_cp and cfg.data.seq_len // c >= plan.min_cp_tokens]
     mbs = [d for d in divisors(cfg.train.global_batch_size) if d <= plan.max_micro_batch_size]
     offloads = ["none", "cpu"] if plan.offload else ["none"]
     for tp in [d for d in divisors(gpn) if d <= max_tp and world % d == 0]:
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
+        for pp, cp in ((p, c) for p in divisors(world // tp) for c in cps if world // (tp * p) % c == 0):
+            dp = world // (tp * pp * cp)
             for vpp in vpps if pp > 1 else [1]:
                 for zero in sorted(set(plan.zero_stages)):
                     for mb in mbs:
                         for offload in offloads:
                             for recompute in RECOMPUTE:
                                 yield Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, micro_batch_size=mb,
-                                             offload=offload, recompute=recompute)
+                                             offload=offload, cp=cp, recompute=recompute)
 
 
 def apply_layout(cfg, layout: Layout):
     """A copy of `cfg` (megaft.config.Config) running `layout`; `cfg` is not changed."""
-    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp,
+    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, cp=layout.cp,
                               schedule=layout.schedule if layout.pp > 1 else cfg.parallel.schedule,
                               sequence_parallel=layout.sequence_parallel, zero=layout.zero,
                               offload=layout.offload, pp_layers=None)
@@ -162,13 +167,13 @@ def reason_of(problem: str) -> str:
 
 def search(cfg, cluster, plan) -> SearchResult:
     """Every layout of the space checked and costed; valid ones ranked by predicted step
-    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, less memory)."""
+    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, no cp, less memory)."""
     world, budget = cluster.world_size, memory_target(cluster)
     result = SearchResult(ranked=[], budget=budget)
     lowest_zero = min(plan.zero_stages)
     for layout in layouts(cfg, cluster, plan):
         result.considered += 1
-        if layout.dp == 1 and layout.zero != lowest_zero:
+        if layout.dp * layout.cp == 1 and layout.zero != lowest_zero:  # ZeRO shards over dp×cp
             problems = [f"parallel.zero={layout.zero} with dp=1 does what zero={lowest_zero} does"]
             reason = NOOP_ZERO
         else:
@@ -182,7 +187,7 @@ def search(cfg, cluster, plan) -> SearchResult:
             continue
         result.ranked.append(Candidate(layout, cand, estimate_memory(cand, world), step_cost(cand, cluster, world)))
     result.ranked.sort(key=lambda c: (round(c.cost.step_s, 6), c.layout.zero, c.layout.offload != "none",
-                                      c.layout.pp * c.layout.vpp, c.layout.tp, c.memory.total))
+                                      c.layout.pp * c.layout.vpp, c.layout.tp, c.layout.cp, c.memory.total))
     return result
 
 

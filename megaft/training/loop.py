@@ -21,7 +21,7 @@ from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.config import Config
 from megaft.data import count_targets
-from megaft.models.docs import Docs, kernel_name
+from megaft.models.docs import Docs, context_shard, kernel_name
 from megaft.optim import clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
@@ -36,6 +36,22 @@ from megaft.training.parts import TrainSpec
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
 from megaft.training.stop import NONE, REQUEUE, PreemptFlag, StepBoundary
 from megaft.training.stragglers import StragglerMonitor
+
+
+def micro_batches(inputs: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs], grid: ParallelGrid,
+                  size: int) -> tuple[list, list, Optional[list]]:
+    """This rank's micro-batches of a global batch: its dp share of the rows and, under
+    context parallelism, its cp chunks of their tokens (megaft.models.docs.context_shard)."""
+    share = inputs.shape[0] // grid.dp_size
+    rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
+    micro_in, micro_lab = list(inputs[rows].split(size)), list(labels[rows].split(size))
+    micro_docs = None if docs is None else [
+        Docs(p, d) for p, d in zip(docs.position_ids[rows].split(size), docs.doc_ids[rows].split(size))]
+    if grid.cp_size > 1:
+        parts = [context_shard(i, lab, d, grid.cp_group)
+                 for i, lab, d in zip(micro_in, micro_lab, micro_docs or [None] * len(micro_in))]
+        micro_in, micro_lab, micro_docs = (list(x) for x in zip(*parts))
+    return micro_in, micro_lab, micro_docs
 
 
 class Trainer:
@@ -83,12 +99,7 @@ class Trainer:
         cfg, grid = self.cfg.train, self.grid
         inputs, labels, docs = self.data.global_batch(step, cfg.global_batch_size)
         n_targets = max(count_targets(labels), 1)
-        share = cfg.global_batch_size // grid.dp_size
-        rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
-        micro_in, micro_lab = inputs[rows].split(cfg.micro_batch_size), labels[rows].split(cfg.micro_batch_size)
-        micro_docs = None if docs is None else [
-            Docs(p, d) for p, d in zip(docs.position_ids[rows].split(cfg.micro_batch_size),
-                                       docs.doc_ids[rows].split(cfg.micro_batch_size))]
+        micro_in, micro_lab, micro_docs = micro_batches(inputs, labels, docs, grid, cfg.micro_batch_size)
         # fp16 backpropagates loss * scale: dividing by n_targets / scale keeps one code path.
         divisor = n_targets / self.scaler.scale if self.scaler else n_targets
         phase = self.phases.phase
@@ -110,7 +121,7 @@ class Trainer:
         opt.zero_grad()
         self.phases.end("optimizer")
         with phase("comm"):
-            all_reduce(loss_sum, grid.dp_group)
+            all_reduce(loss_sum, grid.replica_group)  # dp×cp: cp ranks hold parts of each row
         out = {"loss": (loss_sum / n_targets).item(), "lr": lr, "grad_norm": norm.item(),
                "tokens": int(inputs.numel())}
         if self.scaler:
@@ -237,15 +248,16 @@ class Trainer:
         elif self.is_writer:
             tok_json = os.path.join(self.run_dir, "tokenizer.json")
             self.data.tokenizer.save(tok_json)
-        grid = self.grid  # under pp, each stage's tp_rank 0 (first dp replica) writes its own tensors
+        grid = self.grid  # under pp, each stage's tp_rank 0 (first dp×cp replica) writes its own tensors
+        writer = grid.tp_rank == 0 and grid.replica_rank == 0
         if self.cfg.lora.rank > 0:  # a peft adapter folder in hf/ (+ the merged model in hf_merged/)
             from megaft.peft.export import export_lora
 
             return export_lora(self.model, self.cfg.model, self.cfg.lora, self.run_dir, tokenizer_json=tok_json,
                                tp_group=grid.tp_group, pp_group=grid.pp_group,
-                               is_writer=grid.tp_rank == 0 and grid.dp_rank == 0)
+                               is_writer=writer)
         export_hf(self.model, self.cfg.model, os.path.join(self.run_dir, "hf"), tokenizer_json=tok_json,
-                  tp_group=grid.tp_group, pp_group=grid.pp_group, is_writer=grid.tp_rank == 0 and grid.dp_rank == 0)
+                  tp_group=grid.tp_group, pp_group=grid.pp_group, is_writer=writer)
 
     @staticmethod
     def _postfix(train: Optional[dict[str, float]], ev: dict[str, Any]) -> dict[str, str]:
@@ -281,7 +293,7 @@ class Trainer:
             "steps": self.cfg.train.max_steps, "final_loss": last["loss"] if last else None,
             "tokens": tokens, "tokens_per_s": tokens / train_time if train_time else None,
             "wall_s": wall, "world_size": grid.world_size, "tp": grid.tp_size, "dp": grid.dp_size,
-            "pp": grid.pp_size, "sequence_parallel": self.cfg.parallel.sequence_parallel,
+            "pp": grid.pp_size, "cp": grid.cp_size, "sequence_parallel": self.cfg.parallel.sequence_parallel,
             "precision": self.cfg.precision, "device": str(grid.device), "model": self.cfg.model.name,
             "params": self.model_params(), "trainable_params": self.model_params(trainable=True),
             # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.optim.zero).

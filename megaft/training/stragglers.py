@@ -42,10 +42,7 @@ class StragglerMonitor:
         return self.hosts
 
     def _coords(self, rank: int) -> str:
-        g = self.grid
-        tp, rest = rank % g.tp_size, rank // g.tp_size
-        dp, pp = rest % g.dp_size, rest // g.dp_size  # tp fastest, then dp, then pp (megaft.parallel.grid)
-        return f"pp={pp} dp={dp} tp={tp}"
+        return " ".join(f"{k}={v}" for k, v in self.grid.coords_of(rank).items())
 
     def observe(self, step: int, seconds: float) -> dict[str, Any]:
         """After step `step` (1-based): this rank's `seconds`; every rank calls it at every step."""

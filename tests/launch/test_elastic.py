@@ -3,6 +3,7 @@
 - a crashed rank set is restarted (launcher.max_restarts) and continues the curve;
 - a dp=2 checkpoint resumed on 1 rank with launcher.elastic=true keeps the global
   batch (accumulation 1 -> 2) and the uninterrupted curve;
+- a world that tp*pp no longer divides is re-planned by the planner (cluster named), else refused;
 - a rank slowed on purpose is named by the straggler warning.
 Each run is 2 gloo ranks at dp=2 of small_config (20 steps, global batch 16, micro 8).
 """
@@ -90,11 +91,45 @@ def test_elastic_refuses_a_world_that_tp_pp_do_not_divide(tmp_path):
     cfg.parallel.tp = 2
     with pytest.raises(ElasticError) as info:
         adapt(cfg, 3, str(tmp_path))
-    assert str(info.value).startswith("launcher.elastic: this run got 3 rank(s), which parallel.tp*parallel.pp = "
-                                      "2*1 = 2 does not divide, so no dp fits; fix: start a multiple of 2 ranks")
-    with pytest.raises(ConfigError, match="this run got 3 rank"):
-        train_run(cfg, str(tmp_path))
+    assert str(info.value).startswith("launcher.elastic: this run got 3 rank(s), which parallel.tp*parallel.pp*"
+                                      "parallel.cp = 2*1*1 = 2 does not divide, so no dp fits; fix: start a "
+                                      "multiple of 2 ranks")
+    with pytest.raises(ConfigError, match="this run got 3 rank.*or name a cluster .cluster=<preset>"):
+        train_run(cfg, str(tmp_path))  # no cluster named: no planner to re-plan with
     assert adapt(config(), 4, str(tmp_path)) is None  # not elastic: nothing changes
+
+
+def cpu_cluster():
+    """conf/cluster/cpu.yaml as a ClusterConfig (what `cluster=cpu` on the command line gives)."""
+    import yaml
+
+    from megaft.plan.config import ClusterConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "conf", "cluster", "cpu.yaml")) as f:
+        preset = yaml.safe_load(f)
+    preset.pop("defaults", None)
+    return ClusterConfig(**preset)
+
+
+def test_world_that_tp_does_not_divide_is_replanned_when_a_cluster_is_named(straight, tmp_path, capfd):
+    """A tp=2 checkpoint restarted on 1 rank: tp=2 cannot be kept, the planner (cluster=cpu) picks
+    tp=1 dp=1, the checkpoint reshards and the curve goes on (global batch 16 kept)."""
+    run = str(tmp_path)
+    cfg = config()
+    cfg.parallel.tp = 2
+    launch_local(cfg, run, worker=signal_worker)  # both ranks save at step FAULT_STEP + 1 and stop
+    cfg = config(elastic=True, nproc=1)
+    cfg.parallel.tp, cfg.cluster = 2, cpu_cluster()
+    train_run(cfg, run)
+    out = capfd.readouterr().out
+    assert ("megaft: elastic restart re-planned: this run got 1 rank(s), which parallel.tp*parallel.pp*parallel.cp "
+            "= 2*1*1 = 2 does not divide, so no dp fits; the planner (cluster=cpu, 1 x 1 ranks) chose tp=1 cp=1 "
+            "pp=1 vpp=1 dp=1 zero=0 ") in out, out[-3000:]
+    assert "global batch 16 kept; the checkpoint is resharded" in out
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert (summary["tp"], summary["dp"], summary["world_size"]) == (1, 1, 1)
+    torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(straight)), rtol=0, atol=TOL)
 
 
 def test_robustness_config_checks():
@@ -122,7 +157,7 @@ def test_slowed_rank_is_named_by_the_straggler_warning(tmp_path, capfd):
         assert r["step_time_min"] <= r["step_time_median"] <= r["step_time_max"] and r["stragglers"] == [1]
     host = socket.gethostname()
     for step in (2, 4):
-        assert f"megaft: straggler(s) at step {step}: rank 1 on {host} (pp=0 dp=1 tp=0): " in err, err[-3000:]
+        assert f"megaft: straggler(s) at step {step}: rank 1 on {host} (pp=0 dp=1 cp=0 tp=0): " in err, err[-3000:]
     assert "train.straggler_factor=1.2" in err
 
 

@@ -1,7 +1,7 @@
 """Issue 17, part 5: the holes found by using megaft as a user would, one test each.
 
 1. the run-directory lock; 2. resuming another model; 3. train.max_bad_steps;
-4. SIGINT/SIGTERM to a local run (megaft-train subprocess); 5. a leftover step_N.tmp.
+4. SIGTERM and Ctrl-C to a local run (megaft-train subprocess); 5. a leftover step_N.tmp.
 """
 import json
 import math
@@ -202,6 +202,32 @@ def _gone(pids, timeout=30):
     return False
 
 
+def _saved_at_the_last_step(proc, run, ranks):
+    """The run stopped after saving the step it was in: exit 0, one complete checkpoint at the last train
+    line, no summary (the run is not over), ranks gone, lock released."""
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "megaft: stopped by SIGTERM after saving a checkpoint; not requeued" in out, out[-3000:]
+    saved = [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))]
+    train_steps = [r["step"] for r in read_rows(run) if "loss" in r]
+    assert len(saved) == 1 and saved[0] == train_steps[-1] < 400, (saved, train_steps)
+    assert problem(io.step_dir(os.path.join(run, "checkpoints"), saved[0])) is None
+    assert not os.path.exists(os.path.join(run, "summary.json")) and _gone(ranks)
+    assert not os.path.exists(os.path.join(run, runlock.LOCK_FILE))  # released
+
+
+def test_sigterm_to_the_launcher_alone_is_forwarded_and_the_ranks_save(tmp_path):
+    """`kill <launcher pid>` (a process manager, a job script's trap): the ranks, in their own process
+    group, get nothing from the sender; the launcher forwards SIGTERM and they save at the next step."""
+    run = str(tmp_path)
+    proc = _start(run)
+    _wait_training(proc, run)
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(proc.pid, signal.SIGTERM)
+    _saved_at_the_last_step(proc, run, ranks)
+
+
 def test_ctrl_c_saves_at_the_next_step_and_a_second_one_kills(tmp_path):
     run = str(tmp_path / "a")
     proc = _start(run)
@@ -213,15 +239,7 @@ def test_ctrl_c_saves_at_the_next_step_and_a_second_one_kills(tmp_path):
     with pytest.raises(runlock.RunLockedError, match=f"pid {proc.pid}"):
         launch_local(cfg, run)
     os.killpg(os.getpgid(proc.pid), signal.SIGINT)  # what Ctrl-C in its terminal does (whole group)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
-    assert "megaft: stopped by SIGTERM after saving a checkpoint; not requeued" in out, out[-3000:]
-    saved = [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))]
-    train_steps = [r["step"] for r in read_rows(run) if "loss" in r]
-    assert len(saved) == 1 and saved[0] == train_steps[-1] < 400, (saved, train_steps)
-    assert problem(io.step_dir(os.path.join(run, "checkpoints"), saved[0])) is None
-    assert not os.path.exists(os.path.join(run, "summary.json")) and _gone(ranks)
-    assert not os.path.exists(os.path.join(run, runlock.LOCK_FILE))  # released
+    _saved_at_the_last_step(proc, run, ranks)
 
     run = str(tmp_path / "b")  # ranks that cannot reach a step boundary: the second Ctrl-C kills them
     proc = _start(run)

@@ -6,11 +6,17 @@ group per layout, 10 fp32 steps on a tiny random Llama checkpoint.
 * tp=2 with sequence parallel and lora.dropout=0.1: the adapter dropout masks are drawn
   whole and sliced, so the tp ranks and the single process draw the same masks;
 * tp=1 pp=2 dp=2 with ZeRO-2 (world 4): dp-reduced adapter grads, sharded adapter state;
+* dp=2 with ZeRO-1 (world 2): sharded Adam moments, whole adapter grads;
 * tp=2 pp=2 (world 4).
 The tp=2 run's adapter checkpoint also resumes at tp=1 (resharded) like the single process.
+The ZeRO runs also measure every rank's state bytes (ShardedAdamW.memory_bytes(), recorded
+by a wrapped optim builder) and check them against the formula for the rank's adapter
+parameters n (fp32: params 4n, grads 4n (ZeRO-1) or 4n/dp (ZeRO-2), Adam moments 8n/dp;
+frozen base: no grad, no state) and against megaft.estimate, validate()'s memory check.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,8 +26,10 @@ from models.arch_fixture import make_hf
 
 from lora.lora_fixture import lora_config, write_data
 from megaft.config import Config, validate
+from megaft.estimate import estimate_ranks
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
+from megaft.training.parts import TrainSpec, build_optim
 from megaft.verify.run import run_verify
 
 # fp32: the layouts only reorder sums (~1e-7 relative); issue 15 asks for 1e-5 on the losses.
@@ -86,9 +94,69 @@ def losses(run_dir) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
+def record_state(out_dir: str, cfg: Config, grid, model):
+    """build_optim, recording this rank's measured state bytes, its adapter parameters and
+    megaft.estimate's figures for its pp rank in out_dir/rank_<rank>.json (a layout rank's
+    TrainSpec.optim: runs in the spawned ranks)."""
+    parts = build_optim(cfg, grid, model)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    est = estimate_ranks(cfg, grid.world_size)[grid.pp_rank]
+    record = {"rank": grid.rank, "dp": grid.dp_size, "pp_rank": grid.pp_rank, "zero": cfg.parallel.zero,
+              "names": [n for n, _ in trainable], "adapters": sum(p.numel() for _, p in trainable),
+              "frozen": sum(p.nbytes for p in model.parameters() if not p.requires_grad),
+              "memory": parts.optimizer.memory_bytes(),
+              "estimate": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer}}
+    with open(os.path.join(out_dir, f"rank_{grid.rank}.json"), "w") as f:
+        json.dump(record, f)
+    return parts
+
+
+def run_measured(cfg: Config, tmp_path):
+    """run_verify with every layout rank's state bytes recorded: (report, records by rank)."""
+    out = tmp_path / "state"
+    out.mkdir()
+    report = run_verify(cfg, str(tmp_path / "verify"), spec=TrainSpec(optim=functools.partial(record_state, str(out))))
+    records = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(cfg.launcher.nproc)]
+    return report, records
+
+
+def check_state_bytes(records: list[dict], tmp_path, *, zero: int, dp: int, pp: int) -> None:
+    """Every rank's measured bytes equal the formula for its adapters, and megaft.estimate."""
+    assert sorted(r["rank"] for r in records) == list(range(len(records)))
+    for r in records:
+        n = r["adapters"]
+        assert r["zero"] == zero and r["dp"] == dp and n > 0, r
+        assert all(".adapter." in name for name in r["names"]), r["names"]  # only adapters hold state
+        # adapter sizes are multiples of lora.rank=4, so no bucket needs padding to a multiple of dp=2
+        want = {"params": 4 * n, "grads": 4 * n // (dp if zero >= 2 else 1), "optimizer": 8 * n // dp}
+        got = {k: r["memory"][k] for k in want}
+        assert got == want, (r["rank"], got, want)
+        assert r["estimate"] == {"params": r["frozen"] + want["params"], "grads": want["grads"],
+                                 "optimizer": want["optimizer"]}, (r["rank"], r["estimate"])
+    # the dp ranks of one stage hold the same adapters (and so the same bytes)
+    by_stage = {}
+    for r in records:
+        by_stage.setdefault(r["pp_rank"], []).append((r["adapters"], r["memory"]["optimizer"]))
+    assert len(by_stage) == pp and all(len(set(v)) == 1 for v in by_stage.values()), by_stage
+    # rank 0's summary.json, written after the 10 steps, reports the bytes measured at build
+    with open(tmp_path / "verify" / "layout" / "summary.json") as f:
+        summary = json.load(f)
+    rank0 = next(r for r in records if r["rank"] == 0)
+    assert {k: summary["memory_bytes"][k] for k in ("params", "grads", "optimizer")} == \
+        {k: rank0["memory"][k] for k in ("params", "grads", "optimizer")}
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="4 gloo ranks need at least 2 cores to finish in time")
-def test_pp2_dp2_zero2_equals_single_process(tmp_path, base):
-    check(run_verify(layout_config(base, tp=1, pp=2, dp=2, zero=2), str(tmp_path / "verify")))
+def test_pp2_dp2_zero2_equals_single_process_and_state_bytes_equal_the_formula(tmp_path, base):
+    report, records = run_measured(layout_config(base, tp=1, pp=2, dp=2, zero=2), tmp_path)
+    check(report)
+    check_state_bytes(records, tmp_path, zero=2, dp=2, pp=2)
+
+
+def test_dp2_zero1_equals_single_process_and_state_bytes_equal_the_formula(tmp_path, base):
+    report, records = run_measured(layout_config(base, tp=1, dp=2, zero=1), tmp_path)
+    check(report)
+    check_state_bytes(records, tmp_path, zero=1, dp=2, pp=1)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="4 gloo ranks need at least 2 cores to finish in time")

@@ -1,0 +1,58 @@
+"""The config every layout is applied to: the user's settings with the model's shapes resolved.
+
+Shared by megaft-plan (megaft.plan.app) and the elastic re-plan of megaft-train
+(megaft.plan.replan); it imports no Hydra app, so megaft.train may use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megaft.config import Config, check_settings
+from megaft.data.config import DataConfig, build_tokenizer
+from megaft.models.config import check_model
+from megaft.plan.config import check_cluster, check_plan
+
+
+def planning_model(cfg: Config):
+    """(ModelConfig with every shape field filled and no init_from, problems): the
+    architecture of model.init_from's config.json (no weights needed), else the preset's
+    with the tokenizer's vocabulary when vocab_size is 0."""
+    m = cfg.model
+    if m.init_from:
+        from megaft.models.hf import hf_model_config
+
+        if not os.path.isfile(os.path.join(m.init_from, "config.json")):
+            return m, [f"model.init_from={m.init_from!r} has no config.json; fix: point it at a Hugging Face "
+                       "Llama checkpoint directory (config.json is all megaft-plan reads)"]
+        try:
+            m = hf_model_config(m.init_from, base=m)
+        except (OSError, ValueError) as exc:
+            return m, [str(exc)]
+    elif m.vocab_size == 0:
+        try:
+            m = dataclasses.replace(m, vocab_size=build_tokenizer(cfg.data, init_from=None).get_vocab_size())
+        except (OSError, ValueError) as exc:
+            return m, [f"model.vocab_size=0 and the tokenizer cannot be read ({exc}); fix: set model.vocab_size"]
+    return dataclasses.replace(m, init_from=None), []
+
+
+def planning_config(cfg: Config) -> tuple[Config, list[str]]:
+    """(the config every layout is applied to, problems that no layout can fix).
+
+    It keeps the user's settings but the model's shapes are resolved (no init_from) and
+    the data is only its sequence length: the data files are megaft-train's to check.
+    """
+    problems = check_cluster(cfg.cluster, str(cfg.precision)) + check_plan(cfg.plan)
+    model, model_problems = planning_model(cfg)
+    problems += model_problems
+    shaped = dataclasses.replace(cfg, model=model, data=DataConfig(seq_len=cfg.data.seq_len))
+    if not model_problems:  # the layout-free half: a single rank, the whole batch at once
+        single = dataclasses.replace(
+            shaped, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, vpp=1, zero=0, pp_layers=None),
+            train=dataclasses.replace(cfg.train, micro_batch_size=cfg.train.global_batch_size))
+        problems += check_settings(single, 1) + check_model(model, 1)
+        if cfg.data.seq_len > model.max_seq_len:
+            problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={model.max_seq_len}; "
+                            f"fix: model.max_seq_len={cfg.data.seq_len} (megaft-train needs it too)")
+    return shaped, problems
