@@ -245,6 +245,42 @@ def test_cli_writes_plan_json_from_a_config_only_folder(tmp_path):
     assert validate(dataclasses.replace(cfg, model=shaped.model), 8, gpu_budget=(int(79.1 * 2 ** 30), "h100")) == []
 
 
+def test_measured_links_from_a_real_commbench_run(tmp_path):
+    """cluster.measured=<a 2-rank megaft-commbench run>: its intra-node all-reduce replaces the
+    datasheet's NVLink figures in the cost model (bus bandwidth x comm_fraction = measured); the
+    inter-node link, not measured on one host, stays; a wrong file is a clear error."""
+    from megaft.commbench.app import run as commbench
+    from megaft.commbench.config import CommbenchConfig
+    from megaft.plan.cost import Link
+    from megaft.plan.report import plan_json
+
+    bench = Config()
+    bench.device, bench.launcher.nproc, bench.parallel.tp = "cpu", 2, 1
+    bench.commbench = CommbenchConfig(collectives=["all_reduce"], min_bytes=8192, max_bytes=65536, warmup=1,
+                                      repeats=3, plot=False)
+    assert commbench(bench, str(tmp_path / "bench")) == 0
+    doc = json.loads((tmp_path / "bench" / "commbench.json").read_text())
+    rows = sorted((r for r in doc["results"] if r["scope"] == "intra_node"), key=lambda r: r["bytes"])
+    cfg = composed(["model=tiny", "cluster=cpu", "cluster.nodes=2", f"cluster.measured={tmp_path / 'bench'}",
+                    "train.global_batch_size=16"])
+    shaped, problems = planning_config(cfg)
+    assert problems == []
+    c, datasheet = shaped.cluster, cfg.cluster
+    assert c.nvlink_gbps * c.comm_fraction == pytest.approx(rows[-1]["busbw_gbps"])
+    assert c.nvlink_latency_us == pytest.approx(rows[0]["time_s"] / 2 * 1e6)
+    assert (c.ib_gbps, c.ib_latency_us) == (datasheet.ib_gbps, datasheet.ib_latency_us)
+    link = group_link(c, 2)  # a 2-rank group inside a node: the measured link
+    assert link == Link(rows[-1]["busbw_gbps"] * 1e9, rows[0]["time_s"] / 2)
+    assert all_reduce_s(rows[-1]["bytes"], 2, link) == pytest.approx(rows[-1]["time_s"] + rows[0]["time_s"], rel=1e-9)
+    result = search(shaped, c, shaped.plan)
+    assert result.ranked and plan_json(result, shaped, c, user_overrides=[], top_k=1,
+                                       explanation=None)["cluster"]["measured"] == str(tmp_path / "bench")
+    (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
+    _, problems = planning_config(dataclasses.replace(cfg, cluster=dataclasses.replace(
+        cfg.cluster, measured=str(tmp_path / "bad.json"))))
+    assert problems[0].startswith(f"cluster.measured={str(tmp_path / 'bad.json')!r}: ") and "fix: point" in problems[0]
+
+
 @pytest.mark.parametrize("args, message", [
     (["cluster.nodes=0"], "cluster.nodes=0 must be >= 1"),
     (["model.init_from=/nonexistent/dir"], "has no config.json"),

@@ -1,6 +1,6 @@
 """The commbench.json document: every rank's timings combined into rows, in a stable schema.
 
-Schema `megaft.commbench/1` (the planner's `cluster.measured=<run dir>` is to read it):
+Schema `megaft.commbench/1` (the planner's `cluster.measured=<run dir>` reads it, megaft.plan.measured):
 
 - `world_size`, `backend`, `device`, `device_name`, `dtype` ("float32"), `torch`, `created`;
 - `hosts`: {host: [ranks]}; `grid`: {"tp", "dp", "pp"};

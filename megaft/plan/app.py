@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megaft.config import Config, ConfigError, register_configs
 from megaft.fileio import write_json_atomic
+from megaft.plan.measured import apply_measured
 from megaft.plan.report import (
     explain_rule,
     format_explanation,
@@ -65,7 +66,9 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     shaped, problems = planning_config(cfg)
     if problems:
         raise ConfigError(problems)
-    cluster, plan = cfg.cluster, cfg.plan
+    cluster, plan = shaped.cluster, cfg.plan  # cluster.measured: the measured links (megaft.plan.measured)
+    for note in apply_measured(cfg.cluster)[1]:
+        print(f"megaft-plan: links: {note}")
     result = search(shaped, cluster, plan)
     rule = rule_of_thumb(shaped, cluster)
     explanation = explain_rule(result, rule, shaped, cluster)

@@ -9,7 +9,7 @@ device and per direction, in GB/s (1e9 bytes/s); memory sizes are vendor GB (1e9
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -33,6 +33,9 @@ class ClusterConfig:
     comm_fraction: float = 0.0  # achievable fraction of a link's bandwidth for large collectives
     pcie_gbps: float = 0.0  # host link, GB/s per device per direction (parallel.offload=cpu traffic)
     host_memory_gbps: float = 0.0  # a node's DRAM bandwidth (GB/s), shared by its ranks: the offloaded AdamW
+    # a megaft-commbench run dir (or its commbench.json): its measured intra-/inter-node all-reduce bus
+    # bandwidth and latency replace nvlink_*/ib_* (megaft.plan.measured); null = the datasheet's
+    measured: Optional[str] = None
 
     @property
     def world_size(self) -> int:

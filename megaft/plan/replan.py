@@ -44,6 +44,7 @@ def replan(cfg: Config, world: int, why: str) -> Optional[str]:
     if problems:
         log.warning("megaft: elastic re-plan impossible: %s", "; ".join(problems))
         return None
+    cluster = shaped.cluster  # with cluster.measured, the measured links
     result = search(shaped, cluster, cfg.plan)
     if not result.ranked:
         return None

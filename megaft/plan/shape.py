@@ -12,6 +12,7 @@ from megaft.config import Config, check_settings
 from megaft.data.config import DataConfig, build_tokenizer
 from megaft.models.config import check_model
 from megaft.plan.config import check_cluster, check_plan
+from megaft.plan.measured import apply_measured
 
 
 def planning_model(cfg: Config):
@@ -40,16 +41,22 @@ def planning_model(cfg: Config):
 def planning_config(cfg: Config) -> tuple[Config, list[str]]:
     """(the config every layout is applied to, problems that no layout can fix).
 
-    It keeps the user's settings but the model's shapes are resolved (no init_from) and
+    It keeps the user's settings but the model's shapes are resolved (no init_from), the
+    cluster's links are the measured ones with cluster.measured (megaft.plan.measured), and
     the data is only its sequence length: the data files are megaft-train's to check.
     """
-    problems = check_cluster(cfg.cluster, str(cfg.precision)) + check_plan(cfg.plan)
+    problems = check_cluster(cfg.cluster, str(cfg.precision))
+    cluster = cfg.cluster
+    if not problems:  # cluster.measured: megaft-commbench's links replace the datasheet's
+        cluster, _, problems = apply_measured(cluster)
+    problems += check_plan(cfg.plan)
     model, model_problems = planning_model(cfg)
     problems += model_problems
-    shaped = dataclasses.replace(cfg, model=model, data=DataConfig(seq_len=cfg.data.seq_len))
+    shaped = dataclasses.replace(cfg, cluster=cluster, model=model, data=DataConfig(seq_len=cfg.data.seq_len))
     if not model_problems:  # the layout-free half: a single rank, the whole batch at once
         single = dataclasses.replace(
-            shaped, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, vpp=1, zero=0, pp_layers=None),
+            shaped, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=1, vpp=1, zero=0,
+                                                 pp_layers=None),
             train=dataclasses.replace(cfg.train, micro_batch_size=cfg.train.global_batch_size))
         problems += check_settings(single, 1) + check_model(model, 1)
         if cfg.data.seq_len > model.max_seq_len:
