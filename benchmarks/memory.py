@@ -6,7 +6,7 @@ reference from the same run:
    (megaft.estimate.activation_bytes_per_token) for recompute none/selective/full x
    tp 1/2 x sequence parallel on/off x cp 1/2; and cp=2 against cp=1.
 2. The bytes each rank sends around the cp ring in one forward + backward, counted at the
-   send (megaft.models.context.bytes_sent), against the formula (context.ring_bytes).
+   send (megaft.models.ring.bytes_sent), against the formula (ring.ring_bytes).
 3. Step time (forward + backward) of each recompute mode as a ratio against `none`, in
    alternating rounds (A B C, C B A, ...) on one process; on CUDA also the peak memory.
 
@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 
 from megaft.estimate import activation_bytes_per_token
 from megaft.models.config import ModelConfig
-from megaft.models.context import bytes_sent, ring_bytes
 from megaft.models.docs import context_shard
 from megaft.models.init import init_params
 from megaft.models.llama import Llama
+from megaft.models.ring import bytes_sent, ring_bytes
 from megaft.models.saved import block_bytes, saved_bytes
 from megaft.parallel.grid import ParallelGrid
 

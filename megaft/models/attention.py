@@ -23,9 +23,9 @@ from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.config import ModelConfig, kv_replicas
-from megaft.models.context import ring_attention
 from megaft.models.docs import Docs, attend, rope_at
 from megaft.models.kv import mark_replicated, replica_sum
+from megaft.models.ring import ring_attention
 from megaft.parallel.comm import Group, group_size
 
 

@@ -35,7 +35,7 @@ class Docs:
     position_ids: torch.Tensor  # position of each token inside its document (0 at its start)
     doc_ids: torch.Tensor  # document index of each token in its row (padding: an index of its own)
     # Context parallelism: these are this cp rank's tokens of the rows `cp` describes, and
-    # attention is the ring over the cp group (megaft.models.context); None = whole rows here.
+    # attention is the ring over the cp group (megaft.models.ring); None = whole rows here.
     cp: Optional[ContextShard] = None
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -31,7 +31,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel degree: stages the layers are split into
     dp: Optional[int] = None  # data-parallel degree; None = world_size // (tp * cp * pp)
     # context-parallel degree: ranks that split every sequence (load-balanced ring attention,
-    # megaft.models.context); parameters are replicated over cp like over dp
+    # megaft.models.context, megaft.models.ring); parameters are replicated over cp like over dp
     cp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pp rank; > 1 needs schedule=interleaved
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
