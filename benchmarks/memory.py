@@ -19,16 +19,13 @@ Ranks 2 and 4 run on CPU with gloo (the ring's p2p and the tp collectives are re
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks.ranks import on_gloo_ranks
+from benchmarks.train_step.measure import round_orders
 from megaft.estimate import activation_bytes_per_token
 from megaft.models.config import ModelConfig
 from megaft.models.docs import context_shard
@@ -101,9 +98,9 @@ def ring_traffic(grid: ParallelGrid, mode: str) -> tuple[int, int]:
     return bytes_sent() - before, formula
 
 
-def measure_layouts(rank: int, world: int, out_dir: str) -> None:
-    """Write out_dir/saved_bytes_{world}.json: rank 0's per-block bytes at every (tp, sp,
-    cp, recompute) measured at this world size, and its ring traffic ("ring_" keys)."""
+def measure_layouts(rank: int, world: int) -> dict[str, object]:
+    """This rank's per-block bytes at every (tp, sp, cp, recompute) measured at this world
+    size, and its ring traffic ("ring_" keys)."""
     out: dict[str, object] = {}
     for tp, cp in LAYOUTS[world]:
         grid = (ParallelGrid.single() if world == 1 else
@@ -114,31 +111,14 @@ def measure_layouts(rank: int, world: int, out_dir: str) -> None:
         if cp > 1:
             for mode in MODES:
                 out["ring_" + key(tp, False, cp, mode)] = ring_traffic(grid, mode)
-    if rank == 0:
-        with open(os.path.join(out_dir, f"saved_bytes_{world}.json"), "w") as f:
-            json.dump(out, f)
+    return out
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        measure_layouts(rank, world, out_dir)
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_all(out_dir: str) -> dict[str, object]:
-    """Every layout's measurements: world 1 here, 2 and 4 on spawned gloo ranks."""
-    measure_layouts(0, 1, out_dir)
+def measure_all() -> dict[str, object]:
+    """Every layout's measurements (rank 0's): world 1 here, 2 and 4 on spawned gloo ranks."""
+    out = measure_layouts(0, 1)
     for world in (2, 4):
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_worker, args=(world, os.path.join(tmp, "rdzv"), out_dir), nprocs=world,
-                               join=True, start_method="spawn")
-    out: dict[str, object] = {}
-    for world in LAYOUTS:
-        with open(os.path.join(out_dir, f"saved_bytes_{world}.json")) as f:
-            out.update(json.load(f))
+        out.update(on_gloo_ranks(world, measure_layouts))
     return out
 
 
@@ -174,8 +154,8 @@ def step_times(args) -> dict[str, tuple[float, int]]:
 
     for mode in MODES:  # warm-up
         one(mode)
-    for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+    for order in round_orders(list(MODES), args.rounds):
+        for mode in order:
             times[mode].append(one(mode))
     return {m: (statistics.median(times[m]), peaks[m]) for m in MODES}
 
@@ -197,8 +177,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     if not args.skip_ranks:
-        with tempfile.TemporaryDirectory() as out_dir:
-            measured = measure_all(out_dir)
+        measured = measure_all()
         print(f"bytes one block saves for backward ({ROWS} rows x {SEQ} tokens, fp32; per rank)")
         print(f"{'layout':>14} {'recompute':>10} {'estimated':>10} {'measured':>10} {'meas/est':>9} {'vs cp=1':>8}")
         for name in sorted(k for k in measured if not k.startswith("ring_")):

@@ -155,7 +155,7 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     m, par = cfg.model, cfg.parallel
     dp = resolve_dp(par, world_size)
     micro = max(accumulation_steps(cfg.train, dp), 1)
-    cp = getattr(par, "cp", 1)
+    cp = par.cp
     replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
     per_token = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,

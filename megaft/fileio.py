@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -15,3 +15,28 @@ def write_json_atomic(path: str, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_json(path: str) -> Optional[Any]:
+    """The JSON in `path`, or None when it is missing or not (yet) whole."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_jsonl(path: str) -> list[Any]:
+    """The records of a JSON-lines file (metrics.jsonl), skipping a line being written
+    right now; [] when the file is missing."""
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return rows

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import yaml
 
+from megaft.fileio import read_json, read_jsonl
 from megaft.launch.submit_record import read_submitted
 from megaft.training.flops import flops_per_token_from_params, mfu, peak_tflops
 from megaft.training.phases import PHASE_KEYS
@@ -73,28 +74,6 @@ def _hydra_overrides(run_dir: str) -> str:
         return ""
     with open(path) as f:
         return " ".join(yaml.safe_load(f) or [])
-
-
-def _read_json(path: str) -> Optional[dict[str, Any]]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:  # a line being written right now
-                    pass
-    except OSError:
-        pass
-    return rows
 
 
 def squeue_states() -> Optional[dict[str, str]]:
@@ -152,8 +131,8 @@ def collect(root: str, peak: Optional[float] = None) -> list[dict[str, Any]]:
     rows = []
     for entry in find_runs(root):
         run_dir = entry["run_dir"]
-        summary = _read_json(os.path.join(run_dir, "summary.json"))
-        metrics = _read_metrics(run_dir)
+        summary = read_json(os.path.join(run_dir, "summary.json"))
+        metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
         row: dict[str, Any] = {c: None for c in COLUMNS}
         row.update(run=os.path.relpath(run_dir, os.path.abspath(root)), overrides=entry.get("overrides", ""),
                    job_id=entry.get("job_id"), status=run_status(entry, summary, bool(metrics), states))

@@ -97,7 +97,10 @@ def train_cp_runs(rank: int, world: int, root: str, runs: dict, measure: bool = 
         grid = ParallelGrid.build(tp=tp, dp=world // (tp * pp * cp), pp=pp, cp=cp, device="cpu")
         run(name, spec, root, grid)
     if measure:
-        measure_layouts(rank, world, root)  # saved bytes per block and ring traffic (benchmarks.memory)
+        saved = measure_layouts(rank, world)  # saved bytes per block and ring traffic (benchmarks.memory)
+        if rank == 0:
+            with open(os.path.join(root, f"saved_bytes_{world}.json"), "w") as f:
+                json.dump(saved, f)
         check_ring(rank, world, root)
 
 

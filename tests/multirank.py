@@ -7,7 +7,9 @@ the test instead of stalling CI.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import sys
 import tempfile
 import traceback
 
@@ -19,17 +21,25 @@ TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def _worker(rank: int, world: int, init_file: str, errors, fn, args):
+    faulthandler.enable()  # a native abort (SIGABRT, SIGSEGV) prints every thread's Python stack
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=TIMEOUT)
         try:
             fn(rank, world, *args)
+            dist.barrier()  # no rank tears its group down while a peer may still have traffic in flight
         finally:
             dist.destroy_process_group()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
+    # A rank once died of SIGABRT in CI with no Python error (tests/models/test_arch.py, pp=2). If
+    # that was interpreter finalization (C++ static destructors racing gloo's threads), exiting
+    # here skips it; if not, faulthandler above prints where it was.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(world: int, fn, *args) -> None:

@@ -15,7 +15,7 @@ import pytest
 import megaft
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("megaft.fileio", "megaft.signals")),
+    ("base", ("megaft.fileio", "megaft.signals", "megaft.checks")),
     ("parallel", ("megaft.parallel",)),
     ("kernels", ("megaft.kernels",)),
     ("layers", ("megaft.layers",)),

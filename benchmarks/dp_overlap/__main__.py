@@ -27,12 +27,9 @@ numbers are noisy and low.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-
-import torch.multiprocessing as mp
 
 from benchmarks.dp_overlap.measure import model_of, run_rank
+from benchmarks.ranks import on_gloo_ranks
 
 
 def main() -> None:
@@ -47,18 +44,13 @@ def main() -> None:
     p.add_argument("--compression", nargs="+", default=["none"], choices=["none", "bf16", "powersgd"])
     p.add_argument("--powersgd-rank", type=int, default=2)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run_rank, args=(args.dp, os.path.join(tmp, "init"), args, results), nprocs=args.dp,
-                           join=True, start_method="spawn")
+    rows = on_gloo_ranks(args.dp, run_rank, args)
     params = sum(p.numel() for p in model_of(args).parameters())
     print(f"dp={args.dp} gloo CPU ranks, Llama dim={args.dim} layers={args.layers}: {params / 1e6:.1f}M params, "
           f"{params * 4 / 2 ** 20:.0f} MiB fp32 grads, batch {args.batch}x{args.seq}, median of {args.repeats}")
     print(f"{'bucket_mb':>9} {'compression':>11} {'buckets':>7} {'sent_MiB':>8} {'backward_ms':>11} "
           f"{'reduce_ms':>9} {'sequential_ms':>13} {'overlapped_ms':>13} {'hidden':>6} {'speedup':>7}")
-    while not results.empty():
-        mb, comp, n, bwd, red, seq, over, sent = results.get()
+    for mb, comp, n, bwd, red, seq, over, sent in rows:
         hidden = (bwd + red - over) / red
         print(f"{mb:>9g} {comp:>11} {n:>7} {sent:>8.2f} {bwd * 1e3:>11.1f} {red * 1e3:>9.1f} {seq * 1e3:>13.1f} "
               f"{over * 1e3:>13.1f} {hidden:>6.2f} {seq / over:>6.2f}x")

@@ -1,6 +1,7 @@
 """The timed rank function of the dp_overlap benchmark (importable: spawned ranks load it)."""
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -67,13 +68,12 @@ def _measure(args, ids, mb: float, compression: str) -> tuple:
     return mb, compression, len(flat.buckets), t_bwd, t_red, t_seq, t_over, sent
 
 
-def run_rank(rank: int, world: int, init: str, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def run_rank(rank: int, world: int, args) -> list[tuple]:
+    """One row per bucket size and compression (benchmarks.ranks.on_gloo_ranks keeps rank 0's)."""
     ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
+    rows = []
     for mb in args.bucket_mb:
         for compression in args.compression:
-            row = _measure(args, ids, mb, compression)
-            if rank == 0:
-                results.put(row)
-    dist.destroy_process_group()
+            rows.append(_measure(args, ids, mb, compression))
+            gc.collect()  # the reducers' last async works go before the next model's (and the group's end)
+    return rows

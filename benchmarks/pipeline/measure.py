@@ -26,16 +26,13 @@ and the measured one-way p2p latency.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks.ranks import on_gloo_ranks
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline import Cost, build_schedule, simulate
 from megaft.pipeline.runtime import PipelineRuntime
@@ -97,7 +94,7 @@ class FixedCostStages(torch.nn.Module):
     def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         return (batch, seq, DIM)
 
-    def forward(self, stage: int, x: torch.Tensor, labels=None) -> torch.Tensor:
+    def forward(self, stage: int, x: torch.Tensor, labels=None, docs=None) -> torch.Tensor:
         if stage == 0:
             x = self.w * torch.ones(x.shape + (DIM,))
         out = _Spend.apply(x, self.busy, self.fwd, self.bwd)
@@ -148,36 +145,18 @@ def _measure_case(grid: ParallelGrid, name: str, v: int, m: int, args) -> tuple[
     return statistics.median(steps), statistics.median(bubbles), statistics.median(scales)
 
 
-def _rank(rank: int, world: int, init_file: str, cases, args, out) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        grid = ParallelGrid.build(tp=1, dp=1, pp=world, device="cpu")
-        if args.stage == "matmul":
-            args.busy = _Busy("matmul")
-        latency = _p2p_latency(grid)
-        for name, v, m in cases:
-            result = _measure_case(grid, name, v, m, args)
-            if rank == 0:
-                out.put(((name, world, v, m), result + (latency,)))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, cases, args) -> dict:
+    grid = ParallelGrid.build(tp=1, dp=1, pp=world, device="cpu")
+    if args.stage == "matmul":
+        args.busy = _Busy("matmul")
+    latency = _p2p_latency(grid)
+    return {(name, world, v, m): _measure_case(grid, name, v, m, args) + (latency,) for name, v, m in cases}
 
 
 def measure(p: int, cases, args) -> dict:
     """{(name, p, v, m): (step s, measured bubble, cost scale, p2p latency s)} for
     `cases` = [(name, v, m)] on p ranks."""
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(p, os.path.join(tmp, "rdv"), cases, args, out), nprocs=p,
-                           join=True, start_method="spawn")
-    results = {}
-    while not out.empty():
-        key, value = out.get()
-        results[key] = value
-    return results
+    return on_gloo_ranks(p, _rank, cases, args)
 
 
 def simulated(name: str, p: int, v: int, m: int, forward: float, backward: float, p2p: float = 0.0) -> float:

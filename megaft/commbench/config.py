@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List
 
+from megaft.checks import at_least
+
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 # Largest message when commbench.max_bytes=0. GPUs: nccl-tests' usual 1 GiB, where NVLink
 # and InfiniBand reach their plateau. CPU/gloo: 4 MiB keeps a 2-rank run to seconds (gloo
@@ -64,21 +66,15 @@ def check_commbench(cfg: CommbenchConfig, device_type: str) -> list[str]:
     if unknown or not cfg.collectives:
         problems.append(f"commbench.collectives={list(cfg.collectives)} must be a non-empty list of "
                         f"{', '.join(Collective)}; fix: e.g. commbench.collectives=[all_reduce,all_gather]")
-    if cfg.min_bytes < 4:
-        problems.append(f"commbench.min_bytes={cfg.min_bytes} must be >= 4 (one float32); fix: e.g. 8192")
-    if cfg.max_bytes < 0:
-        problems.append(f"commbench.max_bytes={cfg.max_bytes} must be >= 0 (0 = by device); fix: e.g. 4194304")
-    elif cfg.min_bytes >= 4 and cfg.min_bytes > max_bytes_for(cfg, device_type):
+    problems += at_least(cfg, "commbench.min_bytes", 4, "(one float32)", "e.g. 8192")
+    problems += at_least(cfg, "commbench.max_bytes", 0, "(0 = by device)", "e.g. 4194304")
+    if cfg.max_bytes >= 0 and cfg.min_bytes >= 4 and cfg.min_bytes > max_bytes_for(cfg, device_type):
         problems.append(f"commbench.min_bytes={cfg.min_bytes} > the largest size {max_bytes_for(cfg, device_type)} "
                         f"on {device_type}; fix: lower min_bytes or raise commbench.max_bytes")
-    if cfg.pair_bytes < 0:
-        problems.append(f"commbench.pair_bytes={cfg.pair_bytes} must be >= 0 (0 = min(max_bytes, 64 MiB))")
-    if cfg.warmup < 0:
-        problems.append(f"commbench.warmup={cfg.warmup} must be >= 0; fix: e.g. commbench.warmup=5")
-    if cfg.repeats < 1:
-        problems.append(f"commbench.repeats={cfg.repeats} must be >= 1; fix: e.g. commbench.repeats=20")
+    problems += at_least(cfg, "commbench.pair_bytes", 0, "(0 = min(max_bytes, 64 MiB))")
+    problems += at_least(cfg, "commbench.warmup", 0, fix="e.g. commbench.warmup=5")
+    problems += at_least(cfg, "commbench.repeats", 1, fix="e.g. commbench.repeats=20")
     if not 0 < cfg.slow_fraction <= 1:
         problems.append(f"commbench.slow_fraction={cfg.slow_fraction} must be in (0, 1]; fix: e.g. 0.5")
-    if cfg.min_busbw_gbps < 0:
-        problems.append(f"commbench.min_busbw_gbps={cfg.min_busbw_gbps} must be >= 0 (0 = no floor)")
+    problems += at_least(cfg, "commbench.min_busbw_gbps", 0, "(0 = no floor)")
     return problems

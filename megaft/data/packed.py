@@ -29,6 +29,8 @@ from megaft.data.batches import IGNORE_INDEX
 from megaft.data.encode import Encoded
 from megaft.data.plan import LONG_DOCS, EpochPlan, epoch_plan
 from megaft.data.sources import mixture
+from megaft.models.docs import Docs, segments
+from megaft.models.docs import document_mask as model_mask
 
 
 class Corpus(Protocol):
@@ -170,19 +172,13 @@ class PackedDocs:
 
 def cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
     """int32 segment boundaries over doc_ids.flatten() (rows of any slice of a
-    DocBatch, e.g. one micro-batch): where the segment index changes or a row starts."""
-    n, s = doc_ids.shape
-    flat = doc_ids.reshape(-1)
-    change = torch.ones_like(flat, dtype=torch.bool)
-    change[1:] = flat[1:] != flat[:-1]
-    change[::s] = True
-    starts = torch.nonzero(change).flatten()
-    return torch.cat([starts, torch.tensor([n * s])]).to(torch.int32)
+    DocBatch, e.g. one micro-batch): where the segment index changes or a row starts
+    (the model's varlen boundaries, megaft.models.docs.segments)."""
+    return segments(doc_ids)[0]
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """Bool [n, seq, seq]: query i may attend key j iff j <= i in the same segment (the
-    reference block-causal mask; True = attend, as SDPA's boolean attn_mask)."""
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    s = doc_ids.shape[1]
-    return same & torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    reference block-causal mask; True = attend, as SDPA's boolean attn_mask): the model's
+    mask (megaft.models.docs.document_mask) without its head dimension."""
+    return model_mask(Docs(torch.zeros_like(doc_ids), doc_ids))[:, 0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megaft.checks import at_least
+
 
 @dataclass
 class LauncherConfig:
@@ -24,16 +26,12 @@ class LauncherConfig:
 
 def check_launcher(cfg: LauncherConfig) -> list[str]:
     """Timeout and requeue bounds (megaft.launch.preempt, megaft.launch.health)."""
-    problems = [f"launcher.{k}={v} must be >= 0 (0 = derive); fix: a positive count or 0"
-                for k, v in (("world_size", cfg.world_size), ("nodes", cfg.nodes)) if v < 0]
-    if cfg.timeout_s < 1:
-        problems.append(f"launcher.timeout_s={cfg.timeout_s} must be >= 1 second; fix: e.g. launcher.timeout_s=300")
-    if cfg.max_requeue < 0:
-        problems.append(f"launcher.max_requeue={cfg.max_requeue} must be >= 0 (0 = never requeue); fix: e.g. "
-                        "launcher.max_requeue=3")
-    if cfg.max_restarts < 0:
-        problems.append(f"launcher.max_restarts={cfg.max_restarts} must be >= 0 (0 = a crash ends the run); fix: "
-                        "e.g. launcher.max_restarts=2")
+    problems = []
+    for key in ("launcher.world_size", "launcher.nodes"):
+        problems += at_least(cfg, key, 0, "(0 = derive)", "a positive count or 0")
+    problems += at_least(cfg, "launcher.timeout_s", 1, "second", "e.g. launcher.timeout_s=300")
+    problems += at_least(cfg, "launcher.max_requeue", 0, "(0 = never requeue)", "e.g. launcher.max_requeue=3")
+    problems += at_least(cfg, "launcher.max_restarts", 0, "(0 = a crash ends the run)", "e.g. launcher.max_restarts=2")
     if cfg.min_nodes < 0 or (cfg.nodes and cfg.min_nodes > cfg.nodes):
         problems.append(f"launcher.min_nodes={cfg.min_nodes} must be in 0..launcher.nodes={cfg.nodes} (0 = a fixed "
                         "node count); fix: e.g. launcher.min_nodes=1")

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 # Not isend/irecv: dist.P2POp accepts only the original functions (an identity check), and the
 # pipeline posts them through batch_isend_irecv, which is traced.
-TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-          "all_to_all_single", "barrier", "send", "recv", "batch_isend_irecv",
-          "all_gather_object", "broadcast_object_list")
+TRACED = ("all_reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor",
+          "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "barrier", "send", "recv",
+          "batch_isend_irecv", "all_gather_object", "broadcast_object_list")
 
 
 def _size(args, kwargs) -> tuple[Optional[int], Optional[int]]:
@@ -63,8 +63,7 @@ class CollectiveTrace:
                      "time": time.time()}
             self.recent.append(entry)
             out = fn(*args, **kwargs)
-            entry["state"] = "async" if (kwargs.get("async_op") or name in ("isend", "irecv", "batch_isend_irecv")) \
-                else "done"
+            entry["state"] = "async" if kwargs.get("async_op") or name == "batch_isend_irecv" else "done"
             return out
         return traced
 

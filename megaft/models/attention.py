@@ -94,13 +94,14 @@ class Attention(nn.Module):
         v = self._kv(self.v_proj, x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
         if self.q_norm is not None:  # back to the projections' dtype (an fp32 weight promotes under autocast)
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        if docs is not None and docs.cp is not None:  # context parallel: this rank's chunks, the ring
+        if docs is not None:
             q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
-            # The ring keeps only q, k, v, out and the log-sum-exp: selective recompute has nothing to add.
-            out = ring_attention(q, k, v, docs.cp, self.window)
-        elif docs is not None:
-            q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
-            out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads, enabled=self.selective)
+            if docs.cp is not None:  # context parallel: this rank's chunks, the ring over the cp group;
+                # it keeps only q, k, v, out and the log-sum-exp: selective recompute has nothing to add
+                out = ring_attention(q, k, v, docs.cp, self.window)
+            else:
+                out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads,
+                                    enabled=self.selective)
         else:
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)
             mask = window_mask(s, self.window, x.device)

@@ -16,6 +16,7 @@ torch model of flash_attn_varlen_func) against SDPA's.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -29,15 +30,22 @@ from megaft.parallel.comm import Group, group_rank, group_size
 
 @dataclass
 class Docs:
-    """Document layout of a micro-batch: both [batch, seq] int64. The attention masks of a
-    forward pass are built once per window and kept here (`mask`), not once per layer."""
+    """Document layout of a micro-batch: both [batch, seq] int64. What attention derives
+    from it (masks, RoPE tables, varlen segments) is built once per forward and kept here,
+    not once per layer."""
 
     position_ids: torch.Tensor  # position of each token inside its document (0 at its start)
     doc_ids: torch.Tensor  # document index of each token in its row (padding: an index of its own)
     # Context parallelism: these are this cp rank's tokens of the rows `cp` describes, and
     # attention is the ring over the cp group (megaft.models.ring); None = whole rows here.
     cp: Optional[ContextShard] = None
-    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _once(self, key, build: Callable):
+        """build() the first time `key` is asked for; the kept value after that."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def to(self, device) -> "Docs":
         cp = None if self.cp is None else self.cp.to(device)
@@ -56,25 +64,25 @@ class Docs:
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [b*s, d] at the flattened position_ids, gathered once for all layers."""
-        key = ("rope", cos.data_ptr(), sin.data_ptr())
-        if key not in self._masks:
-            flat = self.position_ids.reshape(-1)
-            self._masks[key] = (cos[flat], sin[flat])
-        return self._masks[key]
+        flat = self.position_ids.reshape(-1)
+        return self._once(("rope", cos.data_ptr(), sin.data_ptr()), lambda: (cos[flat], sin[flat]))
+
+    def segments(self) -> tuple[torch.Tensor, int]:
+        """`segments(doc_ids)`, once (its longest segment is read on the host: one sync per forward)."""
+        return self._once("segments", lambda: segments(self.doc_ids))
 
     def mask(self, window: Optional[int], flex: bool):
         """The flex block mask (`flex`) or the SDPA boolean mask for `window`, built once."""
-        key = (window, flex)
-        if key not in self._masks:
-            if flex:
-                from torch.nn.attention.flex_attention import create_block_mask
+        if not flex:
+            return self._once((window, False), lambda: document_mask(self, window))
 
-                b, s = self.doc_ids.shape
-                self._masks[key] = create_block_mask(mask_mod(self, window), b, None, s, s,
-                                                     device=self.doc_ids.device)
-            else:
-                self._masks[key] = document_mask(self, window)
-        return self._masks[key]
+        def block_mask():
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            b, s = self.doc_ids.shape
+            return create_block_mask(mask_mod(self, window), b, None, s, s, device=self.doc_ids.device)
+
+        return self._once((window, True), block_mask)
 
 
 def context_shard(input_ids: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs],
@@ -134,15 +142,14 @@ def rope_at(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return back(q2), back(k2)
 
 
+@functools.cache
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def flex_available(device: torch.device) -> bool:
     """flex_attention trains only on CUDA (its CPU path has no backward in torch 2.13)."""
-    if device.type != "cuda":
-        return False
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and _importable("torch.nn.attention.flex_attention")
 
 
 def segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -162,7 +169,7 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs,
     if fn is None:
         from flash_attn import flash_attn_varlen_func as fn
     b, h, s, d = q.shape
-    cu, longest = segments(docs.doc_ids)
+    cu, longest = docs.segments()
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # [b, n, s, d] -> [b*s, n, d]
         return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
@@ -173,13 +180,7 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs,
 
 
 def flash_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and _importable("flash_attn")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs, window: Optional[int],

@@ -16,9 +16,14 @@ import torch.distributed as dist
 Group = Optional[dist.ProcessGroup]
 
 # torch >= 2.13 names the single-tensor collectives *_single; older releases (a
-# system CUDA torch reused by the venv) only have the *_tensor spelling.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# system CUDA torch reused by the venv) only have the *_tensor spelling. Looked up at each
+# call, so a wrapper installed on torch.distributed (megaft.launch.trace) sees these too.
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, **kwargs)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, **kwargs)
 
 
 def group_size(group: Group) -> int:

@@ -13,11 +13,19 @@ measure (one host: no inter_node) keeps the datasheet's values, and says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
 SCHEMA = "megaft.commbench/1"  # megaft.commbench.results.SCHEMA
 LINKS = {"intra_node": ("nvlink_gbps", "nvlink_latency_us"), "inter_node": ("ib_gbps", "ib_latency_us")}
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> dict:
+    """The parsed file, read once per version (megaft-plan asks for its links twice)."""
+    with open(path) as f:
+        return json.load(f)
 
 
 def commbench_path(measured: str) -> str:
@@ -44,8 +52,7 @@ def apply_measured(cluster) -> tuple[object, list[str], list[str]]:
     path = commbench_path(cluster.measured)
     fix = "fix: point cluster.measured at a megaft-commbench run directory (or its commbench.json)"
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = _load(path, os.path.getmtime(path))
     except (OSError, ValueError) as exc:
         return cluster, [], [f"cluster.measured={cluster.measured!r}: cannot read {path} ({exc}); {fix}"]
     if doc.get("schema") != SCHEMA:

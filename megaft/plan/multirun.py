@@ -16,7 +16,6 @@ overrides win over the group's files, so callers leave the points' keys out of `
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from megaft.fileio import read_json, read_jsonl
 from megaft.launch.submit_record import read_submitted
 from megaft.training.phases import PHASE_KEYS
 
@@ -114,14 +114,6 @@ def points_by_name(sweep_dir: str, group: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def measured(run_dir: str) -> Optional[dict[str, Any]]:
     """A finished run's steady numbers: the median over its train lines after the first
     (warm-up) step of tokens/s (whole job) and step time, and the mean phase times
@@ -129,12 +121,8 @@ def measured(run_dir: str) -> Optional[dict[str, Any]]:
     summary = read_json(os.path.join(run_dir, "summary.json"))
     if summary is None:
         return None
-    train = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            train = [rec for rec in map(json.loads, f) if "loss" in rec and rec.get("tokens_per_s")]
-    except (OSError, ValueError):  # a missing file, or a line cut short
-        pass
+    train = [rec for rec in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+             if "loss" in rec and rec.get("tokens_per_s")]
     steady = train[1:] or train
     world = summary["world_size"]
     tokens_per_step = summary["tokens"] / max(summary["steps"], 1)

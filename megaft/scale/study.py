@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from megaft.plan.multirun import read_json
+from megaft.fileio import read_json
 
 SCALE_FILE = "scale.json"
 GROUP = "scale_point"

@@ -5,6 +5,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from megaft.checks import at_least
+
 
 @dataclass
 class TrainConfig:
@@ -38,25 +40,13 @@ def accumulation_steps(cfg: TrainConfig, dp: int) -> int:
 def check_train(cfg: TrainConfig, dp: int) -> list[str]:
     errors = []
     for name in ("micro_batch_size", "global_batch_size", "eval_every", "eval_batch_size"):
-        if getattr(cfg, name) < 1:
-            errors.append(f"train.{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.max_steps < 0:
-        errors.append(f"train.max_steps={cfg.max_steps} must be >= 0 (0 = only evaluate)")
-    if cfg.save_every < 0:
-        errors.append(f"train.save_every={cfg.save_every} must be >= 0 (0 = no checkpoints); fix: e.g. "
-                      "train.save_every=100")
-    if cfg.keep_last < 0:
-        errors.append(f"train.keep_last={cfg.keep_last} must be >= 0 (0 = keep every checkpoint); fix: e.g. "
-                      "train.keep_last=2")
-    if cfg.peak_tflops < 0:
-        errors.append(f"train.peak_tflops={cfg.peak_tflops} must be >= 0 (0 = the device table); fix: e.g. "
-                      "train.peak_tflops=989")
-    if cfg.max_bad_steps < 0:
-        errors.append(f"train.max_bad_steps={cfg.max_bad_steps} must be >= 0 (0 = never abort); fix: e.g. "
-                      "train.max_bad_steps=10")
-    if cfg.straggler_every < 0:
-        errors.append(f"train.straggler_every={cfg.straggler_every} must be >= 0 (0 = off); fix: e.g. "
-                      "train.straggler_every=50")
+        errors += at_least(cfg, f"train.{name}", 1)
+    errors += at_least(cfg, "train.max_steps", 0, "(0 = only evaluate)")
+    errors += at_least(cfg, "train.save_every", 0, "(0 = no checkpoints)", "e.g. train.save_every=100")
+    errors += at_least(cfg, "train.keep_last", 0, "(0 = keep every checkpoint)", "e.g. train.keep_last=2")
+    errors += at_least(cfg, "train.peak_tflops", 0, "(0 = the device table)", "e.g. train.peak_tflops=989")
+    errors += at_least(cfg, "train.max_bad_steps", 0, "(0 = never abort)", "e.g. train.max_bad_steps=10")
+    errors += at_least(cfg, "train.straggler_every", 0, "(0 = off)", "e.g. train.straggler_every=50")
     if cfg.straggler_factor <= 1:
         errors.append(f"train.straggler_factor={cfg.straggler_factor} must be > 1 (times the median step "
                       "time); fix: e.g. train.straggler_factor=1.5")

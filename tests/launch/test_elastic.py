@@ -39,18 +39,7 @@ def losses(run):
     return [r["loss"] for r in read_rows(run) if "loss" in r]
 
 
-@pytest.fixture(autouse=True)
-def not_in_slurm(monkeypatch):
-    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(key, raising=False)
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The uninterrupted 20-step dp=2 run."""
-    run = str(tmp_path_factory.mktemp("straight"))
-    launch_local(config(), run)
-    return run
+pytestmark = pytest.mark.usefixtures("not_in_slurm")  # tests/launch/conftest.py
 
 
 def test_crashed_rank_set_restarts_and_continues_the_curve(straight, tmp_path, capfd):

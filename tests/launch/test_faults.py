@@ -29,18 +29,7 @@ def config(timeout_s=60):
     return cfg
 
 
-@pytest.fixture(autouse=True)
-def not_in_slurm(monkeypatch):
-    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(key, raising=False)
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The uninterrupted 20-step run through the same launcher."""
-    run = str(tmp_path_factory.mktemp("straight"))
-    launch_local(config(), run)
-    return run
+pytestmark = pytest.mark.usefixtures("not_in_slurm")  # tests/launch/conftest.py
 
 
 def test_signal_to_one_rank_stops_all_at_one_step_then_resumes_exactly(straight, tmp_path, capfd):

@@ -24,10 +24,7 @@ def config():
     return cfg
 
 
-@pytest.fixture(autouse=True)
-def not_in_slurm(monkeypatch):
-    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(key, raising=False)
+pytestmark = pytest.mark.usefixtures("not_in_slurm")  # tests/launch/conftest.py
 
 
 def test_sigstopped_rank_is_named_with_host_and_coordinates(tmp_path):

@@ -27,10 +27,7 @@ from megaft.training.loop import Trainer
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "megaft-train")
 
 
-@pytest.fixture(autouse=True)
-def not_in_slurm(monkeypatch):
-    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(key, raising=False)
+pytestmark = pytest.mark.usefixtures("not_in_slurm")  # tests/launch/conftest.py
 
 
 def _write_lock(run_dir, pid, job=None, host=None):

@@ -13,16 +13,15 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from megaft.models import Llama
 from megaft.models.generate import full_logits
-from megaft.models.hf import checkpoint_files, export_hf, hf_model_config, load_hf_weights
+from megaft.models.hf import export_hf, hf_model_config, load_hf_weights
 from megaft.parallel.grads import sync_sequence_parallel_grads
 from megaft.parallel.shard import local_from_full, shard_of
 from megaft.pipeline.stage import StageModel
 from models.arch_fixture import SEQ, VOCAB, load_reference, sample_ids
-from models.hf_fixture import padded_lines
+from models.hf_fixture import checkpoint_tensors, padded_lines
 
 # fp32 on both sides; what differs is summation order (SDPA vs eager attention, tp
 # partial sums, kv-grad sums over replicas): ~1e-6 on logits and grads of magnitude ~1.
@@ -47,14 +46,6 @@ def _close(failures: list[str], tag: str, actual, expected, atol=ATOL, rtol=RTOL
         failures.append(f"{tag}: {e}")
 
 
-def _tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in checkpoint_files(path).items():
-        with safe_open(file, "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
 def check_export(src: str, out: str, tag: str) -> list[str]:
     """The exported folder: same model_type/architectures, every tensor bit-exact,
     and transformers' reload gives the source checkpoint's logits exactly."""
@@ -66,7 +57,7 @@ def check_export(src: str, out: str, tag: str) -> list[str]:
     for key in ("model_type", "architectures"):
         if got[key] != want[key]:
             failures.append(f"{tag} export {key}: {got[key]} != {want[key]}")
-    exported, original = _tensors(out), _tensors(src)
+    exported, original = checkpoint_tensors(out), checkpoint_tensors(src)
     if exported.keys() != original.keys():
         failures.append(f"{tag} export names: {sorted(exported.keys() ^ original.keys())}")
     failures += [f"{tag} export tensor {n} differs" for n, t in original.items()

@@ -6,7 +6,10 @@ from typing import Any, Optional
 
 import torch
 import transformers
+from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from megaft.models.hf import checkpoint_files
 
 VOCAB = 61  # odd: tp=2 pads the vocabulary to 62, so padding rows are exercised
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345"  # 58 + 3 specials = 61
@@ -70,3 +73,12 @@ def padded_lines(lengths: list[int], *, seed: int, low: int = 0) -> tuple[torch.
         ids[i, :n] = torch.randint(low, VOCAB, (n,), generator=gen)
         labels[i, : n - 1] = ids[i, 1:n]
     return ids, labels
+
+
+def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF checkpoint folder `path` (one file or sharded), by name."""
+    out = {}
+    for name, file in checkpoint_files(path).items():
+        with safe_open(file, "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out

@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from multirank import spawn
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from megaft.models import Llama, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.hf import HFCheckpointError, checkpoint_files, export_hf, hf_model_config, load_hf_weights
-from models.hf_fixture import LLAMA3_ROPE, VOCAB, load_reference, make_hf_llama, padded_lines
+from models.hf_fixture import LLAMA3_ROPE, VOCAB, checkpoint_tensors, load_reference, make_hf_llama, padded_lines
 
 # fp32 on both sides; the only differences are summation orders (sdpa vs eager
 # attention, tp partial sums), worth ~1e-6 on logits of magnitude ~1.
@@ -45,14 +44,6 @@ def hf_dirs(tmp_path_factory):
 def _read_json(file: str) -> dict:
     with open(file) as f:
         return json.load(f)
-
-
-def _tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, file in checkpoint_files(path).items():
-        with safe_open(file, "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +75,7 @@ def check_variant(path: str, out: str, *, tp_rank: int, tp_size: int, group, max
     # (c) export: every tensor comes back bit-exact and transformers loads the directory
     export_hf(model, cfg, out, tokenizer_json=path, tp_group=group, is_writer=tp_rank == 0,
               max_shard_bytes=max_shard_bytes)
-    exported, original = _tensors(out), _tensors(path)
+    exported, original = checkpoint_tensors(out), checkpoint_tensors(path)
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
@@ -119,7 +110,7 @@ def test_tp2_matches_transformers(hf_dirs, tmp_path):
 def test_sharded_checkpoint_equals_single_file(hf_dirs):
     assert os.path.isfile(os.path.join(hf_dirs["sharded"], "model.safetensors.index.json"))
     assert len(set(checkpoint_files(hf_dirs["sharded"]).values())) > 1
-    a, b = _tensors(hf_dirs["plain"]), _tensors(hf_dirs["sharded"])
+    a, b = checkpoint_tensors(hf_dirs["plain"]), checkpoint_tensors(hf_dirs["sharded"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
