@@ -21,7 +21,7 @@ from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.models.config import ModelConfig, check_model
 from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
-from megaft.peft.config import LoraConfig, check_lora
+from megaft.peft.config import LoraConfig, check_lora, check_lora_model
 from megaft.plan.config import ClusterConfig, PlanConfig
 from megaft.training.config import TrainConfig, accumulation_steps, check_train
 from megaft.verify.config import VerifyConfig
@@ -189,6 +189,8 @@ def check_settings(cfg: Config, world_size: int) -> list[str]:
 def check_resolved(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
     """Problems of the architecture and layout once `resolve` filled them in: pure."""
     problems = check_model(cfg.model, cfg.parallel.tp)
+    problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
+                                 tp=cfg.parallel.tp)
     problems += _pipeline_problems(cfg, world_size)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaft.parallel.shard import padded_size
+from megaft.peft.config import adapter_layer_params, head_adapter_params
 from megaft.pipeline.partition import stage_layer_counts
 
 GIB = 2 ** 30
@@ -73,29 +74,28 @@ def rank_params(m, *, tp: int, pp: int, vpp: int, pp_layers=None) -> list[int]:
     return out
 
 
-def lora_layer_params(m, lora, tp: int) -> tuple[int, int]:
-    """(adapter parameters, base linear weight elements) of one decoder block on one tp rank
-    under LoRA (megaft.peft.lora: column A [r, in] whole, B [out/tp, r]; row A [r, in/tp], B
-    [out, r] whole)."""
-    q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
-    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True),
-              "gate": (m.dim, m.ffn_dim, False), "up": (m.dim, m.ffn_dim, False), "down": (m.ffn_dim, m.dim, True)}
-    adapters = sum(r * (i // tp + o) if row else r * (i + o // tp)
-                   for t, (i, o, row) in shapes.items() if t in lora.targets)
-    return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
+def trainable_rank_params(cfg) -> list[int]:
+    """Trainable parameters of each pp rank (one tp shard): rank_params, or under LoRA
+    (lora.rank > 0) the adapters alone (the base is frozen: no grads, no optimizer state)."""
+    m, par = cfg.model, cfg.parallel
+    full = rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
+    if getattr(cfg, "lora", None) is None or cfg.lora.rank <= 0:
+        return full
+    counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
+    return [lora_rank_bytes(cfg, r, n, sum(counts[r + c * par.pp] for c in range(par.vpp)))[1]
+            for r, n in enumerate(full)]
 
 
 def lora_rank_bytes(cfg, r: int, n: int, layers: int) -> tuple[int, int]:
     """(frozen base bytes, trainable adapter parameters) of pp rank `r` holding `n` base params
     and `layers` blocks: base linears in lora.base_dtype, embedding and norms fp32."""
     m, lora, par = cfg.model, cfg.lora, cfg.parallel
-    adapters, linear = lora_layer_params(m, lora, par.tp)
+    adapters, linear = adapter_layer_params(m, lora, par.tp)
     adapters, linear = adapters * layers, linear * layers
     if r == par.pp - 1 and not m.tie_embeddings:  # the untied head is a linear too
         vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp)
         linear += vocab // par.tp * m.dim
-        if "lm_head" in lora.targets:
-            adapters += lora.rank * (m.dim + vocab // par.tp)
+        adapters += head_adapter_params(m, lora, vocab // par.tp)
     saved = (FP32 - BF16) * linear if lora.base_dtype == "bf16" else 0
     return n * FP32 - saved, adapters
 

@@ -22,6 +22,11 @@ metrics.jsonl after the first (warm-up) step. The kernels column is summary.json
 A scaling study's sweep dir (`megaft-scale`, with scale.json) gets the columns nodes,
 step_s, steady_tokens_per_s, speedup, ideal, efficiency and comm_share, and scaling.png
 (measured against ideal speedup); megaft.scale.report defines them.
+
+`--commbench <megaft-commbench run dir>` adds comm_share (measured, as above), pred_comm_s
+and pred_comm_share: what the cost model predicts for each finished run's own config when
+the links are the measured ones (megaft.plan.run_comm; `--cluster <preset>` for runs that
+ran without `cluster=`).
 """
 from __future__ import annotations
 
@@ -202,11 +207,11 @@ def kernels_cell(record: Optional[dict]) -> Optional[str]:
 def _cell(key: str, value: Any) -> str:
     if value is None or value == "":
         return "-"
-    if key in ("mfu", "eval_accuracy", "efficiency", "comm_share"):
+    if key in ("mfu", "eval_accuracy", "efficiency", "comm_share", "pred_comm_share"):
         return f"{value:.1%}"
     if key == "tokens_per_s":
         return f"{value:,.0f}"
-    if key in PHASE_KEYS:
+    if key in PHASE_KEYS or key == "pred_comm_s":
         return f"{value:.4f}"
     if isinstance(value, float):
         return f"{value:.4g}" if key != "peak_mem_gb" else f"{value:.2f}"
@@ -236,10 +241,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    """COLUMNS, plus a scaling study's (megaft.scale.report) when the rows carry them."""
+    """COLUMNS, plus a scaling study's (megaft.scale.report) and the communication
+    prediction's (megaft.plan.run_comm) when the rows carry them."""
+    from megaft.plan.run_comm import COMM_COLUMNS
     from megaft.scale.report import SCALE_COLUMNS
 
-    return COLUMNS + (SCALE_COLUMNS if rows and "speedup" in rows[0] else ())
+    extra = (SCALE_COLUMNS if rows and "speedup" in rows[0] else ()) + (
+        COMM_COLUMNS if rows and "pred_comm_s" in rows[0] else ())
+    return COLUMNS + tuple(dict.fromkeys(extra))  # both have comm_share: once
 
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: str, plot: bool = True,
@@ -297,10 +306,31 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "GPU's dense peak at its precision)")
     parser.add_argument("--out", default=None, help="where report.* go (default: DIR)")
     parser.add_argument("--no-plot", action="store_true", help="skip report.png")
+    parser.add_argument("--commbench", default=None, metavar="RUN_DIR",
+                        help="a megaft-commbench run dir (or its commbench.json): add each run's communication "
+                             "share predicted from the measured bandwidth (megaft.plan.run_comm)")
+    parser.add_argument("--cluster", default=None, metavar="PRESET",
+                        help="with --commbench, the conf/cluster preset for runs that ran without cluster=...")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.dir):
         print(f"megaft-report: {args.dir} is not a directory", file=sys.stderr)
         return 1
+    cluster = None
+    if args.commbench or args.cluster:  # checked once, before any run is read
+        from megaft.plan.config import ClusterConfig
+        from megaft.plan.run_comm import check_commbench, preset_cluster
+
+        try:
+            cluster = preset_cluster(args.cluster) if args.cluster else None
+        except ValueError as exc:
+            print(f"megaft-report: {exc}", file=sys.stderr)
+            return 2
+        problems = ([] if args.commbench else ["--cluster goes with --commbench; fix: add --commbench <a "
+                                                "megaft-commbench run dir>"])
+        problems += check_commbench(args.commbench, cluster or ClusterConfig()) if args.commbench else []
+        if problems:
+            print("megaft-report: " + "\n".join(problems), file=sys.stderr)
+            return 2
     rows = collect(args.dir, args.peak_tflops)
     from megaft.scale.study import read_study
 
@@ -313,7 +343,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megaft-report: no runs under {args.dir} (no summary.json, metrics.jsonl, .hydra/ or "
               "submitted.json)", file=sys.stderr)
         return 1
+    if args.commbench and rows:
+        from megaft.plan.run_comm import add_comm, prediction_line
+
+        add_comm(rows, args.dir, args.commbench, cluster)
     print(format_table(rows))
+    if args.commbench and prediction_line(rows):
+        print(prediction_line(rows))
     for path in write_outputs(rows, args.out or args.dir, plot=not args.no_plot, study=study):
         print(f"wrote {path}")
     return 0

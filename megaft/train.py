@@ -24,6 +24,15 @@ def conf_dir() -> str:
     return source if os.path.isdir(source) else str(files("megaft.conf"))
 
 
+def compose_config(overrides: list[str]) -> Config:
+    """megaft-train's Config for `overrides` (the same config tree and validation of values),
+    for tools that read a config without being a Hydra app (megaft-scale, megaft-report)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
 def prepare_data(cfg: Config, *, progress: bool) -> None:
     """Tokenize file data for packing=docs|none into the prepared store once, before any rank
     joins a collective: here in the launcher, or (torchrun/srun) in every rank's process,

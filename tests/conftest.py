@@ -7,3 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)
+# Triton reads TRITON_INTERPRET when its own library functions (tl.sum, ...) are decorated, at its
+# first import; some test modules import peft/transformers, which may import triton, at collection.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

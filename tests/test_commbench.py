@@ -119,9 +119,15 @@ def test_groups_from_hosts_and_the_grid():
     assert intra == [[0, 1], [2, 3]] and inter == [[0, 2], [1, 3]]
     axes = grid_groups(ParallelGrid(tp_size=2, dp_size=2, pp_size=1, rank=0, device=torch.device("cpu"),
                                     backend="gloo"))
-    assert axes == {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]]}
+    assert axes == {"tp": [[0, 1], [2, 3]], "cp": [[0], [1], [2], [3]], "dp": [[0, 2], [1, 3]],
+                    "pp": [[0], [1], [2], [3]]}
     assert spans(axes["tp"], hosts) == "within a node" and spans(axes["dp"], hosts) == "across nodes"
     assert spans([[0, 1], [1, 2]], hosts) == "mixed"
+    # cp sits between tp and dp in megaft's rank order: tp=2 cp=2 dp=2 on 8 ranks
+    axes = grid_groups(ParallelGrid(tp_size=2, cp_size=2, dp_size=2, pp_size=1, rank=0, device=torch.device("cpu"),
+                                    backend="gloo"))
+    assert axes["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and axes["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axes["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]] and axes["pp"] == [[r] for r in range(8)]
     # uneven hosts: the third rank of host a has no partner across nodes
     assert node_groups(["a", "a", "a", "b"]) == ([[0, 1, 2]], [[0, 3]])
     assert node_groups(["a", "b"]) == ([], [[0, 1]]) and node_groups(["a", "a"]) == ([[0, 1]], [])
@@ -224,6 +230,62 @@ def test_two_rank_run_checks_results_names_faults_and_gates_check_mode(tmp_path,
     assert any(p.startswith("slow link node1 -> node0: ") for p in problems), problems
     status, problems = verdict(bad, CommbenchConfig(check=False))
     assert status == 1 and len(problems) == 1  # wrong results fail without check mode; slow links do not
+
+
+def two_hosts(rank: int) -> str:
+    return "hostA" if rank < 2 else "hostB"
+
+
+def slow_sends_of_rank_2(src: int, dst: int) -> float:
+    return DELAY_S if src == 2 else 0.0
+
+
+def four_rank_worker(local_rank: int, cfg: Config, run_dir: str, nproc: int, init_file: str) -> None:
+    """4 ranks, tp=2 dp=2: on the real host, then as 2 hosts of 2 ranks with hostB's sends slowed."""
+    from megaft.commbench.run import local_worker
+
+    local_worker(local_rank, cfg, run_dir, nproc, init_file)
+    local_worker(local_rank, faulty_config(cfg), os.path.join(run_dir, "two_hosts"), nproc, init_file + ".2",
+                 hooks=Hooks(hostname=two_hosts, delay_send=slow_sends_of_rank_2))
+
+
+def test_four_ranks_measure_every_scope_with_nccl_tests_arithmetic(tmp_path, capsys):
+    """4 gloo ranks, tp=2 dp=2. One host: intra_node is all 4 ranks (the n=4 factors), tp and dp
+    are their own 2-rank groups, each measured. Two hosts of 2: tp is intra_node, dp is
+    inter_node (measured once, named by `same_as`), and the slowed host is named."""
+    from megaft.commbench.app import run
+
+    cfg = bench_config()
+    cfg.launcher.nproc, cfg.parallel.tp, cfg.parallel.dp = 4, 2, 2
+    cfg.commbench = dataclasses.replace(cfg.commbench, max_bytes=SIZES[0], repeats=2)
+    assert run(cfg, str(tmp_path), worker=four_rank_worker) == 0, capsys.readouterr().out
+    doc = json.loads((tmp_path / "commbench.json").read_text())
+    scopes = {s["name"]: s for s in doc["scopes"]}
+    assert doc["grid"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 1}
+    assert scopes["intra_node"]["groups"] == [[0, 1, 2, 3]] and scopes["inter_node"]["groups"] == []
+    assert (scopes["tp"]["groups"], scopes["dp"]["groups"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert scopes["tp"]["same_as"] is None and scopes["dp"]["same_as"] is None
+    assert scopes["cp"]["note"].startswith("parallel.cp=1") and scopes["pp"]["note"].startswith("parallel.pp=1")
+    rows = doc["results"]
+    assert {(r["scope"], r["ranks"]) for r in rows} == {("intra_node", 4), ("tp", 2), ("dp", 2)}
+    assert sorted((r["scope"], r["collective"]) for r in rows) == sorted(
+        (s, c.value) for s in ("intra_node", "tp", "dp") for c in Collective)
+    for r in rows:
+        assert r["correct"] and r["bytes"] == SIZES[0], r
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * NCCL_TESTS_FACTOR[r["collective"]](r["ranks"]))
+
+    split = json.loads((tmp_path / "two_hosts" / "commbench.json").read_text())
+    assert split["hosts"] == {"hostA": [0, 1], "hostB": [2, 3]}
+    scopes = {s["name"]: s for s in split["scopes"]}
+    assert scopes["intra_node"]["groups"] == [[0, 1], [2, 3]] and scopes["inter_node"]["groups"] == [[0, 2], [1, 3]]
+    assert (scopes["tp"]["same_as"], scopes["dp"]["same_as"]) == ("intra_node", "inter_node")
+    assert scopes["inter_node"]["spans"] == "across nodes" and scopes["intra_node"]["spans"] == "within a node"
+    assert {(r["scope"], r["ranks"]) for r in split["results"]} == {("intra_node", 2), ("inter_node", 2)}
+    assert all(r["correct"] for r in split["results"])
+    assert [(s["src"], s["dst"]) for s in split["pairs"]["slow"]] == [("hostB", "hostA")]
+    status, problems = verdict(split, CommbenchConfig(check=True))
+    assert status == 1 and [p.split(":")[0] for p in problems] == ["slow link hostB -> hostA"]
 
 
 def test_command_exits_2_on_a_bad_config(tmp_path):

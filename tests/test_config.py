@@ -148,3 +148,48 @@ def test_checks_are_pure_and_resolve_is_the_one_step_with_an_effect():
     assert check_resolved(cfg, 1) == [] and cfg == resolved
     cfg.parallel.tp = 3  # a layout problem is reported without touching the config
     assert any("parallel.tp=3" in p for p in check_resolved(cfg, 3)) and cfg.model == resolved.model
+
+
+def _enum_fields(cls, prefix=""):
+    """(dotted key, Enum type) of every field of the config dataclass `cls`, recursively."""
+    import dataclasses
+    import enum
+    import typing
+
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        for t in args:
+            if dataclasses.is_dataclass(t):
+                yield from _enum_fields(t, f"{prefix}{f.name}.")
+            elif isinstance(t, type) and issubclass(t, enum.Enum):
+                yield f"{prefix}{f.name}", t
+
+
+def test_choices_are_enums_hydra_checks_by_name():
+    """Fields with fixed values are enums: Hydra converts a CLI value by member NAME and the code
+    compares members with strings, so each name must equal its value, and no name may hide a
+    str method on the value (a member `split` would make value.split(...) fail)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    from megaft.config import register_configs
+
+    fields = dict(_enum_fields(Config))
+    for key in ("precision", "model.recompute", "parallel.schedule", "parallel.offload", "data.packing",
+                "data.train_on", "kernels.backend", "kernels.linear", "optim.fused", "verify.precision"):
+        assert key in fields, key
+    for key, enum_type in fields.items():
+        for member in enum_type:
+            assert member.name == member.value and member.name not in dir(str), (key, member)
+    register_configs()
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("train", overrides=["parallel.schedule=1f1b", "model.recompute=full"]))
+        assert cfg.parallel.schedule == "1f1b" and cfg.model.recompute == "full"
+        with pytest.raises(ConfigCompositionException) as failed:
+            compose("train", overrides=["model.recompute=partial"])
+        assert isinstance(failed.value.__cause__, ValidationError)  # naming the allowed values
+        assert "expected one of [none, selective, full]" in str(failed.value.__cause__)

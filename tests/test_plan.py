@@ -51,10 +51,10 @@ def composed(overrides: list[str]) -> Config:
         return OmegaConf.to_object(compose("megaft_plan", overrides=overrides))
 
 
-def plan_for(tmp_path, size: str, nodes: int, seq: int = 4096):
+def plan_for(tmp_path, size: str, nodes: int, seq: int = 4096, extra: tuple[str, ...] = ()):
     cfg = composed([f"model.init_from={checkpoint(tmp_path, size)}", "cluster=h100", f"cluster.nodes={nodes}",
                     f"data.seq_len={seq}", f"model.max_seq_len={seq}", "train.global_batch_size=128",
-                    "precision=bf16"])
+                    "precision=bf16", *extra])
     shaped, problems = planning_config(cfg)
     assert problems == []
     return cfg, shaped, search(shaped, cfg.cluster, cfg.plan)
@@ -125,6 +125,33 @@ def test_405b_needs_tp_pp_and_dp(tmp_path):
     flat = [c for c in result.ranked if c.layout.pp == 1]
     assert all(c.layout.zero == 3 and c.cost.bottleneck == "zero_comm" for c in flat)
     assert all(c.cost.step_s > 2 * result.ranked[0].cost.step_s for c in flat)
+
+
+def test_lora_is_priced_by_its_adapters_not_the_frozen_base(tmp_path):
+    """70B on one node (8 H100): the full fine-tune fits only with CPU offload and full
+    recompute; LoRA on a bf16 base fits on the GPUs alone and is faster. On the same layout
+    the update, the dp traffic and the weight gradients shrink to the adapters'."""
+    cfg, shaped, full = plan_for(tmp_path, "70B", nodes=1)
+    assert full.ranked and all(c.layout.offload == "cpu" and c.layout.recompute == "full" for c in full.ranked)
+    (tmp_path / "lora").mkdir()
+    cfg, shaped, lora = plan_for(tmp_path / "lora", "70B", nodes=1, extra=("lora.rank=16", "lora.base_dtype=bf16"))
+    best = assert_top_is_valid(cfg, shaped, lora)
+    assert best.offload == "none" and lora.ranked[0].cost.step_s < full.ranked[0].cost.step_s
+    assert lora.rejected["zero=3 with LoRA"] > 0  # ZeRO-3 is refused with LoRA, for a named reason
+    # one layout, priced with and without the adapters (memory aside)
+    with_lora = next(c.cfg for c in lora.ranked if c.layout.tp == 8 and c.layout.pp == 1 and c.layout.zero == 0)
+    without = dataclasses.replace(with_lora, lora=dataclasses.replace(with_lora.lora, rank=0))
+    on, off = step_cost(with_lora, cfg.cluster, 8), step_cost(without, cfg.cluster, 8)
+    m = with_lora.model  # 7 targets: A [16, in] and B [out/8, 16] (column) or A [16, in/8] and B [out, 16] (row)
+    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
+    per_layer = 16 * ((m.dim + q // 8) + 2 * (m.dim + kv // 8) + (q // 8 + m.dim) + 2 * (m.dim + m.ffn_dim // 8)
+                      + (m.ffn_dim // 8 + m.dim))
+    share = m.n_layers * per_layer / estimate_memory(without, 8).params * 4  # adapters / all params (fp32 bytes)
+    assert on.terms["optimizer"] == pytest.approx(off.terms["optimizer"] * share)
+    # backward without the base's weight gradients: compute falls to ~2/3 (attention's second matmul stays)
+    assert 0.6 < on.terms["compute"] / off.terms["compute"] < 0.75
+    assert on.flops_per_token < off.flops_per_token and on.mfu == pytest.approx(
+        on.tokens_per_s_per_gpu * on.flops_per_token / 989.4e12)
 
 
 # --- the search space ------------------------------------------------------------------

@@ -1,16 +1,28 @@
 """megaft-report on run dirs made by real tiny training runs (no Slurm: squeue is
 replaced by a given queue, submitted.json is written by the launcher's own writer)."""
 import csv
+import dataclasses
 import json
 import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from train_cases import small_config
 
 from megaft import report
+from megaft.commbench.app import run as commbench
+from megaft.commbench.config import CommbenchConfig
+from megaft.config import Config, register_configs
 from megaft.launch.submit_record import merge_submitted
 from megaft.parallel.grid import ParallelGrid
+from megaft.plan.cost import step_cost
+from megaft.plan.shape import planning_config
+from megaft.train import conf_dir
 from megaft.training.flops import flops_per_token
 from megaft.training.loop import Trainer
 
@@ -128,3 +140,69 @@ def test_single_run_dir_and_errors(sweep, tmp_path, capsys):
     assert report.main([str(tmp_path / "missing")]) == 1
     assert report.main([str(tmp_path)]) == 1  # a dir without runs
     assert "no runs under" in capsys.readouterr().err
+
+
+def test_communication_share_next_to_the_measured_bandwidths_prediction(tmp_path, capsys):
+    """--commbench: a real dp=2 megaft-train run (cluster=cpu) and a real 2-rank megaft-commbench
+    run. The measured share is comm_s over the phased step; the prediction is the cost model's
+    exposed comm (dp_comm + pp_bubble) for the run's own layout with the measured links, and
+    it grows when the links are slower. Bad arguments exit 2 naming the fix."""
+    overrides = ["cluster=cpu", "parallel.tp=1", "parallel.dp=2", "launcher.nproc=2", "device=cpu",
+                 "train.max_steps=5", "train.save_every=0", "train.export_hf=false", "train.progress=false",
+                 "train.tensorboard=false"]
+    runs = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "megaft.train", *overrides, f"hydra.run.dir={runs / 'dp2'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    bench = Config()
+    bench.device, bench.launcher.nproc, bench.parallel.tp = "cpu", 2, 1
+    bench.commbench = CommbenchConfig(collectives=["all_reduce"], min_bytes=8192, max_bytes=262144, warmup=1,
+                                      repeats=3, plot=False)
+    assert commbench(bench, str(tmp_path / "bench")) == 0
+
+    assert report.main([str(runs), "--commbench", str(tmp_path / "bench"), "--no-plot"]) == 0
+    row = json.loads((runs / "report.json").read_text())[0]
+    phases = [row[k] for k in ("forward_s", "backward_s", "optimizer_s", "comm_s")]
+    assert row["comm_share"] == pytest.approx(row["comm_s"] / sum(phases)) and 0 < row["comm_share"] < 1
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("train", overrides=overrides))
+
+    def exposed(measured: str) -> tuple[float, float]:
+        shaped, problems = planning_config(dataclasses.replace(
+            cfg, cluster=dataclasses.replace(cfg.cluster, measured=measured)))
+        assert problems == []
+        cost = step_cost(shaped, shaped.cluster, 2)
+        return cost.terms["dp_comm"] + cost.terms["pp_bubble"], cost.step_s
+
+    comm, step = exposed(str(tmp_path / "bench"))
+    assert comm > 0 and row["pred_comm_s"] == pytest.approx(comm, rel=1e-12)
+    assert row["pred_comm_share"] == pytest.approx(comm / step, rel=1e-12)
+    assert "communication share, measured vs predicted from the measured bandwidth: " in capsys.readouterr().out
+    # The same commbench.json with every link 10x slower: the prediction grows.
+    doc = json.loads((tmp_path / "bench" / "commbench.json").read_text())
+    for r in doc["results"]:
+        r["time_s"], r["algbw_gbps"], r["busbw_gbps"] = 10 * r["time_s"], r["algbw_gbps"] / 10, r["busbw_gbps"] / 10
+    (tmp_path / "slow.json").write_text(json.dumps(doc))
+    assert report.main([str(runs), "--commbench", str(tmp_path / "slow.json"), "--no-plot"]) == 0
+    slow = json.loads((runs / "report.json").read_text())[0]
+    assert slow["pred_comm_s"] == pytest.approx(exposed(str(tmp_path / "slow.json"))[0], rel=1e-12)
+    assert slow["pred_comm_s"] > 5 * row["pred_comm_s"] and slow["comm_share"] == row["comm_share"]
+    # A run without cluster= (the file Hydra writes then) needs --cluster.
+    bare = runs / "bare"
+    shutil.copytree(runs / "dp2", bare, ignore=shutil.ignore_patterns("report.*"))
+    hydra_cfg = yaml.safe_load((bare / ".hydra" / "config.yaml").read_text())
+    hydra_cfg["cluster"] = OmegaConf.to_container(OmegaConf.structured(Config).cluster)
+    (bare / ".hydra" / "config.yaml").write_text(yaml.safe_dump(hydra_cfg))
+    capsys.readouterr()
+    assert report.main([str(bare), "--commbench", str(tmp_path / "bench"), "--no-plot"]) == 0
+    assert "the run names no cluster" in capsys.readouterr().out
+    assert json.loads((bare / "report.json").read_text())[0]["pred_comm_s"] is None
+    assert report.main([str(bare), "--commbench", str(tmp_path / "bench"), "--cluster", "cpu", "--no-plot"]) == 0
+    assert json.loads((bare / "report.json").read_text())[0]["pred_comm_s"] == pytest.approx(comm, rel=1e-12)
+    for args, message in ((["--commbench", str(tmp_path / "nowhere")], "--commbench"),
+                          (["--commbench", str(tmp_path / "bench"), "--cluster", "h900"], "one of a100"),
+                          (["--cluster", "cpu"], "--cluster goes with --commbench")):
+        assert report.main([str(runs), "--no-plot", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "fix:" in err

@@ -77,6 +77,18 @@ def test_verify_passes_on_the_layouts(tmp_path, name):
     assert report.grads[0][1] <= 1e-4
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="4 gloo ranks need at least 2 cores to finish in time")
+def test_verify_passes_with_replicated_kv_heads_under_zero3(tmp_path):
+    """tp=2 over one kv head (each tp rank holds a copy of it, their grads summed over tp) with
+    dp=2 ZeRO-3 (every parameter, the copies included, sharded over dp and gathered per layer)."""
+    cfg = verify_config(tp=2, dp=2, zero=3, sequence_parallel=True)
+    cfg.model.n_kv_heads, cfg.launcher.nproc = 1, 4
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed, report.format()
+    assert all(r.loss_rel <= 1e-5 and r.grad_norm_rel <= 1e-4 for r in report.rows), report.format()
+    assert len(report.grads) == cfg.model.n_layers * 9 + 3 and report.grads[0][1] <= 1e-4
+
+
 def test_verify_fails_naming_the_parameter_of_a_skipped_all_reduce(tmp_path):
     cfg = verify_config(tp=2, dp=1, sequence_parallel=True)
     report = run_verify(cfg, str(tmp_path), spec=TrainSpec(optim=skip_one_sp_reduce))

@@ -5,7 +5,7 @@ training (every tp group reduces at once). Scopes, in order:
 
 - intra_node: the ranks of each host;
 - inter_node: the i-th rank of every host, for each i (one rank per node, every NIC busy);
-- tp, dp, pp: the grid's real process groups (megaft.parallel.grid, tp fastest).
+- tp, cp, dp, pp: the grid's real process groups (megaft.parallel.grid, tp fastest).
 
 A scope whose groups equal an earlier scope's is not measured again (`same_as`): with
 8 ranks a node and tp=8, tp is intra_node. `spans` says whether a scope's groups stay
@@ -71,10 +71,10 @@ def spans(groups: list[list[int]], hosts: list[str]) -> str:
 
 
 def grid_groups(grid: ParallelGrid) -> dict[str, list[list[int]]]:
-    """Every group of each grid axis as global ranks: arange(world).view(pp, dp, tp)."""
-    ranks = torch.arange(grid.world_size).view(grid.pp_size, grid.dp_size, grid.tp_size)
+    """Every group of each grid axis as global ranks: arange(world).view(pp, dp, cp, tp)."""
+    ranks = torch.arange(grid.world_size).view(grid.pp_size, grid.dp_size, grid.cp_size, grid.tp_size)
     return {axis: ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
-            for axis, dim in (("tp", 2), ("dp", 1), ("pp", 0))}
+            for axis, dim in (("tp", 3), ("cp", 2), ("dp", 1), ("pp", 0))}
 
 
 def _new_groups(groups: list[list[int]], rank: int, timeout) -> tuple[Optional[dist.ProcessGroup], list[int]]:
@@ -100,7 +100,7 @@ def build_scopes(grid: ParallelGrid, hosts: list[str]) -> list[Scope]:
         group, members = _new_groups(groups, rank, grid.timeout)
         scopes.append(Scope(name, groups, group, members, spans(groups, hosts) if groups else "",
                             note="" if groups else empty))
-    axis_group = {"tp": grid.tp_group, "dp": grid.dp_group, "pp": grid.pp_group}
+    axis_group = {"tp": grid.tp_group, "cp": grid.cp_group, "dp": grid.dp_group, "pp": grid.pp_group}
     for axis, groups in grid_groups(grid).items():
         if len(groups[0]) < 2:
             scopes.append(Scope(axis, [], note=f"parallel.{axis}=1: no {axis} group to measure"))

@@ -47,7 +47,7 @@ def format_table(doc: dict) -> str:
     hosts = doc["hosts"]
     g = doc["grid"]
     lines = [f"megaft-commbench: {doc['world_size']} ranks on {len(hosts)} host(s), {doc['backend']} on "
-             f"{doc['device_name']}, {doc['dtype']}; grid tp={g['tp']} dp={g['dp']} pp={g['pp']}"]
+             f"{doc['device_name']}, {doc['dtype']}; grid tp={g['tp']} cp={g.get('cp', 1)} dp={g['dp']} pp={g['pp']}"]
     for s in doc["scopes"]:
         lines.append(_scope_header(s))
         rows = [r for r in doc["results"] if r["scope"] == s["name"]]

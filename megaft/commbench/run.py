@@ -62,7 +62,7 @@ def bench(cfg: Config, grid: ParallelGrid, hooks: Hooks = Hooks()) -> dict:
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": grid.world_size,
         "backend": grid.backend, "device": device.type, "device_name": _device_name(device), "dtype": "float32",
         "torch": torch.__version__, "hosts": ranks_by_host(hosts),
-        "grid": {"tp": grid.tp_size, "dp": grid.dp_size, "pp": grid.pp_size}, "config": config,
+        "grid": {"tp": grid.tp_size, "cp": grid.cp_size, "dp": grid.dp_size, "pp": grid.pp_size}, "config": config,
         "scopes": described, "results": collective_rows(_gather(records), described),
         "pairs": pair_table(_gather(pair_records), hosts, pair_bytes_for(cb, device.type), cb.slow_fraction),
     }

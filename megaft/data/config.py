@@ -8,14 +8,13 @@ from typing import NamedTuple, Optional
 
 from tokenizers import Tokenizer
 
+from megaft.data.choices import LongDocs, Packing, TrainOn
 from megaft.data.errors import DataError
 from megaft.data.formats import example_texts
-from megaft.data.plan import LONG_DOCS, PACKING
 from megaft.data.sources import SourceConfig, mixture, read_source, scan_file, source_files, source_problems
 from megaft.data.tasks import TASKS, Task, make_task, task_tokenizer
 from megaft.data.tokenizer import load_tokenizer
 
-TRAIN_ON = ("assistant", "all", "last")  # megaft.data.chat.TRAIN_ON (kept jinja-free here)
 MAX_PROBLEMS = 20  # malformed records reported per check, over all sources
 
 
@@ -35,8 +34,9 @@ class DataConfig:
     # Fine-tuning data (megaft.data.formats/sources/chat/plan/prepare). Defaults keep the demo as it was.
     sources: list[SourceConfig] = field(default_factory=list)  # [{path, weight}] mixed; instead of path
     chat_template: str = "auto"  # auto (the checkpoint's) | llama3 | chatml | path to a .jinja file
-    train_on: str = "assistant"  # conversation tokens with a loss: assistant | all | last (assistant turn)
-    packing: str = "stream"  # stream: one continuous stream | docs: whole documents kept apart | none: one per row
+    train_on: TrainOn = TrainOn.assistant  # conversation tokens with a loss: assistant | all | last (assistant turn)
+    packing: Packing = Packing.stream  # stream: one continuous stream | docs: documents kept apart | none: one a row
+    # a str checked against LongDocs: an enum member named `split` would hide str.split on the value
     long_docs: str = "split"  # documents longer than seq_len (packing=docs|none): split | truncate | drop
     cache_dir: Optional[str] = None  # prepared datasets live here; None = ~/.cache/megaft/prepared
     prepare_workers: int = 0  # processes tokenizing while preparing; 0 = min(8, CPUs)
@@ -102,9 +102,10 @@ def _scanned(cfg: DataConfig) -> list[tuple[str, str]]:
 def _option_problems(cfg: DataConfig) -> list[str]:
     """The fine-tuning fields: enum values, counts and weights."""
     problems = []
-    for key, allowed in (("train_on", TRAIN_ON), ("packing", PACKING), ("long_docs", LONG_DOCS)):
-        if getattr(cfg, key) not in allowed:
-            problems.append(f"data.{key}={getattr(cfg, key)!r} is unknown; fix: use one of {list(allowed)}")
+    for key, allowed in (("train_on", TrainOn), ("packing", Packing), ("long_docs", LongDocs)):
+        if getattr(cfg, key) not in set(allowed):  # a config built in Python
+            problems.append(f"data.{key}={getattr(cfg, key)!r} is unknown; "
+                            f"fix: use one of {[a.value for a in allowed]}")
     if cfg.chat_template not in ("auto", "llama3", "chatml") and not os.path.isfile(cfg.chat_template):
         problems.append(f"data.chat_template={cfg.chat_template!r} is neither auto, llama3, chatml nor an "
                         "existing .jinja file; fix: use one of those or fix the path")

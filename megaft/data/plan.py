@@ -22,8 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-PACKING = ("docs", "stream", "none")
-LONG_DOCS = ("split", "truncate", "drop")
+from megaft.data.choices import LongDocs, Packing
+
+PACKING, LONG_DOCS = tuple(Packing), tuple(LongDocs)
 
 
 class EpochPlan(NamedTuple):

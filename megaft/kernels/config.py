@@ -11,21 +11,24 @@ starts, with the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
 
 from megaft.kernels.dispatch import BACKENDS
 
 OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear")
+# auto | torch | triton | cuda (megaft.kernels.dispatch), as an enum Hydra checks when composing
+KernelBackend = StrEnum("KernelBackend", [(b, b) for b in BACKENDS])
 
 
 @dataclass
 class KernelsConfig:
-    backend: str = "auto"  # auto | torch | triton | cuda, for every op without an override
-    rmsnorm: Optional[str] = None  # RMSNorm (+ the fused residual add); None = `backend`
-    rope: Optional[str] = None  # rotary embedding of q and k; None = `backend`
-    swiglu: Optional[str] = None  # the MLP's silu(gate) * up; None = `backend`
-    cross_entropy: Optional[str] = None  # vocab-parallel loss; None = `backend`
-    linear: Optional[str] = None  # parallel linears: GEMM + epilogue, wgrad fused into the main grad
+    backend: KernelBackend = KernelBackend.auto  # auto | torch | triton | cuda, every op without an override
+    rmsnorm: Optional[KernelBackend] = None  # RMSNorm (+ the fused residual add); None = `backend`
+    rope: Optional[KernelBackend] = None  # rotary embedding of q and k; None = `backend`
+    swiglu: Optional[KernelBackend] = None  # the MLP's silu(gate) * up; None = `backend`
+    cross_entropy: Optional[KernelBackend] = None  # vocab-parallel loss; None = `backend`
+    linear: Optional[KernelBackend] = None  # parallel linears: GEMM + epilogue, wgrad fused into the main grad
     fused_linear_cross_entropy: bool = False  # head projection + loss chunk by chunk (never all logits)
     ce_chunk_tokens: int = 2048  # tokens per chunk of the fused linear cross-entropy
     autotune: bool = True  # auto on CUDA: time the available backends once per shape (false: fixed order)

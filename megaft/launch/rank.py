@@ -83,8 +83,8 @@ def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0, spec=Non
     try:
         with PreemptFlag() as flag, process_group(cfg, env, run_dir, trace) as grid:
             trainer = Trainer(cfg, grid, run_dir, spec=spec or TrainSpec())
-            trace.step_of = lambda: getattr(trainer, "current_step", None)  # the hang report's step
-            trace.action_of = lambda: getattr(getattr(trainer.step, "runtime", None), "current_action", None)
+            trace.step_of = lambda: trainer.current_step  # the hang report's step and pipeline action
+            trace.action_of = lambda: trainer.current_action
             summary = trainer.fit(flag=flag)
     except health.RankFailureError:
         if cfg.launcher.elastic and env.rank == 0 and os.environ.get("SLURM_JOB_ID"):

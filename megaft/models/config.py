@@ -6,6 +6,7 @@ config.json onto these fields). The model code reads only these fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Dict, List, Optional
 
 from megaft.models.arch import SPECS
@@ -13,6 +14,12 @@ from megaft.models.rope import ROPE_TYPES
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP (SwiGLU, GeGLU)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values megaft runs
+
+
+class Recompute(StrEnum):  # activation checkpointing (megaft.models.recompute)
+    none = "none"
+    selective = "selective"
+    full = "full"
 
 
 @dataclass
@@ -42,7 +49,8 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma stores w - 1 (offset 1)
     scale_embeddings: bool = False  # multiply input embeddings by sqrt(dim) (Gemma)
     dropout: float = 0.0  # residual dropout; 0 for exact parallel equivalence
-    recompute: str = "none"  # activation checkpointing: none | selective (attention core, MLP activation) | full
+    # activation checkpointing: none | selective (attention core, MLP activation) | full
+    recompute: Recompute = Recompute.none
     recompute_layers: Optional[int] = None  # recompute the first N blocks of each pipeline stage; None = all
     init_std: float = 0.02  # normal init std; output projections scaled by 1/sqrt(2*n_layers)
     init_from: Optional[str] = None  # Hugging Face checkpoint directory to load (overrides the shape fields)
@@ -140,7 +148,7 @@ def check_model(cfg: ModelConfig, tp: int) -> list[str]:
                           f"fix: a divisor or a multiple of {cfg.kv_heads}")
     if not 0.0 <= cfg.dropout < 1.0:
         errors.append(f"model.dropout={cfg.dropout} must be in [0, 1)")
-    if cfg.recompute not in ("none", "selective", "full"):
+    if cfg.recompute not in set(Recompute):  # a config built in Python
         errors.append(f"model.recompute={cfg.recompute!r} is unknown; fix: none, selective or full")
     if cfg.recompute_layers is not None and cfg.recompute_layers < 0:
         errors.append(f"model.recompute_layers={cfg.recompute_layers} must be >= 0; fix: a count of blocks per "

@@ -12,17 +12,10 @@ and gradients equal `none` bitwise (tests/test_recompute.py).
 """
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
-
-
-class Recompute(StrEnum):
-    none = "none"
-    selective = "selective"
-    full = "full"
 
 
 def run(fn: Callable, *args, enabled: bool, **kwargs):

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from megaft.kernels.adamw import BACKENDS as FUSED_BACKENDS  # one list: the kernel front's
+
+Fused = StrEnum("Fused", [(b, b) for b in FUSED_BACKENDS])  # optim.fused's choices, checked by Hydra
 
 
 @dataclass
@@ -18,7 +21,7 @@ class OptimConfig:
     clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     loss_scale: float = 65536.0  # precision=fp16: initial dynamic loss scale (halved on each inf/nan step)
     loss_scale_window: int = 1000  # precision=fp16: finite steps in a row before the scale doubles
-    fused: str = "auto"  # AdamW kernel: auto | torch | cpu (megaft._C) | cuda (megaft._cuda) | triton
+    fused: Fused = Fused.auto  # AdamW kernel: auto | torch | cpu (megaft._C) | cuda (megaft._cuda) | triton
     # precision=bf16 only: bf16 params and grads in the model, fp32 master weights and moments in the
     # optimizer (the ZeRO paper's 2 + 2 + 12 bytes/param); false: the params are the fp32 masters (4 + 4 + 8)
     master_weights: bool = False

@@ -25,6 +25,10 @@ class Backend(StrEnum):
     gloo = "gloo"
 
 
+# megaft.pipeline.schedules builds them ("1f1b" is not an identifier: the functional form)
+Schedule = StrEnum("Schedule", [(name, name) for name in ("gpipe", "1f1b", "interleaved")])
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel degree: ranks that split each linear layer
@@ -34,7 +38,7 @@ class ParallelConfig:
     # megaft.models.context, megaft.models.ring); parameters are replicated over cp like over dp
     cp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pp rank; > 1 needs schedule=interleaved
-    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved
+    schedule: Schedule = Schedule["1f1b"]  # pipeline schedule: gpipe | 1f1b | interleaved
     pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
     sequence_parallel: bool = False  # split norms/dropout regions along the sequence over tp
     backend: Backend = Backend.auto  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo

@@ -39,6 +39,23 @@ class LoraConfig:
         return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
+def adapter_layer_params(m, lora: LoraConfig, tp: int) -> tuple[int, int]:
+    """(adapter parameters, base linear weight elements) of one decoder block on one tp rank
+    (`m`: a megaft.models.ModelConfig; megaft.peft.lora's splits: column A [r, in] whole,
+    B [out/tp, r]; row A [r, in/tp], B [out, r] whole)."""
+    q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
+    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True),
+              "gate": (m.dim, m.ffn_dim, False), "up": (m.dim, m.ffn_dim, False), "down": (m.ffn_dim, m.dim, True)}
+    adapters = sum(r * (i // tp + o) if row else r * (i + o // tp)
+                   for t, (i, o, row) in shapes.items() if t in lora.targets)
+    return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
+
+
+def head_adapter_params(m, lora: LoraConfig, vocab_local: int) -> int:
+    """Parameters of the lm_head adapter on one tp rank holding `vocab_local` head rows (0 unless targeted)."""
+    return lora.rank * (m.dim + vocab_local) if "lm_head" in lora.targets else 0
+
+
 def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: bool = False,
                zero: int = 0, export_hf: bool = False) -> list[str]:
     """Every problem of the `lora.*` settings (none when LoRA is off), each with its fix."""
@@ -73,4 +90,21 @@ def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: b
                         "over ZeRO-2); fix: parallel.zero=2")
     if cfg.export_merged and not export_hf:
         problems.append("lora.export_merged=true writes with the export; fix: also set train.export_hf=true")
+    return problems
+
+
+def check_lora_model(cfg: LoraConfig, *, tie_embeddings: bool, kv_heads: int, tp: int) -> list[str]:
+    """The `lora.*` problems that depend on the resolved architecture and tp (the model
+    files are read by then), checked before launch rather than when the model is built."""
+    if cfg.rank <= 0:
+        return []
+    problems = []
+    if "lm_head" in cfg.targets and tie_embeddings:
+        problems.append("lora.targets has lm_head but the model ties its embeddings: the head is the embedding, "
+                        "which peft's lm_head adapter would not reproduce; fix: drop lm_head from lora.targets")
+    kv = [t for t in ("k", "v") if t in cfg.targets]
+    if kv and tp > kv_heads:
+        problems.append(f"lora.targets has {kv} but parallel.tp={tp} is larger than the model's {kv_heads} kv heads "
+                        "(copied kv heads read the weight directly); fix: drop k and v from lora.targets or "
+                        f"parallel.tp<={kv_heads}")
     return problems

@@ -22,11 +22,12 @@ import csv
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from megaft.parallel.config import Schedule as ScheduleName
 from megaft.pipeline.actions import Action, ActionKind, ScheduleError, parse_action, rank_of
 
 Schedule = dict[int, list[Action]]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = tuple(ScheduleName)  # parallel.schedule's choices
 
 F, B = ActionKind.F, ActionKind.B
 

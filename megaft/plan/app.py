@@ -39,8 +39,8 @@ from megaft.plan.space import rule_of_thumb, search
 from megaft.train import conf_dir
 
 register_configs()
-# megaft-train's root config plus a cluster preset (conf/train.yaml names no cluster).
-ConfigStore.instance().store(name="megaft_plan", node={"defaults": ["train", {"cluster": "h100"}, "_self_"]})
+# megaft-train's root config with a cluster preset (conf/train.yaml's `cluster` default is null).
+ConfigStore.instance().store(name="megaft_plan", node={"defaults": ["train", {"override cluster": "h100"}, "_self_"]})
 
 LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.schedule",
                "parallel.sequence_parallel", "parallel.zero", "parallel.offload", "parallel.pp_layers",

@@ -29,6 +29,11 @@ to the step (`StepCost.step_s`):
 * **offload**: with `parallel.offload=cpu`, the grad/master copies over PCIe overlapped
   with the host AdamW, whichever is slower.
 
+Under LoRA (`lora.rank` > 0) the frozen base linears compute no weight gradient, so a
+block's backward is its forward plus the attention core's second matmul, and the
+adapters add their own forward and backward; the dp reduction, ZeRO-2's reduce-scatter,
+the parameter all-gather and AdamW move the adapters only (ZeRO-3 is refused with LoRA).
+
 Collectives use the ring formulas with the bandwidth of the slowest link the group
 spans (NVLink when the group fits in a node; across nodes the NICs of the group's
 ranks in a node, as NCCL runs one ring per NIC), times `cluster.comm_fraction`:
@@ -42,8 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from megaft.estimate import layer_params, rank_params
+from megaft.estimate import layer_params, trainable_rank_params
 from megaft.parallel.config import resolve_dp
+from megaft.peft.config import adapter_layer_params, head_adapter_params
 from megaft.pipeline.partition import stage_layer_counts
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay
@@ -171,9 +177,19 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     # recomputed in backward: the whole block (full) or the attention core and activation (selective)
     attention_f = tokens * 4.0 * m.n_heads * m.hd * seq / tp / rate  # the attention core over whole rows
     core_f = attention_f + tokens * 4.0 * m.ffn_dim / tp / rate
-    again_f = {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0)
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     lp = layer_params(m, tp)
+    lora = cfg.lora if getattr(cfg, "lora", None) is not None and cfg.lora.rank > 0 else None
+    if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
+        adapters = adapter_layer_params(m, lora, tp)[0]
+        head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
+        adapter_f, head_adapter_f = tokens * 2.0 * adapters / rate, tokens * 2.0 * head_adapters / rate
+        layer_b = layer_f + attention_f + 2 * adapter_f  # input grads of every matmul, the core's second
+        head_b = head_f + 2 * head_adapter_f
+        layer_f, head_f = layer_f + adapter_f, head_f + head_adapter_f
+    else:
+        layer_b, head_b = 2 * layer_f, 2 * head_f
+    again_f = {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0)
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
     ag_layer = gather_s(lp * wbytes, dp, dp_link)
     rs_layer = gather_s(lp * gbytes, dp, dp_link)
@@ -181,7 +197,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     for s, n in enumerate(stage_layer_counts(m.n_layers, stages, par.pp_layers)):
         first, last = s == 0, s == stages - 1
         c = {"f_compute": n * layer_f + (head_f if last else 0.0)}
-        c["b_compute"] = 2 * c["f_compute"] + n * again_f  # model.recompute runs (part of) the forward again
+        # model.recompute runs (part of) the forward again
+        c["b_compute"] = n * (layer_b + again_f) + (head_b if last else 0.0)
         c["f_tp"] = tp_one * (2 * n + first + (last and par.sequence_parallel)) + (
             3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
         c["b_tp"] = tp_one * (2 * n + last) + (tp_one * 2 * n if m.recompute == "full" else 0.0)
@@ -193,7 +210,10 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             c["f_zero"] = ag_layer + (n - 1) * max(0.0, ag_layer - layer_f) + ends
             c["b_zero"] = ag_layer + rs_layer + (n - 1) * max(0.0, ag_layer + rs_layer - 2 * layer_f) + 2 * ends
         elif par.zero == 2 and dp > 1:  # every micro-batch reduce-scatters its grads during backward
-            grads = (n * lp + (m.vocab_size * m.dim / tp if first or last else 0)) * gbytes
+            if lora:
+                grads = (n * adapters + (head_adapters if last else 0)) * gbytes
+            else:
+                grads = (n * lp + (m.vocab_size * m.dim / tp if first or last else 0)) * gbytes
             bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
             c["b_zero"] = max(bucket, gather_s(grads, dp, dp_link) - c["b_compute"])
         out.append(c)
@@ -227,14 +247,15 @@ def step_cost(cfg, cluster, world_size: int) -> StepCost:
     terms["pp_bubble"] = makespan - busy[rank]
     _add_dp_terms(terms, cfg, cluster, dp * par.cp, b[0])  # gradients reduce over dp×cp
     return StepCost(terms=terms, tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
-                    world_size=world_size, flops_per_token=flops_per_token(m, cfg.data.seq_len),
+                    world_size=world_size,
+                    flops_per_token=flops_per_token(m, cfg.data.seq_len, getattr(cfg, "lora", None)),
                     peak_tflops=cluster.peak_tflops(str(cfg.precision)))
 
 
 def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
     """dp_comm, param_gather, optimizer and offload of the fullest pp rank (`dp`: the dp×cp replicas)."""
-    m, par = cfg.model, cfg.parallel
-    params = max(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers))
+    par = cfg.parallel
+    params = max(trainable_rank_params(cfg))  # under LoRA: the adapters
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
     link = group_link(cluster, dp, par.tp)

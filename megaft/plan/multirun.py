@@ -66,7 +66,7 @@ def multirun_command(*, group: str, names: list[str], conf_root: str, sweep_dir:
             f"hydra.searchpath=['file://{os.path.abspath(conf_root)}']", f"+{group}={','.join(names)}", *common]
 
 
-def run_multirun(cmd: list[str], sweep_dir: str, timeout_s: float) -> tuple[int, str]:
+def run_multirun(cmd: list[str], sweep_dir: str, timeout_s: Optional[float]) -> tuple[int, str]:
     """Run `cmd`, its output in sweep_dir/multirun.log; (exit status, the log's tail). On timeout the
     arrays it submitted are cancelled (scancel) and the status is -1."""
     os.makedirs(sweep_dir, exist_ok=True)

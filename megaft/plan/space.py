@@ -42,6 +42,8 @@ REASONS = (
     ("every virtual stage needs a layer", "more pipeline stages (pp x vpp) than layers"),
     ("tied copies", "zero>=2 with pp>1 and tied embeddings"),
     ("parallel.zero=3 does not support", "zero=3 with an unsupported feature"),
+    ("lora with parallel.zero=3", "zero=3 with LoRA"),
+    ("than the model's", "LoRA on k/v with tp wider than the kv heads"),
 )
 NOOP_ZERO = "zero stage > 0 with dp=1 (the same as the lowest stage)"
 

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from megaft.fileio import write_json_atomic
 from megaft.plan.multirun import multirun_command, override_key, run_multirun, wait_dequeued, write_group
 from megaft.scale.study import GROUP, POINT_KEYS, SCALE_FILE, study_points
+from megaft.train import compose_config
 
 OWN_KEYS = {"mode": "strong", "nodes": [1, 2, 4, 8], "ranks_per_node": 8, "place_nodes": True}
 
@@ -50,18 +51,6 @@ def split_args(argv: list[str]) -> tuple[dict, list[str], list[str], Optional[st
     own["nodes"] = [int(n) for n in (own["nodes"] if isinstance(own["nodes"], (list, tuple)) or
                                      OmegaConf.is_list(own["nodes"]) else [own["nodes"]])]
     return own, task, launcher, sweep_dir
-
-
-def compose_config(overrides: list[str]):
-    """megaft-train's Config for `overrides` (the same config tree and validation of values)."""
-    from hydra import compose, initialize_config_dir
-
-    from megaft.config import register_configs
-    from megaft.train import conf_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from megaft.plan.multirun import measured, override_key
 from megaft.scale.study import GROUP
+from megaft.training.phases import comm_share
 
 SCALE_COLUMNS = ("nodes", "step_s", "steady_tokens_per_s", "speedup", "ideal", "efficiency", "comm_share")
 PERCENT = ("efficiency", "comm_share")
@@ -44,9 +45,7 @@ def add_scaling(rows: list[dict[str, Any]], root: str, study: dict[str, Any]) ->
         if not meas:
             continue
         row.update(step_s=meas["step_s"], steady_tokens_per_s=meas["tokens_per_s"])
-        phases = [meas[k] for k in ("forward_s", "backward_s", "optimizer_s", "comm_s")]
-        if all(v is not None for v in phases) and sum(phases) > 0:
-            row["comm_share"] = meas["comm_s"] / sum(phases)
+        row["comm_share"] = comm_share(meas)
     done = [r for r in rows if r["nodes"] and r["steady_tokens_per_s"]]
     if done:
         base = min(done, key=lambda r: r["nodes"])

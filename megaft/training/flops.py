@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megaft.models.config import ModelConfig
+from megaft.peft.config import LoraConfig, adapter_layer_params, head_adapter_params
 
 # Dense (no sparsity) peaks in TFLOP/s per GPU from vendor datasheets, SXM/OAM parts
 # unless named. fp32 is the plain FP32 rate: torch runs fp32 matmuls without TF32
@@ -40,12 +41,19 @@ def matmul_params(m: ModelConfig) -> int:
     return m.n_layers * (attn + mlp) + m.dim * m.vocab_size
 
 
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+def flops_per_token(m: ModelConfig, seq_len: int, lora: Optional[LoraConfig] = None) -> float:
     """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus attention
     scores and values, 2 matmuls of n_heads * head_dim * seq_len each, times 2 FLOPs and 3
     passes = 12 * layers * n_heads * head_dim * seq_len (PaLM counts the full square, not
-    the causal half; query heads count, GQA shares only the k/v projections)."""
-    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * m.n_heads * m.hd * seq_len
+    the causal half; query heads count, GQA shares only the k/v projections).
+
+    Under LoRA (`lora.rank` > 0) the frozen weights need no weight gradient: 4 per base
+    weight (forward and input gradient), and 6 per adapter parameter."""
+    attention = 12.0 * m.n_layers * m.n_heads * m.hd * seq_len
+    if lora is None or lora.rank <= 0:
+        return 6.0 * matmul_params(m) + attention
+    adapters = m.n_layers * adapter_layer_params(m, lora, 1)[0] + head_adapter_params(m, lora, m.vocab_size)
+    return 4.0 * matmul_params(m) + 6.0 * adapters + attention
 
 
 def flops_per_token_from_params(params: int, n_layers: int, dim: int, seq_len: int) -> float:

@@ -26,16 +26,12 @@ from megaft.optim import clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.shard import full_shape
-from megaft.peft.base import lora_record
-from megaft.training.config import use_tensorboard
 from megaft.training.evaluate import eval_accuracy
 from megaft.training.flops import device_peak_tflops, flops_per_token, mfu
-from megaft.training.guards import BadStepGuard, model_signature
-from megaft.training.metrics import MetricsLog, write_summary
+from megaft.training.metrics import write_summary
 from megaft.training.parts import TrainSpec
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
-from megaft.training.stop import NONE, REQUEUE, PreemptFlag, StepBoundary
-from megaft.training.stragglers import StragglerMonitor
+from megaft.training.stop import NONE, REQUEUE, PreemptFlag
 
 
 def micro_batches(inputs: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs], grid: ParallelGrid,
@@ -72,22 +68,18 @@ class Trainer:
         self.scaler = self.optim.scaler
         self.phases = PhaseTimer(grid.device, enabled=cfg.train.log_phases)
         self.step = spec.step(cfg, grid, self.model, self.optim, self.phases)
-        self.metrics = MetricsLog(run_dir, enabled=self.is_writer,
-                                  tensorboard=self.is_writer and use_tensorboard(cfg.train.tensorboard))
+        records = spec.records(cfg, grid, run_dir)
+        self.metrics, self.writer, self.boundary = records.metrics, records.writer, records.boundary
+        self.guard, self.stragglers, self.checkpoint_dir = records.guard, records.stragglers, records.checkpoint_dir
         # MFU (megaft.training.flops): None on CPU unless train.peak_tflops is set.
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.lora)
         self.peak_tflops = device_peak_tflops(grid.device, cfg.precision, cfg.train.peak_tflops)
-        self.checkpoint_dir = os.path.join(run_dir, "checkpoints")
-        self.writer = checkpoint.CheckpointWriter(self.checkpoint_dir, grid, keep_last=cfg.train.keep_last,
-                                                  async_save=cfg.train.async_save)
-        self.boundary = StepBoundary(grid.world_size, grid.device)
-        # Robustness (megaft.training.guards, .stragglers): the model record every manifest carries and
-        # resume checks, the non-finite-step abort, the per-rank step-time report.
-        self.writer.meta = {"model": model_signature(cfg.model)}
-        if cfg.lora.rank > 0:  # adapter-only checkpoints name their base (megaft.peft.base): resume checks it
-            self.writer.meta["lora"] = lora_record(cfg.lora, cfg.model.init_from, cfg.train.seed)
-        self.guard = BadStepGuard(cfg.train.max_bad_steps, self.checkpoint_dir)
-        self.stragglers = StragglerMonitor(grid, cfg.train.straggler_every, cfg.train.straggler_factor)
+        self.current_step: Optional[int] = None  # the step being trained (hang reports)
+
+    @property
+    def current_action(self):
+        """The pipeline action in hand (hang reports), or None."""
+        return self.step.current_action
 
     def autocast(self):
         if self.cfg.precision in ("bf16", "fp16"):

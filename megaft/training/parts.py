@@ -10,15 +10,18 @@ passes a spec with that builder replaced, instead of growing the trainer.
     model    build_model(cfg, grid, kernels)             -> Llama | StageModel (this rank's shard)
     optim    build_optim(cfg, grid, model)               -> OptimParts (flat buffers, optimizer, reducer, scaler)
     step     build_step(cfg, grid, model, optim, phases) -> PlainStep | PipelineStep, picked once
+    records  build_records(cfg, grid, run_dir)           -> Records (metrics, checkpoints, guards)
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from tokenizers import Tokenizer
 
+from megaft import checkpoint
 from megaft.config import Config
 from megaft.data import (
     EncodedCorpus,
@@ -43,11 +46,16 @@ from megaft.optim import LossScaler, build_optimizer
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import apply_lora
+from megaft.peft.base import lora_record
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
-from megaft.training.config import accumulation_steps
+from megaft.training.config import accumulation_steps, use_tensorboard
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
+from megaft.training.guards import BadStepGuard, model_signature
+from megaft.training.metrics import MetricsLog
 from megaft.training.phases import PhaseTimer
+from megaft.training.stop import StepBoundary
+from megaft.training.stragglers import StragglerMonitor
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -187,6 +195,11 @@ class PlainStep:
         """What greedy generation runs through (megaft.training.evaluate.eval_accuracy)."""
         return self.model
 
+    @property
+    def current_action(self):
+        """The pipeline action in hand, for hang reports: none without a pipeline."""
+        return None
+
 
 class PipelineStep:
     """The rank's pipeline schedule over the micro-batches (pp > 1); the dp reduction runs
@@ -214,12 +227,47 @@ class PipelineStep:
     def generator(self):
         return self.runtime  # greedy generation through the stages
 
+    @property
+    def current_action(self):
+        return self.runtime.current_action
+
 
 def build_step(cfg: Config, grid: ParallelGrid, model, optim: OptimParts,
                phases: PhaseTimer) -> PlainStep | PipelineStep:
     if grid.pp_size > 1:
         return PipelineStep(model, grid, cfg, phases)
     return PlainStep(model, optim.reducer, grid, phases)
+
+
+@dataclass
+class Records:
+    """What a run writes and watches: metrics.jsonl (and TensorBoard), the checkpoint writer
+    (its manifests carry the model record resume checks, and a LoRA run's base), the
+    agreement on where to stop, the non-finite-step guard and the per-rank step times."""
+
+    metrics: MetricsLog
+    writer: checkpoint.CheckpointWriter
+    boundary: StepBoundary
+    guard: BadStepGuard
+    stragglers: StragglerMonitor
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.writer.root
+
+
+def build_records(cfg: Config, grid: ParallelGrid, run_dir: str) -> Records:
+    is_writer = grid.rank == 0
+    metrics = MetricsLog(run_dir, enabled=is_writer, tensorboard=is_writer and use_tensorboard(cfg.train.tensorboard))
+    checkpoint_dir = os.path.join(run_dir, "checkpoints")
+    writer = checkpoint.CheckpointWriter(checkpoint_dir, grid, keep_last=cfg.train.keep_last,
+                                         async_save=cfg.train.async_save)
+    writer.meta = {"model": model_signature(cfg.model)}
+    if cfg.lora.rank > 0:  # adapter-only checkpoints name their base (megaft.peft.base): resume checks it
+        writer.meta["lora"] = lora_record(cfg.lora, cfg.model.init_from, cfg.train.seed)
+    return Records(metrics, writer, StepBoundary(grid.world_size, grid.device),
+                   BadStepGuard(cfg.train.max_bad_steps, checkpoint_dir),
+                   StragglerMonitor(grid, cfg.train.straggler_every, cfg.train.straggler_factor))
 
 
 @dataclass(frozen=True)
@@ -231,3 +279,4 @@ class TrainSpec:
     model: Callable[..., torch.nn.Module] = build_model
     optim: Callable[..., OptimParts] = build_optim
     step: Callable[..., PlainStep | PipelineStep] = build_step
+    records: Callable[..., Records] = build_records

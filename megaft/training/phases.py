@@ -23,6 +23,15 @@ PHASES = ("forward", "backward", "optimizer", "comm")
 PHASE_KEYS = tuple(f"{p}_s" for p in PHASES)  # the metrics-line fields, seconds
 
 
+def comm_share(phases: dict) -> float | None:
+    """Exposed communication over the phased step, comm_s / (forward_s + backward_s +
+    optimizer_s + comm_s); None unless all four are known and their sum is positive."""
+    values = [phases.get(k) for k in PHASE_KEYS]
+    if any(v is None for v in values) or sum(values) <= 0:
+        return None
+    return phases["comm_s"] / sum(values)
+
+
 class PhaseTimer:
     """Sums interval times per phase over one step; `enabled=False` makes it free."""
 

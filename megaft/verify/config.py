@@ -13,6 +13,7 @@ from typing import Optional
 # bf16/fp16: autocast rounds activations to 8/11 mantissa bits, and the layouts round
 # at different places, so differences of ~1e-2 are rounding, not bugs.
 TOLERANCES = {"fp32": (1e-5, 1e-4, 1e-4), "bf16": (3e-2, 5e-2, 1e-1), "fp16": (1e-2, 2e-2, 5e-2)}
+VerifyPrecision = StrEnum("VerifyPrecision", [(p, p) for p in TOLERANCES])  # the root's Precision values
 
 
 class Shrink(StrEnum):
@@ -24,7 +25,8 @@ class Shrink(StrEnum):
 class VerifyConfig:
     steps: int = 5  # optimizer steps each run takes
     shrink: Shrink = Shrink.none  # auto: the smallest model with the same layout constraints (random init)
-    precision: str = "fp32"  # both runs' precision (fp32 | bf16 | fp16), whatever `precision` says
+    # both runs' precision (fp32 | bf16 | fp16), whatever `precision` says
+    precision: VerifyPrecision = VerifyPrecision.fp32
     loss_rtol: Optional[float] = None  # |Δloss| / |loss| per step; None = TOLERANCES[precision]
     grad_norm_rtol: Optional[float] = None  # |Δgrad_norm| / grad_norm per step; None = the table
     grad_rtol: Optional[float] = None  # max|Δg| / max|g| per parameter at step 1; None = the table

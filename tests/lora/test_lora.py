@@ -24,6 +24,7 @@ from megaft.models.hf import hf_name
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import adapters, check_lora
 from megaft.peft.export import peft_name
+from megaft.training.flops import matmul_params
 from megaft.training.loop import Trainer
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,6 +65,22 @@ def test_check_lora_reports_each_problem_with_a_fix():
     assert check_lora(lora_config(rank=0, alpha=-1), precision="fp32") == []  # off: nothing checked
 
 
+def test_model_dependent_lora_problems_are_found_before_launch(tmp_path):
+    """A tied head as a target, and k/v adapters when tp copies kv heads: refused by
+    validate() (before any rank starts), not first when a rank builds the model."""
+    ckpt = str(tmp_path / "tied")
+    make_hf(ckpt, "llama3_tied")  # tied embeddings, 2 kv heads
+    cfg = Config()
+    cfg.model.init_from, cfg.data.path = ckpt, write_data(tmp_path / "train.jsonl")
+    cfg.data.seq_len = 16
+    cfg.parallel.tp, cfg.lora = 4, lora_config(targets=["q", "v", "lm_head"])
+    problems = validate(cfg, 4)
+    assert any("lm_head" in p and "ties" in p and "fix:" in p for p in problems), problems
+    assert any("['v']" in p and "parallel.tp=4" in p and "2 kv heads" in p for p in problems), problems
+    cfg.parallel.tp, cfg.lora = 2, lora_config(targets=["q", "v"])  # tp within the kv heads: fine
+    assert validate(cfg, 2) == []
+
+
 def run_config(ckpt: str, data: str, *, export: bool = False, precision: str = "fp32", **lora) -> Config:
     cfg = Config()
     cfg.model.init_from = ckpt
@@ -102,7 +119,7 @@ def trained(tmp_path_factory):
     return cfg, trainer, str(root / "run")
 
 
-def test_base_is_frozen_and_only_adapters_train(trained):
+def test_base_is_frozen_and_only_adapters_train(tmp_path, trained):
     cfg, trainer, _ = trained
     model, base = trainer.model, load_file(os.path.join(cfg.model.init_from, "model.safetensors"))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -114,8 +131,9 @@ def test_base_is_frozen_and_only_adapters_train(trained):
             continue
         assert not p.requires_grad and p.grad is None, name
         assert torch.equal(p.detach(), base[hf_name(name, cfg.model.arch)]), f"{name} changed"  # bitwise
-    for _, a in adapters(model):  # B starts at 0, A at its seeded init: both moved
-        assert a.B.abs().max() > 0
+    init = dict(adapters(Trainer(cfg, ParallelGrid.single(), str(tmp_path)).model))  # a new run: the seeded init
+    for name, a in adapters(model):  # B starts at 0, A at its seeded init: both moved
+        assert a.B.abs().max() > 0 and not torch.equal(a.A, init[name].A), name
     # fp32 params + grads + two Adam moments of the adapters only (one flat buffer each, no padding at dp=1)
     n = sum(p.numel() for p in adapter_params)
     assert trainer.optimizer.memory_bytes()["optimizer"] == 8 * n
@@ -125,6 +143,9 @@ def test_base_is_frozen_and_only_adapters_train(trained):
     # the memory estimate (megaft.estimate) counts the same: adapter state, frozen base weights only
     est, frozen = estimate_memory(cfg, 1), sum(p.nbytes for p in model.parameters() if not p.requires_grad)
     assert (est.optimizer, est.grads, est.params) == (8 * n, 4 * n, frozen + 4 * n)
+    # MFU's FLOPs (megaft.training.flops): no weight gradient for the frozen base, 6 per adapter parameter
+    attention = 12 * cfg.model.n_layers * cfg.model.n_heads * cfg.model.hd * cfg.data.seq_len
+    assert trainer.flops_per_token == 4 * matmul_params(cfg.model) + 6 * n + attention
 
 
 def test_checkpoint_holds_adapters_and_names_its_base(trained):

@@ -7,7 +7,9 @@ group per layout, 10 fp32 steps on a tiny random Llama checkpoint.
   whole and sliced, so the tp ranks and the single process draw the same masks;
 * tp=1 pp=2 dp=2 with ZeRO-2 (world 4): dp-reduced adapter grads, sharded adapter state;
 * dp=2 with ZeRO-1 (world 2): sharded Adam moments, whole adapter grads;
-* tp=2 pp=2 (world 4).
+* tp=2 pp=2 (world 4);
+* tp=2 with sequence parallel, dropout and model.recompute=full; and single-process recompute
+  selective/full against none with adapter dropout (the masks replayed).
 The tp=2 run's adapter checkpoint also resumes at tp=1 (resharded) like the single process.
 The ZeRO runs also measure every rank's state bytes (ShardedAdamW.memory_bytes(), recorded
 by a wrapped optim builder) and check them against the formula for the rank's adapter
@@ -162,3 +164,26 @@ def test_dp2_zero1_equals_single_process_and_state_bytes_equal_the_formula(tmp_p
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="4 gloo ranks need at least 2 cores to finish in time")
 def test_tp2_pp2_equals_single_process(tmp_path, base):
     check(run_verify(layout_config(base, tp=2, pp=2, rslora=True), str(tmp_path / "verify")))
+
+
+def test_recompute_replays_adapter_dropout_and_tp2_sp_full_recompute_equals_single_process(tmp_path, base):
+    """lora.dropout=0.1 with model.recompute=selective and full: the recomputed forward draws the
+    same adapter dropout masks (RNG state replayed), so 10 single-process steps give
+    recompute=none's losses within fp32 rounding; and tp=2 with sequence parallel and full
+    recompute equals the single process (megaft-verify)."""
+    curves = {}
+    for mode in ("none", "selective", "full"):
+        one = layout_config(base, tp=1, dropout=0.1)
+        one.model.recompute = mode
+        one.train.max_steps, one.train.eval_every, one.train.progress, one.train.tensorboard = 10, 10, False, "false"
+        assert validate(one, 1) == []
+        (tmp_path / mode).mkdir()
+        Trainer(one, ParallelGrid.single(), str(tmp_path / mode)).fit()
+        curves[mode] = losses(tmp_path / mode)
+    assert sorted(curves["none"]) == list(range(1, 11))
+    for mode in ("selective", "full"):
+        for step, loss in curves["none"].items():
+            assert abs(curves[mode][step] - loss) <= 1e-6 * abs(loss), (mode, step, curves[mode][step], loss)
+    cfg = layout_config(base, tp=2, sp=True, dropout=0.1)
+    cfg.model.recompute = "full"
+    check(run_verify(cfg, str(tmp_path / "verify")))

@@ -170,3 +170,47 @@ def test_lost_node_requeues_on_the_remaining_one_with_dp_halved(two_nodes, tmp_p
     assert (summary["dp"], summary["world_size"], summary["restarts"]) == (1, 2, 1)
     assert hosts_of(run, 2) == ["mn1", "mn1"]
     torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(want), rtol=0, atol=TOL)
+
+
+def test_commbench_across_the_two_nodes_measures_the_bridge_and_feeds_the_planner(two_nodes, tmp_path):
+    """megaft-commbench under srun on 2 nodes x 2 tasks, tp=2 (issue 19, part 4): tp groups stay
+    in a node (= intra_node), dp groups and inter_node cross the bridge, the node-pair matrix
+    holds both directions between mn1 and mn2, every result is correct with nccl-tests'
+    arithmetic, and megaft-plan's cluster.measured takes both tiers from it."""
+    from megaft.plan.shape import planning_config
+    from megaft.train import compose_config
+
+    run = str(tmp_path / "cb")
+    script = tmp_path / "cb.sh"
+    script.write_text(
+        "#!/bin/bash\nset -u\n"
+        f"srun --kill-on-bad-exit=1 {ROOT}/.venv/bin/megaft-commbench hydra.run.dir={run} device=cpu parallel.tp=2 "
+        "commbench.min_bytes=8192 commbench.max_bytes=262144 commbench.warmup=1 commbench.repeats=3 "
+        "commbench.pair_bytes=262144 commbench.plot=false\n")
+    job, fields = run_job(dict(two_nodes, RUN_DIR=run), "--nodes=2", "--ntasks-per-node=2", "--ntasks=4",
+                          f"--output={tmp_path}/out-%j", str(script), timeout=600)
+    out = (tmp_path / f"out-{job}").read_text()
+    assert fields["ExitCode"] == "0:0" and "megaft-commbench: PASS" in out, out[-3000:]
+    doc = json.load(open(os.path.join(run, "commbench.json")))
+    assert doc["hosts"] == {"mn1": [0, 1], "mn2": [2, 3]} and doc["grid"]["tp"] == 2 and doc["grid"]["dp"] == 2
+    scopes = {s["name"]: s for s in doc["scopes"]}
+    assert (scopes["intra_node"]["groups"], scopes["inter_node"]["groups"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert (scopes["intra_node"]["spans"], scopes["inter_node"]["spans"]) == ("within a node", "across nodes")
+    assert (scopes["tp"]["same_as"], scopes["dp"]["same_as"]) == ("intra_node", "inter_node")
+    # nccl-tests' bus factors at n=2: all-reduce 2(n-1)/n, reduce-scatter/all-gather/all-to-all (n-1)/n
+    factor = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "all_to_all": 0.5, "broadcast": 1.0,
+              "send_recv": 1.0}
+    assert {r["scope"] for r in doc["results"]} == {"intra_node", "inter_node"}
+    for r in doc["results"]:
+        assert r["correct"] and r["ranks"] == 2 and r["busbw_gbps"] > 0, r
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor[r["collective"]]), r
+    assert {(m["src"], m["dst"]) for m in doc["pairs"]["matrix"]} == {("mn1", "mn2"), ("mn2", "mn1")}
+    assert all(m["gbps"] > 0 for m in doc["pairs"]["matrix"])
+    # megaft-plan cluster.measured=<this run>: NVLink's place from intra_node, InfiniBand's from inter_node
+    cfg = compose_config(["cluster=cpu", "cluster.nodes=2", f"cluster.measured={run}"])
+    shaped, problems = planning_config(cfg)
+    assert problems == []
+    for scope, key in (("intra_node", "nvlink_gbps"), ("inter_node", "ib_gbps")):
+        largest = max((r for r in doc["results"] if r["scope"] == scope and r["collective"] == "all_reduce"),
+                      key=lambda r: r["bytes"])
+        assert getattr(shaped.cluster, key) * shaped.cluster.comm_fraction == pytest.approx(largest["busbw_gbps"])
