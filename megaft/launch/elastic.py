@@ -1,11 +1,12 @@
-"""Elastic restart: a run (re)started on another number of ranks keeps tp and pp and changes dp.
+"""Elastic restart: a run (re)started on another number of ranks keeps tp, cp and pp and changes dp.
 
 `launcher.elastic=true` makes dp follow the world a job gets (an explicit parallel.dp
-is overridden): dp = world / (tp * pp). Gradient accumulation, global_batch_size /
+is overridden): dp = world / (tp * cp * pp). Gradient accumulation, global_batch_size /
 (micro_batch_size * dp), then keeps the global batch, so the loss curve is the one the
 old layout would have had (up to fp32 summation order), and the newest checkpoint is
-resharded to the new dp on load (megaft.checkpoint.reshard). A world that tp * pp no
-longer divides is an error naming both. Without elastic, an unset parallel.dp already
+resharded to the new dp on load (megaft.checkpoint.reshard). A world that tp * cp * pp no
+longer divides is re-planned when the run names a cluster (megaft.plan.replan), else an
+error naming both. Without elastic, an unset parallel.dp already
 follows the world; a set one must match it (validation says so).
 
 `requeue_after_loss`: under Slurm, rank 0 of an elastic job that lost ranks (a node)

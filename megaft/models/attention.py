@@ -23,7 +23,7 @@ from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.config import ModelConfig, kv_replicas
-from megaft.models.docs import Docs, attend, rope_at
+from megaft.models.docs import Docs, attend, kernel_name, rope_at
 from megaft.models.kv import mark_replicated, replica_sum
 from megaft.models.ring import ring_attention
 from megaft.parallel.comm import Group, group_size
@@ -42,6 +42,19 @@ def window_mask(seq: int, window: Optional[int], device: torch.device) -> Option
     i = torch.arange(seq, device=device).unsqueeze(1)
     j = torch.arange(seq, device=device).unsqueeze(0)
     return (j <= i) & (j > i - window)
+
+
+def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, device: torch.device) -> str:
+    """What a run's attention computes with, for summary.json: `ring` under context
+    parallelism (megaft.models.ring), the packed-documents kernel (`kernel_name`), SDPA with
+    an explicit sliding-window mask when a layer's window is shorter than the sequence, or
+    plain causal SDPA."""
+    if cp > 1:
+        return "ring"
+    if packing == "docs":
+        return kernel_name(device)
+    windows = (cfg.window(layer) for layer in range(cfg.n_layers))
+    return "sdpa_window_mask" if any(w is not None and w < seq_len for w in windows) else "sdpa_causal"
 
 
 class Attention(nn.Module):

@@ -36,7 +36,10 @@ from megaft.parallel.shard import full_shape, shard_of
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, like save_pretrained)
 # Files a tokenizer.json usually travels with; copied when present beside it.
-TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json")
+# Copied from beside tokenizer.json when present: what transformers' save_pretrained of the
+# tokenizer and model leaves there (a chat template may live in chat_template.jinja alone).
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model",
+                      "generation_config.json")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

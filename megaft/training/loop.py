@@ -21,7 +21,8 @@ from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.config import Config
 from megaft.data import count_targets
-from megaft.models.docs import Docs, context_shard, kernel_name
+from megaft.models.attention import attention_record
+from megaft.models.docs import Docs, context_shard
 from megaft.optim import clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
@@ -292,8 +293,9 @@ class Trainer:
             "zero": self.cfg.parallel.zero, "memory_bytes": self.optimizer.memory_bytes(),
             # op -> {backend, source: measured | cache | fixed | config | cpu[, ms]} (megaft.kernels.autotune)
             "kernels": self.kernel_choices,
-            # data.packing=docs: documents kept apart by a mask (sdpa_mask, or flex_attention on CUDA)
-            "attention": kernel_name(grid.device) if self.data.packing == "docs" else "sdpa_causal",
+            # ring (cp > 1) | flash_attn_varlen | flex_attention | sdpa_mask (packing=docs) | sdpa_window_mask | ..
+            "attention": attention_record(self.cfg.model, packing=self.data.packing, cp=grid.cp_size,
+                                          seq_len=self.cfg.data.seq_len, device=grid.device),
             "packing": self.data.packing,
         }
         summary.update({k: v for k, v in last_eval.items() if k != "step"})

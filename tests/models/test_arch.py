@@ -71,3 +71,17 @@ def test_pp2_matches_transformers(arch_dirs, tmp_path):
 def test_tp4_replicated_kv_heads_equal_tp1(arch_dirs, tmp_path):
     """2 kv heads over 4 ranks: each kv head on 2 ranks."""
     spawn(4, wide_tp_rank_fn, arch_dirs, str(tmp_path))
+
+
+def test_summary_names_the_attention_each_run_computes_with(arch_dirs):
+    from megaft.models.attention import attention_record
+
+    cpu = torch.device("cpu")
+    mistral, llama = hf_model_config(arch_dirs["mistral"]), hf_model_config(arch_dirs["llama3"])  # window 6, none
+
+    def record(cfg, **kw):
+        return attention_record(cfg, **{"packing": "stream", "cp": 1, "seq_len": 16, "device": cpu, **kw})
+
+    assert record(mistral) == "sdpa_window_mask" and record(mistral, seq_len=6) == "sdpa_causal"
+    assert record(llama) == "sdpa_causal" and record(llama, packing="docs") == "sdpa_mask"
+    assert record(mistral, cp=2) == record(llama, cp=2, packing="docs") == "ring"

@@ -209,6 +209,25 @@ def test_failed_load_leaves_model_untouched(hf_dirs, tmp_path):
     assert all(bool((p == 0.25).all()) for p in model.parameters())
 
 
+def test_export_copies_the_tokenizer_chat_template_and_generation_files(hf_dirs, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs["tied"], src)
+    sidecars = {"tokenizer_config.json": '{"model_max_length": 64}', "special_tokens_map.json": "{}",
+                "chat_template.jinja": "{{ messages[0]['content'] }}", "tokenizer.model": "\x00spm",
+                "generation_config.json": '{"eos_token_id": [1, 3]}', "notes.txt": "not exported"}
+    for name, text in sidecars.items():
+        (src / name).write_text(text)
+    model = _model(str(src))
+    load_hf_weights(model, str(src), tp_rank=0, tp_size=1)
+    out = tmp_path / "out"
+    export_hf(model, model.cfg, str(out), tokenizer_json=str(src), tp_group=None, is_writer=True)
+    for name, text in sidecars.items():
+        assert (out / name).is_file() == (name != "notes.txt"), name
+        if name != "notes.txt":
+            assert (out / name).read_text() == text, name
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
 def test_export_replaces_existing_dir(hf_dirs, tmp_path):
     """An older export is replaced whole (no stale files); no temp dirs remain."""
     model = _model(hf_dirs["tied"])

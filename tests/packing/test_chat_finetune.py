@@ -1,8 +1,9 @@
 """A chat fine-tune end to end (issue 12): conversations in a JSONL file, rendered with the
 chatml template, trained on the assistant turns only, packed with documents kept apart
 (data.packing=docs) from the prepared memory-mapped store. Through megaft-verify's
-machinery, at tp=2 with sequence parallel and at pp=2 the whole run (loss, grad norm,
-every step-1 gradient) equals the single process."""
+machinery, at tp=2 with sequence parallel, at pp=2 and at dp=2 with ZeRO-2 the whole run
+(loss, grad norm, every step-1 gradient) equals the single process; an interrupted run
+resumes to the uninterrupted one's losses bitwise."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ import os
 import pytest
 from data.chat_fixture import CONVERSATIONS, make_checkpoint
 
-from megaft.config import Config
+from megaft.config import Config, validate
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.loop import Trainer
 from megaft.verify.run import run_verify
 
 
@@ -41,11 +44,39 @@ def chat_config(tok: str, path: str, cache: str, **parallel) -> Config:
     return cfg
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+LAYOUTS = {"tp2_sp": dict(tp=2, dp=1, sequence_parallel=True), "pp2": dict(tp=1, pp=2, dp=1),
+           "dp2_zero2": dict(tp=1, dp=2, zero=2)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_chat_finetune_with_packed_documents_equals_the_single_process(tmp_path, chat_data, layout):
-    parallel = dict(tp=2, dp=1, sequence_parallel=True) if layout == "tp2_sp" else dict(tp=1, pp=2, dp=1)
+    parallel = LAYOUTS[layout]
     report = run_verify(chat_config(*chat_data, **parallel), str(tmp_path))
     assert report.passed, report.format()
     summary = json.load(open(os.path.join(tmp_path, "layout", "summary.json")))
     assert summary["packing"] == "docs" and summary["attention"] == "sdpa_mask"
     assert os.listdir(chat_data[2])  # the prepared store was written (and shared by both runs)
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_interrupted_packed_run_resumes_bitwise(tmp_path, chat_data):
+    """The packed batch of a step is a pure function of (seed, step): 5 steps, a checkpoint,
+    a new Trainer that resumes and 5 more steps (past the end of the first epoch) give the
+    straight 10-step run's losses bitwise."""
+    cfg = chat_config(*chat_data)
+    cfg.launcher.nproc = 1
+    cfg.train.max_steps, cfg.train.save_every, cfg.train.eval_every, cfg.train.progress = 10, 5, 100, False
+    assert validate(cfg, 1) == []
+    straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
+    os.makedirs(straight), os.makedirs(interrupted)
+    trainer = Trainer(cfg, ParallelGrid.single(), straight)
+    assert 4 * 5 < trainer.data.stream.sequences_per_epoch(0) < 4 * 10  # the resumed steps cross an epoch
+    trainer.fit()
+    Trainer(cfg, ParallelGrid.single(), interrupted).fit(stop_after=5)
+    assert sorted(_losses(interrupted)) == list(range(1, 6))
+    Trainer(cfg, ParallelGrid.single(), interrupted).fit()
+    assert _losses(interrupted) == _losses(straight) and len(_losses(straight)) == 10
