@@ -53,6 +53,7 @@ def test_loss_curve_matches_single_process(runs, name):
     for g, w in zip(got_eval, want_eval):  # eval runs whole rows on every cp rank
         assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=RTOL), name
     summary = json.load(open(os.path.join(runs, name, "summary.json")))
+    assert summary["attention"] == "ring"
     assert summary["cp"] == spec["cp"] and summary["world_size"] == spec["cp"] * spec.get("tp", 1) * \
         spec.get("pp", 1) * spec.get("dp", 1)
 
