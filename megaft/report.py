@@ -343,13 +343,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megaft-report: no runs under {args.dir} (no summary.json, metrics.jsonl, .hydra/ or "
               "submitted.json)", file=sys.stderr)
         return 1
+    comparison = None
     if args.commbench and rows:
         from megaft.plan.run_comm import add_comm, prediction_line
 
-        add_comm(rows, args.dir, args.commbench, cluster)
+        comparison = prediction_line(add_comm(rows, args.dir, args.commbench, cluster))
     print(format_table(rows))
-    if args.commbench and prediction_line(rows):
-        print(prediction_line(rows))
+    if comparison:
+        print(comparison)
     for path in write_outputs(rows, args.out or args.dir, plot=not args.no_plot, study=study):
         print(f"wrote {path}")
     return 0

@@ -33,7 +33,7 @@ from megaft.data.encode import Encoded
 from megaft.data.errors import DataError
 from megaft.data.templates import ChatTemplate
 
-TRAIN_ON = tuple(TrainOn)
+TRAIN_ON = tuple(t.value for t in TrainOn)
 
 
 class ChatEncoder:
@@ -41,7 +41,7 @@ class ChatEncoder:
 
     def __init__(self, tok: Tokenizer, template: ChatTemplate, train_on: str = "assistant"):
         if train_on not in TRAIN_ON:
-            raise DataError(f"data.train_on={train_on!r} is unknown; fix: use one of {[t.value for t in TRAIN_ON]}")
+            raise DataError(f"data.train_on={train_on!r} is unknown; fix: use one of {list(TRAIN_ON)}")
         self.tok, self.template, self.train_on = tok, template, train_on
 
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megaft.data.choices import LongDocs, Packing
+from megaft.data.choices import LongDocs
 
-PACKING, LONG_DOCS = tuple(Packing), tuple(LongDocs)
+LONG_DOCS = tuple(d.value for d in LongDocs)  # plain strings: error messages list them as written
 
 
 class EpochPlan(NamedTuple):

@@ -37,7 +37,7 @@ from torch import nn
 from megaft.layers import ColumnParallelLinear, RowParallelLinear
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.parallel.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
-from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit
+from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model
 
 
 def whole_dropout(x: torch.Tensor, p: float, *, dim_size: int, start: int) -> torch.Tensor:
@@ -117,18 +117,16 @@ def init_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int,
         param.copy_(local_from_full(full, param, tp_rank, tp_size).to(param.device))
 
 
-def _check_targets(model: nn.Module, cfg: LoraConfig, found: list[tuple[str, nn.Module]]) -> None:
+def _check_targets(model: nn.Module, cfg: LoraConfig, tp_size: int) -> None:
+    """validate()'s model-dependent LoRA checks (megaft.peft.config.check_lora_model), repeated
+    for callers that build a model without validating a Config."""
     model_cfg = getattr(model, "cfg", None)
-    if "lm_head" in cfg.targets and model_cfg is not None and model_cfg.tie_embeddings:
-        raise ValueError("lora.targets has lm_head but model.tie_embeddings: the head is the embedding, which "
-                         "peft's lm_head adapter would not reproduce; fix: drop lm_head from lora.targets")
-    for name, linear in found:
-        kv = name.endswith(("k_proj", "v_proj"))
-        attn = model.get_submodule(name.rpartition(".")[0])
-        if kv and getattr(attn, "replicas", 1) > 1:
-            raise ValueError(f"lora on {name}: tp is larger than the kv heads (copied kv heads read the weight "
-                             "directly); fix: drop k and v from lora.targets or lower parallel.tp to at most "
-                             "the kv heads")
+    if model_cfg is None:  # a bare module: no architecture to check against
+        return
+    problems = check_lora_model(cfg, tie_embeddings=model_cfg.tie_embeddings, kv_heads=model_cfg.kv_heads,
+                                tp=tp_size)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int, tp_size: int,
@@ -140,7 +138,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int, tp
     for p in model.parameters():
         p.requires_grad_(False)
     found = list(target_linears(model, list(cfg.targets)))
-    _check_targets(model, cfg, found)
+    _check_targets(model, cfg, tp_size)
     if cfg.base_dtype == BaseDtype.bf16:
         to_bf16(model)
     for _, linear in found:

@@ -27,7 +27,7 @@ from megaft.pipeline.actions import Action, ActionKind, ScheduleError, parse_act
 
 Schedule = dict[int, list[Action]]
 
-SCHEDULES = tuple(ScheduleName)  # parallel.schedule's choices
+SCHEDULES = tuple(s.value for s in ScheduleName)  # parallel.schedule's choices
 
 F, B = ActionKind.F, ActionKind.B
 

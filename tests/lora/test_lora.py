@@ -79,6 +79,9 @@ def test_model_dependent_lora_problems_are_found_before_launch(tmp_path):
     assert any("['v']" in p and "parallel.tp=4" in p and "2 kv heads" in p for p in problems), problems
     cfg.parallel.tp, cfg.lora = 2, lora_config(targets=["q", "v"])  # tp within the kv heads: fine
     assert validate(cfg, 2) == []
+    # a model built without validate() (the Python API) is refused with the same message
+    with pytest.raises(ValueError, match="ties its embeddings.*fix: drop lm_head"):
+        megaft_lora_model(ckpt, lora_config(targets=["q", "lm_head"]))
 
 
 def run_config(ckpt: str, data: str, *, export: bool = False, precision: str = "fp32", **lora) -> Config:
