@@ -99,6 +99,30 @@ def test_verify_fails_naming_the_parameter_of_a_skipped_all_reduce(tmp_path):
     assert report.rows[0].loss_rel <= 1e-6  # step 1's loss comes before any update
 
 
+def test_only_rank_0_touches_the_verify_directories_before_the_rendezvous(tmp_path, monkeypatch):
+    """Under srun, a peer that made layout/ while rank 0 cleared it failed rank 0's makedirs
+    (CI): rank 1 must reach run_rank (where the rendezvous waits for rank 0) having written nothing."""
+    import megaft.launch.rank as rank_mod
+    from megaft.launch.env import DistEnv
+
+    seen = {}
+
+    def fake_run_rank(cfg, run_dir, env, threads, spec=None):
+        seen[env.rank] = sorted(os.listdir(tmp_path))
+        return {}
+
+    monkeypatch.setattr(rank_mod, "run_rank", fake_run_rank)
+    cfg = verify_config(tp=2, dp=1, sequence_parallel=True)
+    assert run_verify(cfg, str(tmp_path), env=DistEnv(1, 2, 1, "tcp://127.0.0.1:1")) is None
+    assert seen[1] == []  # nothing made, nothing cleared
+    (tmp_path / "layout").mkdir()
+    (tmp_path / "layout" / "stale").write_text("from an earlier verification")
+    monkeypatch.setattr("megaft.verify.run.run_reference", lambda ref, run_dir: None)
+    monkeypatch.setattr("megaft.verify.run.compare", lambda *a: "compared")
+    assert run_verify(cfg, str(tmp_path), env=DistEnv(0, 2, 0, "tcp://127.0.0.1:1")) == "compared"
+    assert seen[0] == ["layout", "reference"] and os.listdir(tmp_path / "layout") == []  # rank 0 cleared
+
+
 def test_compare_flags_the_first_differing_step(tmp_path):
     def write(path, losses):
         with open(path, "w") as f:

@@ -84,12 +84,13 @@ def run_verify(cfg: Config, run_dir: str, *, spec: TrainSpec = TrainSpec(), env=
     world = env.world_size if env else cfg.launcher.nproc
     user, ref = plan(cfg, world, local=env is None)
     user_dir, ref_dir = os.path.join(run_dir, "layout"), os.path.join(run_dir, "reference")
-    if env is None or env.rank == 0:  # a verification always starts fresh; one rank clears
+    # A verification always starts fresh, and only rank 0 clears: the other ranks of srun/torchrun
+    # touch nothing here before the process group's rendezvous, which rank 0 reaches only after
+    # clearing (a peer's makedirs between rank 0's rmtree and makedirs failed a CI run).
+    if env is None or env.rank == 0:
         for d in (user_dir, ref_dir):
             shutil.rmtree(d, ignore_errors=True)
             os.makedirs(d)
-    else:  # under srun/torchrun: writes nothing before the process group's rendezvous with rank 0,
-        os.makedirs(user_dir, exist_ok=True)  # which clears and recreates the directories first
     if env is None:
         from megaft.launch.local import launch_local
         from megaft.launch.rank import local_worker
