@@ -43,6 +43,7 @@ RANK4_RUNS = {
     "cp2_pp2_selective": dict(cp=2, pp=2, schedule="1f1b", recompute="selective"),
     "cp2_pp2_interleaved": dict(cp=2, pp=2, vpp=2, schedule="interleaved"),  # one layer per virtual stage
     "cp2_dp2_zero1": dict(cp=2, dp=2, zero=1),
+    "cp2_dp2_zero2": dict(cp=2, dp=2, zero=2),
     "cp2_dp2_zero3": dict(cp=2, dp=2, zero=3),
     "cp2_dp2_zero3_full": dict(cp=2, dp=2, zero=3, recompute="full"),
     "cp4": dict(cp=4),

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -99,6 +100,42 @@ def test_verify_fails_naming_the_parameter_of_a_skipped_all_reduce(tmp_path):
     assert report.rows[0].loss_rel <= 1e-6  # step 1's loss comes before any update
 
 
+def test_residual_dropout_under_sequence_parallel_equals_single_process(tmp_path):
+    """model.dropout=0.1 at tp=2 with sequence parallel: each tp rank keeps its slice of the
+    whole sequence's mask (megaft.layers.dropout), so the masks are the single process's; and
+    megaft-verify keeps dropout on (no note)."""
+    cfg = verify_config(tp=2, dp=1, sequence_parallel=True)
+    cfg.model.dropout = 0.1
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed and not report.notes, report.format()
+    assert all(r.loss_rel <= 1e-5 for r in report.rows) and report.grads[0][1] <= 1e-4
+
+
+def test_verify_turns_dropout_off_where_replicas_draw_their_own_masks(tmp_path):
+    cfg = verify_config(dp=2)
+    cfg.model.dropout = 0.1
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed, report.format()
+    assert len(report.notes) == 1 and report.notes[0].startswith("model.dropout=0.1 set to 0 on both sides: at dp=2")
+    assert "note: model.dropout=0.1" in report.format()
+    assert cfg.model.dropout == 0.1  # the user's config is left as it was
+
+
+def test_dropout_streams_are_shared_by_tp_ranks_only():
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.loop import dropout_seed
+
+    tp, cp, dp, pp = 2, 2, 3, 2
+    seeds = {}
+    for rank in range(tp * cp * dp * pp):
+        grid = ParallelGrid(tp_size=tp, dp_size=dp, pp_size=pp, cp_size=cp, rank=rank, device=torch.device("cpu"),
+                            backend="gloo")
+        seeds.setdefault(dropout_seed(5, grid), set()).add(rank // tp)
+    assert len(seeds) == cp * dp * pp and all(len(r) == 1 for r in seeds.values())  # one stream per tp group
+    single = ParallelGrid(tp_size=1, dp_size=1, pp_size=1, rank=0, device=torch.device("cpu"), backend="gloo")
+    assert dropout_seed(5, single) == 5
+
+
 def test_only_rank_0_touches_the_verify_directories_before_the_rendezvous(tmp_path, monkeypatch):
     """Under srun, a peer that made layout/ while rank 0 cleared it failed rank 0's makedirs
     (CI): rank 1 must reach run_rank (where the rendezvous waits for rank 0) having written nothing."""
@@ -118,8 +155,9 @@ def test_only_rank_0_touches_the_verify_directories_before_the_rendezvous(tmp_pa
     (tmp_path / "layout").mkdir()
     (tmp_path / "layout" / "stale").write_text("from an earlier verification")
     monkeypatch.setattr("megaft.verify.run.run_reference", lambda ref, run_dir: None)
-    monkeypatch.setattr("megaft.verify.run.compare", lambda *a: "compared")
-    assert run_verify(cfg, str(tmp_path), env=DistEnv(0, 2, 0, "tcp://127.0.0.1:1")) == "compared"
+    compared = types.SimpleNamespace()
+    monkeypatch.setattr("megaft.verify.run.compare", lambda *a: compared)
+    assert run_verify(cfg, str(tmp_path), env=DistEnv(0, 2, 0, "tcp://127.0.0.1:1")) is compared
     assert seen[0] == ["layout", "reference"] and os.listdir(tmp_path / "layout") == []  # rank 0 cleared
 
 

@@ -28,6 +28,7 @@ from megaft.kernels.linear import fused_gate_up
 from megaft.kernels.linear.fused import fused_gate_up_swiglu
 from megaft.kernels.swiglu import swiglu
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from megaft.layers.dropout import sliced_dropout
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.attention import Attention, op_backend
@@ -82,6 +83,8 @@ class Block(nn.Module):
                  kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none"):
         super().__init__()
         self.dropout, self.full_recompute = cfg.dropout, recompute == "full"
+        # Under sequence parallel this rank holds the tp_rank-th slice of the sequence (dim 1).
+        self.seq_split = (group_rank(group), group_size(group)) if sequence_parallel else (0, 1)
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                                    layer=layer)
@@ -96,11 +99,18 @@ class Block(nn.Module):
         h = self.self_attn(self.input_layernorm(x), cos, sin, docs)
         # The attention residual add is fused into the next norm: (norm(h + x), h + x). h is cast
         # to the residual stream's dtype first (bf16 under autocast, x fp32), as `x + h` would.
-        h = F.dropout(h, self.dropout, self.training).to(x.dtype)
+        h = self._drop(h).to(x.dtype)
         normed, x = self.post_attention_layernorm(h, residual=x)
         if self.dropout and self.training:  # dropout sits between the MLP and the add: no fusion
-            return x + F.dropout(self.mlp(normed), self.dropout, self.training)
+            return x + self._drop(self.mlp(normed))
         return self.mlp(normed, residual=x)  # x + mlp(normed)
+
+    def _drop(self, h: torch.Tensor) -> torch.Tensor:
+        """Residual dropout with the single process's mask at any tp (megaft.layers.dropout)."""
+        if not (self.dropout and self.training):
+            return h
+        rank, n = self.seq_split
+        return sliced_dropout(h, self.dropout, dim=1, size=h.shape[1] * n, start=rank * h.shape[1])
 
 
 def make_norm(cfg: ModelConfig, *, sequence_parallel: bool, kernels: Optional[KernelsConfig] = None) -> RMSNorm:

@@ -14,9 +14,9 @@ local GEMM's, before any reduction). The shapes follow the weight's split:
   layer's own all-reduce (or, with sequence parallel, reduce-scatter) sums both at once.
   B's gradient is then partial per rank and summed over tp like column A's.
 
-Dropout masks are drawn for the WHOLE input and a row adapter keeps its slice, so the
-same RNG stream (every tp rank of a dp replica shares it) gives the same masks at any
-tp, the single process included. Init is tp-independent as well: each full A is drawn
+Dropout masks are drawn for the WHOLE input and a row adapter keeps its slice
+(megaft.layers.dropout), so the same RNG stream (every tp rank of a replica shares it)
+gives the same masks at any tp, the single process included. Init is tp-independent as well: each full A is drawn
 from a generator seeded by (seed, parameter name) and sliced (megaft.models.init's rule).
 
 Parameter names: `<linear>.adapter.A` / `.B` (peft's lora_A / lora_B: megaft.peft.export).
@@ -35,18 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaft.layers import ColumnParallelLinear, RowParallelLinear
+from megaft.layers.dropout import sliced_dropout
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.parallel.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
 from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model
-
-
-def whole_dropout(x: torch.Tensor, p: float, *, dim_size: int, start: int) -> torch.Tensor:
-    """Inverted dropout of `x`, the slice [start, start + x.shape[-1]) of a tensor whose last dim
-    has `dim_size` elements: the mask is drawn for the whole tensor, then sliced, so every tp
-    split of the same input (and the single process) draws the same mask from the same stream."""
-    shape = (*x.shape[:-1], dim_size)
-    keep = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - p)
-    return x * keep.narrow(-1, start, x.shape[-1]) / (1.0 - p)
 
 
 class LoraAdapter(nn.Module):
@@ -71,7 +63,7 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.p > 0:
-            x = whole_dropout(x, self.p, dim_size=self.in_full, start=self.in_start)
+            x = sliced_dropout(x, self.p, dim=-1, size=self.in_full, start=self.in_start)
         return F.linear(F.linear(x, self.A), self.B) * self.scale
 
     @torch.no_grad()

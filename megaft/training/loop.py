@@ -51,6 +51,14 @@ def micro_batches(inputs: torch.Tensor, labels: torch.Tensor, docs: Optional[Doc
     return micro_in, micro_lab, micro_docs
 
 
+def dropout_seed(seed: int, grid: ParallelGrid) -> int:
+    """The seed of this rank's dropout stream: shared by the tp ranks (they draw whole masks and
+    keep their slices, megaft.layers.dropout), its own per dp×cp replica and pipeline stage, so
+    no two ranks draw the same masks for other tokens or layers (7919 is prime: no collisions
+    below 1000 stages)."""
+    return seed + 1000 * grid.replica_rank + 7919 * grid.pp_rank
+
+
 class Trainer:
     """One rank's run, composed of the parts a `TrainSpec` builds (megaft.training.parts):
     data, kernels, model, optimizer, and the step (plain or pipeline), plus metrics,
@@ -59,8 +67,7 @@ class Trainer:
     def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str, *, spec: TrainSpec = TrainSpec()):
         self.cfg, self.grid, self.run_dir = cfg, grid, run_dir
         self.is_writer = grid.rank == 0
-        # Dropout differs across dp replicas but matches across tp ranks (replicated activations).
-        torch.manual_seed(cfg.train.seed + 1000 * grid.dp_rank)
+        torch.manual_seed(dropout_seed(cfg.train.seed, grid))
         self.data = spec.data(cfg, grid)
         kernels, self.kernel_choices = spec.kernels(cfg, grid)
         self.model = spec.model(cfg, grid, kernels)

@@ -39,6 +39,7 @@ class Report:
     grads: list[tuple[str, float]]  # (parameter, max|Δg| / max|g|), worst first
     tolerances: tuple[float, float, float]
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the comparison changed in the user's config
 
     @property
     def passed(self) -> bool:
@@ -56,11 +57,13 @@ class Report:
             lines.append(f"step-1 gradients: largest relative difference {worst:.2e} in {name} "
                          f"({len(self.grads)} parameters compared)")
         lines.append(f"tolerances: loss {loss_tol:g}, grad_norm {norm_tol:g}, gradients {grad_tol:g} (relative)")
+        lines += [f"note: {n}" for n in self.notes]
         lines += [f"FAIL: {f}" for f in self.failures] or ["PASS: the layout equals the single process"]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "failures": self.failures, "tolerances": list(self.tolerances),
+        return {"passed": self.passed, "failures": self.failures, "notes": self.notes,
+                "tolerances": list(self.tolerances),
                 "steps": [dict(step=r.step, loss=r.loss, ref_loss=r.ref_loss, loss_rel=r.loss_rel,
                                grad_norm=r.grad_norm, ref_grad_norm=r.ref_grad_norm,
                                grad_norm_rel=r.grad_norm_rel) for r in self.rows],

@@ -20,7 +20,7 @@ from megaft.checkpoint.reshard import named_tensors
 from megaft.config import Config, ConfigError, check_local_launch, validate
 from megaft.fileio import write_json_atomic
 from megaft.kernels.config import KernelsConfig
-from megaft.parallel.config import ParallelConfig
+from megaft.parallel.config import ParallelConfig, resolve_dp
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.parts import TrainSpec
 from megaft.verify.compare import Report, compare
@@ -48,18 +48,37 @@ def reference_of(cfg: Config) -> Config:
     return ref
 
 
-def plan(cfg: Config, world_size: int, *, local: bool) -> tuple[Config, Config]:
-    """(layout config, reference config), validated; raises ConfigError with every problem."""
+def dropout_off(cfg: Config, world_size: int) -> Optional[str]:
+    """Turn model.dropout and lora.dropout off in `cfg` when its layout cannot draw the single
+    process's masks, and say so; None when it can (tp, sequence parallel) or there is none.
+    Each dp×cp replica and pipeline stage draws from its own stream (megaft.training.loop's
+    dropout_seed), so with dropout such a layout equals the single process only in distribution."""
+    par = cfg.parallel
+    split = {k: v for k, v in (("dp", resolve_dp(par, world_size)), ("cp", par.cp), ("pp", par.pp)) if v > 1}
+    on = {k: v for k, v in (("model.dropout", cfg.model.dropout), ("lora.dropout", cfg.lora.dropout)) if v}
+    if not (split and on):
+        return None
+    cfg.model.dropout = cfg.lora.dropout = 0.0
+    return (f"{', '.join(f'{k}={v}' for k, v in on.items())} set to 0 on both sides: at "
+            f"{', '.join(f'{k}={v}' for k, v in split.items())} each replica and pipeline stage draws its own "
+            "dropout masks, so the layout equals the single process only with dropout off (tp and sequence "
+            "parallel draw the same masks and keep it on)")
+
+
+def plan(cfg: Config, world_size: int, *, local: bool) -> tuple[Config, Config, list[str]]:
+    """(layout config, reference config, notes for the report), validated; raises ConfigError
+    with every problem."""
     problems = check_verify(cfg.verify) + validate(cfg, world_size) + (check_local_launch(cfg) if local else [])
     if problems:
         raise ConfigError(problems)
     user = shrink(cfg) if cfg.verify.shrink == Shrink.auto else cfg
     user = _for_verify(user, cfg.verify.steps)
+    notes = [n for n in [dropout_off(user, world_size)] if n]
     ref = reference_of(user)
     problems = [f"layout: {p}" for p in validate(user, world_size)] + [f"reference: {p}" for p in validate(ref, 1)]
     if problems:
         raise ConfigError(problems)
-    return user, ref
+    return user, ref, notes
 
 
 def step1_grads(run_dir: str, beta1: float) -> Optional[dict]:
@@ -82,7 +101,7 @@ def run_verify(cfg: Config, run_dir: str, *, spec: TrainSpec = TrainSpec(), env=
     that compares (this process locally, rank 0 under torchrun/srun), None elsewhere.
     `spec` composes the layout's run (tests inject faults through it)."""
     world = env.world_size if env else cfg.launcher.nproc
-    user, ref = plan(cfg, world, local=env is None)
+    user, ref, notes = plan(cfg, world, local=env is None)
     user_dir, ref_dir = os.path.join(run_dir, "layout"), os.path.join(run_dir, "reference")
     # A verification always starts fresh, and only rank 0 clears: the other ranks of srun/torchrun
     # touch nothing here before the process group's rendezvous, which rank 0 reaches only after
@@ -104,8 +123,10 @@ def run_verify(cfg: Config, run_dir: str, *, spec: TrainSpec = TrainSpec(), env=
             return None
     run_reference(ref, ref_dir)
     beta1 = user.optim.beta1
-    return compare(os.path.join(user_dir, "metrics.jsonl"), os.path.join(ref_dir, "metrics.jsonl"),
-                   step1_grads(user_dir, beta1), step1_grads(ref_dir, beta1), user.verify.tolerances())
+    report = compare(os.path.join(user_dir, "metrics.jsonl"), os.path.join(ref_dir, "metrics.jsonl"),
+                     step1_grads(user_dir, beta1), step1_grads(ref_dir, beta1), user.verify.tolerances())
+    report.notes = notes
+    return report
 
 
 class VerifyFailed(RuntimeError):

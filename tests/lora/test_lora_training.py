@@ -7,12 +7,15 @@ group per layout, 10 fp32 steps on a tiny random Llama checkpoint.
   whole and sliced, so the tp ranks and the single process draw the same masks;
 * tp=1 pp=2 dp=2 with ZeRO-2 (world 4): dp-reduced adapter grads, sharded adapter state;
 * dp=2 with ZeRO-1 (world 2): sharded Adam moments, whole adapter grads;
-* tp=2 pp=2 (world 4);
+* tp=2 pp=2 (world 4), and pp=2 interleaved (vpp=2, a 4-layer checkpoint);
 * tp=2 with sequence parallel, dropout and model.recompute=full; and single-process recompute
   selective/full against none with adapter dropout (the masks replayed);
+* cp=2 (adapter dropout off: cp ranks draw their own masks, megaft-verify says so);
 * tp=2 with sequence parallel at precision=fp16 (dynamic loss scaling) against the
   single process at fp16.
-The tp=2 run's adapter checkpoint also resumes at tp=1 (resharded) like the single process.
+Exports (PEFT adapter and merged weights) at tp=2 and pp=2 equal the single process's.
+The tp=2 and the pp=2·dp=2 ZeRO-2 runs' adapter checkpoints also resume in one process
+(resharded) like the uninterrupted single process.
 The ZeRO runs also measure every rank's state bytes (ShardedAdamW.memory_bytes(), recorded
 by a wrapped optim builder) and check them against the formula for the rank's adapter
 parameters n (fp32: params 4n, grads 4n (ZeRO-1) or 4n/dp (ZeRO-2), Adam moments 8n/dp;
@@ -21,11 +24,13 @@ frozen base: no grad, no state) and against megaft.estimate, validate()'s memory
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import shutil
 
 import pytest
+import torch
 from models.arch_fixture import make_hf
 
 from lora.lora_fixture import lora_config, write_data
@@ -80,9 +85,15 @@ def test_tp2_sequence_parallel_with_dropout_equals_single_process(tmp_path, base
         assert any(f"{proj}.adapter.A" in n for n in names) and any(f"{proj}.adapter.B" in n for n in names), proj
     # The tp=2 run's step-5 adapter checkpoint resumed at tp=1 (resharded: column B and row A
     # joined) continues like the uninterrupted single process (dropout masks too: its RNG state).
+    resume_single_process(base, tmp_path, dropout=0.1)
+
+
+def resume_single_process(base, tmp_path, **lora) -> None:
+    """The verify layout run's step-5 checkpoint (in tmp_path/verify) resumed by one process:
+    steps 6-10 equal the uninterrupted single-process reference."""
     run = tmp_path / "resumed"
     shutil.copytree(tmp_path / "verify" / "layout" / "checkpoints" / "step_000005", run / "checkpoints" / "step_000005")
-    one = layout_config(base, tp=1, dropout=0.1)
+    one = layout_config(base, tp=1, **lora)
     one.train.max_steps, one.train.eval_every, one.train.progress, one.train.tensorboard = 10, 10, False, "false"
     one.kernels.backend, one.optim.fused = "torch", "torch"  # as the reference run (megaft.verify.run)
     assert validate(one, 1) == []
@@ -155,6 +166,8 @@ def test_pp2_dp2_zero2_equals_single_process_and_state_bytes_equal_the_formula(t
     report, records = run_measured(layout_config(base, tp=1, pp=2, dp=2, zero=2), tmp_path)
     check(report)
     check_state_bytes(records, tmp_path, zero=2, dp=2, pp=2)
+    # its step-5 checkpoint (two stages, adapter moments sharded over dp) resumed by one process
+    resume_single_process(base, tmp_path)
 
 
 def test_dp2_zero1_equals_single_process_and_state_bytes_equal_the_formula(tmp_path, base):
@@ -166,6 +179,63 @@ def test_dp2_zero1_equals_single_process_and_state_bytes_equal_the_formula(tmp_p
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="4 gloo ranks need at least 2 cores to finish in time")
 def test_tp2_pp2_equals_single_process(tmp_path, base):
     check(run_verify(layout_config(base, tp=2, pp=2, rslora=True), str(tmp_path / "verify")))
+
+
+def test_pp2_interleaved_equals_single_process(tmp_path, base):
+    """pp=2 × vpp=2 on a 4-layer checkpoint: one block per virtual stage, adapters on each."""
+    ckpt = str(tmp_path / "ckpt4")
+    make_hf(ckpt, "llama3", num_hidden_layers=4)
+    cfg = layout_config((ckpt, base[1]), tp=1, pp=2)
+    cfg.parallel.vpp, cfg.parallel.schedule = 2, "interleaved"
+    report = run_verify(cfg, str(tmp_path / "verify"))
+    check(report)
+    assert {n.split(".")[1] for n, _ in report.grads} == {"0", "1", "2", "3"}  # every layer's adapters
+
+
+def test_export_at_tp2_and_pp2_equals_the_single_process_export(tmp_path, base):
+    """train.export_hf with lora.export_merged after 3 steps at tp=2 (adapters gathered over tp)
+    and pp=2 (collected from both stages) writes the single process's PEFT adapter and merged
+    weights, to fp32 rounding of the layouts' training."""
+    from safetensors.torch import load_file
+
+    from megaft.launch.local import launch_local
+
+    out = {}
+    for name, (tp, pp) in {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}.items():
+        cfg = layout_config(base, tp=tp, pp=pp, export_merged=True)
+        t = cfg.train
+        t.max_steps, t.eval_every, t.save_every, t.export_hf, t.progress, t.tensorboard = 3, 3, 0, True, False, "false"
+        assert validate(cfg, tp * pp) == []
+        run_dir = str(tmp_path / name)
+        if tp * pp == 1:
+            os.makedirs(run_dir)
+            Trainer(cfg, ParallelGrid.single(), run_dir).fit()
+        else:
+            launch_local(cfg, run_dir)
+        # (pp writes the merged weights one shard per stage, with an index: read every shard)
+        out[name] = {kind: {k: v for f in sorted(glob.glob(os.path.join(run_dir, kind, "*.safetensors")))
+                            for k, v in load_file(f).items()} for kind in ("hf", "hf_merged")}
+        out[name]["config"] = json.load(open(os.path.join(run_dir, "hf", "adapter_config.json")))
+    want = out.pop("single")
+    assert want["hf"] and all(k.startswith("base_model.model.") for k in want["hf"])
+    for name, got in out.items():
+        assert got["config"] == want["config"], name
+        for kind in ("hf", "hf_merged"):
+            assert set(got[kind]) == set(want[kind]), (name, kind)
+            for key, tensor in want[kind].items():
+                torch.testing.assert_close(got[kind][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {kind} {key}")
+
+
+def test_cp2_equals_single_process_with_adapter_dropout_off(tmp_path, base):
+    """cp=2: adapters on the zig-zag chunks, their grads reduced over the dp×cp replica group.
+    Each cp rank draws its own adapter dropout masks (megaft.training.loop.dropout_seed), so
+    megaft-verify turns lora.dropout off on both sides and says so."""
+    cfg = layout_config(base, tp=1, dropout=0.1)
+    cfg.parallel.cp, cfg.launcher.nproc = 2, 2
+    report = run_verify(cfg, str(tmp_path / "verify"))
+    check(report)
+    assert report.notes == [n for n in report.notes if n.startswith("lora.dropout=0.1 set to 0 on both sides: at cp=2")]
+    assert len(report.notes) == 1
 
 
 def test_recompute_replays_adapter_dropout_and_tp2_sp_full_recompute_equals_single_process(tmp_path, base):

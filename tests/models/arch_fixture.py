@@ -33,18 +33,19 @@ ARCHS = {
 MODEL_TYPE = {"llama3": "llama", "llama3_tied": "llama"}  # variant -> model_type when not the variant's name
 
 
-def hf_config(name: str) -> transformers.PretrainedConfig:
+def hf_config(name: str, **shape) -> transformers.PretrainedConfig:
+    """`name`'s config at SHAPE, with `shape`'s fields (e.g. num_hidden_layers) replacing its own."""
     cls, kwargs = ARCHS[name]
-    return getattr(transformers, cls)(**SHAPE, **kwargs, attn_implementation="eager")
+    return getattr(transformers, cls)(**{**SHAPE, **shape}, **kwargs, attn_implementation="eager")
 
 
 @torch.no_grad()
-def make_hf(path: str, name: str, *, seed: int = 0) -> None:
+def make_hf(path: str, name: str, *, seed: int = 0, **shape) -> None:
     """Save a random `name` model (+ tokenizer.json) into `path`. Weights are std 0.1
     and norm scales near 1 (Gemma: its stored w near 0, scale 1 + w), so every tensor
     moves the logits."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(name)).float()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **shape)).float()
     unit = 0.0 if name == "gemma" else 1.0
     for pname, p in model.named_parameters():
         noise = torch.randn_like(p) * 0.1

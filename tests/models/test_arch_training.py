@@ -2,7 +2,7 @@
 tp=2 (2 local ranks) equal the single process, loss and grad norm per step and every
 parameter's step-1 gradient by name (megaft-verify's machinery, megaft.verify.run); and at
 tp=4 over 2 kv heads (copied kv heads: their grad counted once in the norm, and the
-step-1 checkpoint read back one piece per head) equal the single process too.
+step-1 checkpoint read back one piece per head), cp=2 and pp=2 equal the single process too.
 """
 from __future__ import annotations
 
@@ -43,6 +43,24 @@ def test_each_family_trains_at_tp2_like_the_single_process(tmp_path, data, name)
     assert [r.step for r in report.rows] == [1, 2, 3, 4, 5]
     # fp32: tp=2 only reorders sums (~1e-7); the default fp32 tolerances are 1e-5 / 1e-4.
     assert max(r.loss_rel for r in report.rows) <= 1e-5 and report.grads[0][1] <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_each_family_trains_at_cp2_and_pp2_like_the_single_process(tmp_path, data, name):
+    """cp=2: the zig-zag ring with the family's attention (Qwen2's per-layer window, Mistral's
+    window, Qwen3's qk-norm, Gemma's head_dim); pp=2: one block per stage, the tied
+    embeddings (llama3_tied, Gemma) summed over the first and last stage."""
+    ckpt = str(tmp_path / "ckpt")
+    make_hf(ckpt, name)
+    for axis in ("cp", "pp"):
+        cfg = arch_config(ckpt, data, tp=1)
+        setattr(cfg.parallel, axis, 2)
+        cfg.launcher.nproc = 2
+        report = run_verify(cfg, str(tmp_path / f"verify_{axis}"))
+        assert report.passed, f"{axis}=2\n{report.format()}"
+        assert max(r.loss_rel for r in report.rows) <= 1e-5 and report.grads[0][1] <= 1e-4, axis
+        summary = json.load(open(tmp_path / f"verify_{axis}" / "layout" / "summary.json"))
+        assert summary[axis] == 2 and (summary["attention"] == "ring") == (axis == "cp"), summary
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma"])
