@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from data.chat_fixture import CONVERSATIONS, make_checkpoint
@@ -45,7 +46,8 @@ def chat_config(tok: str, path: str, cache: str, **parallel) -> Config:
 
 
 LAYOUTS = {"tp2_sp": dict(tp=2, dp=1, sequence_parallel=True), "pp2": dict(tp=1, pp=2, dp=1),
-           "dp2_zero2": dict(tp=1, dp=2, zero=2)}
+           "dp2_zero1": dict(tp=1, dp=2, zero=1), "dp2_zero2": dict(tp=1, dp=2, zero=2),
+           "dp2_zero3": dict(tp=1, dp=2, zero=3)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -80,3 +82,22 @@ def test_interrupted_packed_run_resumes_bitwise(tmp_path, chat_data):
     assert sorted(_losses(interrupted)) == list(range(1, 6))
     Trainer(cfg, ParallelGrid.single(), interrupted).fit()
     assert _losses(interrupted) == _losses(straight) and len(_losses(straight)) == 10
+
+
+def test_interrupted_packed_run_at_dp2_zero3_resumes_bitwise(tmp_path, chat_data):
+    """The same under dp=2 with ZeRO-3 (each dp rank's packed rows, sharded parameters and
+    moments): step 5's checkpoint, resumed by a new launch of both ranks, gives steps 6-10 of
+    the straight run bitwise, across the first epoch's end."""
+    from megaft.launch.local import launch_local
+
+    cfg = chat_config(*chat_data, tp=1, dp=2, zero=3)
+    t = cfg.train
+    t.max_steps, t.save_every, t.eval_every, t.progress, t.tensorboard = 10, 5, 100, False, "false"
+    assert validate(cfg, 2) == []
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    launch_local(cfg, str(straight))
+    shutil.copytree(straight / "checkpoints" / "step_000005", interrupted / "checkpoints" / "step_000005")
+    launch_local(cfg, str(interrupted))
+    want = _losses(str(straight))
+    assert sorted(want) == list(range(1, 11))
+    assert _losses(str(interrupted)) == {step: want[step] for step in range(6, 11)}
