@@ -60,7 +60,8 @@ def layer_params(m, tp: int) -> int:
     mlp = 3 * m.dim * m.ffn_dim // tp
     if m.mlp_bias:
         mlp += 2 * m.ffn_dim // tp + m.dim
-    return attn + mlp + 2 * m.dim  # two RMSNorm weights
+    norms = (4 if m.sandwich_norms else 2) * m.dim + (2 * m.hd if m.qk_norm else 0)  # RMSNorm weights
+    return attn + mlp + norms
 
 
 def rank_params(m, *, tp: int, pp: int, vpp: int, pp_layers=None) -> list[int]:
@@ -134,7 +135,8 @@ def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision
     if recompute == "full":
         return m.dim * FP32 / sp
     half = 2 if precision in ("bf16", "fp16") else FP32
-    norms = 2 * ((2 * m.dim + 1) * FP32 / sp + m.dim * half)
+    # (Gemma 3's sandwich norms: four per block, each counted like the two measured ones)
+    norms = (4 if m.sandwich_norms else 2) * ((2 * m.dim + 1) * FP32 / sp + m.dim * half)
     attention = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd) * half / tp
     if recompute == "none" or cp > 1:
         attention += m.n_heads * FP32 / tp
@@ -250,8 +252,9 @@ def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None)
         fixes.append(f"raise parallel.cp={par.cp} (each rank holds seq_len/cp tokens)")
         if cfg.model.recompute != "full":
             fixes.append(f"set model.recompute={'selective' if cfg.model.recompute == 'none' else 'full'}")
-    if par.zero < 3:
-        fixes.append(f"raise parallel.zero={par.zero} (up to 3)")
+    top_zero = 2 if cfg.lora.rank > 0 else 3  # LoRA refuses ZeRO-3 (megaft.peft.config.check_lora)
+    if par.zero < top_zero:
+        fixes.append(f"raise parallel.zero={par.zero} (up to {top_zero})")
     if par.offload == "none":
         fixes.append("set parallel.offload=cpu")
     if cfg.train.micro_batch_size > 1:

@@ -50,8 +50,19 @@ def test_1b_over_a_small_budget_is_a_validation_error():
     assert "> 8.0 GiB (launcher.gpu_mem_gb=8)" in problems[0]
     for fix in ("parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "train.micro_batch_size=4"):
         assert fix in problems[0], fix
+    assert "raise parallel.zero=0 (up to 3)" in problems[0]
     cfg.launcher.gpu_mem_gb = 80  # an H100 holds it
     assert validate(cfg, 8) == []
+
+
+def test_the_memory_fix_under_lora_stops_at_zero_2():
+    """LoRA refuses ZeRO-3, so the over-budget message must not suggest it."""
+    cfg = preset_1b()
+    cfg.lora.rank, cfg.parallel.zero, cfg.launcher.gpu_mem_gb = 16, 1, 1
+    problems = check_memory(cfg, 8)
+    assert len(problems) == 1 and "raise parallel.zero=1 (up to 2)" in problems[0], problems
+    cfg.parallel.zero = 2
+    assert "parallel.zero" not in check_memory(cfg, 8)[0]
 
 
 def test_estimate_moves_the_right_way():

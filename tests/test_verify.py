@@ -192,6 +192,11 @@ def test_shrink_keeps_the_layout_constraints():
     assert cfg.model.dim == 4096  # the user's config is left as it was
     cfg.parallel.pp_layers = [1, 2, 2, 1]
     assert shrink(cfg).model.n_layers == 6
+    # Gemma 3's 5 sliding : 1 full layers, shrunk to 6 and to 4 blocks: both kinds stay
+    cfg.model.layer_types = (["sliding_attention"] * 5 + ["full_attention"]) * 4
+    assert shrink(cfg).model.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    cfg.parallel.pp_layers = None
+    assert shrink(cfg).model.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
     assert dataclasses.replace(cfg.verify, shrink=Shrink.auto).shrink == "auto"
 
 

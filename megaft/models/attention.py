@@ -6,10 +6,12 @@
 * sliding window (`sliding_window`, `layer_types`, Mistral/Qwen2): query i sees keys
   j with i - window < j <= i (transformers' sliding_window_overlay), a boolean mask
   for SDPA; RoPE goes through the rope kernel front either way;
-* tp wider than the kv heads: kv heads replicated (megaft.models.kv).
+* tp wider than the kv heads: kv heads replicated (megaft.models.kv);
+* `query_pre_attn_scalar` (Gemma 3): the scores' scale, applied to q.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -84,6 +86,10 @@ class Attention(nn.Module):
                     mark_replicated(p, cfg.kv_heads * hd, self.replicas)
         self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
                                         sequence_parallel=sequence_parallel, backend=lin)
+        # query_pre_attn_scalar (Gemma 3): scores scaled by it ** -0.5 instead of head_dim ** -0.5; q is
+        # multiplied by sqrt(head_dim / it) so every attention path (SDPA, documents, ring) keeps its scale
+        qpas = cfg.query_pre_attn_scalar
+        self.q_scale = math.sqrt(hd / qpas) if qpas is not None and qpas != hd else None
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             norm = dict(eps=cfg.norm_eps, backend=op_backend(kernels, "rmsnorm"), offset=cfg.norm_offset,
@@ -109,6 +115,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if docs is not None:
             q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
+            q = q if self.q_scale is None else q * self.q_scale
             if docs.cp is not None:  # context parallel: this rank's chunks, the ring over the cp group;
                 # it keeps only q, k, v, out and the log-sum-exp: selective recompute has nothing to add
                 out = ring_attention(q, k, v, docs.cp, self.window)
@@ -117,6 +124,7 @@ class Attention(nn.Module):
                                     enabled=self.selective)
         else:
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)
+            q = q if self.q_scale is None else q * self.q_scale
             mask = window_mask(s, self.window, x.device)
             out = recompute.run(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
                                 enable_gqa=self.n_kv != self.n_heads, enabled=self.selective)

@@ -48,6 +48,10 @@ class ModelConfig:
     activation: str = "silu"  # gate activation of the MLP: silu (SwiGLU) | gelu_pytorch_tanh (GeGLU, Gemma)
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma stores w - 1 (offset 1)
     scale_embeddings: bool = False  # multiply input embeddings by sqrt(dim) (Gemma)
+    sandwich_norms: bool = False  # also norm the attention and MLP outputs before their residual adds (Gemma 3)
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by this ** -0.5, not head_dim ** -0.5 (Gemma 3)
+    rope_local: Optional[Dict[str, Any]] = None  # RoPE of the sliding-window layers when theirs differs:
+    #   {"rope_theta": ..., optional "rope_type" + parameters} (Gemma 3's local base frequency)
     dropout: float = 0.0  # residual dropout; 0 for exact parallel equivalence
     # activation checkpointing: none | selective (attention core, MLP activation) | full
     recompute: Recompute = Recompute.none
@@ -114,6 +118,10 @@ def _variant_problems(cfg: ModelConfig) -> list[str]:
         bad = sorted(set(cfg.layer_types) - set(LAYER_TYPES))
         if bad:
             errors.append(f"model.layer_types {bad} not supported; fix: entries among {', '.join(LAYER_TYPES)}")
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar <= 0:
+        errors.append(f"model.query_pre_attn_scalar={cfg.query_pre_attn_scalar} must be > 0 (or null: head_dim)")
+    if cfg.rope_local is not None and "rope_theta" not in cfg.rope_local:
+        errors.append("model.rope_local needs rope_theta; fix: e.g. model.rope_local={rope_theta: 10000.0}")
     if cfg.arch not in SPECS:
         errors.append(f"model.arch={cfg.arch!r} is not supported; fix: one of {', '.join(SPECS)}")
     else:  # what the family's HF class fixes: a model it cannot express would export wrong

@@ -66,13 +66,15 @@ def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfi
     base = base or ModelConfig()
     raw, file = read_hf_config(path), os.path.join(path, CONFIG)
     spec = spec_for(raw.get("model_type"), file)
+    raw = spec.normalize(raw, file)
     family = spec.read(raw, file)
     common = read_common(raw, spec, file, base, act=family.pop("activation", None))
     # The family's fields win over the common ones they refine; the Llama-only
     # defaults a family does not set fall back to ModelConfig's (Llama behaviour).
     fields = {f: getattr(ModelConfig, f) for f in ("attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
                                                    "sliding_window", "layer_types", "norm_offset",
-                                                   "scale_embeddings")}
+                                                   "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar",
+                                                   "rope_local")}
     return dataclasses.replace(base, name=os.path.basename(os.path.normpath(path)), init_from=str(path),
                                **{**fields, **common, **family})
 

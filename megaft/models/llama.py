@@ -88,7 +88,13 @@ class Block(nn.Module):
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                                    layer=layer)
+        # post_attention_layernorm: the MLP's input norm, or with sandwich norms (Gemma 3, HF's names) the
+        # attention output's, pre_feedforward_layernorm then being the MLP's input norm
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
+            self.post_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
         self.self_attn.selective = self.mlp.selective = recompute == "selective"
 
@@ -97,6 +103,10 @@ class Block(nn.Module):
 
     def _forward(self, x, cos, sin, docs=None):
         h = self.self_attn(self.input_layernorm(x), cos, sin, docs)
+        if self.sandwich:  # x + post_norm(attn), then x + post_ff_norm(mlp(pre_ff_norm(x)))
+            h = self._drop(self.post_attention_layernorm(h)).to(x.dtype)
+            normed, x = self.pre_feedforward_layernorm(h, residual=x)
+            return x + self._drop(self.post_feedforward_layernorm(self.mlp(normed))).to(x.dtype)
         # The attention residual add is fused into the next norm: (norm(h + x), h + x). h is cast
         # to the residual stream's dtype first (bf16 under autocast, x fp32), as `x + h` would.
         h = self._drop(h).to(x.dtype)
@@ -131,12 +141,26 @@ def make_head(cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
 
 
 def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
-    """cos/sin tables as non-persistent buffers (they follow .to(device), never saved)."""
-    inv, attention_factor = rope_init(cfg.hd, cfg.rope_theta, cfg.rope_scaling,
-                                      cfg.extra.get("max_position_embeddings", cfg.max_seq_len))
-    cos, sin = rope_tables(inv, cfg.max_seq_len, attention_factor)
-    module.register_buffer("rope_cos", cos, persistent=False)
-    module.register_buffer("rope_sin", sin, persistent=False)
+    """cos/sin tables as non-persistent buffers (they follow .to(device), never saved); with
+    `rope_local` also the sliding-window layers' own (rope_local_cos/sin)."""
+    max_pos = cfg.extra.get("max_position_embeddings", cfg.max_seq_len)
+    tables = {"rope": (cfg.rope_theta, cfg.rope_scaling)}
+    if cfg.rope_local is not None:
+        local = {k: v for k, v in cfg.rope_local.items() if k != "rope_theta"}
+        tables["rope_local"] = (cfg.rope_local["rope_theta"], local if local.get("rope_type", "default") != "default"
+                                else None)
+    for name, (theta, scaling) in tables.items():
+        inv, attention_factor = rope_init(cfg.hd, theta, scaling, max_pos)
+        cos, sin = rope_tables(inv, cfg.max_seq_len, attention_factor)
+        module.register_buffer(f"{name}_cos", cos, persistent=False)
+        module.register_buffer(f"{name}_sin", sin, persistent=False)
+
+
+def rope_of(module: nn.Module, cfg: ModelConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of block `layer`: the local tables for a sliding-window layer under `rope_local`."""
+    if cfg.rope_local is not None and cfg.window(layer) is not None:
+        return module.rope_local_cos, module.rope_local_sin
+    return module.rope_cos, module.rope_sin
 
 
 def prepare_ids(input_ids: torch.Tensor, cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> torch.Tensor:
@@ -259,8 +283,8 @@ class Llama(Decoder):
     def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
         """The last block's output; `docs`: packed documents kept apart (megaft.models.docs)."""
         x, docs = self.embed(input_ids), self.prepare_docs(docs)
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin, docs)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *rope_of(self, self.cfg, i), docs)
         return x
 
     def forward(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:

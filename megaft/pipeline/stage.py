@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megaft.models.config import ModelConfig
-from megaft.models.llama import Decoder
+from megaft.models.llama import Decoder, rope_of
 from megaft.parallel.comm import Group, all_reduce, group_size
 from megaft.pipeline.partition import stage_layers
 
@@ -58,7 +58,7 @@ class StageModel(Decoder):
             x = self.embed(x)
         docs = self.prepare_docs(docs)
         for i in self.stage_ranges[stage]:
-            x = self.layers[str(i)](x, self.rope_cos, self.rope_sin, docs)
+            x = self.layers[str(i)](x, *rope_of(self, self.cfg, i), docs)
         return x if stage != self.last_stage else self.head_out(x, labels)
 
     def tied_weight(self) -> Optional[nn.Parameter]:

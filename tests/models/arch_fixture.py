@@ -4,7 +4,9 @@ Each variant is a transformers config (fp32, eager attention) chosen so that its
 family's differences move the logits: llama3 RoPE scaling (tied and untied), Qwen2's
 q/k/v biases with a sliding window on the upper layer, Qwen3's qk-norm with head_dim
 != dim / heads, Mistral's window (6) shorter than the test sequences (17), Gemma's
-(1 + w) norms, scaled embeddings and GeGLU; other rope types ride along (yarn, linear,
+(1 + w) norms, scaled embeddings and GeGLU, Gemma 3's sandwich norms, qk-norm,
+query_pre_attn_scalar != head_dim, a sliding layer (window 5) with its own RoPE base
+beside a global one with linear scaling; other rope types ride along (yarn, linear,
 dynamic) so each is checked against transformers' own tables.
 """
 from __future__ import annotations
@@ -29,14 +31,25 @@ ARCHS = {
     "mistral": ("MistralConfig", dict(sliding_window=6, rope_parameters={"rope_type": "dynamic",
                                                                          "rope_theta": 10000.0, "factor": 2.0})),
     "gemma": ("GemmaConfig", dict(head_dim=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})),
 }
-MODEL_TYPE = {"llama3": "llama", "llama3_tied": "llama"}  # variant -> model_type when not the variant's name
+# variant -> model_type when not the variant's name
+MODEL_TYPE = {"llama3": "llama", "llama3_tied": "llama", "gemma3": "gemma3_text"}
 
 
 def hf_config(name: str, **shape) -> transformers.PretrainedConfig:
     """`name`'s config at SHAPE, with `shape`'s fields (e.g. num_hidden_layers) replacing its own."""
     cls, kwargs = ARCHS[name]
-    return getattr(transformers, cls)(**{**SHAPE, **shape}, **kwargs, attn_implementation="eager")
+    shape = {**SHAPE, **shape}
+    if "layer_types" in kwargs:  # the variant's pattern, repeated over the layers asked for
+        types = kwargs["layer_types"]
+        kwargs = {**kwargs, "layer_types": [types[i % len(types)] for i in range(shape["num_hidden_layers"])]}
+    return getattr(transformers, cls)(**shape, **kwargs, attn_implementation="eager")
 
 
 @torch.no_grad()
@@ -46,7 +59,7 @@ def make_hf(path: str, name: str, *, seed: int = 0, **shape) -> None:
     moves the logits."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **shape)).float()
-    unit = 0.0 if name == "gemma" else 1.0
+    unit = 0.0 if name.startswith("gemma") else 1.0
     for pname, p in model.named_parameters():
         noise = torch.randn_like(p) * 0.1
         p.copy_(unit + noise if pname.endswith("norm.weight") else noise)

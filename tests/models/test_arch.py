@@ -38,12 +38,14 @@ def test_tp1_matches_transformers(arch_dirs, tmp_path):
 WITHOUT = {
     "llama3": dict(rope_scaling=None), "qwen2": dict(qkv_bias=False), "qwen3": dict(qk_norm=False),
     "mistral": dict(sliding_window=None), "gemma": dict(scale_embeddings=False),
+    "gemma3": [dict(sandwich_norms=False), dict(query_pre_attn_scalar=None), dict(rope_local=None),
+               dict(sliding_window=None, layer_types=None)],
 }
 
 
 def test_each_feature_moves_the_logits(arch_dirs):
     ids = sample_ids()
-    for name, change in WITHOUT.items():
+    for name, change in [(n, c) for n, cs in WITHOUT.items() for c in (cs if isinstance(cs, list) else [cs])]:
         cfg = hf_model_config(arch_dirs[name])
         logits = []
         for c in (cfg, dataclasses.replace(cfg, **change)):

@@ -12,7 +12,7 @@ from megaft.models.config import ModelConfig, check_model
 from megaft.models.hf import HFCheckpointError, hf_config_dict, hf_model_config
 from models.arch_fixture import hf_config
 
-SUPPORTED = "megaft imports llama, qwen2, qwen3, mistral, gemma checkpoints"
+SUPPORTED = "megaft imports llama, qwen2, qwen3, mistral, gemma, gemma3_text checkpoints"
 
 
 def _write(tmp_path, raw: dict) -> str:
@@ -32,7 +32,7 @@ def _refused(tmp_path, raw: dict, match: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "qwen2_moe", "gemma2", None])
+@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "qwen2_moe", "gemma2", "gemma3", None])
 def test_unsupported_model_type(tmp_path, model_type):
     _refused(tmp_path, {**_raw(), "model_type": model_type}, f"model_type {model_type!r} is not supported; "
              + SUPPORTED)
@@ -59,6 +59,28 @@ def test_non_neutral_value(tmp_path, field, value):
 def test_gemma_bidirectional_attention(tmp_path):
     _refused(tmp_path, {**_raw("gemma"), "use_bidirectional_attention": True},
              "use_bidirectional_attention=True is not supported")
+
+
+@pytest.mark.parametrize("field", ["final_logit_softcapping", "attn_logit_softcapping"])
+def test_gemma3_soft_capping(tmp_path, field):
+    _refused(tmp_path, {**_raw("gemma3"), field: 30.0},
+             f"{field}=30.0 is not supported (megaft does not soft-cap logits)")
+
+
+def test_gemma3_transformers4_config_reads_like_transformers5(tmp_path):
+    """rope_theta / rope_local_base_freq / sliding_window_pattern (transformers 4) give the
+    same model as rope_parameters per layer type and layer_types (transformers 5)."""
+    raw = _raw("gemma3")
+    new = hf_model_config(_write(tmp_path, raw))
+    old = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=1e4,
+               sliding_window_pattern=2)
+    (tmp_path / "v4").mkdir()
+    got = hf_model_config(_write(tmp_path / "v4", old))
+    for f in ("rope_theta", "rope_scaling", "rope_local", "layer_types", "sliding_window", "query_pre_attn_scalar",
+              "sandwich_norms", "qk_norm"):
+        assert getattr(got, f) == getattr(new, f), f
+    assert new.rope_local == {"rope_theta": 1e4} and new.layer_types == ["sliding_attention", "full_attention"]
 
 
 def test_activation(tmp_path):
@@ -109,7 +131,7 @@ def test_check_model_dynamic_rope_past_max_position_embeddings():
 
 def test_check_model_unknown_arch_and_activation():
     problems = _problems(arch="gpt2", activation="relu")
-    assert any("model.arch='gpt2' is not supported; fix: one of llama, qwen2, qwen3, mistral, gemma" in p
+    assert any("model.arch='gpt2' is not supported; fix: one of llama, qwen2, qwen3, mistral, gemma, gemma3_text" in p
                for p in problems), problems
     assert any("model.activation='relu' is not supported" in p for p in problems), problems
 

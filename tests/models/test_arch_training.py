@@ -63,7 +63,7 @@ def test_each_family_trains_at_cp2_and_pp2_like_the_single_process(tmp_path, dat
         assert summary[axis] == 2 and (summary["attention"] == "ring") == (axis == "cp"), summary
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma", "gemma3"])
 def test_tp4_over_two_kv_heads_trains_like_the_single_process(tmp_path, data, name):
     ckpt = str(tmp_path / "ckpt")
     make_hf(ckpt, name)
@@ -73,3 +73,22 @@ def test_tp4_over_two_kv_heads_trains_like_the_single_process(tmp_path, data, na
     assert report.passed, report.format()
     names = [n for n, _ in report.grads]
     assert any("k_proj" in n for n in names) and any("v_proj" in n for n in names)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma", "gemma3"])
+def test_verify_shrinks_an_hf_checkpoint_keeping_its_family(tmp_path, data, name):
+    """megaft-verify model.init_from=<ckpt> verify.shrink=auto at tp=2: the 3-layer, 128-wide
+    checkpoint becomes one randomly initialized block of the same family (Qwen3's qk-norm,
+    Gemma's tied embeddings and no lm_head), and the shrunk layout equals the single process."""
+    ckpt = str(tmp_path / "ckpt")
+    make_hf(ckpt, name, num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+            num_key_value_heads=4)
+    cfg = arch_config(ckpt, data, tp=2)
+    cfg.verify.shrink = "auto"
+    report = run_verify(cfg, str(tmp_path / "verify"))
+    assert report.passed, report.format()
+    names = {n for n, _ in report.grads}
+    assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {"0"}, names
+    assert any("q_norm" in n for n in names) == (name in ("qwen3", "gemma3"))
+    assert ("lm_head.weight" in names) == (not name.startswith("gemma"))
+    assert max(r.loss_rel for r in report.rows) <= 1e-5 and report.grads[0][1] <= 1e-4

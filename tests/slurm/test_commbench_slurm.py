@@ -1,6 +1,7 @@
 """megaft-commbench as a Slurm job through megaft's launcher (`-m hydra/launcher=slurm_cpu`) on the
 real single-host Slurm: the job's two tasks are two gloo ranks; rank 0 writes the results into
 the point's run dir; check mode with an impossible floor fails the job."""
+import csv
 import json
 import os
 import subprocess
@@ -29,6 +30,9 @@ def test_commbench_runs_as_a_slurm_job_and_check_mode_fails_it(slurm_cluster, tm
     assert {r["collective"] for r in rows} == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
                                                "broadcast", "send_recv"}
     assert all(r["correct"] and r["ranks"] == 2 and r["busbw_gbps"] > 0 for r in rows)
+    with open(os.path.join(point["run_dir"], "commbench.csv")) as f:  # the table and the plot beside it
+        assert len(list(csv.DictReader(f))) == len(doc["results"])
+    assert open(os.path.join(point["run_dir"], "commbench.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert final_state(slurm_cluster, point["job_id"]) == "COMPLETED"
     _, bad = run(slurm_cluster, tmp_path / "floor", "commbench.check=true", "commbench.min_busbw_gbps=1000000")
     assert final_state(slurm_cluster, bad["job_id"]) == "FAILED"

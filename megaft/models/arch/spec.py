@@ -70,9 +70,11 @@ class ArchSpec:
     read: Callable[[dict, str], dict]  # (config.json, file) -> the family's ModelConfig fields
     write: Callable[[ModelConfig], dict]  # ModelConfig -> the family's config.json fields
     refuse: Callable[[ModelConfig], list[str]] = lambda cfg: []  # what this family's HF class cannot express
+    # config.json as read_common expects it (a family with its own rope layout rewrites it first)
+    normalize: Callable[[dict, str], dict] = lambda raw, file: raw
 
     def hf_name(self, name: str) -> str:
-        """Our parameter name -> its HF *ForCausalLM state-dict name (all five families
+        """Our parameter name -> its HF *ForCausalLM state-dict name (all six families
         share Llama's layout: a `model.` prefix, lm_head at the top)."""
         return name if name == "lm_head.weight" else "model." + name
 
@@ -90,7 +92,7 @@ def activation(raw: dict, spec: ArchSpec, file: str, key: str = "hidden_act") ->
     return ACT_ALIASES[act]
 
 
-def _rope(raw: dict[str, Any], file: str) -> tuple[float, Optional[dict[str, Any]]]:
+def rope_fields(raw: dict[str, Any], file: str) -> tuple[float, Optional[dict[str, Any]]]:
     """(theta, scaling) from transformers 5's `rope_parameters` or the older
     top-level `rope_theta` + `rope_scaling` (whose type key may be "type")."""
     params = dict(raw.get("rope_parameters") or {})
@@ -134,7 +136,7 @@ def read_common(raw: dict, spec: ArchSpec, file: str, base: ModelConfig, act: Op
                            "vocab_size") if k not in raw]
     if missing:
         raise HFConfigError(f"{file}: missing {', '.join(missing)}")
-    theta, scaling = _rope(raw, file)
+    theta, scaling = rope_fields(raw, file)
     n_heads = raw["num_attention_heads"]
     max_pos = get(raw, spec, "max_position_embeddings") or base.max_seq_len
     return dict(
@@ -169,6 +171,10 @@ def write_common(cfg: ModelConfig, spec: ArchSpec) -> dict[str, Any]:
         "bos_token_id": extra.get("bos_token_id"), "eos_token_id": extra.get("eos_token_id"),
         "pad_token_id": extra.get("pad_token_id"), "use_cache": True,
     }
+
+
+# ModelConfig fields only Gemma 3 sets: every other family refuses them at other values.
+NO_GEMMA3 = dict(sandwich_norms=False, query_pre_attn_scalar=None, rope_local=None)
 
 
 def refuse_unless(cfg: ModelConfig, spec: ArchSpec, **expected: Any) -> list[str]:
