@@ -2,7 +2,8 @@
 
 - a crashed rank set is restarted (launcher.max_restarts) and continues the curve;
 - a dp=2 checkpoint resumed on 1 rank with launcher.elastic=true keeps the global
-  batch (accumulation 1 -> 2) and the uninterrupted curve;
+  batch (accumulation 1 -> 2) and the uninterrupted curve, and a 1-rank checkpoint grows
+  to dp=2 (accumulation 2 -> 1) the same way;
 - a world that tp*pp no longer divides is re-planned by the planner (cluster named), else refused;
 - a rank slowed on purpose is named by the straggler warning.
 Each run is 2 gloo ranks at dp=2 of small_config (20 steps, global batch 16, micro 8).
@@ -72,6 +73,31 @@ def test_dp2_checkpoint_resumes_on_one_rank_with_the_same_global_batch(straight,
     assert (summary["dp"], summary["world_size"], summary["restarts"]) == (1, 1, 0)
     got, want = losses(run), losses(straight)
     assert got[:saved] == want[:saved]  # written by the dp=2 ranks before the stop
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=TOL)
+
+
+def test_one_rank_checkpoint_grows_to_dp2_with_the_same_global_batch(straight, tmp_path, capfd):
+    """The reverse: a run checkpointed by 1 rank (dp=1, accumulation 2) comes back on 2 ranks
+    with launcher.elastic=true: dp grows to 2, accumulation 2 -> 1, the curve goes on."""
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.loop import Trainer
+
+    run, saved = str(tmp_path), FAULT_STEP + 1
+    one = config(nproc=1)
+    one.parallel.dp, one.train.save_every = 1, saved
+    Trainer(one, ParallelGrid.single(), run).fit(stop_after=saved)  # saves step `saved`, then stops
+    assert [r["step"] for r in read_rows(run) if "loss" in r] == list(range(1, saved + 1))
+    cfg = config(elastic=True)
+    cfg.parallel.dp = 1  # as the job was configured: elastic lets dp follow the 2 ranks it got
+    train_run(cfg, run)
+    out = capfd.readouterr().out
+    assert (f"megaft: elastic restart: checkpoint step {saved} was written by 1 rank(s) (tp=1 pp=1 dp=1); this run "
+            "has 2: tp=1 pp=1 dp=2, gradient accumulation 2 -> 1 micro-batches per rank, global batch 16 kept; "
+            "the checkpoint is resharded") in out, out[-3000:]
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert (summary["dp"], summary["world_size"], summary["steps"]) == (2, 2, 20)
+    got, want = losses(run), losses(straight)
+    assert len(got) == len(want) == 20
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=TOL)
 
 
