@@ -186,12 +186,24 @@ def check_settings(cfg: Config, world_size: int) -> list[str]:
     return problems
 
 
+def _softcap_problems(cfg: Config) -> list[str]:
+    """Soft-capping (Gemma 2) runs in the explicit attention and on whole logits only."""
+    m, problems = cfg.model, []
+    if m.attn_softcap is not None and cfg.parallel.cp > 1:
+        problems.append(f"parallel.cp={cfg.parallel.cp} with soft-capped attention (model.attn_softcap="
+                        f"{m.attn_softcap}, Gemma 2) is not supported: the ring has no cap; fix: parallel.cp=1")
+    if m.final_softcap is not None and cfg.kernels.fused_linear_cross_entropy:
+        problems.append(f"kernels.fused_linear_cross_entropy never builds the logits that model.final_softcap="
+                        f"{m.final_softcap} caps; fix: kernels.fused_linear_cross_entropy=false")
+    return problems
+
+
 def check_resolved(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
     """Problems of the architecture and layout once `resolve` filled them in: pure."""
     problems = check_model(cfg.model, cfg.parallel.tp)
     problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
                                  tp=cfg.parallel.tp)
-    problems += _pipeline_problems(cfg, world_size)
+    problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
                         "fix: lower data.seq_len or raise model.max_seq_len")

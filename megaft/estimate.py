@@ -114,7 +114,7 @@ def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int)
 
 
 def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision: str,
-                               recompute: str = "none", cp: int = 1) -> float:
+                               recompute: str = "none", cp: int = 1, seq: int = 0) -> float:
     """Bytes saved for backward per token (of this rank) per decoder block, as megaft's
     block saves them with the torch kernels (tests/test_recompute.py and
     tests/test_cp_training.py count the saved tensors and check this to a few percent).
@@ -135,11 +135,18 @@ def activation_bytes_per_token(m, *, tp: int, sequence_parallel: bool, precision
     if recompute == "full":
         return m.dim * FP32 / sp
     half = 2 if precision in ("bf16", "fp16") else FP32
-    # (Gemma 3's sandwich norms: four per block, each counted like the two measured ones)
-    norms = (4 if m.sandwich_norms else 2) * ((2 * m.dim + 1) * FP32 / sp + m.dim * half)
+    norms = 2 * ((2 * m.dim + 1) * FP32 / sp + m.dim * half)
+    if getattr(m, "sandwich_norms", False):  # Gemma 2/3: two more norms, whose outputs feed no linear
+        norms += 2 * (2 * m.dim + 1) * FP32 / sp
     attention = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd) * half / tp
     if recompute == "none" or cp > 1:
         attention += m.n_heads * FP32 / tp
+    if recompute == "none" and getattr(m, "attn_softcap", None) is not None:
+        # Gemma 2's explicit soft-capped attention (`seq` tokens per row): per query and key of each
+        # head the capped scores (tanh's output) and the fp32 probabilities (and their cast for
+        # the product with v under bf16/fp16); k and v repeated per query head; no log-sum-exp
+        attention += m.n_heads * seq * (2 * FP32 + (half if half != FP32 else 0)) / tp
+        attention += (2 * (m.n_heads - m.kv_heads) * m.hd * half - m.n_heads * FP32) / tp
     ffn = (4 if recompute == "none" else 3) * m.ffn_dim * half / tp
     return norms + attention + ffn
 
@@ -161,10 +168,11 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
     per_token = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                           precision=cfg.precision, recompute=m.recompute, cp=cp)
+                                           precision=cfg.precision, recompute=m.recompute, cp=cp,
+                                           seq=cfg.data.seq_len)
     # recomputed blocks hold only their input, and the one being recomputed holds everything
     every = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                       precision=cfg.precision, cp=cp)
+                                       precision=cfg.precision, cp=cp, seq=cfg.data.seq_len)
     counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = getattr(par, "offload", "none") == "cpu"  # Adam moments live in host memory

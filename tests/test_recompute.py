@@ -3,6 +3,7 @@ number (loss and every gradient equal recompute=none bitwise, with dropout, pack
 documents and the Triton kernels), applies to the first recompute_layers blocks of each
 pipeline stage, trains at tp=2 with sequence parallel and at pp=2 like the single
 process, and the memory estimate matches the bytes the forward really saves."""
+import functools
 import os
 
 import pytest
@@ -48,11 +49,21 @@ def assert_same(a, b, tag):
     assert [n for n in a[1] if not torch.equal(a[1][n], b[1][n])] == [], tag
 
 
+GEMMA2 = dict(sandwich_norms=True, attn_softcap=1.0, final_softcap=2.0, query_pre_attn_scalar=12.0, norm_offset=1.0,
+              activation="gelu_pytorch_tanh", sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_recompute_changes_no_number(dropout):
-    base = loss_and_grads(tiny(dropout=dropout))
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_recompute_changes_no_number(dropout, family):
+    """Gemma 2's blocks too: sandwich norms, the explicit soft-capped core recomputed by
+    `selective`, windows, the capped logits."""
+    tiny_ = functools.partial(tiny, **({**GEMMA2, "n_layers": 4} if family == "gemma2" else {}))
+    base = loss_and_grads(tiny_(dropout=dropout))
     for mode in MODES:
-        assert_same(loss_and_grads(tiny(dropout=dropout, recompute=mode)), base, mode)
+        assert_same(loss_and_grads(tiny_(dropout=dropout, recompute=mode)), base, mode)
+    if family == "gemma2":
+        return
     docs = Docs(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 0, 1]] * 2),
                 torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 4, 4]] * 2))
     base = loss_and_grads(tiny(dropout=dropout), docs=docs)
@@ -102,6 +113,20 @@ def test_activation_estimate_matches_the_saved_bytes(mode):
     assert measured == pytest.approx(estimated, rel=0.02), (measured, estimated)  # exact in fp32
     if mode == "full":
         assert measured == estimated == cfg.dim * 4  # exactly the block's fp32 input
+
+
+@pytest.mark.parametrize("seq", [32, 64])
+def test_activation_estimate_matches_the_saved_bytes_of_gemma2_blocks(seq):
+    """Sandwich norms and the explicit soft-capped attention, whose probabilities grow with the
+    row: one block's bytes per token (2 blocks minus 1) against the estimate at that length;
+    within 1% (the [seq, seq] causal mask, per row, is not counted)."""
+    kw = dict(dim=64, ffn_dim=128, sandwich_norms=True, attn_softcap=5.0, norm_offset=1.0,
+              activation="gelu_pytorch_tanh")
+    measured = (saved_bytes(tiny(n_layers=2, **kw), seq) - saved_bytes(tiny(n_layers=1, **kw), seq)) / (2 * seq)
+    estimated = activation_bytes_per_token(tiny(**kw), tp=1, sequence_parallel=False, precision="fp32", seq=seq)
+    assert measured == pytest.approx(estimated, rel=0.01), (measured, estimated)
+    plain = activation_bytes_per_token(tiny(dim=64, ffn_dim=128), tp=1, sequence_parallel=False, precision="fp32")
+    assert estimated > plain + 4 * 4 * seq  # at least the fp32 scores of 4 heads per key
 
 
 def test_validate_estimates_less_memory_with_recompute():

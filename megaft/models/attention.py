@@ -7,7 +7,8 @@
   j with i - window < j <= i (transformers' sliding_window_overlay), a boolean mask
   for SDPA; RoPE goes through the rope kernel front either way;
 * tp wider than the kv heads: kv heads replicated (megaft.models.kv);
-* `query_pre_attn_scalar` (Gemma 3): the scores' scale, applied to q.
+* `query_pre_attn_scalar` (Gemma 2/3): the scores' scale, applied to q;
+* `attn_softcap` (Gemma 2): soft-capped scores, explicit attention (megaft.models.softcap).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from megaft.models.config import ModelConfig, kv_replicas
 from megaft.models.docs import Docs, attend, kernel_name, rope_at
 from megaft.models.kv import mark_replicated, replica_sum
 from megaft.models.ring import ring_attention
+from megaft.models.softcap import softcap_attention
 from megaft.parallel.comm import Group, group_size
 
 
@@ -49,10 +51,12 @@ def window_mask(seq: int, window: Optional[int], device: torch.device) -> Option
 def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, device: torch.device) -> str:
     """What a run's attention computes with, for summary.json: `ring` under context
     parallelism (megaft.models.ring), the packed-documents kernel (`kernel_name`), SDPA with
-    an explicit sliding-window mask when a layer's window is shorter than the sequence, or
-    plain causal SDPA."""
+    an explicit sliding-window mask when a layer's window is shorter than the sequence, the
+    explicit soft-capped attention (`explicit_softcap`), or plain causal SDPA."""
     if cp > 1:
         return "ring"
+    if cfg.attn_softcap is not None:
+        return "explicit_softcap"
     if packing == "docs":
         return kernel_name(device)
     windows = (cfg.window(layer) for layer in range(cfg.n_layers))
@@ -90,6 +94,7 @@ class Attention(nn.Module):
         # multiplied by sqrt(head_dim / it) so every attention path (SDPA, documents, ring) keeps its scale
         qpas = cfg.query_pre_attn_scalar
         self.q_scale = math.sqrt(hd / qpas) if qpas is not None and qpas != hd else None
+        self.softcap = cfg.attn_softcap  # Gemma 2: the explicit form (megaft.models.softcap), cp refused
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             norm = dict(eps=cfg.norm_eps, backend=op_backend(kernels, "rmsnorm"), offset=cfg.norm_offset,
@@ -119,6 +124,9 @@ class Attention(nn.Module):
             if docs.cp is not None:  # context parallel: this rank's chunks, the ring over the cp group;
                 # it keeps only q, k, v, out and the log-sum-exp: selective recompute has nothing to add
                 out = ring_attention(q, k, v, docs.cp, self.window)
+            elif self.softcap is not None:
+                out = recompute.run(softcap_attention, q, k, v, docs.mask(self.window, False), self.softcap,
+                                    enabled=self.selective)
             else:
                 out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads,
                                     enabled=self.selective)
@@ -126,6 +134,9 @@ class Attention(nn.Module):
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale
             mask = window_mask(s, self.window, x.device)
-            out = recompute.run(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
-                                enable_gqa=self.n_kv != self.n_heads, enabled=self.selective)
+            if self.softcap is not None:
+                out = recompute.run(softcap_attention, q, k, v, mask, self.softcap, enabled=self.selective)
+            else:
+                out = recompute.run(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
+                                    enable_gqa=self.n_kv != self.n_heads, enabled=self.selective)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))

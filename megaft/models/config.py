@@ -52,6 +52,8 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # scores scaled by this ** -0.5, not head_dim ** -0.5 (Gemma 3)
     rope_local: Optional[Dict[str, Any]] = None  # RoPE of the sliding-window layers when theirs differs:
     #   {"rope_theta": ..., optional "rope_type" + parameters} (Gemma 3's local base frequency)
+    attn_softcap: Optional[float] = None  # attention scores soft-capped: cap * tanh(s / cap) (Gemma 2)
+    final_softcap: Optional[float] = None  # logits soft-capped the same way (Gemma 2)
     dropout: float = 0.0  # residual dropout; 0 for exact parallel equivalence
     # activation checkpointing: none | selective (attention core, MLP activation) | full
     recompute: Recompute = Recompute.none
@@ -120,6 +122,9 @@ def _variant_problems(cfg: ModelConfig) -> list[str]:
             errors.append(f"model.layer_types {bad} not supported; fix: entries among {', '.join(LAYER_TYPES)}")
     if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar <= 0:
         errors.append(f"model.query_pre_attn_scalar={cfg.query_pre_attn_scalar} must be > 0 (or null: head_dim)")
+    for name in ("attn_softcap", "final_softcap"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            errors.append(f"model.{name}={getattr(cfg, name)} must be > 0 (or null: no soft-capping)")
     if cfg.rope_local is not None and "rope_theta" not in cfg.rope_local:
         errors.append("model.rope_local needs rope_theta; fix: e.g. model.rope_local={rope_theta: 10000.0}")
     if cfg.arch not in SPECS:

@@ -74,7 +74,7 @@ def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfi
     fields = {f: getattr(ModelConfig, f) for f in ("attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
                                                    "sliding_window", "layer_types", "norm_offset",
                                                    "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar",
-                                                   "rope_local")}
+                                                   "rope_local", "attn_softcap", "final_softcap")}
     return dataclasses.replace(base, name=os.path.basename(os.path.normpath(path)), init_from=str(path),
                                **{**fields, **common, **family})
 

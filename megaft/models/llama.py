@@ -35,6 +35,7 @@ from megaft.models.attention import Attention, op_backend
 from megaft.models.config import ModelConfig
 from megaft.models.docs import Docs
 from megaft.models.rope import rope_init, rope_tables
+from megaft.models.softcap import softcap
 from megaft.parallel.comm import Group, group_rank, group_size
 
 
@@ -266,6 +267,8 @@ class Decoder(nn.Module):
             return fused_head_loss_sum(h, self.lm_head, labels, vocab_size=self.cfg.vocab_size,
                                        kernels=self.kernels)
         logits = self.lm_head(h)
+        if self.cfg.final_softcap is not None:  # Gemma 2 (the fused loss is refused with it: megaft.config)
+            logits = softcap(logits, self.cfg.final_softcap)
         if labels is None:
             return logits
         return token_loss_sum(logits[:, :labels.shape[1]], labels, group=self.group,

@@ -43,7 +43,8 @@ def _peft_model(ckpt: str, rslora: bool, state: dict[str, torch.Tensor]):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch,rslora", [("llama3", False), ("qwen2", True), ("gemma", False), ("gemma3", True)])
+@pytest.mark.parametrize("arch,rslora", [("llama3", False), ("qwen2", True), ("gemma", False), ("gemma2", False),
+                                         ("gemma3", True)])
 def test_forward_equals_peft(tmp_path, arch, rslora):
     ckpt = str(tmp_path / "ckpt")
     make_hf(ckpt, arch)

@@ -6,8 +6,10 @@ q/k/v biases with a sliding window on the upper layer, Qwen3's qk-norm with head
 != dim / heads, Mistral's window (6) shorter than the test sequences (17), Gemma's
 (1 + w) norms, scaled embeddings and GeGLU, Gemma 3's sandwich norms, qk-norm,
 query_pre_attn_scalar != head_dim, a sliding layer (window 5) with its own RoPE base
-beside a global one with linear scaling; other rope types ride along (yarn, linear,
-dynamic) so each is checked against transformers' own tables.
+beside a global one with linear scaling; Gemma 2's sandwich norms, windows and soft-capped
+attention scores and logits (caps small enough to bend these weights' scores and logits);
+other rope types ride along (yarn, linear, dynamic) so each is checked against
+transformers' own tables.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ ARCHS = {
     "mistral": ("MistralConfig", dict(sliding_window=6, rope_parameters={"rope_type": "dynamic",
                                                                          "rope_theta": 10000.0, "factor": 2.0})),
     "gemma": ("GemmaConfig", dict(head_dim=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
+                                    layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=1.0,
+                                    final_logit_softcapping=2.0)),
     "gemma3": ("Gemma3TextConfig", dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
                                         layer_types=["sliding_attention", "full_attention"],
                                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,

@@ -38,6 +38,7 @@ def test_tp1_matches_transformers(arch_dirs, tmp_path):
 WITHOUT = {
     "llama3": dict(rope_scaling=None), "qwen2": dict(qkv_bias=False), "qwen3": dict(qk_norm=False),
     "mistral": dict(sliding_window=None), "gemma": dict(scale_embeddings=False),
+    "gemma2": [dict(attn_softcap=None), dict(final_softcap=None)],
     "gemma3": [dict(sandwich_norms=False), dict(query_pre_attn_scalar=None), dict(rope_local=None),
                dict(sliding_window=None, layer_types=None)],
 }
@@ -87,3 +88,5 @@ def test_summary_names_the_attention_each_run_computes_with(arch_dirs):
     assert record(mistral) == "sdpa_window_mask" and record(mistral, seq_len=6) == "sdpa_causal"
     assert record(llama) == "sdpa_causal" and record(llama, packing="docs") == "sdpa_mask"
     assert record(mistral, cp=2) == record(llama, cp=2, packing="docs") == "ring"
+    gemma2 = hf_model_config(arch_dirs["gemma2"])  # soft-capped scores: the explicit form, packed or not
+    assert record(gemma2) == record(gemma2, packing="docs") == "explicit_softcap"

@@ -12,7 +12,7 @@ from megaft.models.config import ModelConfig, check_model
 from megaft.models.hf import HFCheckpointError, hf_config_dict, hf_model_config
 from models.arch_fixture import hf_config
 
-SUPPORTED = "megaft imports llama, qwen2, qwen3, mistral, gemma, gemma3_text checkpoints"
+SUPPORTED = "megaft imports llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text checkpoints"
 
 
 def _write(tmp_path, raw: dict) -> str:
@@ -32,7 +32,7 @@ def _refused(tmp_path, raw: dict, match: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "qwen2_moe", "gemma2", "gemma3", None])
+@pytest.mark.parametrize("model_type", ["gpt2", "mixtral", "qwen2_moe", "gemma3", "recurrent_gemma", None])
 def test_unsupported_model_type(tmp_path, model_type):
     _refused(tmp_path, {**_raw(), "model_type": model_type}, f"model_type {model_type!r} is not supported; "
              + SUPPORTED)
@@ -61,10 +61,23 @@ def test_gemma_bidirectional_attention(tmp_path):
              "use_bidirectional_attention=True is not supported")
 
 
-@pytest.mark.parametrize("field", ["final_logit_softcapping", "attn_logit_softcapping"])
-def test_gemma3_soft_capping(tmp_path, field):
-    _refused(tmp_path, {**_raw("gemma3"), field: 30.0},
-             f"{field}=30.0 is not supported (megaft does not soft-cap logits)")
+def test_soft_capping_with_cp_or_the_fused_loss_is_refused_before_launch(tmp_path):
+    """Gemma 2's caps: the ring (cp) and the fused linear cross-entropy have none."""
+    from megaft.config import Config, validate
+    from models.arch_fixture import make_hf
+
+    make_hf(str(tmp_path / "ckpt"), "gemma2")
+    cfg = Config()
+    cfg.model.init_from, cfg.data.seq_len, cfg.launcher.nproc = str(tmp_path / "ckpt"), 16, 2
+    cfg.parallel.tp, cfg.parallel.cp = 1, 2
+    cfg.kernels.fused_linear_cross_entropy = True
+    problems = validate(cfg, 2)
+    assert any("parallel.cp=2 with soft-capped attention (model.attn_softcap=1.0, Gemma 2) is not supported" in p
+               and "fix: parallel.cp=1" in p for p in problems), problems
+    assert any("model.final_softcap=2.0 caps; fix: kernels.fused_linear_cross_entropy=false" in p
+               for p in problems), problems
+    cfg.parallel.cp, cfg.kernels.fused_linear_cross_entropy, cfg.parallel.tp = 1, False, 2
+    assert validate(cfg, 2) == []
 
 
 def test_gemma3_transformers4_config_reads_like_transformers5(tmp_path):
@@ -131,8 +144,8 @@ def test_check_model_dynamic_rope_past_max_position_embeddings():
 
 def test_check_model_unknown_arch_and_activation():
     problems = _problems(arch="gpt2", activation="relu")
-    assert any("model.arch='gpt2' is not supported; fix: one of llama, qwen2, qwen3, mistral, gemma, gemma3_text" in p
-               for p in problems), problems
+    supported = "llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text"
+    assert any(f"model.arch='gpt2' is not supported; fix: one of {supported}" in p for p in problems), problems
     assert any("model.activation='relu' is not supported" in p for p in problems), problems
 
 

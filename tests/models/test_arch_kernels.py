@@ -22,8 +22,8 @@ from models.arch_fixture import load_reference, make_hf, sample_ids  # noqa: E40
 
 # fp32: the kernels reduce rows in their own order; 1e-5 is the parallel-equivalence bound.
 ATOL = RTOL = 1e-5
-# biases, qk-norm + head_dim, window, (1 + w)/GeGLU/scale, sandwich norms + local RoPE
-NAMES = ("qwen2", "qwen3", "mistral", "gemma", "gemma3")
+# biases, qk-norm + head_dim, window, (1 + w)/GeGLU/scale, soft-caps, sandwich norms + local RoPE
+NAMES = ("qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3")
 pytestmark = pytest.mark.skipif(_triton.unavailable_reason(torch.device("cpu")) is not None,
                                 reason="Triton (interpreted on CPU) is not available")
 

@@ -2,12 +2,12 @@
 
 Each module says what its family changes in the Llama block (as ModelConfig fields the
 model code reads), the HF parameter names and the config.json fields read and written.
-Everything else (GPT-2, mixtures of experts, Gemma 2, multimodal Gemma 3, ...) is refused by name.
+Everything else (GPT-2, mixtures of experts, multimodal Gemma 3, ...) is refused by name.
 """
-from megaft.models.arch import gemma, gemma3, llama, mistral, qwen2, qwen3
+from megaft.models.arch import gemma, gemma2, gemma3, llama, mistral, qwen2, qwen3
 from megaft.models.arch.spec import ArchSpec, HFConfigError
 
-SPECS: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, qwen2, qwen3, mistral, gemma, gemma3)}
+SPECS: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3)}
 
 
 def spec_for(model_type: object, file: str = "config.json") -> ArchSpec:

@@ -1,8 +1,8 @@
 """Gemma 1 (GemmaForCausalLM): RMSNorm scaled by (1 + w), input embeddings times
 sqrt(hidden_size), GeGLU (gelu_pytorch_tanh; "gelu" means the same, as in transformers),
-head_dim 256 by default, tied embeddings by default. (Gemma 3 text models: gemma3.py;
-Gemma 2's logit soft-capping is not supported.)"""
-from megaft.models.arch.spec import NO_GEMMA3, ArchSpec, ModelConfig, activation, get, refuse_unless
+head_dim 256 by default, tied embeddings by default. (Gemma 2: gemma2.py; Gemma 3 text
+models: gemma3.py.)"""
+from megaft.models.arch.spec import NO_GEMMA23, ArchSpec, ModelConfig, activation, get, refuse_unless
 
 
 def _read(raw: dict, file: str) -> dict:
@@ -24,6 +24,6 @@ SPEC = ArchSpec(
     defaults={"hidden_act": "gelu_pytorch_tanh", "head_dim": 256, "attention_bias": False,
               "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
     read=_read, write=_write,
-    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA3, norm_offset=1.0, scale_embeddings=True, qkv_bias=False,
+    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA23, norm_offset=1.0, scale_embeddings=True, qkv_bias=False,
                                      mlp_bias=False, qk_norm=False, sliding_window=None),
 )

@@ -4,11 +4,11 @@ outputs are normed before their residual adds: post_attention_layernorm,
 pre_feedforward_layernorm, post_feedforward_layernorm), qk-norm, scores scaled by
 query_pre_attn_scalar ** -0.5, sliding-window layers (5 of every 6 by default) with their
 own RoPE base (rope_local_base_freq / rope_parameters.sliding_attention) and the global
-layers' RoPE (possibly scaled). Logit soft-capping (Gemma 2) is refused. The multimodal
-Gemma 3 checkpoints (model_type gemma3) are not read: their text model must be saved on
-its own first."""
+layers' RoPE (possibly scaled); logit soft-capping when config.json sets it (as Gemma 2).
+The multimodal Gemma 3 checkpoints (model_type gemma3) are not read: their text model is
+extracted first (megaft.models.extract_text)."""
 from megaft.models.arch.gemma import SPEC as GEMMA
-from megaft.models.arch.spec import ArchSpec, HFConfigError, ModelConfig, get, refuse_unless, rope_fields
+from megaft.models.arch.spec import ArchSpec, ModelConfig, get, refuse_unless, rope_fields
 
 WINDOW_FIELDS = ("sliding_window", "layer_types", "sliding_window_pattern", "_sliding_window_pattern")
 LOCAL = "rope_local_parameters"  # where `_normalize` puts the sliding layers' rope (read by `_read` only)
@@ -29,28 +29,33 @@ def _normalize(raw: dict, file: str) -> dict:
     return out
 
 
-def _layer_types(raw: dict, file: str) -> list:
-    types = raw.get("layer_types")
-    if types is None:  # transformers 4: every sliding_window_pattern-th layer is global
-        every = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                 for i in range(raw["num_hidden_layers"])]
-    return list(types)
+def sandwich_read(raw: dict, file: str, spec: ArchSpec, is_global) -> dict:
+    """What Gemma 2 and 3 share beyond Gemma 1: sandwich norms, query_pre_attn_scalar, logit
+    soft-capping and windowed layers (`layer_types`, or transformers 4's rule `is_global(i)`)."""
+    base = GEMMA.read(raw, file)  # norms, embeddings, activation, attention_bias as Gemma 1
+    window = get(raw, spec, "sliding_window")
+    types = raw.get("layer_types") or ["full_attention" if is_global(i) else "sliding_attention"
+                                       for i in range(raw["num_hidden_layers"])]
+    sliding = window is not None and "sliding_attention" in types
+    caps = {name: (None if get(raw, spec, key) is None else float(get(raw, spec, key)))
+            for name, key in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping"))}
+    return dict(base, sandwich_norms=True, query_pre_attn_scalar=float(get(raw, spec, "query_pre_attn_scalar")),
+                sliding_window=int(window) if sliding else None, layer_types=list(types) if sliding else None, **caps)
+
+
+def sandwich_write(cfg: ModelConfig) -> dict:
+    types = [("sliding_attention" if cfg.window(i) is not None else "full_attention") for i in range(cfg.n_layers)]
+    qpas = cfg.query_pre_attn_scalar
+    qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas  # the HF configs want an int
+    return {**GEMMA.write(cfg), "query_pre_attn_scalar": qpas, "sliding_window": cfg.sliding_window,
+            "layer_types": types, "final_logit_softcapping": cfg.final_softcap,
+            "attn_logit_softcapping": cfg.attn_softcap}
 
 
 def _read(raw: dict, file: str) -> dict:
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if raw.get(key) is not None:
-            raise HFConfigError(f"{file}: {key}={raw[key]} is not supported (megaft does not soft-cap logits); "
-                                "fix: a Gemma 3 checkpoint without it")
+    every = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
     theta, scaling = rope_fields({"rope_parameters": raw[LOCAL]}, file)
-    base = GEMMA.read(raw, file)  # norms, embeddings, activation, attention_bias as Gemma 1
-    window = get(raw, SPEC, "sliding_window")
-    types = _layer_types(raw, file)
-    sliding = window is not None and "sliding_attention" in types
-    return dict(base, qk_norm=True, sandwich_norms=True,
-                query_pre_attn_scalar=float(get(raw, SPEC, "query_pre_attn_scalar")),
-                sliding_window=int(window) if sliding else None, layer_types=types if sliding else None,
+    return dict(sandwich_read(raw, file, SPEC, lambda i: (i + 1) % every == 0), qk_norm=True,
                 rope_local={"rope_theta": theta, **(scaling or {})})
 
 
@@ -58,12 +63,7 @@ def _write(cfg: ModelConfig) -> dict:
     local = dict(cfg.rope_local or {"rope_theta": cfg.rope_theta})
     local.setdefault("rope_type", "default")
     glob = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
-    types = [("sliding_attention" if cfg.window(i) is not None else "full_attention") for i in range(cfg.n_layers)]
-    qpas = cfg.query_pre_attn_scalar
-    qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas  # Gemma3TextConfig wants an int
-    return {**GEMMA.write(cfg), "query_pre_attn_scalar": qpas,
-            "sliding_window": cfg.sliding_window, "layer_types": types,
-            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    return {**sandwich_write(cfg),
             "rope_parameters": {"full_attention": glob, "sliding_attention": local},  # transformers 5
             "rope_local_base_freq": local["rope_theta"]}  # transformers 4
 

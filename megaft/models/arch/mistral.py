@@ -1,7 +1,7 @@
 """Mistral (MistralForCausalLM): Llama's block with sliding-window attention on every
 layer (`sliding_window`, 4096 when config.json omits it, null = full attention) and
 no biases."""
-from megaft.models.arch.spec import NO_GEMMA3, ArchSpec, ModelConfig, get, refuse_unless
+from megaft.models.arch.spec import NO_GEMMA23, ArchSpec, ModelConfig, get, refuse_unless
 
 
 def _read(raw: dict, file: str) -> dict:
@@ -20,7 +20,7 @@ SPEC = ArchSpec(
     fields=frozenset(("sliding_window", "attention_bias")),
     defaults={"sliding_window": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
     read=_read, write=_write,
-    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA3, attention_bias=False, qkv_bias=False, mlp_bias=False,
+    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA23, attention_bias=False, qkv_bias=False, mlp_bias=False,
                                      qk_norm=False, activation="silu", norm_offset=0.0, scale_embeddings=False,
                                      layer_types=None),
 )

@@ -2,7 +2,7 @@
 optional sliding window on layers >= max_window_layers (use_sliding_window, or
 transformers 5's layer_types)."""
 from megaft.models.arch.spec import (
-    NO_GEMMA3,
+    NO_GEMMA23,
     ArchSpec,
     ModelConfig,
     refuse_unless,
@@ -29,6 +29,6 @@ SPEC = ArchSpec(
     fields=frozenset(SLIDING_FIELDS + ("attention_bias",)),
     defaults={**SLIDING_DEFAULTS, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
     read=_read, write=_write,
-    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA3, qkv_bias=True, attention_bias=False, mlp_bias=False,
+    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA23, qkv_bias=True, attention_bias=False, mlp_bias=False,
                                      qk_norm=False, activation="silu", norm_offset=0.0, scale_embeddings=False),
 )

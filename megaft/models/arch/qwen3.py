@@ -3,7 +3,7 @@ head_dim 128 by default (not dim / heads), optional attention_bias and the Qwen2
 sliding-window fields."""
 from megaft.models.arch.qwen2 import SLIDING_DEFAULTS, SLIDING_FIELDS
 from megaft.models.arch.spec import (
-    NO_GEMMA3,
+    NO_GEMMA23,
     ArchSpec,
     ModelConfig,
     get,
@@ -29,6 +29,6 @@ SPEC = ArchSpec(
     defaults={**SLIDING_DEFAULTS, "head_dim": 128, "attention_bias": False, "tie_word_embeddings": False,
               "rms_norm_eps": 1e-6},
     read=_read, write=_write,
-    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA3, qk_norm=True, qkv_bias=False, mlp_bias=False,
+    refuse=lambda cfg: refuse_unless(cfg, SPEC, **NO_GEMMA23, qk_norm=True, qkv_bias=False, mlp_bias=False,
                                      activation="silu", norm_offset=0.0, scale_embeddings=False),
 )

@@ -173,8 +173,9 @@ def write_common(cfg: ModelConfig, spec: ArchSpec) -> dict[str, Any]:
     }
 
 
-# ModelConfig fields only Gemma 3 sets: every other family refuses them at other values.
-NO_GEMMA3 = dict(sandwich_norms=False, query_pre_attn_scalar=None, rope_local=None)
+# ModelConfig fields only Gemma 2/3 set: every other family refuses them at other values.
+NO_GEMMA23 = dict(sandwich_norms=False, query_pre_attn_scalar=None, rope_local=None, attn_softcap=None,
+                  final_softcap=None)
 
 
 def refuse_unless(cfg: ModelConfig, spec: ArchSpec, **expected: Any) -> list[str]:
