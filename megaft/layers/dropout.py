@@ -7,7 +7,9 @@ dropout under sequence parallel (each tp rank holds a slice of the sequence; dra
 its own slice's shape would give every rank the same mask, i.e. correlated dropout across
 the sequence, and another mask than the single process) and for LoRA's adapter input (a
 row-parallel adapter sees a slice of the features). Costs tp x the RNG work of the slice
-and one transient whole-sized mask; the saved-for-backward mask is the slice.
+and one transient whole-sized mask; the saved-for-backward mask is the slice. (Under
+sequence parallel with a length that tp does not divide, the sequence is padded first, so
+the whole mask has another shape than the single process's and the masks differ.)
 """
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ class Attention(nn.Module):
                     mark_replicated(p, cfg.kv_heads * hd, self.replicas)
         self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
                                         sequence_parallel=sequence_parallel, backend=lin)
-        # query_pre_attn_scalar (Gemma 3): scores scaled by it ** -0.5 instead of head_dim ** -0.5; q is
+        # query_pre_attn_scalar (Gemma 2/3): scores scaled by it ** -0.5, not head_dim ** -0.5; q is
         # multiplied by sqrt(head_dim / it) so every attention path (SDPA, documents, ring) keeps its scale
         qpas = cfg.query_pre_attn_scalar
         self.q_scale = math.sqrt(hd / qpas) if qpas is not None and qpas != hd else None

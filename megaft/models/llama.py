@@ -89,7 +89,7 @@ class Block(nn.Module):
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                                    layer=layer)
-        # post_attention_layernorm: the MLP's input norm, or with sandwich norms (Gemma 3, HF's names) the
+        # post_attention_layernorm: the MLP's input norm, or with sandwich norms (Gemma 2/3, HF's names) the
         # attention output's, pre_feedforward_layernorm then being the MLP's input norm
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.sandwich = cfg.sandwich_norms

@@ -16,8 +16,9 @@ local GEMM's, before any reduction). The shapes follow the weight's split:
 
 Dropout masks are drawn for the WHOLE input and a row adapter keeps its slice
 (megaft.layers.dropout), so the same RNG stream (every tp rank of a replica shares it)
-gives the same masks at any tp, the single process included. Init is tp-independent as well: each full A is drawn
-from a generator seeded by (seed, parameter name) and sliced (megaft.models.init's rule).
+gives the same masks at any tp, the single process included. Init is tp-independent as
+well: each full A is drawn from a generator seeded by (seed, parameter name) and sliced
+(megaft.models.init's rule).
 
 Parameter names: `<linear>.adapter.A` / `.B` (peft's lora_A / lora_B: megaft.peft.export).
 The base parameters are frozen (requires_grad=False): FlatParams, the dp buckets, the

@@ -74,8 +74,8 @@ class ArchSpec:
     normalize: Callable[[dict, str], dict] = lambda raw, file: raw
 
     def hf_name(self, name: str) -> str:
-        """Our parameter name -> its HF *ForCausalLM state-dict name (all six families
-        share Llama's layout: a `model.` prefix, lm_head at the top)."""
+        """Our parameter name -> its HF *ForCausalLM state-dict name (every family shares
+        Llama's layout: a `model.` prefix, lm_head at the top)."""
         return name if name == "lm_head.weight" else "model." + name
 
 
