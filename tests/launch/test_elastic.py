@@ -58,18 +58,25 @@ def test_crashed_rank_set_restarts_and_continues_the_curve(straight, tmp_path, c
     assert json.load(open(os.path.join(straight, "summary.json")))["restarts"] == 0
 
 
+def elastic_resume(run: str, capfd, *, saved: int, was: int, now: int) -> dict:
+    """Resume `run` (its step-`saved` checkpoint written at dp=`was`) on `now` ranks with
+    launcher.elastic=true; checks the restart message, returns summary.json."""
+    cfg = config(elastic=True, nproc=now)
+    cfg.parallel.dp = was  # as the job was configured: elastic lets dp follow the ranks it got
+    train_run(cfg, run)
+    out = capfd.readouterr().out
+    acc = {dp: 16 // (8 * dp) for dp in (was, now)}  # global batch 16, micro-batch 8
+    assert (f"megaft: elastic restart: checkpoint step {saved} was written by {was} rank(s) (tp=1 pp=1 dp={was}); "
+            f"this run has {now}: tp=1 pp=1 dp={now}, gradient accumulation {acc[was]} -> {acc[now]} micro-batches "
+            "per rank, global batch 16 kept; the checkpoint is resharded") in out, out[-3000:]
+    return json.load(open(os.path.join(run, "summary.json")))
+
+
 def test_dp2_checkpoint_resumes_on_one_rank_with_the_same_global_batch(straight, tmp_path, capfd):
     run = str(tmp_path)
     launch_local(config(), run, worker=signal_worker)  # both ranks save at step FAULT_STEP + 1 and stop
     saved = FAULT_STEP + 1
-    cfg = config(elastic=True, nproc=1)
-    cfg.parallel.dp = 2  # as the job was configured: elastic lets dp follow the 1 rank it got
-    train_run(cfg, run)
-    out = capfd.readouterr().out
-    assert (f"megaft: elastic restart: checkpoint step {saved} was written by 2 rank(s) (tp=1 pp=1 dp=2); this run "
-            "has 1: tp=1 pp=1 dp=1, gradient accumulation 1 -> 2 micro-batches per rank, global batch 16 kept; "
-            "the checkpoint is resharded") in out, out[-3000:]
-    summary = json.load(open(os.path.join(run, "summary.json")))
+    summary = elastic_resume(run, capfd, saved=saved, was=2, now=1)
     assert (summary["dp"], summary["world_size"], summary["restarts"]) == (1, 1, 0)
     got, want = losses(run), losses(straight)
     assert got[:saved] == want[:saved]  # written by the dp=2 ranks before the stop
@@ -87,14 +94,7 @@ def test_one_rank_checkpoint_grows_to_dp2_with_the_same_global_batch(straight, t
     one.parallel.dp, one.train.save_every = 1, saved
     Trainer(one, ParallelGrid.single(), run).fit(stop_after=saved)  # saves step `saved`, then stops
     assert [r["step"] for r in read_rows(run) if "loss" in r] == list(range(1, saved + 1))
-    cfg = config(elastic=True)
-    cfg.parallel.dp = 1  # as the job was configured: elastic lets dp follow the 2 ranks it got
-    train_run(cfg, run)
-    out = capfd.readouterr().out
-    assert (f"megaft: elastic restart: checkpoint step {saved} was written by 1 rank(s) (tp=1 pp=1 dp=1); this run "
-            "has 2: tp=1 pp=1 dp=2, gradient accumulation 2 -> 1 micro-batches per rank, global batch 16 kept; "
-            "the checkpoint is resharded") in out, out[-3000:]
-    summary = json.load(open(os.path.join(run, "summary.json")))
+    summary = elastic_resume(run, capfd, saved=saved, was=1, now=2)
     assert (summary["dp"], summary["world_size"], summary["steps"]) == (2, 2, 20)
     got, want = losses(run), losses(straight)
     assert len(got) == len(want) == 20

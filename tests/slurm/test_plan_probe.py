@@ -5,8 +5,13 @@ measured tokens/s per GPU, with the model's error per term in plan.json and on s
 import json
 import os
 import subprocess
+import sys
+import time
 
 import yaml
+
+from megaft.launch.submit_record import SUBMITTED_FILE
+from megaft.plan.multirun import run_multirun
 
 from .conftest import ROOT
 from .test_slurm import final_state, job_fields
@@ -68,3 +73,24 @@ def test_probe_3_submits_one_array_collects_three_summaries_and_reranks(slurm_cl
     table = out.stdout.split("re-ranked by measured tokens/s per GPU:\n")[1].splitlines()
     assert [int(line.split()[1]) for line in table[1:4]] == probe["ranking"]
     assert "model error per term" in out.stdout and "exposed comm" in out.stdout
+
+
+def test_probe_timeout_cancels_the_arrays_it_submitted(slurm_cluster, tmp_path, monkeypatch):
+    """plan.probe_timeout_min: when the multirun outlives it, the arrays the sweep recorded are
+    scancel'ed (no probe job keeps its nodes) and the status is -1 (megaft-plan then reports
+    every layout unmeasured)."""
+    for key, value in slurm_cluster.items():
+        monkeypatch.setenv(key, value)  # run_multirun's scancel talks to this Slurm
+    out = subprocess.run(["sbatch", "--parsable", "--time=5", "--array=0-1", f"--output={tmp_path}/%A_%a.out",
+                          "--wrap", "sleep 300"], env=slurm_cluster, capture_output=True, text=True, timeout=60)
+    array = out.stdout.strip().split(";")[0]
+    assert out.returncode == 0 and array.isdigit(), out.stderr
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / SUBMITTED_FILE).write_text(json.dumps({"points": [], "arrays": [{"array_job_id": array}]}))
+    started = time.monotonic()
+    status, tail = run_multirun([sys.executable, "-c", "import time; print('submitted, waiting', flush=True); "
+                                 "time.sleep(120)"], str(sweep), timeout_s=3)
+    assert status == -1 and "submitted, waiting" in tail and time.monotonic() - started < 60
+    for task in (0, 1):
+        assert final_state(slurm_cluster, f"{array}_{task}", timeout=60) == "CANCELLED"
