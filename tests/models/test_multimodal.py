@@ -1,7 +1,9 @@
-"""The text model of a multimodal Gemma 3 checkpoint (megaft.models.extract_text): a tiny
+"""The text model of a multimodal Gemma 3 checkpoint (megaft.models.multimodal): a tiny
 Gemma3ForConditionalGeneration saved by transformers, extracted (whole and in 2+ shards
 with an index), loads in megaft and in transformers' Gemma3ForCausalLM with the
-multimodal model's logits on text; the refusals name the problem and the fix."""
+multimodal model's logits on text; a changed text model merged back gives a multimodal
+checkpoint whose text logits are the changed model's and whose vision tower is the
+original's; the refusals name the problem and the fix."""
 from __future__ import annotations
 
 import json
@@ -13,9 +15,9 @@ import transformers
 from safetensors import safe_open
 
 from megaft.models.arch.spec import HFCheckpointError
-from megaft.models.extract_text import extract_text_model, main
 from megaft.models.hf import hf_model_config, load_hf_weights
 from megaft.models.llama import Llama
+from megaft.models.multimodal import extract_text_model, main, merge_text_model
 from models.arch_fixture import make_hf, sample_ids
 from models.hf_fixture import VOCAB, write_char_tokenizer
 
@@ -85,8 +87,44 @@ def test_extraction_refusals_name_the_fix(tmp_path, multimodal, capsys):
     busy.mkdir()
     (busy / "keep.txt").write_text("a user's file")
     with pytest.raises(SystemExit, match="busy: exists and is not empty; fix: choose a new folder"):
-        main([multimodal[0], str(busy)])
+        main(["text", multimodal[0], str(busy)])
     assert (busy / "keep.txt").read_text() == "a user's file"  # nothing already saved is lost
-    main([multimodal[0], str(tmp_path / "fresh")])
+    main(["text", multimodal[0], str(tmp_path / "fresh")])
     assert "fine-tune it with model.init_from=" in capsys.readouterr().out
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary left behind
+
+
+def test_a_changed_text_model_merged_back_gives_its_logits_and_the_original_vision(tmp_path, multimodal, capsys):
+    src, mm = multimodal
+    text = extract_text_model(src, str(tmp_path / "text"))
+    tuned = transformers.Gemma3ForCausalLM.from_pretrained(text, dtype=torch.float32).eval()
+    with torch.no_grad():  # as a fine-tune would: every text tensor moves
+        for p in tuned.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    tuned.save_pretrained(str(tmp_path / "tuned"))
+    (tmp_path / "tuned" / "chat_template.jinja").write_text("{{ messages }}")  # the run's own template
+    main(["merge", src, str(tmp_path / "tuned"), str(tmp_path / "merged")])
+    assert "with the text model of" in capsys.readouterr().out
+    merged = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "merged"),
+                                                                         dtype=torch.float32).eval()
+    ids = sample_ids()
+    torch.testing.assert_close(_logits(merged, ids), _logits(tuned, ids), atol=ATOL, rtol=0)
+    assert (_logits(merged, ids) - _logits(mm, ids)).abs().max() > 1e-2  # the text model did change
+    original = dict(mm.model.vision_tower.named_parameters())
+    for name, p in merged.model.vision_tower.named_parameters():
+        assert torch.equal(p, original[name]), name
+    assert (tmp_path / "merged" / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert json.load(open(tmp_path / "merged" / "config.json"))["model_type"] == "gemma3"
+
+
+def test_merge_refuses_another_model(tmp_path, multimodal):
+    src, _ = multimodal
+    other = str(tmp_path / "llama")
+    make_hf(other, "llama3")
+    with pytest.raises(HFCheckpointError, match="model_type 'llama', not the 'gemma3_text' text model"):
+        merge_text_model(src, other, str(tmp_path / "out"))
+    small = str(tmp_path / "gemma3")
+    make_hf(small, "gemma3")  # a gemma3_text model of other shapes
+    with pytest.raises(HFCheckpointError, match="has shape|are not the text model of"):
+        merge_text_model(src, small, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
