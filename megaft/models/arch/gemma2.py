@@ -4,10 +4,14 @@ with Gemma 3 (every other layer slides by default, from the first), one RoPE for
 layers, and logit soft-capping: attention scores cap · tanh(s / cap) (50 by default, the
 explicit attention of megaft.models.softcap) and the final logits (30)."""
 from megaft.models.arch.gemma3 import WINDOW_FIELDS, sandwich_read, sandwich_write
-from megaft.models.arch.spec import ArchSpec, ModelConfig, refuse_unless
+from megaft.models.arch.spec import ArchSpec, HFConfigError, ModelConfig, get, refuse_unless
 
 
 def _read(raw: dict, file: str) -> dict:
+    size = raw.get("sliding_window_size")  # an older name transformers no longer reads (gemma-2-9b writes both)
+    if size is not None and size != get(raw, SPEC, "sliding_window"):
+        raise HFConfigError(f"{file}: sliding_window_size={size} differs from sliding_window="
+                            f"{get(raw, SPEC, 'sliding_window')}; fix: one window (transformers reads sliding_window)")
     return sandwich_read(raw, file, SPEC, lambda i: i % 2 == 1)
 
 
@@ -20,7 +24,7 @@ SPEC = ArchSpec(
     differs="Gemma's norms, embeddings and GeGLU; sandwich norms, query_pre_attn_scalar, alternating "
             "sliding/global layers, attention and final logit soft-capping",
     fields=frozenset(("attention_bias", "hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
-                      "attn_logit_softcapping", "cache_implementation") + WINDOW_FIELDS),
+                      "attn_logit_softcapping", "sliding_window_size") + WINDOW_FIELDS),
     defaults={"hidden_act": "gelu_pytorch_tanh", "head_dim": 256, "attention_bias": False,
               "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
               "sliding_window": 4096, "max_position_embeddings": 8192, "final_logit_softcapping": 30.0,

@@ -42,6 +42,7 @@ GENERIC = frozenset((
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     "pretraining_tp",  # Llama 2's sliced matmuls: transformers 5 no longer reads it (same math)
+    "cache_implementation",  # generation's KV cache kind (Gemma 2/3 write "hybrid")
 ))
 # Fields megaft accepts only at the value that leaves the math as megaft computes it.
 NEUTRAL = {"attention_dropout": (0, 0.0, None), "pruned_heads": ({}, None), "use_mrope": (False, None),
