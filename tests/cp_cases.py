@@ -37,7 +37,7 @@ CP2_RUNS = {
     "tp2_sp": dict(tp=2, sequence_parallel=True),  # cp2_tp2_sp's gradients without cp (same tp rounding)
 }
 RANK4_RUNS = {
-    "cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True),
+    "cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True, save=True),
     "cp2_tp2_sp_full": dict(cp=2, tp=2, sequence_parallel=True, recompute="full"),
     "cp2_pp2": dict(cp=2, pp=2, schedule="1f1b"),
     "cp2_pp2_selective": dict(cp=2, pp=2, schedule="1f1b", recompute="selective"),

@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     spawn(2, train_cp_runs, root, CP2_RUNS, True)
     spawn(4, train_cp_runs, root, RANK4_RUNS, True)
     run("ref_from_cp2", {"resume_from": "cp2"}, root, ParallelGrid.single())  # cp=2's checkpoint at cp=1
+    run("ref_from_cp2_tp2", {"resume_from": "cp2_tp2_sp"}, root, ParallelGrid.single())  # cp and tp both to 1
     return root
 
 
@@ -86,11 +87,14 @@ def test_first_step_grads_match_single_process(runs, name):
             torch.testing.assert_close(got[key], same_tp[key], rtol=RTOL, atol=1e-8)
 
 
-@pytest.mark.parametrize("name, source", [("cp2_from_ref", "ref"), ("ref_from_cp2", "cp2")])
+@pytest.mark.parametrize("name, source", [("cp2_from_ref", "ref"), ("ref_from_cp2", "cp2"),
+                                          ("ref_from_cp2_tp2", "cp2_tp2_sp")])
 def test_checkpoint_resumes_across_a_change_of_cp(runs, name, source):
-    """Step 5's checkpoint of one cp resumed at the other: steps 6-10 equal the uninterrupted run."""
+    """Step 5's checkpoint of one cp resumed at the other (with tp=2 to 1 as well): steps 6-10
+    equal the uninterrupted run."""
     manifest = io.read_manifest(io.step_dir(os.path.join(runs, source, "checkpoints"), 5))
-    assert manifest["layout"].get("cp", 1) == (2 if source == "cp2" else 1)
+    assert manifest["layout"].get("cp", 1) == (1 if source == "ref" else 2)
+    assert manifest["layout"]["tp"] == CP_RUNS.get(source, {}).get("tp", 1)
     got, _ = read_metrics(os.path.join(runs, name))
     want, _ = read_metrics(os.path.join(runs, source))
     assert len(got) == len(want) == STEPS

@@ -11,6 +11,7 @@ group per layout, 10 fp32 steps on a tiny random Llama checkpoint.
 * tp=2 with sequence parallel, dropout and model.recompute=full; and single-process recompute
   selective/full against none with adapter dropout (the masks replayed);
 * cp=2 (adapter dropout off: cp ranks draw their own masks, megaft-verify says so);
+* tp=2 with an lm_head adapter on Qwen3 and Mistral checkpoints;
 * tp=2 with sequence parallel at precision=fp16 (dynamic loss scaling) against the
   single process at fp16.
 Exports (PEFT adapter and merged weights) at tp=2 and pp=2 equal the single process's.
@@ -33,7 +34,7 @@ import pytest
 import torch
 from models.arch_fixture import make_hf
 
-from lora.lora_fixture import lora_config, write_data
+from lora.lora_fixture import TARGETS, lora_config, write_data
 from megaft.config import Config, validate
 from megaft.estimate import estimate_ranks
 from megaft.parallel.grid import ParallelGrid
@@ -224,6 +225,19 @@ def test_export_at_tp2_and_pp2_equals_the_single_process_export(tmp_path, base):
             assert set(got[kind]) == set(want[kind]), (name, kind)
             for key, tensor in want[kind].items():
                 torch.testing.assert_close(got[kind][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {kind} {key}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_tp2_with_an_lm_head_adapter_on_other_families_equals_single_process(tmp_path, base, family):
+    """The head's adapter (vocabulary-parallel B, padded vocabulary) trained at tp=2 on a Qwen3
+    (qk-norm, head_dim 24) and a Mistral (window) checkpoint."""
+    ckpt = str(tmp_path / "ckpt")
+    make_hf(ckpt, family)
+    report = run_verify(layout_config((ckpt, base[1]), tp=2, targets=[*TARGETS, "lm_head"]),
+                        str(tmp_path / "verify"))
+    check(report)
+    names = {n for n, _ in report.grads}
+    assert {"lm_head.adapter.A", "lm_head.adapter.B"} <= names, sorted(names)
 
 
 def test_cp2_equals_single_process_with_adapter_dropout_off(tmp_path, base):
