@@ -214,3 +214,24 @@ def test_megaft_verify_command_exits_2_on_a_bad_config_and_0_on_a_good_one(tmp_p
     assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
     assert "PASS" in good.stdout
     assert json.load(open(tmp_path / "verify.json"))["passed"] is True
+
+
+def test_megaft_verify_under_torchrun_passes_and_a_lossy_layout_exits_1(tmp_path):
+    """The README's torchrun command (rank 0 reports), and the command's exit status 1 on a layout
+    that really differs: bf16 gradient compression at dp=2 rounds every gradient (~4e-3), far
+    beyond the fp32 tolerances, and the failure names a parameter."""
+    bindir = os.path.dirname(sys.executable)
+    base = ["model.n_layers=2", "model.dim=32", "model.ffn_dim=64", "data.task_train_size=200", "data.task_eval_size=4",
+            "data.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "verify.steps=2"]
+    ok = subprocess.run([os.path.join(bindir, "torchrun"), "--standalone", "--nproc-per-node", "2", "-m",
+                         "megaft.verify.app", f"hydra.run.dir={tmp_path / 'tp2'}", "parallel.tp=2",
+                         "parallel.sequence_parallel=true", *base], capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert ok.stdout.count("PASS: the layout equals the single process") == 1  # rank 0 alone reports
+    assert json.load(open(tmp_path / "tp2" / "verify.json"))["passed"] is True
+    bad = subprocess.run([os.path.join(bindir, "megaft-verify"), f"hydra.run.dir={tmp_path / 'bf16'}", "parallel.tp=1",
+                          "parallel.dp=2", "parallel.grad_compression=bf16", "launcher.nproc=2", *base],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1, bad.stdout[-2000:] + bad.stderr[-2000:]
+    assert "FAIL: parameter " in bad.stdout and "differs at step 1" in bad.stdout, bad.stdout[-2000:]
+    assert json.load(open(tmp_path / "bf16" / "verify.json"))["passed"] is False
