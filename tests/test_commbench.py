@@ -296,3 +296,18 @@ def test_command_exits_2_on_a_bad_config(tmp_path):
     assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
     assert "commbench.repeats=0 must be >= 1" in bad.stderr and "commbench.slow_fraction=2.0 must be in" in bad.stderr
     assert not (tmp_path / "commbench.json").exists()
+
+
+def test_commbench_under_torchrun_measures_every_collective_once(tmp_path):
+    """The README's torchrun launch: 2 ranks, rank 0 writes one commbench.json of correct rows."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "megaft.commbench.app",
+                          f"hydra.run.dir={tmp_path}", "device=cpu", "commbench.min_bytes=8192",
+                          "commbench.max_bytes=16384", "commbench.warmup=1", "commbench.repeats=2",
+                          "commbench.plot=false"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("megaft-commbench: PASS") == 1  # rank 0 alone reports
+    doc = json.load(open(tmp_path / "commbench.json"))
+    rows = [r for r in doc["results"] if r["scope"] == "intra_node"]
+    assert {r["collective"] for r in rows} == {c.value for c in Collective}
+    assert all(r["correct"] and r["ranks"] == 2 for r in rows) and len(rows) == 2 * len(Collective)
