@@ -109,11 +109,14 @@ def _copy_tokenizer(tokenizer_json: str, tmp: str) -> None:
     src = os.path.join(tokenizer_json, "tokenizer.json") if os.path.isdir(tokenizer_json) else tokenizer_json
     if not os.path.isfile(src):
         raise FileNotFoundError(f"{src}: tokenizer.json to export not found")
-    shutil.copyfile(src, os.path.join(tmp, "tokenizer.json"))
-    for name in TOKENIZER_SIDECARS:
-        side = os.path.join(os.path.dirname(src), name)
-        if os.path.isfile(side):
-            shutil.copyfile(side, os.path.join(tmp, name))
+    copy_tokenizer_files(os.path.dirname(src), tmp)
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    """tokenizer.json and the files that travel with it (TOKENIZER_SIDECARS), those present."""
+    for name in ("tokenizer.json",) + TOKENIZER_SIDECARS:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ written (with an index when there are several); a folder appears complete or not
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaft.models.arch.spec import HFCheckpointError
-from megaft.models.hf_export import DEFAULT_MAX_SHARD_BYTES, TOKENIZER_SIDECARS
+from megaft.models.hf_export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer_files
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE, checkpoint_files, read_hf_config
 
 # multimodal model_type -> (text model_type, text architecture)
@@ -50,7 +51,6 @@ TEXT_DEFAULTS = {"gemma3": {
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # the multimodal config's ids win over the defaults
 PREFIXES = ("language_model.model.", "model.language_model.")  # transformers' saved form, its in-memory form
 HEADS = ("language_model.lm_head.", "lm_head.")
-TOKENIZER_FILES = ("tokenizer.json",) + TOKENIZER_SIDECARS
 
 
 def text_name(name: str) -> Optional[str]:
@@ -102,7 +102,7 @@ def extract_text_model(src: str, dst: str, max_shard_bytes: int = DEFAULT_MAX_SH
         _write_shards(tmp, _tensors(files, names), max_shard_bytes)
         with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump(config, f, indent=2)
-        _copy(src, tmp, TOKENIZER_FILES)
+        copy_tokenizer_files(src, tmp)
     return dst
 
 
@@ -135,13 +135,13 @@ def merge_text_model(multimodal: str, text: str, dst: str, max_shard_bytes: int 
 
     vision = {name: name for name, new in names.items() if new is None}
     with _new_folder(dst) as tmp:
-        _write_shards(tmp, _chain(_tensors(files, vision), _tensors(text_files, text_names, checked)),
+        _write_shards(tmp, itertools.chain(_tensors(files, vision), _tensors(text_files, text_names, checked)),
                       max_shard_bytes)
         for entry in os.listdir(multimodal):  # config.json, the processor's and the tokenizer's files
             path = os.path.join(multimodal, entry)
             if os.path.isfile(path) and not entry.endswith(".safetensors") and entry != INDEX:
                 shutil.copyfile(path, os.path.join(tmp, entry))
-        _copy(text, tmp, TOKENIZER_FILES)  # the fine-tuned run's tokenizer and chat template win
+        copy_tokenizer_files(text, tmp)  # the fine-tuned run's tokenizer and chat template win
     return dst
 
 
@@ -163,11 +163,6 @@ def _tensors(files: dict, names: dict, transform: Optional[Callable] = None) -> 
                 if new is not None:
                     tensor = f.get_tensor(name)
                     yield transform(new, tensor) if transform else (new, tensor)
-
-
-def _chain(*iterators: Iterator) -> Iterator:
-    for it in iterators:
-        yield from it
 
 
 def _write_shards(tmp: str, tensors: Iterator, max_shard_bytes: int) -> None:
@@ -199,12 +194,6 @@ def _write_shards(tmp: str, tensors: Iterator, max_shard_bytes: int) -> None:
     total = sum(sum(shard.values()) for shard in shards)
     with open(os.path.join(tmp, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-
-
-def _copy(src: str, dst: str, names: tuple) -> None:
-    for name in names:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
 @contextmanager

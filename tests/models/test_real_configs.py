@@ -67,6 +67,15 @@ def test_a_mistral_null_window_is_full_attention_and_an_omitted_one_is_4096(tmp_
     assert hf_model_config(_folder(tmp_path, raw)).window(0) == 4096
 
 
+@pytest.mark.parametrize("name", ["gemma-2-9b-it", "gemma-3-1b-it"])
+def test_a_null_window_means_full_attention_in_every_family_that_reads_one(tmp_path, name):
+    """The rule lives in one place (megaft.models.arch.spec.window_field), not in Mistral's spec."""
+    raw = {**json.load(open(os.path.join(HERE, f"{name}.json"))), "sliding_window": None}
+    raw.pop("sliding_window_size", None)
+    cfg = hf_model_config(_folder(tmp_path, raw))
+    assert all(cfg.window(i) is None for i in range(cfg.n_layers))
+
+
 def test_gemma2_window_size_must_agree_with_its_window(tmp_path):
     from megaft.models.hf import HFCheckpointError
 

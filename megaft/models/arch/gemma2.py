@@ -4,14 +4,14 @@ with Gemma 3 (every other layer slides by default, from the first), one RoPE for
 layers, and logit soft-capping: attention scores cap · tanh(s / cap) (50 by default, the
 explicit attention of megaft.models.softcap) and the final logits (30)."""
 from megaft.models.arch.gemma3 import WINDOW_FIELDS, sandwich_read, sandwich_write
-from megaft.models.arch.spec import ArchSpec, HFConfigError, ModelConfig, get, refuse_unless
+from megaft.models.arch.spec import ArchSpec, HFConfigError, ModelConfig, refuse_unless, window_field
 
 
 def _read(raw: dict, file: str) -> dict:
-    size = raw.get("sliding_window_size")  # an older name transformers no longer reads (gemma-2-9b writes both)
-    if size is not None and size != get(raw, SPEC, "sliding_window"):
-        raise HFConfigError(f"{file}: sliding_window_size={size} differs from sliding_window="
-                            f"{get(raw, SPEC, 'sliding_window')}; fix: one window (transformers reads sliding_window)")
+    size, window = raw.get("sliding_window_size"), window_field(raw, SPEC)  # gemma-2-9b writes both names
+    if size is not None and size != window:
+        raise HFConfigError(f"{file}: sliding_window_size={size} differs from sliding_window={window}; fix: one "
+                            "window (transformers reads sliding_window)")
     return sandwich_read(raw, file, SPEC, lambda i: i % 2 == 1)
 
 

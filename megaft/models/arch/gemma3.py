@@ -8,7 +8,7 @@ layers' RoPE (possibly scaled); logit soft-capping when config.json sets it (as 
 The multimodal Gemma 3 checkpoints (model_type gemma3) are not read: their text model is
 extracted first and merged back after (megaft.models.multimodal)."""
 from megaft.models.arch.gemma import SPEC as GEMMA
-from megaft.models.arch.spec import ArchSpec, ModelConfig, get, refuse_unless, rope_fields
+from megaft.models.arch.spec import ArchSpec, ModelConfig, get, refuse_unless, rope_fields, window_field
 
 WINDOW_FIELDS = ("sliding_window", "layer_types", "sliding_window_pattern", "_sliding_window_pattern")
 LOCAL = "rope_local_parameters"  # where `_normalize` puts the sliding layers' rope (read by `_read` only)
@@ -33,14 +33,14 @@ def sandwich_read(raw: dict, file: str, spec: ArchSpec, is_global) -> dict:
     """What Gemma 2 and 3 share beyond Gemma 1: sandwich norms, query_pre_attn_scalar, logit
     soft-capping and windowed layers (`layer_types`, or transformers 4's rule `is_global(i)`)."""
     base = GEMMA.read(raw, file)  # norms, embeddings, activation, attention_bias as Gemma 1
-    window = get(raw, spec, "sliding_window")
+    window = window_field(raw, spec)
     types = raw.get("layer_types") or ["full_attention" if is_global(i) else "sliding_attention"
                                        for i in range(raw["num_hidden_layers"])]
     sliding = window is not None and "sliding_attention" in types
     caps = {name: (None if get(raw, spec, key) is None else float(get(raw, spec, key)))
             for name, key in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping"))}
     return dict(base, sandwich_norms=True, query_pre_attn_scalar=float(get(raw, spec, "query_pre_attn_scalar")),
-                sliding_window=int(window) if sliding else None, layer_types=list(types) if sliding else None, **caps)
+                sliding_window=window if sliding else None, layer_types=list(types) if sliding else None, **caps)
 
 
 def sandwich_write(cfg: ModelConfig) -> dict:

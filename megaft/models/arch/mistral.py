@@ -1,14 +1,11 @@
 """Mistral (MistralForCausalLM): Llama's block with sliding-window attention on every
 layer (`sliding_window`, 4096 when config.json omits it, null = full attention) and
 no biases."""
-from megaft.models.arch.spec import NO_GEMMA23, ArchSpec, ModelConfig, refuse_unless
+from megaft.models.arch.spec import NO_GEMMA23, ArchSpec, ModelConfig, refuse_unless, window_field
 
 
 def _read(raw: dict, file: str) -> dict:
-    # Omitted: transformers' 4096. null: no window (Mistral v0.2+ writes it; `get` would take
-    # null for the default).
-    window = raw.get("sliding_window", SPEC.defaults["sliding_window"])
-    return dict(sliding_window=None if window is None else int(window), layer_types=None)
+    return dict(sliding_window=window_field(raw, SPEC), layer_types=None)
 
 
 def _write(cfg: ModelConfig) -> dict:

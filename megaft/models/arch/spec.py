@@ -179,6 +179,14 @@ NO_GEMMA23 = dict(sandwich_norms=False, query_pre_attn_scalar=None, rope_local=N
                   final_softcap=None)
 
 
+def window_field(raw: dict, spec: ArchSpec) -> Optional[int]:
+    """config.json's sliding_window: the family's default when omitted, None (no window) when
+    null. Unlike `get`, null is a value here: transformers reads it as full attention
+    (Mistral v0.2 and later, Qwen3, Gemma configs write it)."""
+    window = raw.get("sliding_window", spec.defaults.get("sliding_window"))
+    return None if window is None else int(window)
+
+
 def refuse_unless(cfg: ModelConfig, spec: ArchSpec, **expected: Any) -> list[str]:
     """Problems for ModelConfig fields this family's HF class fixes at other values."""
     return [f"model.{k}={getattr(cfg, k)!r} cannot be exported as {spec.model_type} ({spec.architecture} "
@@ -189,7 +197,7 @@ def refuse_unless(cfg: ModelConfig, spec: ArchSpec, **expected: Any) -> list[str
 def sliding_layers(raw: dict, spec: ArchSpec, file: str) -> dict[str, Any]:
     """Qwen2/Qwen3 windows: `layer_types` when written (transformers 5), else layers
     >= max_window_layers slide when use_sliding_window (Qwen2Config.__post_init__)."""
-    window = get(raw, spec, "sliding_window") if get(raw, spec, "use_sliding_window") else None
+    window = window_field(raw, spec) if get(raw, spec, "use_sliding_window") else None
     types = raw.get("layer_types")
     if types is None:
         start = get(raw, spec, "max_window_layers")
