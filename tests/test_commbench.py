@@ -299,7 +299,7 @@ def test_command_exits_2_on_a_bad_config(tmp_path):
 
 
 def test_commbench_under_torchrun_measures_every_collective_once(tmp_path):
-    """The README's torchrun launch: 2 ranks, rank 0 writes one commbench.json of correct rows."""
+    """docs/commbench.md's torchrun launch: 2 ranks, rank 0 writes one commbench.json of correct rows."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "megaft.commbench.app",
                           f"hydra.run.dir={tmp_path}", "device=cpu", "commbench.min_bytes=8192",

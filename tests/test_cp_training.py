@@ -192,6 +192,6 @@ def test_cp2_at_half_precision_equals_the_single_process_at_it(tmp_path, precisi
     cfg.model.recompute_layers = 1
     cfg.launcher.nproc, cfg.verify.steps, cfg.verify.precision = 2, 5, precision
     report = run_verify(cfg, str(tmp_path))
-    print(report.format())  # the README's figures: pytest -s -k half_precision
+    print(report.format())  # docs/parallelism-context.md's figures: pytest -s -k half_precision
     assert report.passed, report.format()
     assert max(r.loss_rel for r in report.rows) <= 1e-3, report.format()

@@ -1,6 +1,6 @@
 """The import structure of megaft: no cycles, and every import points down the layers.
 
-The layers, lowest first (README "Architecture"); a module may import from its own
+The layers, lowest first (docs/architecture.md); a module may import from its own
 layer and the layers below. A module's layer is that of its longest matching prefix,
 so a component's config dataclass can sit in the config layer while its code sits
 higher (megaft.training.config, megaft.launch.config).

@@ -217,7 +217,7 @@ def test_megaft_verify_command_exits_2_on_a_bad_config_and_0_on_a_good_one(tmp_p
 
 
 def test_megaft_verify_under_torchrun_passes_and_a_lossy_layout_exits_1(tmp_path):
-    """The README's torchrun command (rank 0 reports), and the command's exit status 1 on a layout
+    """docs/verify.md's torchrun command (rank 0 reports), and the command's exit status 1 on a layout
     that really differs: bf16 gradient compression at dp=2 rounds every gradient (~4e-3), far
     beyond the fp32 tolerances, and the failure names a parameter."""
     bindir = os.path.dirname(sys.executable)

@@ -25,7 +25,7 @@ from megaft.launch.local import launch_local
 from megaft.train import run as train_run
 from megaft.training.config import TrainConfig, check_train
 
-TOL = 1e-5  # another dp reorders fp32 gradient sums (README: 1e-6 observed); same layout is bitwise
+TOL = 1e-5  # another dp reorders fp32 gradient sums (docs/checkpoints-and-elastic.md: 1e-6); same layout is bitwise
 
 
 def config(**launcher):

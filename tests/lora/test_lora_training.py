@@ -282,7 +282,7 @@ def test_fp16_with_loss_scaling_tp2_sp_equals_single_process_at_fp16(tmp_path, b
     cfg = layout_config(base, tp=2, sp=True)
     cfg.precision = cfg.verify.precision = "fp16"
     report = run_verify(cfg, str(tmp_path / "verify"))
-    print(report.format())  # the README's figures: pytest -s -k fp16
+    print(report.format())  # docs/lora.md's figures: pytest -s -k fp16
     assert report.passed, report.format()
     assert [r.step for r in report.rows] == list(range(1, 11)) and max(r.loss_rel for r in report.rows) <= 1e-3
     assert report.rows[-1].loss < 0.8 * report.rows[0].loss, report.format()  # the scaled steps were taken
