@@ -28,7 +28,7 @@ rel 1e-5 in fp32, 2e-2 with a bf16 base) before the timings are trusted.
 State bytes are measured on the built model and optimizer (`AdamW.memory_bytes()`: the
 flat fp32 params, grads and the two Adam moments of the trainable parameters; plus every
 frozen parameter's bytes) and printed next to the formula that validate()'s memory check
-uses (megaft.estimate: params 4 + grads 4 + moments 8 bytes per trainable parameter,
+uses (megaft.perf.memory: params 4 + grads 4 + moments 8 bytes per trainable parameter,
 frozen base bytes in --base-dtype). The measured run is one rank with dp = 1; --dp and
 --zero add the formula's bytes per rank of that layout (ZeRO-1 shards the moments over dp,
 ZeRO-2 the grads too; measured at dp = 2 in tests/lora/test_lora_training.py).
@@ -45,7 +45,6 @@ import torch
 
 from benchmarks.train_step.measure import model_config, round_orders, split_steps, timed_steps
 from megaft.config import Config
-from megaft.estimate import estimate_ranks
 from megaft.kernels.config import KernelsConfig
 from megaft.models.config import ModelConfig
 from megaft.models.init import init_params
@@ -54,6 +53,7 @@ from megaft.optim.adamw import AdamW
 from megaft.optim.config import OptimConfig
 from megaft.parallel.flat import FlatParams
 from megaft.peft import LoraConfig, apply_lora
+from megaft.perf.memory import estimate_ranks
 
 VARIANTS = ("full", "lora")
 STATE = ("params", "grads", "optimizer")
@@ -95,7 +95,7 @@ def turn(variant: str, cfg: ModelConfig, lora: LoraConfig, *, device: torch.devi
 
 
 def formula(cfg: ModelConfig, lora: Optional[LoraConfig], *, precision: str, dp: int, zero: int) -> dict[str, int]:
-    """The fullest rank's params/grads/optimizer bytes by megaft.estimate (validate()'s check)."""
+    """The fullest rank's params/grads/optimizer bytes by megaft.perf.memory (validate()'s check)."""
     run = Config()
     run.model, run.precision = cfg, precision
     run.parallel.dp, run.parallel.zero = dp, zero
@@ -156,7 +156,7 @@ def main() -> None:
     first = {v: turns[v][0] for v in VARIANTS}
     tol = 1e-5 if base_dtype == "fp32" and args.precision == "fp32" else 2e-2
     ref = first["full"].first_loss
-    print("\nstep time and state bytes per rank (dp=1, measured; formula = megaft.estimate), MiB")
+    print("\nstep time and state bytes per rank (dp=1, measured; formula = megaft.perf.memory), MiB")
     print(f"{'variant':<8} {'trainable':>11} {'step_ms':>9} {'vs full':>8} {'loss1':>8} {'valid':>5}  "
           + "  ".join(f"{k + ' meas/formula':>24}" for k in STATE) + f"  {'sum vs full':>11}")
     total_full = sum(first["full"].state.values())

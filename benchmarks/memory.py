@@ -3,10 +3,10 @@ reference from the same run:
 
 1. Bytes one decoder block saves for backward, measured with saved_tensors_hooks during a
    real forward (megaft.models.saved) on 1, 2 and 4 gloo ranks, against the estimate
-   (megaft.estimate.activation_bytes_per_token) for recompute none/selective/full x
+   (megaft.perf.counts.activation_bytes_per_token) for recompute none/selective/full x
    tp 1/2 x sequence parallel on/off x cp 1/2; and cp=2 against cp=1.
 2. The bytes each rank sends around the cp ring in one forward + backward, counted at the
-   send (megaft.models.ring.bytes_sent), against the formula (ring.ring_bytes).
+   send (megaft.models.ring.bytes_sent), against the formula (megaft.perf.counts.ring_bytes).
 3. Step time (forward + backward) of each recompute mode as a ratio against `none`, in
    alternating rounds (A B C, C B A, ...) on one process; on CUDA also the peak memory.
 
@@ -26,14 +26,14 @@ import torch
 
 from benchmarks.ranks import on_gloo_ranks
 from benchmarks.train_step.measure import round_orders
-from megaft.estimate import activation_bytes_per_token
 from megaft.models.config import ModelConfig
 from megaft.models.docs import context_shard
 from megaft.models.init import init_params
 from megaft.models.llama import Llama
-from megaft.models.ring import bytes_sent, ring_bytes
+from megaft.models.ring import bytes_sent
 from megaft.models.saved import block_bytes, saved_bytes
 from megaft.parallel.grid import ParallelGrid
+from megaft.perf.counts import activation_bytes_per_token, ring_bytes
 
 MODES = ("none", "selective", "full")
 ROWS, SEQ = 2, 32  # the measured rows (block_bytes compares 2*SEQ with SEQ tokens)

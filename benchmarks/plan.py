@@ -9,7 +9,7 @@ overlapping" of the DP, TP and PP communication, throughput end to end. Each row
 (name, attention heads, hidden size, layers, tp, pp, dp, GPUs, global batch, per-GPU
 TFLOP/s, MFU) as printed in that table.
 
-For every row the layout is fed to megaft's cost model (megaft.plan.cost.step_cost) on
+For every row the layout is fed to megaft's cost model (megaft.perf.time.step_cost) on
 conf/cluster/<cluster>.yaml: a Llama-shaped model with the same FLOPs (multi-head
 attention, SwiGLU width 8/3 x hidden = GPT's 4 x hidden MLP), bf16, micro-batch 1,
 sequence parallelism with tp, ZeRO-1 (Megatron's distributed optimizer) with bf16
@@ -37,8 +37,8 @@ from omegaconf import OmegaConf
 
 from megaft.config import Config
 from megaft.models.config import ModelConfig
+from megaft.perf.time import step_cost
 from megaft.plan.config import ClusterConfig
-from megaft.plan.cost import step_cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ_LEN, VOCAB = 4096, 131072

@@ -156,29 +156,42 @@ def _context_problems(cfg: Config) -> list[str]:
 def check_settings(cfg: Config, world_size: int) -> list[str]:
     """Problems of the values as written, for a world of `world_size` ranks: pure (reads
     the data and tokenizer files it names, changes nothing)."""
-    problems = check_parallel(cfg.parallel, world_size)
+    return check_layout_settings(cfg, world_size) + check_fixed_settings(cfg)
+
+
+def check_layout_settings(cfg: Config, world_size: int) -> list[str]:
+    """The settings' problems that depend on the layout (parallel degrees, ZeRO, micro-batch):
+    what megaft-plan checks for each layout after checking the rest once."""
+    par = cfg.parallel
+    problems = check_parallel(par, world_size)
     problems += _context_problems(cfg)
-    problems += check_optim(cfg.optim, device=cfg.device)
-    problems += check_master_weights(cfg.optim, precision=cfg.precision)
-    problems += check_train(cfg.train, resolve_dp(cfg.parallel, world_size))
-    problems += check_data(cfg.data, init_from=cfg.model.init_from)
-    problems += check_launcher(cfg.launcher)
-    problems += check_lora(cfg.lora, precision=cfg.precision, zero=cfg.parallel.zero, export_hf=cfg.train.export_hf,
+    problems += check_train(cfg.train, resolve_dp(par, world_size))
+    problems += check_lora(cfg.lora, precision=cfg.precision, zero=par.zero, export_hf=cfg.train.export_hf,
                            fused_linear_cross_entropy=cfg.kernels.fused_linear_cross_entropy)
-    if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
-        problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
-    if cfg.parallel.zero in (2, 3) and cfg.parallel.pp > 1 and cfg.model.tie_embeddings:
-        problems.append(f"parallel.zero={cfg.parallel.zero} with parallel.pp>1 and model.tie_embeddings: the tied "
+    if par.zero in (2, 3) and par.pp > 1 and cfg.model.tie_embeddings:
+        problems.append(f"parallel.zero={par.zero} with parallel.pp>1 and model.tie_embeddings: the tied "
                         "copies' grads are summed before the dp reduction, which zero>=2 does not keep; "
                         "fix: parallel.zero=1")
-    if cfg.parallel.offload == "cpu" and cfg.optim.fused not in ("auto", "cpu"):  # the update runs on host tensors
+    if par.offload == "cpu" and cfg.optim.fused not in ("auto", "cpu"):  # the update runs on host tensors
         problems.append(f"parallel.offload=cpu updates on the host, where optim.fused={cfg.optim.fused} cannot run; "
                         "fix: optim.fused=auto or cpu (or parallel.offload=none)")
-    if cfg.parallel.zero == 3:  # layers are gathered by module hooks; these paths read whole params directly
+    if par.zero == 3:  # layers are gathered by module hooks; these paths read whole params directly
         for on, name in ((cfg.train.export_hf, "train.export_hf"),
                          (cfg.kernels.fused_linear_cross_entropy, "kernels.fused_linear_cross_entropy")):
             if on:
                 problems.append(f"parallel.zero=3 does not support {name} yet; fix: parallel.zero=2 or turn it off")
+    return problems
+
+
+def check_fixed_settings(cfg: Config) -> list[str]:
+    """The settings' problems that no layout changes: optimizer, data (it parses every
+    line of the JSONL files), launcher, precision, device and kernels."""
+    problems = check_optim(cfg.optim, device=cfg.device)
+    problems += check_master_weights(cfg.optim, precision=cfg.precision)
+    problems += check_data(cfg.data, init_from=cfg.model.init_from)
+    problems += check_launcher(cfg.launcher)
+    if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
+        problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
     if cfg.device not in set(Device):
         problems.append(f"device={cfg.device!r} is unknown; fix: auto, cpu or cuda")
     else:
@@ -199,7 +212,18 @@ def _softcap_problems(cfg: Config) -> list[str]:
 
 
 def check_resolved(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
-    """Problems of the architecture and layout once `resolve` filled them in: pure."""
+    """Problems of the architecture and layout once `resolve` filled them in, then of the
+    memory estimate when there are none (it needs a consistent config): pure."""
+    problems = check_layout(cfg, world_size)
+    if not problems:
+        from megaft.perf.memory import check_memory
+
+        problems += check_memory(cfg, world_size, gpu_budget)
+    return problems
+
+
+def check_layout(cfg: Config, world_size: int) -> list[str]:
+    """check_resolved without the memory estimate."""
     problems = check_model(cfg.model, cfg.parallel.tp)
     problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
                                  tp=cfg.parallel.tp)
@@ -207,10 +231,6 @@ def check_resolved(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] 
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
                         "fix: lower data.seq_len or raise model.max_seq_len")
-    if not problems:  # the estimate needs a consistent config (megaft.estimate)
-        from megaft.estimate import check_memory
-
-        problems += check_memory(cfg, world_size, gpu_budget)
     return problems
 
 
@@ -223,7 +243,7 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
     tokenizer, when those files are usable), `check_resolved` (architecture, layout,
     memory). `gpu_budget` (bytes per GPU, its source) is the target GPU when the
     caller knows it (a Slurm preset's gpu_type); launcher.gpu_mem_gb still wins
-    (megaft.estimate.memory_budget).
+    (megaft.perf.memory.memory_budget).
     """
     problems = check_settings(cfg, world_size)
     if cfg.model.init_from:

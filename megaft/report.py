@@ -10,7 +10,7 @@ runs Slurm does not know: no metrics yet / metrics but no summary), done (summar
 failed (a submitted job that left squeue without a summary; the reason comes from
 submitit's result pickle or the job's stderr).
 
-MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s), from megaft.training.flops
+MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s), from megaft.perf.counts
 (the PaLM paper's count: matmuls forward and backward plus attention scores and values).
 The peak is --peak-tflops, else the run's train.peak_tflops, else the dense peak of the
 run's GPU at its precision; runs on CPU without a given peak show "-". The phase columns
@@ -44,7 +44,8 @@ import yaml
 
 from megaft.fileio import read_json, read_jsonl
 from megaft.launch.submit_record import read_submitted
-from megaft.training.flops import flops_per_token_from_params, mfu, peak_tflops
+from megaft.perf.counts import flops_per_token_from_params, mfu
+from megaft.perf.hardware import peak_tflops
 from megaft.training.phases import PHASE_KEYS
 
 COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp", "tokens_per_s", "mfu",

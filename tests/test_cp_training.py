@@ -18,9 +18,9 @@ from benchmarks.memory import estimated_block_bytes, measure_layouts, parse_key
 from benchmarks.memory import key as layout_key
 from megaft.checkpoint import io
 from megaft.config import validate
-from megaft.estimate import estimate_memory
 from megaft.models.context import chunk_index
 from megaft.parallel.grid import ParallelGrid
+from megaft.perf.memory import estimate_memory
 
 RTOL = 1e-5  # fp32: cp reorders the softmax's sums (the ring merges partial results)
 ALL_RUNS = {**CP2_RUNS, **RANK4_RUNS}

@@ -1,4 +1,4 @@
-"""The per-GPU memory estimate (megaft.estimate): the 1b preset against small budgets in
+"""The per-GPU memory estimate (megaft.perf.memory): the 1b preset against small budgets in
 validate() (pure config, no GPU), and its params/grads/optimizer bytes against what a
 tiny CPU model's optimizer really holds (`memory_bytes()`) under tp, pp, dp and ZeRO."""
 import os
@@ -10,9 +10,11 @@ from omegaconf import OmegaConf
 from train_cases import small_config
 
 from megaft.config import Config, validate
-from megaft.estimate import GIB, check_memory, estimate_memory, estimate_ranks, rank_params
 from megaft.optim import build_optimizer
 from megaft.parallel.grid import ParallelGrid
+from megaft.perf.counts import rank_params
+from megaft.perf.hardware import GIB
+from megaft.perf.memory import check_memory, estimate_memory, estimate_ranks
 from megaft.training.parts import build_model
 
 CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")

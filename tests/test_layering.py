@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -25,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("megaft.pipeline",)),
     ("checkpoint", ("megaft.checkpoint",)),
     ("data", ("megaft.data",)),
-    ("config", ("megaft.config", "megaft.estimate", "megaft.training.config", "megaft.launch.config",
+    ("config", ("megaft.config", "megaft.perf", "megaft.training.config", "megaft.launch.config",
                 "megaft.verify.config", "megaft.commbench.config", "megaft.plan.config")),
     ("training", ("megaft.training",)),
     ("launch", ("megaft.launch",)),
@@ -130,3 +131,34 @@ def test_low_layers_import_without_the_high_ones(name):
             "'megaft.launch', 'megaft.config'))]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- one performance model ---------------------------------------------------------------
+# megaft.perf counts a model's parameters, FLOPs and bytes and holds the device table; no
+# other module may (issue 23). What "counting" looks like in source, as patterns:
+COUNTING = (
+    # (ClusterConfig.peak_tflops(self, precision) reads its own fields, which the table filled)
+    (re.compile(r"^\s*def \w*(flops|tflops)\w*\s*\((?!self)", re.M), "defines a FLOPs/peak function"),
+    (re.compile(r"^\s*(PEAK_TFLOPS|GPU_MEMORY_GIB|DEVICES)\s*[:=]", re.M), "holds a device table"),
+    (re.compile(r"^\s*def (matmul_params|layer_params|rank_params|total_params|adapter_layer_params|"
+                r"activation_bytes_per_token|ring_bytes|estimate_memory|estimate_ranks)\s*\(", re.M),
+     "defines a counting function of megaft.perf"),
+    # a FLOP factor times a model dimension: 2/4/6/12 * dim, heads, ffn, vocab or layers
+    (re.compile(r"\b(2|4|6|12)\.0\s*\*\s*[\w.]*\b(dim|n_heads|hd|ffn_dim|vocab_size|n_layers)\b"), "counts FLOPs"),
+)
+
+
+def counting_sites(source: str) -> list[str]:
+    return [f"line {source[:m.start()].count(chr(10)) + 1}: {why}"
+            for pattern, why in COUNTING for m in pattern.finditer(source)]
+
+
+def test_only_megaft_perf_counts_flops_and_bytes():
+    found = {name: sites for name, path in modules().items()
+             if not (name == "megaft.perf" or name.startswith("megaft.perf."))
+             and (sites := counting_sites(open(path).read()))}
+    assert found == {}, found
+    # the guard can fail: the code it replaced is caught
+    planted = ("PEAK_TFLOPS = ()\ndef flops_per_token(m, seq):\n"
+               "    return 6.0 * m.n_layers + 12.0 * m.n_heads * seq\ndef layer_params(m, tp): pass\n")
+    assert len(counting_sites(planted)) == 5, counting_sites(planted)

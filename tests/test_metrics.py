@@ -14,8 +14,9 @@ from megaft.config import Config, validate
 from megaft.kernels.config import OPS
 from megaft.models.config import ModelConfig
 from megaft.parallel.grid import ParallelGrid
+from megaft.perf import counts as flops
+from megaft.perf import hardware
 from megaft.training import config as train_config
-from megaft.training import flops
 from megaft.training.loop import Trainer
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
 
@@ -36,17 +37,37 @@ def test_flops_per_token_counts_gqa_attention_and_head():
 
 
 def test_peak_table():
-    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
-    assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 66.9
-    assert flops.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0  # not the SXM part's
-    assert flops.peak_tflops("NVIDIA GH200 480GB", "fp16") == 989.4
-    assert flops.peak_tflops("NVIDIA H200", "bf16") == 989.4 and flops.peak_tflops("NVIDIA B200", "bf16") == 2250.0
-    assert flops.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
-    assert flops.peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
-    assert flops.peak_tflops("Some New GPU", "bf16") is None
-    assert flops.device_peak_tflops(torch.device("cpu"), "bf16") is None
-    assert flops.device_peak_tflops(torch.device("cpu"), "bf16", configured=3.0) == 3.0
+    assert hardware.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert hardware.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 66.9
+    assert hardware.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0  # not the SXM part's
+    assert hardware.peak_tflops("NVIDIA H100 NVL", "bf16") == 835.0
+    assert hardware.peak_tflops("NVIDIA GH200 480GB", "fp16") == 989.4
+    assert hardware.peak_tflops("NVIDIA H200", "bf16") == 989.4
+    assert hardware.peak_tflops("NVIDIA B200", "bf16") == 2250.0
+    assert hardware.peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
+    assert hardware.peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
+    assert hardware.peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0
+    assert hardware.peak_tflops("Some New GPU", "bf16") is None
+    assert hardware.device_peak_tflops(torch.device("cpu"), "bf16") is None
+    assert hardware.device_peak_tflops(torch.device("cpu"), "bf16", configured=3.0) == 3.0
     assert flops.mfu(1000.0, 2e9, 2, 1.0) == pytest.approx(1.0)
+
+
+def test_one_device_table_serves_memory_budgets_and_peaks():
+    # The Slurm presets' memory budgets, in the order the unknown-type error lists them
+    assert list(hardware.GPU_MEMORY_GIB.items()) == [
+        ("t4", 14.7), ("v100-16g", 15.7), ("v100-32g", 31.7), ("a10g", 22.1), ("l4", 22.0), ("l40s", 44.3),
+        ("a100-40g", 39.3), ("a100-80g", 79.1), ("h100", 79.1), ("h100-nvl", 93.1), ("gh200", 94.5),
+        ("h200", 139.7), ("b200", 178.3), ("mi250x", 63.9), ("mi300x", 191.9)]
+    assert hardware.gpu_type_memory("H100") == (79.1, [])
+    gib, problems = hardware.gpu_type_memory("h900")
+    assert gib is None and "hydra.launcher.gpu_type='h900' is unknown" in problems[0] and "mi300x" in problems[0]
+    # a gpu_type's peaks are those of the GPU name it stands for
+    for key, name in (("h100", "NVIDIA H100 80GB HBM3"), ("gh200", "NVIDIA GH200 480GB"), ("a100-40g", "NVIDIA A100"),
+                      ("h100-nvl", "NVIDIA H100 NVL"), ("mi300x", "AMD Instinct MI300X")):
+        assert hardware.device(key).peaks["bf16"] == hardware.peak_tflops(name, "bf16"), key
+    assert hardware.device("t4").peaks == {} and hardware.device("nope") is None
+
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +200,7 @@ def test_phases_under_pipeline_and_data_parallel(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA-event phase timers, device peak)")
 def test_cuda_phases_mfu_and_memory_estimate(tmp_path):
-    from megaft.estimate import estimate_memory
+    from megaft.perf.memory import estimate_memory
 
     cfg = small_config(steps=3)
     cfg.precision, cfg.device, cfg.train.tensorboard = "bf16", "cuda", "false"

@@ -15,12 +15,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from megaft.config import Config, register_configs, validate
-from megaft.estimate import estimate_memory
+from megaft.perf.hardware import device, peak_tflops
+from megaft.perf.memory import estimate_memory
+from megaft.perf.time import all_reduce_s, gather_s, group_link, step_cost
 from megaft.plan.app import planning_config, user_overrides
 from megaft.plan.config import ClusterConfig, check_cluster
-from megaft.plan.cost import all_reduce_s, gather_s, group_link, step_cost
 from megaft.plan.space import NOOP_ZERO, Layout, apply_layout, layouts, rule_of_thumb, search
-from megaft.training.flops import PEAK_TFLOPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF = os.path.join(ROOT, "conf")
@@ -73,11 +73,19 @@ def test_cluster_presets_compose_and_are_complete(name):
 
 
 def test_gpu_peaks_match_the_mfu_table():
-    # The planner's MFU and the trainer's must share the peak (megaft.training.flops).
-    table = dict(PEAK_TFLOPS)
-    for name, key in (("h100", "H100"), ("h200", "H200"), ("a100", "A100"), ("b200", "B200")):
+    # The planner's MFU and the trainer's share one device table (megaft.perf.hardware): a
+    # preset names its gpu_type and takes the peaks and HBM bandwidth from it, the numbers
+    # the presets carried before the table was shared.
+    for name, gpu, bf16, fp32, hbm in (("h100", "NVIDIA H100 80GB HBM3", 989.4, 66.9, 3.35),
+                                        ("h200", "NVIDIA H200", 989.4, 66.9, 4.8),
+                                        ("a100", "NVIDIA A100-SXM4-80GB", 312.0, 19.5, 2.039),
+                                        ("b200", "NVIDIA B200", 2250.0, 75.0, 8.0)):
         c = composed([f"cluster={name}"]).cluster
-        assert (c.peak_tflops_bf16, c.peak_tflops_fp32) == (table[key]["bf16"], table[key]["fp32"])
+        assert (c.peak_tflops("bf16"), c.peak_tflops("fp32"), c.hbm_tbps) == (bf16, fp32, hbm), name
+        assert (peak_tflops(gpu, "bf16"), peak_tflops(gpu, "fp32")) == (bf16, fp32), gpu
+        assert device(c.gpu_type).peaks["bf16"] == bf16
+    # an explicit override still wins over the table
+    assert composed(["cluster=h100", "cluster.peak_tflops_bf16=500"]).cluster.peak_tflops("bf16") == 500
 
 
 def test_default_cluster_leaves_training_alone():
@@ -278,7 +286,7 @@ def test_measured_links_from_a_real_commbench_run(tmp_path):
     inter-node link, not measured on one host, stays; a wrong file is a clear error."""
     from megaft.commbench.app import run as commbench
     from megaft.commbench.config import CommbenchConfig
-    from megaft.plan.cost import Link
+    from megaft.perf.time import Link
     from megaft.plan.report import plan_json
 
     bench = Config()

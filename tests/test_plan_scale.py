@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from megaft.config import register_configs
-from megaft.plan.cost import TERMS
+from megaft.perf.time import TERMS
 from megaft.plan.multirun import measured, multirun_command, points_by_name, write_group
 from megaft.plan.probe import launcher_overrides, term_errors
 from megaft.scale.app import split_args

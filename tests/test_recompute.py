@@ -13,7 +13,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels, interpreted on CPU
 
 from megaft.config import Config, validate  # noqa: E402
-from megaft.estimate import activation_bytes_per_token  # noqa: E402
 from megaft.kernels import _triton  # noqa: E402
 from megaft.kernels.config import KernelsConfig  # noqa: E402
 from megaft.models import saved  # noqa: E402
@@ -21,6 +20,7 @@ from megaft.models.config import ModelConfig, check_model  # noqa: E402
 from megaft.models.docs import Docs  # noqa: E402
 from megaft.models.init import init_params  # noqa: E402
 from megaft.models.llama import Llama  # noqa: E402
+from megaft.perf.counts import activation_bytes_per_token  # noqa: E402
 from megaft.pipeline.stage import StageModel  # noqa: E402
 from megaft.verify.run import run_verify  # noqa: E402
 
@@ -130,7 +130,7 @@ def test_activation_estimate_matches_the_saved_bytes_of_gemma2_blocks(seq):
 
 
 def test_validate_estimates_less_memory_with_recompute():
-    from megaft.estimate import estimate_memory
+    from megaft.perf.memory import estimate_memory
 
     cfg = Config()
     cfg.parallel.tp, cfg.launcher.nproc = 1, 1

@@ -20,10 +20,10 @@ from megaft.commbench.config import CommbenchConfig
 from megaft.config import Config, register_configs
 from megaft.launch.submit_record import merge_submitted
 from megaft.parallel.grid import ParallelGrid
-from megaft.plan.cost import step_cost
+from megaft.perf.counts import flops_per_token
+from megaft.perf.time import step_cost
 from megaft.plan.shape import planning_config
 from megaft.train import conf_dir
-from megaft.training.flops import flops_per_token
 from megaft.training.loop import Trainer
 
 
@@ -94,7 +94,7 @@ def test_mfu(sweep):
                    peak_tflops=None)
     tps = summary["tokens_per_s"]
     mfu = report._mfu(summary, tps, None)
-    fpt = summary["flops_per_token"]  # written by the trainer from megaft.training.flops
+    fpt = summary["flops_per_token"]  # written by the trainer from megaft.perf.counts
     cfg = small_config(steps=4)
     assert fpt == flops_per_token(cfg.model, cfg.data.seq_len)
     assert mfu == pytest.approx(tps * fpt / 989.4e12)

@@ -18,9 +18,9 @@ same weights after --warmup untimed steps; a provider's step time is the median 
 its timed steps. A fixed order would hand the warm-up of clocks and caches, and any
 drift, to one side.
 
-MFU = tokens/s * model FLOPs per token / peak (megaft.training.flops: 6 per matmul
+MFU = tokens/s * model FLOPs per token / peak (megaft.perf.counts: 6 per matmul
 weight + attention scores and values at --seq); the peak is --peak-tflops, else the
-GPU's dense peak at --precision from megaft.training.flops.PEAK_TFLOPS; on CPU "-".
+GPU's dense peak at --precision from megaft.perf.hardware.DEVICES; on CPU "-".
 Before the table is trusted, every provider's first-step loss is checked against the
 reference's (same weights, same batch): rel 1e-4 in fp32, 2e-2 under bf16/fp16.
 An auto op is decided once per provider as training decides it (on CUDA: measured on
@@ -37,7 +37,8 @@ if not torch.cuda.is_available():  # before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.train_step.measure import model_config, run  # noqa: E402
-from megaft.training.flops import flops_per_token, matmul_params, mfu, peak_tflops  # noqa: E402
+from megaft.perf.counts import flops_per_token, matmul_params, mfu  # noqa: E402
+from megaft.perf.hardware import peak_tflops  # noqa: E402
 
 
 def default_providers(cuda: bool) -> list[str]:

@@ -16,8 +16,8 @@ class SlurmLauncherConf:
     gpus_per_node: int = 0  # GPUs per node, one per rank (--gpus-per-node); 0 = CPU nodes
     tasks_per_node: int = 0  # CPU nodes only: ranks per node; 0 = all of a point's ranks on one node
     cpus_per_task: int = 1  # cores per rank (--cpus-per-task); torch uses this many threads
-    # The memory check's budget per GPU (megaft.estimate) for points without launcher.gpu_mem_gb:
-    gpu_type: Optional[str] = None  # the nodes' GPU, e.g. h100, h200, a100-80g (estimate.GPU_MEMORY_GIB)
+    # The memory check's budget per GPU (megaft.perf.memory) for points without launcher.gpu_mem_gb:
+    gpu_type: Optional[str] = None  # the nodes' GPU, e.g. h100, h200, a100-80g (megaft.perf.hardware)
     gpu_mem_gb: float = 0.0  # GiB per GPU, wins over gpu_type (a MIG slice, a GPU not in the table); 0 = gpu_type's
     mem_gb: int = 0  # memory per node in GB (--mem); 0 = don't ask (the partition's default)
     timeout_min: int = 60  # wall-clock limit per job in minutes (--time)

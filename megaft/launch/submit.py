@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
 from megaft.config import Config, validate
-from megaft.estimate import GIB, gpu_type_memory
 from megaft.launch.env import slurm_port
+from megaft.perf.hardware import GIB, gpu_type_memory
 from megaft.signals import WARNING_SIGNALS
 
 Budget = tuple[int, str]  # bytes per GPU, and where the number came from (for messages)

@@ -165,23 +165,12 @@ def attend_block_backward(dout, q, k, v, out, lse, delta, causal: bool, mask, sc
 # -- the ring --------------------------------------------------------------------------
 
 KV_TAG, GRAD_TAG = 1, 2
-_SENT = [0]  # bytes this process has sent around rings (benchmarks/memory.py checks ring_bytes against it)
+_SENT = [0]  # bytes sent around rings so far (benchmarks/memory.py checks megaft.perf.counts.ring_bytes)
 
 
 def bytes_sent() -> int:
     """Bytes this process has sent around cp rings so far."""
     return _SENT[0]
-
-
-def ring_bytes(rows: int, seq: int, kv_heads: int, head_dim: int, cp: int, *, itemsize: int,
-               recompute_forward: bool = False) -> int:
-    """Bytes one rank sends around the ring for one layer and micro-batch of `rows` rows of
-    `seq` tokens (`kv_heads`: this tp rank's): forward, cp-1 K/V blocks; backward, cp-1
-    K/V blocks again and cp fp32 dK/dV accumulators; a recomputed forward (model.recompute
-    =full) sends its K/V again."""
-    block = 2 * rows * (seq // cp) * kv_heads * head_dim
-    forward = (cp - 1) * block * itemsize
-    return forward * (2 if recompute_forward else 1) + (cp - 1) * block * itemsize + cp * block * 4
 
 
 class _Ring:

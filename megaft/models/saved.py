@@ -1,5 +1,5 @@
 """What a forward saves for backward, counted: the activation memory the estimate
-(megaft.estimate.activation_bytes_per_token) predicts, measured on any device with
+(megaft.perf.counts.activation_bytes_per_token) predicts, measured on any device with
 `torch.autograd.graph.saved_tensors_hooks` during a real forward."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 then the mask, a softmax in fp32 and the product with v, as transformers' eager path.
 
 SDPA and the flash kernels have no cap, so this is the explicit form: it keeps the
-[seq, seq] probabilities of each head for backward (megaft.estimate counts them) and runs
+[seq, seq] probabilities of each head for backward (megaft.perf.counts counts them) and runs
 under recompute=selective like the SDPA core. The head's final soft-capping is
 `softcap` on the logits."""
 from __future__ import annotations

@@ -39,23 +39,6 @@ class LoraConfig:
         return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
-def adapter_layer_params(m, lora: LoraConfig, tp: int) -> tuple[int, int]:
-    """(adapter parameters, base linear weight elements) of one decoder block on one tp rank
-    (`m`: a megaft.models.ModelConfig; megaft.peft.lora's splits: column A [r, in] whole,
-    B [out/tp, r]; row A [r, in/tp], B [out, r] whole)."""
-    q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
-    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True),
-              "gate": (m.dim, m.ffn_dim, False), "up": (m.dim, m.ffn_dim, False), "down": (m.ffn_dim, m.dim, True)}
-    adapters = sum(r * (i // tp + o) if row else r * (i + o // tp)
-                   for t, (i, o, row) in shapes.items() if t in lora.targets)
-    return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
-
-
-def head_adapter_params(m, lora: LoraConfig, vocab_local: int) -> int:
-    """Parameters of the lm_head adapter on one tp rank holding `vocab_local` head rows (0 unless targeted)."""
-    return lora.rank * (m.dim + vocab_local) if "lm_head" in lora.targets else 0
-
-
 def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: bool = False,
                zero: int = 0, export_hf: bool = False) -> list[str]:
     """Every problem of the `lora.*` settings (none when LoRA is off), each with its fix."""

@@ -30,17 +30,18 @@ class ActionKind(str, Enum):
     SEND_B = "SEND_B"  # send input gradients to the previous virtual stage
     RECV_B = "RECV_B"  # receive output gradients from the next virtual stage
 
+    # identity tests: the simulator and the planner ask these millions of times
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self is ActionKind.F or self is ActionKind.B
 
     @property
     def is_send(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self is ActionKind.SEND_F or self is ActionKind.SEND_B
 
     @property
     def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self is ActionKind.RECV_F or self is ActionKind.RECV_B
 
 
 class Action(NamedTuple):
@@ -91,8 +92,10 @@ def message_of(action: Action) -> tuple[str, int, int]:
     Direction is "F" (activations, stage s to s+1) or "B" (gradients, s to s-1).
     """
     s, kind, mb = action
-    if kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
-        return (kind.value[-1], s, mb)
+    if kind is ActionKind.SEND_F:
+        return ("F", s, mb)
+    if kind is ActionKind.SEND_B:
+        return ("B", s, mb)
     if kind is ActionKind.RECV_F:
         return ("F", s - 1, mb)
     if kind is ActionKind.RECV_B:

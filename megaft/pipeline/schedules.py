@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megaft.parallel.config import Schedule as ScheduleName
-from megaft.pipeline.actions import Action, ActionKind, ScheduleError, parse_action, rank_of
+from megaft.pipeline.actions import Action, ActionKind, ScheduleError, parse_action
 
 Schedule = dict[int, list[Action]]
 
@@ -49,17 +49,17 @@ def add_send_recv(compute: Mapping[int, Sequence[Action]], pp: int, chunks: int 
     for rank in sorted(compute):
         actions: list[Action] = []
         for a in compute[rank]:
-            if not a.kind.is_compute:
-                continue
-            s, mb = a.stage, a.microbatch
-            if a.kind is F:
-                pre = s > 0 and rank_of(s - 1, pp) != rank
-                post = s < last and rank_of(s + 1, pp) != rank
+            s, kind, mb = a
+            if kind is F:  # rank_of(s ± 1) != rank, inlined: the planner builds many schedules
+                pre = s > 0 and (s - 1) % pp != rank
+                post = s < last and (s + 1) % pp != rank
                 recv, send = ActionKind.RECV_F, ActionKind.SEND_F
-            else:
-                pre = s < last and rank_of(s + 1, pp) != rank
-                post = s > 0 and rank_of(s - 1, pp) != rank
+            elif kind is B:
+                pre = s < last and (s + 1) % pp != rank
+                post = s > 0 and (s - 1) % pp != rank
                 recv, send = ActionKind.RECV_B, ActionKind.SEND_B
+            else:
+                continue
             if pre:
                 actions.append(Action(s, recv, mb))
             actions.append(a)

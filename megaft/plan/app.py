@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -69,9 +70,11 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     cluster, plan = shaped.cluster, cfg.plan  # cluster.measured: the measured links (megaft.plan.measured)
     for note in apply_measured(cfg.cluster)[1]:
         print(f"megaft-plan: links: {note}")
+    start = time.perf_counter()
     result = search(shaped, cluster, plan)
     rule = rule_of_thumb(shaped, cluster)
     explanation = explain_rule(result, rule, shaped, cluster)
+    searched_s = time.perf_counter() - start
     out = plan_json(result, shaped, cluster, user_overrides=user_overrides(overrides), top_k=plan.top_k,
                     explanation=explanation)
     m = shaped.model
@@ -85,6 +88,7 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     else:
         print("no layout fits; see the reasons below")
     print(format_rejections(result))
+    print(f"megaft-plan: searched {result.considered} layouts in {searched_s:.2f} s")
     if plan.explain:
         print(format_explanation(explanation))
     os.makedirs(run_dir, exist_ok=True)

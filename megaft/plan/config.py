@@ -5,11 +5,15 @@ one set of overrides serves megaft-train and megaft-plan alike.
 The defaults describe no cluster (zeros): megaft-train never reads `cluster`, and
 megaft-plan asks for a preset (`cluster=h100 cluster.nodes=8`). Bandwidths are per
 device and per direction, in GB/s (1e9 bytes/s); memory sizes are vendor GB (1e9 bytes).
+The device's own facts (peaks, HBM bandwidth, memory) come from megaft.perf.hardware's
+table by `gpu_type` unless a preset or override sets them (> 0); presets hold the node.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+from megaft.perf.hardware import device
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -19,10 +23,10 @@ class ClusterConfig:
     name: str = "none"  # preset name, informational
     nodes: int = 1  # nodes the job gets; the planner uses nodes * gpus_per_node ranks
     gpus_per_node: int = 0  # devices (one rank each) per node; 0 = no cluster chosen
-    gpu_type: str = ""  # megaft.estimate.GPU_MEMORY_GIB key: the memory budget, as in Slurm sweeps; "" = hbm_gb
-    hbm_gb: float = 0.0  # device memory from the datasheet (GB)
-    hbm_tbps: float = 0.0  # device memory bandwidth (TB/s): the optimizer step's time
-    peak_tflops_bf16: float = 0.0  # dense (no sparsity) peak TFLOP/s per device at bf16
+    gpu_type: str = ""  # megaft.perf.hardware key: peaks, HBM and the memory budget as Slurm sweeps use; "" = hbm_gb
+    hbm_gb: float = 0.0  # device memory from the datasheet (GB), the budget when gpu_type is ""
+    hbm_tbps: float = 0.0  # device memory bandwidth (TB/s): the optimizer step's time; 0 = gpu_type's
+    peak_tflops_bf16: float = 0.0  # dense (no sparsity) peak TFLOP/s per device at bf16; 0 = gpu_type's
     peak_tflops_fp16: float = 0.0  # same at fp16
     peak_tflops_fp32: float = 0.0  # same at plain fp32 (torch runs fp32 matmuls without TF32)
     matmul_fraction: float = 0.0  # achievable fraction of the peak over a whole model's FLOPs
@@ -36,6 +40,17 @@ class ClusterConfig:
     # a megaft-commbench run dir (or its commbench.json): its measured intra-/inter-node all-reduce bus
     # bandwidth and latency replace nvlink_*/ib_* (megaft.plan.measured); null = the datasheet's
     measured: Optional[str] = None
+
+    def __post_init__(self):
+        # the device's facts from the one hardware table, where the preset leaves them at 0
+        row = device(self.gpu_type) if self.gpu_type else None
+        if row is None:
+            return
+        for precision in PRECISIONS:
+            if not getattr(self, f"peak_tflops_{precision}") and precision in row.peaks:
+                setattr(self, f"peak_tflops_{precision}", row.peaks[precision])
+        if not self.hbm_tbps and row.hbm_tbps:
+            self.hbm_tbps = row.hbm_tbps
 
     @property
     def world_size(self) -> int:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-from megaft.estimate import GIB, estimate_memory
-from megaft.plan.cost import TERMS, step_cost
-from megaft.plan.space import Layout, SearchResult, apply_layout, layout_problems, reason_of, total_params
+from megaft.perf.counts import total_params
+from megaft.perf.hardware import GIB
+from megaft.perf.memory import estimate_memory
+from megaft.perf.time import TERMS, step_cost
+from megaft.plan.space import Layout, SearchResult, apply_layout, layout_problems, reason_of
 
 COLUMNS = ("#", "tp", "pp", "vpp", "cp", "dp", "zero", "mbs", "recompute", "offload", "mem GiB", "step s",
            "tok/s/GPU", "MFU", "bottleneck")

@@ -4,7 +4,7 @@ the bandwidth megaft-commbench measured predicts for it.
 Measured, from the run's phase times (megaft.training.phases.comm_share): exposed
 communication over the phased step, comm_s / (forward_s + backward_s + optimizer_s + comm_s).
 Predicted: the run's own config (its `.hydra/config.yaml`) on its world size, costed by the
-planner's model (megaft.plan.cost) with the cluster's links replaced by the measured ones
+planner's model (megaft.perf.time) with the cluster's links replaced by the measured ones
 (`cluster.measured`, megaft.plan.measured). comm_s is the time nothing hid (the dp reduction
 left after backward, pipeline receive waits), so the prediction it stands next to is the
 same group of terms megaft-plan's probe compares it with: dp_comm + pp_bubble
@@ -22,7 +22,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from megaft.config import Config
-from megaft.plan.cost import step_cost
+from megaft.perf.time import step_cost
 from megaft.plan.measured import apply_measured
 from megaft.plan.probe import TERM_GROUPS
 from megaft.plan.shape import planning_config

@@ -23,15 +23,16 @@ reason of its first problem (`REASONS`), with that problem kept as an example.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from megaft.config import check_resolved, check_settings
-from megaft.estimate import GIB, MemoryEstimate, estimate_memory, gpu_type_memory
-from megaft.plan.cost import StepCost, step_cost
-from megaft.training.flops import matmul_params
+from megaft.config import check_layout, check_layout_settings, check_resolved, check_settings
+from megaft.perf.counts import total_params
+from megaft.perf.hardware import GIB, gpu_type_memory
+from megaft.perf.memory import MemoryEstimate, check_memory, estimate_memory
+from megaft.perf.time import StepCost, step_costs
 
 # (substring of a validation problem, the reason it is counted under); first match wins.
 REASONS = (
@@ -114,7 +115,7 @@ def divisors(n: int) -> list[int]:
 
 
 def memory_target(cluster) -> tuple[int, str]:
-    """(bytes per GPU, source) of the cluster: its gpu_type's budget (megaft.estimate's table,
+    """(bytes per GPU, source) of the cluster: its gpu_type's budget (megaft.perf.hardware's table,
     as Slurm sweeps use), else hbm_gb."""
     if cluster.gpu_type:
         gib, _ = gpu_type_memory(cluster.gpu_type)
@@ -146,18 +147,41 @@ def layouts(cfg, cluster, plan) -> Iterator[Layout]:
 
 def apply_layout(cfg, layout: Layout):
     """A copy of `cfg` (megaft.config.Config) running `layout`; `cfg` is not changed."""
-    par = dataclasses.replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, cp=layout.cp,
-                              schedule=layout.schedule if layout.pp > 1 else cfg.parallel.schedule,
-                              sequence_parallel=layout.sequence_parallel, zero=layout.zero,
-                              offload=layout.offload, pp_layers=None)
-    train = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size)
-    model = dataclasses.replace(cfg.model, recompute=layout.recompute, recompute_layers=None)
-    return dataclasses.replace(cfg, parallel=par, train=train, model=model)
+    par = _replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, cp=layout.cp,
+                   schedule=layout.schedule if layout.pp > 1 else cfg.parallel.schedule,
+                   sequence_parallel=layout.sequence_parallel, zero=layout.zero, offload=layout.offload,
+                   pp_layers=None)
+    train = _replace(cfg.train, micro_batch_size=layout.micro_batch_size)
+    model = _replace(cfg.model, recompute=layout.recompute, recompute_layers=None)
+    return _replace(cfg, parallel=par, train=train, model=model)
+
+
+def _replace(obj, **changes):
+    """dataclasses.replace for plain config dataclasses (no __post_init__ to rerun), without
+    the constructor call: the planner copies four per layout, thousands of times."""
+    fields = obj.__dataclass_fields__
+    unknown = [k for k in changes if k not in fields]
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field {unknown[0]!r}")
+    new = copy.copy(obj)
+    new.__dict__.update(changes)
+    return new
 
 
 def layout_problems(cfg, world: int, budget: tuple[int, str]) -> list[str]:
     """megaft.config.validate's checks of a resolved config (it has no files left to resolve)."""
     return check_settings(cfg, world) + check_resolved(cfg, world, gpu_budget=budget)
+
+
+def checked(cfg, world: int, budget: tuple[int, str]) -> tuple[list[str], Optional[MemoryEstimate]]:
+    """layout_problems of a layout of the planning config, whose layout-free settings
+    megaft.plan.shape.planning_config checked once, and for a layout without other
+    problems its memory estimate (computed once: the memory check and the ranking read it)."""
+    problems = check_layout_settings(cfg, world) + check_layout(cfg, world)
+    if problems:
+        return problems, None
+    est = estimate_memory(cfg, world)
+    return check_memory(cfg, world, budget, estimate=est), est
 
 
 def reason_of(problem: str) -> str:
@@ -173,6 +197,7 @@ def search(cfg, cluster, plan) -> SearchResult:
     world, budget = cluster.world_size, memory_target(cluster)
     result = SearchResult(ranked=[], budget=budget)
     lowest_zero = min(plan.zero_stages)
+    valid = []
     for layout in layouts(cfg, cluster, plan):
         result.considered += 1
         if layout.dp * layout.cp == 1 and layout.zero != lowest_zero:  # ZeRO shards over dp×cp
@@ -180,22 +205,20 @@ def search(cfg, cluster, plan) -> SearchResult:
             reason = NOOP_ZERO
         else:
             cand = apply_layout(cfg, layout)
-            problems = layout_problems(cand, world, budget)
+            problems, memory = checked(cand, world, budget)
             reason = reason_of(problems[0]) if problems else ""
         if problems:
             result.rejected[reason] += 1
             result.examples.setdefault(reason, problems[0])
             result.reasons[layout] = (reason, problems[0])
             continue
-        result.ranked.append(Candidate(layout, cand, estimate_memory(cand, world), step_cost(cand, cluster, world)))
+        valid.append((layout, cand, memory))
+    # costed together: layouts that share a pipeline schedule share one replay
+    costs = step_costs([cand for _, cand, _ in valid], cluster, world)
+    result.ranked = [Candidate(layout, cand, memory, cost) for (layout, cand, memory), cost in zip(valid, costs)]
     result.ranked.sort(key=lambda c: (round(c.cost.step_s, 6), c.layout.zero, c.layout.offload != "none",
                                       c.layout.pp * c.layout.vpp, c.layout.tp, c.layout.cp, c.memory.total))
     return result
-
-
-def total_params(m) -> int:
-    """Weights of the model: the matmul weights plus the input embedding."""
-    return matmul_params(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
 
 
 def rule_of_thumb(cfg, cluster) -> Layout:

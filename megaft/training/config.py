@@ -22,7 +22,7 @@ class TrainConfig:
     keep_last: int = 2  # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: bool = True  # start from the newest complete checkpoint in run_dir/checkpoints, if any
     async_save: bool = False  # write checkpoint shards in a background thread while training goes on
-    peak_tflops: float = 0.0  # per-GPU peak TFLOP/s for MFU; 0 = the device table (megaft.training.flops), CPU: none
+    peak_tflops: float = 0.0  # per-GPU peak TFLOP/s for MFU; 0 = the device table (megaft.perf.hardware), CPU: none
     log_phases: bool = True  # forward/backward/optimizer/comm seconds in every metrics line (CUDA events)
     tensorboard: str = "auto"  # auto | true | false: event files in run_dir/tensorboard (auto: when installed)
     # Abort after this many consecutive steps with a non-finite loss or grad norm (fp16 overflow skips

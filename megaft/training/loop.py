@@ -27,8 +27,9 @@ from megaft.optim import clip_grad_norm_, lr_at
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.shard import full_shape
+from megaft.perf.counts import flops_per_token, mfu
+from megaft.perf.hardware import device_peak_tflops
 from megaft.training.evaluate import eval_accuracy
-from megaft.training.flops import device_peak_tflops, flops_per_token, mfu
 from megaft.training.metrics import write_summary
 from megaft.training.parts import TrainSpec
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
@@ -79,7 +80,7 @@ class Trainer:
         records = spec.records(cfg, grid, run_dir)
         self.metrics, self.writer, self.boundary = records.metrics, records.writer, records.boundary
         self.guard, self.stragglers, self.checkpoint_dir = records.guard, records.stragglers, records.checkpoint_dir
-        # MFU (megaft.training.flops): None on CPU unless train.peak_tflops is set.
+        # MFU (megaft.perf): None on CPU unless train.peak_tflops is set.
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.lora)
         self.peak_tflops = device_peak_tflops(grid.device, cfg.precision, cfg.train.peak_tflops)
         self.current_step: Optional[int] = None  # the step being trained (hang reports)
@@ -282,7 +283,7 @@ class Trainer:
         return int(all_reduce(total, self.grid.pp_group).item())
 
     def _mfu(self, tokens_per_s: Optional[float]) -> dict[str, float]:
-        """{"mfu": ...} when the peak is known (megaft.training.flops), else {}."""
+        """{"mfu": ...} when the peak is known (megaft.perf), else {}."""
         if self.peak_tflops is None or not tokens_per_s:
             return {}
         return {"mfu": mfu(tokens_per_s, self.flops_per_token, self.grid.world_size, self.peak_tflops)}

@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 from lora.lora_fixture import TARGETS, lora_config, megaft_lora_model, peft_state, randomize_adapters, write_data
 from megaft.checkpoint.adapters import BaseMismatchError
 from megaft.config import Config, validate
-from megaft.estimate import estimate_memory
 from megaft.models.hf import hf_name
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import adapters, check_lora
 from megaft.peft.export import peft_name
-from megaft.training.flops import matmul_params
+from megaft.perf.counts import matmul_params
+from megaft.perf.memory import estimate_memory
 from megaft.training.loop import Trainer
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -144,10 +144,10 @@ def test_base_is_frozen_and_only_adapters_train(tmp_path, trained):
     assert trainer.optimizer.memory_bytes()["params"] == 4 * n and trainer.optimizer.memory_bytes()["grads"] == 4 * n
     assert n < sum(p.numel() for p in model.parameters()) / 10
     assert all(names[id(p)].endswith((".A", ".B")) for p in trainer.flat.params)
-    # the memory estimate (megaft.estimate) counts the same: adapter state, frozen base weights only
+    # the memory estimate (megaft.perf.memory) counts the same: adapter state, frozen base weights only
     est, frozen = estimate_memory(cfg, 1), sum(p.nbytes for p in model.parameters() if not p.requires_grad)
     assert (est.optimizer, est.grads, est.params) == (8 * n, 4 * n, frozen + 4 * n)
-    # MFU's FLOPs (megaft.training.flops): no weight gradient for the frozen base, 6 per adapter parameter
+    # MFU's FLOPs (megaft.perf.counts): no weight gradient for the frozen base, 6 per adapter parameter
     attention = 12 * cfg.model.n_layers * cfg.model.n_heads * cfg.model.hd * cfg.data.seq_len
     assert trainer.flops_per_token == 4 * matmul_params(cfg.model) + 6 * n + attention
 

@@ -20,7 +20,7 @@ The tp=2 and the pp=2·dp=2 ZeRO-2 runs' adapter checkpoints also resume in one 
 The ZeRO runs also measure every rank's state bytes (ShardedAdamW.memory_bytes(), recorded
 by a wrapped optim builder) and check them against the formula for the rank's adapter
 parameters n (fp32: params 4n, grads 4n (ZeRO-1) or 4n/dp (ZeRO-2), Adam moments 8n/dp;
-frozen base: no grad, no state) and against megaft.estimate, validate()'s memory check.
+frozen base: no grad, no state) and against megaft.perf.memory, validate()'s memory check.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from models.arch_fixture import make_hf
 
 from lora.lora_fixture import TARGETS, lora_config, write_data
 from megaft.config import Config, validate
-from megaft.estimate import estimate_ranks
 from megaft.parallel.grid import ParallelGrid
+from megaft.perf.memory import estimate_ranks
 from megaft.training.loop import Trainer
 from megaft.training.parts import TrainSpec, build_optim
 from megaft.verify.run import run_verify
@@ -112,7 +112,7 @@ def losses(run_dir) -> dict[int, float]:
 
 def record_state(out_dir: str, cfg: Config, grid, model):
     """build_optim, recording this rank's measured state bytes, its adapter parameters and
-    megaft.estimate's figures for its pp rank in out_dir/rank_<rank>.json (a layout rank's
+    megaft.perf.memory's figures for its pp rank in out_dir/rank_<rank>.json (a layout rank's
     TrainSpec.optim: runs in the spawned ranks)."""
     parts = build_optim(cfg, grid, model)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -137,7 +137,7 @@ def run_measured(cfg: Config, tmp_path):
 
 
 def check_state_bytes(records: list[dict], tmp_path, *, zero: int, dp: int, pp: int) -> None:
-    """Every rank's measured bytes equal the formula for its adapters, and megaft.estimate."""
+    """Every rank's measured bytes equal the formula for its adapters, and megaft.perf.memory."""
     assert sorted(r["rank"] for r in records) == list(range(len(records)))
     for r in records:
         n = r["adapters"]

@@ -123,3 +123,40 @@ def test_plot_timeline_writes_png_of_requested_size(tmp_path, width, height, dpi
     image = imread(path)
     assert image.shape[:2] == (height, width)
     assert image[..., :3].std() > 0.05  # something was drawn, not a blank canvas
+
+
+@pytest.mark.parametrize("n", [1, 7])  # Python floats below simulate._NUMPY_FROM settings, arrays above
+def test_replay_many_equals_replay_bit_for_bit(n):
+    # The planner's batched replay must give the scalar replay's makespan and per-rank compute
+    # time exactly (same float operations in the same order), for every schedule and for
+    # random per-stage durations and latencies.
+    import numpy as np
+
+    from megaft.pipeline.simulate import replay, replay_many
+
+    rng = np.random.default_rng(0)
+    cases = [("gpipe", p, m, 1) for p in (2, 3) for m in (1, 4)]
+    cases += [("1f1b", p, m, 1) for p in (2, 4) for m in (1, 3, 8)]
+    cases += [("interleaved", p, m, v) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p)]
+    for name, pp, m, vpp in cases:
+        sched = build_schedule(name, pp, m, vpp)
+        f, b = rng.random((n, pp * vpp)), 2 * rng.random((n, pp * vpp))
+        lat = rng.random(n) * 0.3
+        makespan, busy = replay_many(sched, f, b, lat)
+        for i in range(n):
+            timelines, stuck = replay(sched, lambda a: (f if a.kind is K.F else b)[i][a.stage]
+                                      if a.kind.is_compute else 0.0, lat[i])
+            assert not stuck
+            assert makespan[i] == max(iv.end for tl in timelines.values() for iv in tl), (name, pp, m, vpp)
+            assert tuple(busy[i]) == tuple(sum(iv.end - iv.start for iv in timelines[r] if iv.action.kind.is_compute)
+                                           for r in range(pp)), (name, pp, m, vpp)
+
+
+def test_replay_many_reports_a_deadlock():
+    import numpy as np
+
+    from megaft.pipeline.simulate import replay_many
+
+    bad = {0: [Action(0, K.RECV_B, 0), Action(0, K.F, 0)], 1: [Action(1, K.RECV_F, 0)]}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        replay_many(bad, np.ones((1, 2)), np.ones((1, 2)), np.zeros(1))

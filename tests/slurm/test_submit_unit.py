@@ -11,7 +11,6 @@ import pytest
 from test_estimate import preset_1b  # tests/ is on sys.path (rootdir conftest)
 
 from megaft.config import Config
-from megaft.estimate import GIB, GPU_MEMORY_GIB, estimate_memory
 from megaft.launch.env import PORT_BASE, PORT_SPAN, slurm_port
 from megaft.launch.submit import (
     NodeSpec,
@@ -25,6 +24,8 @@ from megaft.launch.submit import (
     task_port,
     task_python,
 )
+from megaft.perf.hardware import GIB, GPU_MEMORY_GIB
+from megaft.perf.memory import estimate_memory
 
 from .conftest import ROOT
 

@@ -3,7 +3,7 @@
 Every term is in seconds per optimizer step for the slowest rank, and the terms add up
 to the step (`StepCost.step_s`):
 
-* **compute**: the FLOPs megaft counts for MFU (`megaft.training.flops`: 6 per matmul
+* **compute**: the FLOPs megaft counts for MFU (`megaft.perf.counts`: 6 per matmul
   weight per token plus attention's 12·layers·heads·head_dim·seq) split over the layers
   each virtual stage holds, run at `peak × cluster.matmul_fraction`.
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
@@ -45,16 +45,25 @@ gpus_per_node / tp ranks of each node otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-from megaft.estimate import layer_params, trainable_rank_params
+import numpy as np
+
 from megaft.parallel.config import resolve_dp
-from megaft.peft.config import adapter_layer_params, head_adapter_params
+from megaft.perf.counts import (
+    adapter_layer_params,
+    attention_core_flops,
+    flops_per_token,
+    head_adapter_params,
+    head_forward_flops,
+    layer_forward_flops,
+    layer_params,
+    mfu,
+    trainable_rank_params,
+)
 from megaft.pipeline.partition import stage_layer_counts
 from megaft.pipeline.schedules import build_schedule
-from megaft.pipeline.simulate import replay
+from megaft.pipeline.simulate import replay_many
 from megaft.training.config import accumulation_steps
-from megaft.training.flops import flops_per_token
 
 TERMS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer", "offload")
 P2P_BYTES = 4  # megaft.pipeline.runtime.WIRE_DTYPE: activations travel in fp32
@@ -116,34 +125,13 @@ class StepCost:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs utilization as megaft reports it (megaft.training.flops.mfu)."""
-        return self.tokens_per_s_per_gpu * self.flops_per_token / (self.peak_tflops * 1e12)
+        """Model FLOPs utilization as megaft reports it (one rank's share of the step)."""
+        return mfu(self.tokens_per_s_per_gpu, self.flops_per_token, 1, self.peak_tflops)
 
     @property
     def bottleneck(self) -> str:
         """The term that takes the most time."""
         return max(self.terms, key=self.terms.get)
-
-
-def _layer_forward_flops(m, seq_len: int) -> float:
-    """Forward FLOPs per token of one block: a third of flops_per_token's per-layer share."""
-    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
-    return 2.0 * (m.dim * (q + 2 * kv) + q * m.dim + 3 * m.dim * m.ffn_dim) + 4.0 * m.n_heads * m.hd * seq_len
-
-
-@lru_cache(maxsize=4096)
-def _pipeline(schedule: str, pp: int, vpp: int, m: int, forward: tuple, backward: tuple,
-              p2p: float) -> tuple[float, tuple]:
-    """(makespan, busy per rank) of megaft's schedule with per-virtual-stage F/B durations."""
-    sched = build_schedule(schedule, pp, m, vpp)
-    durations = {"F": forward, "B": backward}
-    timelines, stuck = replay(sched, lambda a: durations[a.kind.value][a.stage]
-                              if a.kind.is_compute else 0.0, p2p)
-    if stuck:  # the schedules of megaft.pipeline never deadlock (tests/pipeline)
-        raise RuntimeError(f"simulated schedule {schedule} pp={pp} vpp={vpp} m={m} deadlocked")
-    makespan = max(iv.end for tl in timelines.values() for iv in tl)
-    busy = tuple(sum(iv.end - iv.start for iv in timelines[r] if iv.action.kind.is_compute) for r in range(pp))
-    return makespan, busy
 
 
 def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
@@ -172,14 +160,14 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     gbytes = 2 if par.grad_compression == "bf16" else 4
     tp_link, dp_link = group_link(cluster, tp), group_link(cluster, dp, tp)
     tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
-    layer_f = tokens * _layer_forward_flops(m, seq) / tp / rate
-    head_f = tokens * 2.0 * m.dim * m.vocab_size / tp / rate
+    layer_f = tokens * layer_forward_flops(m, seq) / tp / rate
+    head_f = tokens * head_forward_flops(m) / tp / rate
     # recomputed in backward: the whole block (full) or the attention core and activation (selective)
-    attention_f = tokens * 4.0 * m.n_heads * m.hd * seq / tp / rate  # the attention core over whole rows
+    attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
     core_f = attention_f + tokens * 4.0 * m.ffn_dim / tp / rate
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     lp = layer_params(m, tp)
-    lora = cfg.lora if getattr(cfg, "lora", None) is not None and cfg.lora.rank > 0 else None
+    lora = cfg.lora if cfg.lora.rank > 0 else None
     if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
         adapters = adapter_layer_params(m, lora, tp)[0]
         head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
@@ -220,42 +208,89 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     return out
 
 
-def step_cost(cfg, cluster, world_size: int) -> StepCost:
-    """The predicted step of a validated `cfg` (megaft.config.Config) on `world_size`
-    ranks of `cluster` (megaft.plan.config.ClusterConfig)."""
+@dataclass
+class _Layout:
+    """What the pipeline replay and the terms need of one config: per virtual stage f/b seconds."""
+
+    cfg: object
+    dp: int
+    micro: int
+    stages: list
+    f: tuple
+    b: tuple
+    p2p: float = 0.0
+    schedule: tuple = ()  # (name, pp, vpp, micro-batches) when pp > 1
+
+
+def _layout(cfg, cluster, world_size: int) -> _Layout:
     m, par = cfg.model, cfg.parallel
     dp = resolve_dp(par, world_size)
     micro = max(accumulation_steps(cfg.train, dp), 1)
     stages = _stage_costs(cfg, cluster, dp)
-    terms = dict.fromkeys(TERMS, 0.0)
     f = tuple(c["f_compute"] + c["f_tp"] + c["f_cp"] + c["f_zero"] for c in stages)
     b = tuple(c["b_compute"] + c["b_tp"] + c["b_cp"] + c["b_zero"] for c in stages)
-    if par.pp == 1:
-        makespan, busy, rank = micro * (f[0] + b[0]), (micro * (f[0] + b[0]),), 0
-    else:
+    out = _Layout(cfg, dp, micro, stages, f, b)
+    if par.pp > 1:
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
         seq_share = par.tp if par.sequence_parallel else 1
-        p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * par.cp * dp))
-        schedule = "interleaved" if par.vpp > 1 else par.schedule
-        makespan, busy = _pipeline(schedule, par.pp, par.vpp, micro, f, b, p2p)
-        rank = max(range(par.pp), key=lambda r: busy[r])
-    mine = [stages[s] for s in range(rank, len(stages), par.pp)]
+        out.p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * par.cp * dp))
+        out.schedule = ("interleaved" if par.vpp > 1 else par.schedule, par.pp, par.vpp, micro)
+    return out
+
+
+def _pipelines(lays: list[_Layout]) -> list[tuple[float, tuple]]:
+    """(makespan, busy per rank) of each layout: one replay per schedule for all layouts
+    that share it (megaft.pipeline.simulate.replay_many), pp = 1 in closed form."""
+    out: list = [None] * len(lays)
+    groups: dict = {}
+    for i, lay in enumerate(lays):
+        if lay.schedule:
+            groups.setdefault(lay.schedule, []).append(i)
+        else:
+            out[i] = (lay.micro * (lay.f[0] + lay.b[0]), (lay.micro * (lay.f[0] + lay.b[0]),))
+    for (name, pp, vpp, micro), idx in groups.items():
+        makespan, busy = replay_many(build_schedule(name, pp, micro, vpp), np.array([lays[i].f for i in idx]),
+                                     np.array([lays[i].b for i in idx]), np.array([lays[i].p2p for i in idx]))
+        for j, i in enumerate(idx):
+            out[i] = (float(makespan[j]), tuple(float(x) for x in busy[j]))
+    return out
+
+
+def step_costs(cfgs: list, cluster, world_size: int) -> list[StepCost]:
+    """The predicted step of each validated config (megaft.config.Config) on `world_size`
+    ranks of `cluster` (megaft.plan.config.ClusterConfig); the planner costs its layouts
+    together so that configs sharing a pipeline schedule share one replay."""
+    lays = [_layout(cfg, cluster, world_size) for cfg in cfgs]
+    return [_step(lay, cluster, world_size, makespan, busy)
+            for lay, (makespan, busy) in zip(lays, _pipelines(lays))]
+
+
+def step_cost(cfg, cluster, world_size: int) -> StepCost:
+    """The predicted step of one config (step_costs of one)."""
+    return step_costs([cfg], cluster, world_size)[0]
+
+
+def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) -> StepCost:
+    cfg, par, micro = lay.cfg, lay.cfg.parallel, lay.micro
+    rank = max(range(par.pp), key=lambda r: busy[r])
+    mine = [lay.stages[s] for s in range(rank, len(lay.stages), par.pp)]
+    terms = dict.fromkeys(TERMS, 0.0)
     terms["compute"] = micro * sum(c["f_compute"] + c["b_compute"] for c in mine)
     terms["tp_comm"] = micro * sum(c["f_tp"] + c["b_tp"] for c in mine)
     terms["cp_comm"] = micro * sum(c["f_cp"] + c["b_cp"] for c in mine)
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
-    _add_dp_terms(terms, cfg, cluster, dp * par.cp, b[0])  # gradients reduce over dp×cp
+    _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay.b[0])  # gradients reduce over dp×cp
     return StepCost(terms=terms, tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
                     world_size=world_size,
-                    flops_per_token=flops_per_token(m, cfg.data.seq_len, getattr(cfg, "lora", None)),
+                    flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, cfg.lora),
                     peak_tflops=cluster.peak_tflops(str(cfg.precision)))
 
 
 def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
     """dp_comm, param_gather, optimizer and offload of the fullest pp rank (`dp`: the dp×cp replicas)."""
     par = cfg.parallel
-    params = max(trainable_rank_params(cfg))  # under LoRA: the adapters
+    params = max(trainable_rank_params(cfg.model, par, cfg.lora))  # under LoRA: the adapters
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
     link = group_link(cluster, dp, par.tp)
