@@ -1,5 +1,5 @@
 """megaft: Slurm-oriented fine-tuning of Llama-style models with tensor parallelism,
-compiled kernels and Hydra sweeps. See README.md for the user guide."""
+compiled kernels and Hydra sweeps. README.md is the front door, docs/ the manual."""
 
 __version__ = "0.1.0"
 
