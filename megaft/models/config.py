@@ -60,6 +60,9 @@ class ModelConfig:
     recompute_layers: Optional[int] = None  # recompute the first N blocks of each pipeline stage; None = all
     init_std: float = 0.02  # normal init std; output projections scaled by 1/sqrt(2*n_layers)
     init_from: Optional[str] = None  # Hugging Face checkpoint directory to load (overrides the shape fields)
+    # config.json keys you know do not change the math, read as metadata instead of refused (not
+    # quantization_config); the run's config.yaml and summary.json record them
+    hf_ignore_keys: List[str] = field(default_factory=list)
     make_vocab_size_divisible_by: int = 1  # pad the vocabulary to a multiple of this * tp (Megatron uses 128)
     extra: Dict[str, Any] = field(default_factory=dict)  # HF config fields kept for export (bos/eos ids)
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from megaft.models.arch import SPECS, spec_for
-from megaft.models.arch.spec import HFCheckpointError, read_common
+from megaft.models.arch.spec import HFCheckpointError, read_common, screen
 from megaft.models.config import ModelConfig
 from megaft.models.kv import local_rows
 from megaft.parallel.shard import full_shape, shard_of
@@ -65,6 +65,7 @@ def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfi
     """
     base = base or ModelConfig()
     raw, file = read_hf_config(path), os.path.join(path, CONFIG)
+    raw = screen(raw, file, base.hf_ignore_keys)
     spec = spec_for(raw.get("model_type"), file)
     raw = spec.normalize(raw, file)
     family = spec.read(raw, file)

@@ -50,10 +50,42 @@ def test_family_field_outside_its_family(tmp_path):
     _refused(tmp_path, {**_raw(), "use_sliding_window": True}, "fields ['use_sliding_window'] are not understood")
 
 
-@pytest.mark.parametrize("field,value", [("attention_dropout", 0.1), ("quantization_config", {"bits": 4}),
-                                         ("use_mrope", True)])
+@pytest.mark.parametrize("field,value", [("attention_dropout", 0.1), ("use_mrope", True), ("rope_interleaved", True)])
 def test_non_neutral_value(tmp_path, field, value):
-    _refused(tmp_path, {**_raw(), field: value}, f"{field}={value!r} is not supported")
+    message = _refused(tmp_path, {**_raw(), field: value}, f"{field}={value!r} is not supported")
+    assert f"model.hf_ignore_keys=[{field}]" in message
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "bitsandbytes", "load_in_4bit": True},
+                                   {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq", "bits": 4},
+                                   {"quant_method": "fp8", "activation_scheme": "dynamic"}])
+def test_quantized_checkpoint_has_its_own_message(tmp_path, quant):
+    # refused before the family reads anything, and model.hf_ignore_keys cannot wave it through
+    message = _refused(tmp_path, {**_raw(), "quantization_config": quant},
+                       f"the checkpoint is quantized (quantization_config quant_method={quant['quant_method']!r})")
+    assert "unquantized (bf16/fp32) checkpoint" in message
+    with pytest.raises(HFCheckpointError, match="is quantized"):
+        hf_model_config(str(tmp_path), base=ModelConfig(hf_ignore_keys=["quantization_config"]))
+
+
+def test_metadata_keys_are_never_refused(tmp_path):
+    # What SmolLM2-135M-Instruct's published config.json and its save_pretrained copy carry
+    # beside the Llama fields: none of it reaches the math.
+    metadata = {"_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "unk_token_id": 0,
+                "is_llama_config": True, "rope_interleaved": False,
+                "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}},
+                "_attn_implementation_autoset": True, "image_token_id": 5, "suppress_token_ids": [1]}
+    plain = hf_model_config(_write(tmp_path, _raw()))
+    assert hf_model_config(_write(tmp_path, {**_raw(), **metadata})) == plain
+
+
+def test_hf_ignore_keys_is_the_way_out_for_a_user_who_knows(tmp_path):
+    raw = {**_raw(), "my_lab_flag": 3, "attention_dropout": 0.1}
+    message = _refused(tmp_path, raw, "fields ['my_lab_flag'] are not understood")
+    assert "model.hf_ignore_keys=[my_lab_flag]" in message
+    ignored = hf_model_config(str(tmp_path), base=ModelConfig(hf_ignore_keys=["my_lab_flag", "attention_dropout"]))
+    assert ignored.dim == hf_model_config(_write(tmp_path, _raw())).dim and ignored.hf_ignore_keys == [
+        "my_lab_flag", "attention_dropout"]
 
 
 def test_gemma_bidirectional_attention(tmp_path):

@@ -4,14 +4,16 @@ the config.json fields it reads and writes.
 `read_common` maps the fields every family shares (shapes, RoPE, norm epsilon, tied
 embeddings, the activation, max_position_embeddings) and refuses what megaft cannot
 compute exactly; a family's `read` adds its own fields. Every key of config.json must
-be read by the family, be metadata (GENERIC) or carry its neutral value (NEUTRAL):
-anything else might change the math, so it is an error naming the key.
+be read by the family, be metadata (GENERIC, or by its form: `is_metadata`) or carry its
+neutral value (NEUTRAL): anything else might change the math, so it is an error naming
+the key and the way out (`model.hf_ignore_keys`). A quantized checkpoint is refused
+with its own message (`screen`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megaft.models.rope import ROPE_TYPES
 
@@ -46,7 +48,8 @@ GENERIC = frozenset((
 ))
 # Fields megaft accepts only at the value that leaves the math as megaft computes it.
 NEUTRAL = {"attention_dropout": (0, 0.0, None), "pruned_heads": ({}, None), "use_mrope": (False, None),
-           "use_bidirectional_attention": (False, None), "quantization_config": (None,)}
+           "use_bidirectional_attention": (False, None),
+           "rope_interleaved": (False, None)}  # GPT-J's interleaved pairs; megaft rotates halves, as Llama
 COMMON = frozenset(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
                     "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act"))
@@ -78,6 +81,27 @@ class ArchSpec:
         """Our parameter name -> its HF *ForCausalLM state-dict name (every family shares
         Llama's layout: a `model.` prefix, lm_head at the top)."""
         return name if name == "lm_head.weight" else "model." + name
+
+
+def is_metadata(key: str) -> bool:
+    """Keys that never reach the math by their form: private ones (`_name_or_path`,
+    `_model_name_or_path`), token ids (`unk_token_id`, ...), tools' namespaced blocks
+    (`transformers.js_config`) and conversion flags (`is_llama_config`)."""
+    return (key.startswith("_") or key.endswith(("_token_id", "_token_ids")) or "." in key
+            or (key.startswith("is_") and key.endswith("_config")))
+
+
+def screen(raw: dict, file: str, ignore: Sequence[str] = ()) -> dict:
+    """config.json without the keys the user declared harmless (model.hf_ignore_keys);
+    a quantized checkpoint is refused here, before any family reads its shapes."""
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise HFConfigError(
+            f"{file}: the checkpoint is quantized (quantization_config quant_method={method!r}); megaft trains "
+            "full-precision weights and cannot read bitsandbytes, GPTQ, AWQ or FP8 tensors; fix: point "
+            "model.init_from at the unquantized (bf16/fp32) checkpoint it was made from")
+    return {k: v for k, v in raw.items() if k not in set(ignore)}
 
 
 def get(raw: dict, spec: ArchSpec, key: str) -> Any:
@@ -124,15 +148,17 @@ def read_common(raw: dict, spec: ArchSpec, file: str, base: ModelConfig, act: Op
     """ModelConfig fields every family reads the same way; refuses unknown fields.
     `act`: the activation when the family reads it itself (Gemma)."""
     unknown = sorted(k for k in raw if k not in GENERIC and k not in NEUTRAL and k not in COMMON
-                     and k not in spec.fields)
+                     and k not in spec.fields and not is_metadata(k))
     if unknown:
         raise HFConfigError(f"{file}: config.json fields {unknown} are not understood by megaft's "
                             f"{spec.model_type} spec and may change the model's math; fix: use a supported "
-                            "checkpoint, or remove the fields if you know they have no effect")
+                            "checkpoint, or, if you know they have no effect, model.hf_ignore_keys="
+                            f"[{','.join(unknown)}]")
     for key, ok in NEUTRAL.items():
         if key in raw and raw[key] not in ok:
             raise HFConfigError(f"{file}: {key}={raw[key]!r} is not supported (megaft needs "
-                                f"{' or '.join(repr(v) for v in ok)})")
+                                f"{' or '.join(repr(v) for v in ok)}); fix: a checkpoint without it, or "
+                                f"model.hf_ignore_keys=[{key}] if you know it has no effect")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                            "vocab_size") if k not in raw]
     if missing:
