@@ -13,7 +13,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 TEST_ARGS ?=
 
-.PHONY: install train test lint bench clean slurm-up slurm-down
+.PHONY: install train test lint bench clean slurm-up slurm-down gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -47,6 +47,17 @@ slurm-up:
 
 slurm-down:
 	slurm/cluster.sh down
+
+# On a GPU machine: the CUDA build, `pytest -m gpu` and the GPU benchmarks within 8 minutes,
+# results in benchmarks/results/<date>-<gpu>.json (benchmarks/gpu_check.py). It uses that
+# machine's python3 and torch, installs nothing from a registry (carry .gpu-wheels/, made here
+# by `make gpu-wheels`), and exits 0 at once where there is no GPU.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
+
+gpu-wheels: $(STAMP)
+	$(PIP) wheel --no-deps -w .gpu-wheels -r requirements-gpu.txt
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.kernels.adamw_cpu
