@@ -18,6 +18,11 @@ class Packing(StrEnum):  # megaft.data.packed
     none = "none"  # one document per row
 
 
+class VerifyStore(StrEnum):  # how much of a prepared store is checked when it is opened (megaft.data.store)
+    sizes = "sizes"  # every array's size against the manifest
+    full = "full"  # and its sha256 and largest token id (once per change of the files)
+
+
 class LongDocs(StrEnum):  # documents longer than seq_len under packing=docs|none (data.long_docs stays a str)
     split = "split"
     truncate = "truncate"

@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 
 from tokenizers import Tokenizer
 
-from megaft.data.choices import LongDocs, Packing, TrainOn
+from megaft.data.choices import LongDocs, Packing, TrainOn, VerifyStore
 from megaft.data.errors import DataError
 from megaft.data.formats import example_texts
 from megaft.data.sources import SourceConfig, mixture, read_source, scan_file, source_files, source_problems
@@ -40,6 +40,8 @@ class DataConfig:
     long_docs: str = "split"  # documents longer than seq_len (packing=docs|none): split | truncate | drop
     cache_dir: Optional[str] = None  # prepared datasets live here; None = ~/.cache/megaft/prepared
     prepare_workers: int = 0  # processes tokenizing while preparing; 0 = min(8, CPUs)
+    # a prepared store's check when opened: sizes | full (sha256 + largest token id, once per change)
+    verify_store: VerifyStore = VerifyStore.full
 
 
 def data_sources(cfg: DataConfig) -> list[SourceConfig]:

@@ -43,7 +43,7 @@ from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
 from megaft.data.jsonl import parse_example
 from megaft.data.sources import fingerprint, parquet_row, record_batches, source_files, where
-from megaft.data.store import PreparedDataset, PreparedWriter, cache_key, is_complete
+from megaft.data.store import PreparedDataset, PreparedWriter, StoreDamagedError, cache_key, is_complete
 from megaft.data.templates import ChatTemplate, load_chat_template, tokenizer_dir_of
 from megaft.data.tokenizer import special_ids
 
@@ -100,11 +100,14 @@ def prepare_dataset(cfg: DataConfig, *, init_from: Optional[str] = None, eos_tok
     ident = identity(cfg, spec)
     root = cache_root(cfg)
     final = os.path.join(root, cache_key(ident))
-    if is_complete(final):
-        return PreparedDataset(final)
+    vocab = Tokenizer.from_str(spec.tokenizer_json).get_vocab_size() if tok is None else tok.get_vocab_size()
+    opened = _open_verified(final, str(cfg.verify_store), vocab)
+    if opened is not None:
+        return opened
     os.makedirs(root, exist_ok=True)
     with _locked(final + ".lock"):
-        if not is_complete(final):  # another process may have finished while we waited
+        # another process may have finished (or rebuilt a damaged store) while we waited
+        if _open_verified(final, str(cfg.verify_store), vocab, repair=True) is None:
             _remove_stale(root, os.path.basename(final))
             tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=root)
             try:
@@ -113,7 +116,25 @@ def prepare_dataset(cfg: DataConfig, *, init_from: Optional[str] = None, eos_tok
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-    return PreparedDataset(final)
+    return PreparedDataset(final, verify=str(cfg.verify_store), vocab_size=vocab)
+
+
+def _open_verified(path: str, verify: str, vocab: int, *, repair: bool = False) -> Optional[PreparedDataset]:
+    """The store at `path` when it is complete and intact; None when it must be built. A
+    damaged one is never used: holding the lock (`repair`), it is removed with a warning
+    naming what was wrong, and the caller rebuilds it from the sources (identity() has just
+    read them, so they are there)."""
+    if not is_complete(path):
+        return None
+    try:
+        return PreparedDataset(path, verify=verify, vocab_size=vocab)
+    except StoreDamagedError as exc:
+        if repair:
+            log.warning("%s; rebuilding it from the sources", exc)
+            aside = tempfile.mkdtemp(prefix=f".damaged-{os.path.basename(path)}-", dir=os.path.dirname(path))
+            os.rename(path, os.path.join(aside, "store"))  # out of the way at once, then deleted
+            shutil.rmtree(aside, ignore_errors=True)
+        return None
 
 
 @contextmanager

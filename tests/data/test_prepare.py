@@ -91,7 +91,13 @@ def test_memory_mapped_store_equals_in_memory_encoding(setup, workers):
     assert files[a]["records"] == 300 and files[a]["size"] == os.path.getsize(a)
     assert m["template"]["name"].endswith("tokenizer_config.json") and m["options"]["train_on"] == "assistant"
     assert sorted(os.listdir(ds.path)) == ["manifest.json", "offsets.npy", "prompt_len.npy", "source.npy",
-                                           "target.bin", "tokens.bin"]
+                                           "target.bin", "tokens.bin", "verified.json"]
+    # each array's size and sha256, as written
+    assert {k: v["bytes"] for k, v in m["arrays"].items()} == {
+        name: os.path.getsize(os.path.join(ds.path, name)) for name in m["arrays"]}
+    assert m["arrays"]["tokens.bin"]["sha256"] == hashlib.sha256(open(os.path.join(ds.path, "tokens.bin"), "rb")
+                                                                  .read()).hexdigest()
+    assert m["max_token_id"] == max(max(e.ids) for e in want)
     # Weights are applied when reading (the mixture), so the same cache serves any weights.
     assert len(ds.to_encoded([s.weight for s in cfg.sources])) == 300 + 2 * 9
     # Packing the mapped store gives the batches of packing the in-memory encoding.
