@@ -45,6 +45,9 @@ GENERIC = frozenset((
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     "pretraining_tp",  # Llama 2's sliced matmuls: transformers 5 no longer reads it (same math)
     "cache_implementation",  # generation's KV cache kind (Gemma 2/3 write "hybrid")
+    # a release label no transformers class reads ("7b-alpha-v2.33.0.30" in humain-ai/ALLaM-7B-Instruct-preview's
+    # config.json, tests/models/real_configs/allam-7b-instruct-preview.json)
+    "internal_version",
 ))
 # Fields megaft accepts only at the value that leaves the math as megaft computes it.
 NEUTRAL = {"attention_dropout": (0, 0.0, None), "pruned_heads": ({}, None), "use_mrope": (False, None),
