@@ -18,6 +18,14 @@ Which characters are the assistant's (data.train_on=assistant):
 A token is an assistant token when its characters overlap a span (transformers'
 rule, so a token that straddles a span edge counts). train_on=last keeps only
 the last span; train_on=all makes every token after the first a target.
+
+Tool use (megaft.data.tools): a conversation's `tools` reach the template as transformers'
+`tools=` argument. An assistant turn that calls a tool is an assistant turn like any
+other: the call as the template writes it (e.g. Qwen2.5's `<tool_call>...</tool_call>`,
+Llama 3.1's `{"name": ..., "parameters": ...}`) and its end-of-turn token are trained; a
+`tool` turn (the result) is input, never a target. A conversation with tool calls or tools
+and a template that never reads `tool_calls` / `tools` (the built-in llama3 and chatml) is
+refused: the template would drop them and train empty answers.
 """
 
 from __future__ import annotations
@@ -31,38 +39,55 @@ from tokenizers import Tokenizer
 from megaft.data.choices import TrainOn
 from megaft.data.encode import Encoded
 from megaft.data.errors import DataError
+from megaft.data.formats import trains_nothing
 from megaft.data.templates import ChatTemplate
 
 TRAIN_ON = tuple(t.value for t in TrainOn)
 
 
 class ChatEncoder:
-    """Encodes normalized conversations ([{"role", "content"}, ...]) for training."""
+    """Encodes normalized conversations ([{"role", "content", ...}, ...] and their tools) for
+    training. `untrained` counts the conversations encoded with no assistant turn under
+    train_on=assistant|last (all input, no target)."""
 
     def __init__(self, tok: Tokenizer, template: ChatTemplate, train_on: str = "assistant"):
         if train_on not in TRAIN_ON:
             raise DataError(f"data.train_on={train_on!r} is unknown; fix: use one of {list(TRAIN_ON)}")
         self.tok, self.template, self.train_on = tok, template, train_on
+        self.untrained = 0
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: list[dict], tools: Optional[list[dict]] = None
+               ) -> tuple[str, list[tuple[int, int]]]:
         """(text, assistant character spans) of a conversation (no spans for train_on=all,
         which needs none); raises DataError when the template fails (raise_exception, an
-        undefined variable, ...)."""
+        undefined variable, ...) or cannot write the conversation's tool use."""
+        self._check_tool_use(messages, tools)
         try:
             if self.train_on == "all":
-                return self.template.render(messages), []
+                return self.template.render(messages, tools=tools), []
             if self.template.has_generation_markers:
-                return self.template.render_with_spans(messages)
-            return _incremental_spans(self.template, messages)
+                return self.template.render_with_spans(messages, tools=tools)
+            return _incremental_spans(self.template, messages, tools)
         except jinja2.exceptions.TemplateError as e:
             raise DataError(f"the chat template {self.template.name} failed to render this conversation "
                             f"({type(e).__name__}: {e}); fix: correct the conversation (roles, order) or "
                             "set data.chat_template to a template that accepts it") from None
 
-    def encode(self, messages: list[dict]) -> Encoded:
-        """Token ids and targets of one conversation. `prompt_len` is the index of the
-        first target (what PackedStream must keep in view for the targets to count)."""
-        text, spans = self.render(messages)
+    def _check_tool_use(self, messages: list[dict], tools: Optional[list[dict]]) -> None:
+        calls = any("tool_calls" in m for m in messages)
+        for used, variable, what in ((calls, "tool_calls", "tool calls"), (bool(tools), "tools", "tools")):
+            if used and not self.template.reads(variable):
+                raise DataError(f"the conversation has {what}, which the chat template {self.template.name} never "
+                                f"reads (no '{variable}' in it), so it would drop them; fix: use the checkpoint's "
+                                "own template (data.chat_template=auto; the built-in llama3 and chatml do not "
+                                "render tools) or a .jinja file that renders them")
+
+    def encode(self, messages: list[dict], tools: Optional[list[dict]] = None) -> Encoded:
+        """Token ids and targets of one conversation (with its tools, if any). `prompt_len`
+        is the index of the first target (what PackedStream must keep in view for the
+        targets to count)."""
+        text, spans = self.render(messages, tools)
+        self.untrained += trains_nothing({"messages": messages}, self.train_on)
         enc = self.tok.encode(text, add_special_tokens=False)
         ids = enc.ids
         if self.train_on == "all":
@@ -90,15 +115,16 @@ def assistant_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]])
     return mask.tolist()
 
 
-def _incremental_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def _incremental_spans(template: ChatTemplate, messages: list[dict], tools: Optional[list[dict]] = None
+                       ) -> tuple[str, list[tuple[int, int]]]:
     """The rule for templates without {% generation %} markers (module docstring)."""
-    full = template.render(messages)
+    full = template.render(messages, tools=tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = template.render(messages[:i], add_generation_prompt=True)
-        through = template.render(messages[:i + 1])
+        prompt = template.render(messages[:i], add_generation_prompt=True, tools=tools)
+        through = template.render(messages[:i + 1], tools=tools)
         if not (through.startswith(prompt) and full.startswith(through)):
             raise DataError(f"the chat template {template.name} does not render this conversation "
                             f"incrementally (turn {i} changes the text before it), so its assistant "

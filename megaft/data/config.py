@@ -14,6 +14,7 @@ from megaft.data.formats import example_texts
 from megaft.data.sources import SourceConfig, mixture, read_source, scan_file, source_files, source_problems
 from megaft.data.tasks import TASKS, Task, make_task, task_tokenizer
 from megaft.data.tokenizer import load_tokenizer
+from megaft.data.untrained import UntrainedConversations
 
 MAX_PROBLEMS = 20  # malformed records reported per check, over all sources
 
@@ -74,8 +75,11 @@ def check_data(cfg: DataConfig, *, init_from: Optional[str] = None) -> list[str]
     chat = False
     budget = MAX_PROBLEMS
     for key, path in _scanned(cfg):
-        found, has_chat = source_problems(path, limit=budget)
+        untrained = UntrainedConversations(cfg.train_on)
+        found, has_chat = source_problems(path, limit=budget, tally=untrained)
         problems += [f"{key}: {p}" for p in found]
+        if not found:  # a source of conversations that all train nothing
+            problems += [f"{key}: {p}" for p in untrained.problems(path, list(untrained.records))]
         budget, chat = max(budget - len(found), 0), chat or has_chat
     tokenizer_problems = []
     if cfg.tokenizer is not None:

@@ -33,7 +33,7 @@ class Encoded(NamedTuple):
 def encode_example(tok: Tokenizer, ex: dict, eos_id: Optional[int], chat: Any = None) -> Encoded:
     """Tokenize one example (a dict from `read_jsonl` or a generated task).
 
-    conversations ({"messages"}): `chat.encode(messages)`, `chat` being the run's
+    conversations ({"messages"}, maybe "tools"): `chat.encode(messages, tools)`, `chat` being the run's
     megaft.data.chat.ChatEncoder (its template decides the tokens and the mask;
     nothing is appended). Without one, a DataError says how to get a template.
 
@@ -82,7 +82,7 @@ def _encode_chat(chat: Any, ex: dict) -> Encoded:
         raise DataError("a conversation needs a chat template, and the run has none; fix: set "
                         "data.chat_template to llama3, chatml or a .jinja file, or use a checkpoint "
                         "whose tokenizer_config.json has a chat_template")
-    return chat.encode(ex["messages"])
+    return chat.encode(ex["messages"], ex.get("tools"))
 
 
 def _assemble(first: list[int], answer: Optional[list[int]], eos_id: Optional[int]) -> Encoded:

@@ -1,6 +1,6 @@
 """JSONL example files: one JSON object per line, in one of the forms of
 megaft.data.formats ({"text"}, {"prompt","completion"}, {"messages"}, ShareGPT's
-{"conversations"}).
+{"conversations"}; chats with tool use included).
 
 Other keys are ignored; blank lines are skipped. Every other deviation is an
 error naming the file and the 1-based line number, with its fix.
@@ -20,7 +20,8 @@ __all__ = ["FORMS", "parse_example", "scan_jsonl", "read_jsonl", "jsonl_problems
 
 def parse_example(line: str) -> dict:
     """Parse one non-blank line into a normalized example (see megaft.data.formats):
-    `{"text"}`, `{"prompt", "completion"}` or `{"messages": [{"role", "content"}, ...]}`.
+    `{"text"}`, `{"prompt", "completion"}` or `{"messages": [{"role", "content", ...}, ...]}`
+    (+ `"tools"` for a chat with function specs).
 
     Raises DataError with "problem; fix: ..." (no file or line: callers add them).
     """

@@ -40,12 +40,13 @@ from megaft.data.chat import ChatEncoder
 from megaft.data.config import DataConfig, build_tokenizer, data_sources
 from megaft.data.encode import encode_example
 from megaft.data.errors import DataError
-from megaft.data.formats import parse_record
+from megaft.data.formats import RECORD_FORMAT, parse_record
 from megaft.data.jsonl import parse_example
 from megaft.data.sources import fingerprint, parquet_row, record_batches, source_files, where
 from megaft.data.store import PreparedDataset, PreparedWriter, StoreDamagedError, cache_key, is_complete
 from megaft.data.templates import ChatTemplate, load_chat_template, tokenizer_dir_of
 from megaft.data.tokenizer import special_ids
+from megaft.data.untrained import UntrainedConversations
 
 log = logging.getLogger("megaft")
 CHUNK_RECORDS = 256  # records per task: large enough to amortize pickling, small for an even load
@@ -79,6 +80,7 @@ def identity(cfg: DataConfig, spec: EncodeSpec) -> dict:
     """Everything the prepared arrays depend on; its hash is the cache key. Source weights
     are not in it: they are applied when reading, so reweighting reuses the cache."""
     return {"sources": [[fingerprint(f) for f in source_files(s.path)] for s in data_sources(cfg)],
+            "record_format": RECORD_FORMAT,  # what megaft makes of the records (megaft.data.formats)
             "tokenizer_sha256": hashlib.sha256(spec.tokenizer_json.encode()).hexdigest(),
             "template": None if spec.template is None else
             {"name": spec.template.name, "sha256": spec.template.sha256, "tokens": spec.template.special_tokens},
@@ -128,6 +130,10 @@ def _open_verified(path: str, verify: str, vocab: int, *, repair: bool = False) 
         return None
     try:
         return PreparedDataset(path, verify=verify, vocab_size=vocab)
+    except FileNotFoundError:  # another process, holding the lock, is moving a damaged store aside
+        if repair:
+            raise
+        return None
     except StoreDamagedError as exc:
         if repair:
             log.warning("%s; rebuilding it from the sources", exc)
@@ -167,6 +173,7 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
     workers = cfg.prepare_workers or min(8, os.cpu_count() or 1)
     writer = PreparedWriter(tmp)
     problems, file_info = [], []
+    untrained = UntrainedConversations(spec.train_on)  # conversations with nothing to learn (warned once)
     bar = tqdm(total=sum(os.path.getsize(f) for _, f in files), unit="B", unit_scale=True,
                desc="megaft-prepare", disable=not progress, file=sys.stderr)
     pool = None
@@ -180,8 +187,9 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
     def drain(limit: int) -> None:
         while len(pending) > limit:
             result, s, file = pending.popleft()
-            ids, target, lengths, prompt_lens, bad = result.result() if pool else result
+            ids, target, lengths, prompt_lens, bad, tally = result.result() if pool else result
             writer.add(ids, target, lengths, prompt_lens, s)
+            untrained.merge(tally, file)
             problems.extend(f"{where(file, line)}: {p}" for line, p in bad)
 
     try:
@@ -208,6 +216,8 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
         bar.close()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+    for i, src in enumerate(sources):  # a source that trains nothing is a mistake, not data
+        problems += untrained.problems(src.path, [f for s, f in files if s == i])
     if problems:
         writer.abort()
         shown = problems[:MAX_PROBLEMS]
@@ -219,7 +229,9 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
         "options": {"train_on": spec.train_on, "chat_template": cfg.chat_template, "eos_id": spec.eos_id},
         "tokenizer": {"sha256": ident["tokenizer_sha256"], "path": cfg.tokenizer},
         "template": ident["template"], "workers": workers, "seconds": round(time.time() - start, 3),
-        "counts": {"records": sum(f["records"] for f in file_info)}})
+        "counts": {"records": sum(f["records"] for f in file_info), **untrained.counts()}})
+    if untrained.warning():
+        log.warning("megaft-prepare: %s", untrained.warning())
     log.info("prepared %d documents, %d tokens", manifest["counts"]["documents"], manifest["counts"]["tokens"])
 
 
@@ -261,14 +273,16 @@ def _init_worker(spec: EncodeSpec) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker = one core
     tok = Tokenizer.from_str(spec.tokenizer_json)
     chat = ChatEncoder(tok, spec.template, spec.train_on) if spec.template is not None else None
-    _STATE.update(tok=tok, chat=chat, eos_id=spec.eos_id)
+    _STATE.update(tok=tok, chat=chat, eos_id=spec.eos_id, train_on=spec.train_on)
 
 
 def _encode_chunk(chunk: list) -> tuple:
     """Encode one chunk: concatenated ids and targets, per-document lengths and
-    prompt lengths, and (line, problem) of the records that failed."""
+    prompt lengths, (line, problem) of the records that failed, and the tally of its
+    conversations that train nothing (by line; the caller knows the file)."""
     tok, chat, eos_id = _STATE["tok"], _STATE["chat"], _STATE["eos_id"]
     ids, target, lengths, prompt_lens, bad = [], [], [], [], []
+    tally = UntrainedConversations(_STATE["train_on"])
     for line, payload in chunk:
         try:
             if isinstance(payload, bytes):
@@ -283,9 +297,10 @@ def _encode_chunk(chunk: list) -> tuple:
         except DataError as e:
             bad.append((line, str(e)))
             continue
+        tally.add("", line, ex)
         ids += enc.ids
         target += enc.target
         lengths.append(len(enc.ids))
         prompt_lens.append(enc.prompt_len)
     return (np.asarray(ids, dtype=np.uint32), np.asarray(target, dtype=np.uint8),
-            np.asarray(lengths, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int32), bad)
+            np.asarray(lengths, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int32), bad, tally)

@@ -130,9 +130,10 @@ def read_source(path: str, max_lines: Optional[int] = None) -> list[dict]:
     return examples
 
 
-def source_problems(path: str, limit: int = 20) -> tuple[list[str], bool]:
+def source_problems(path: str, limit: int = 20, tally=None) -> tuple[list[str], bool]:
     """(problems as "FILE:LINE: problem; fix: ...", whether any conversation was seen).
-    At most `limit` problems, then one line counting the rest."""
+    At most `limit` problems, then one line counting the rest. Every good record is fed to
+    `tally` (a megaft.data.untrained.UntrainedConversations) when given."""
     try:
         files = source_files(path)
     except DataError as e:
@@ -142,6 +143,8 @@ def source_problems(path: str, limit: int = 20) -> tuple[list[str], bool]:
         for line, ex, problem in scan_file(file):
             if problem is None:
                 chat = chat or "messages" in ex
+                if tally is not None:
+                    tally.add(file, line, ex)
             elif len(problems) < limit:
                 problems.append(f"{where(file, line)}: {problem}")
             else:

@@ -4,10 +4,11 @@ The environment mirrors transformers' (`utils/chat_template_utils.py`): a sandbo
 environment with trim_blocks and lstrip_blocks, the loopcontrols extension, the
 `{% generation %}` extension that records the character spans of assistant output,
 `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, and the
-restricted `dict`/`namespace` globals. The template sees `messages`, `tools=None`,
-`documents=None`, `add_generation_prompt` and the named special tokens of the
-checkpoint's tokenizer_config.json (bos_token, eos_token, ...), as transformers
-passes them. Where the template comes from (data.chat_template):
+restricted `dict`/`namespace` globals. The template sees `messages`, `tools` (the
+conversation's function specs, else None; megaft.data.tools), `documents=None`,
+`add_generation_prompt` and the named special tokens of the checkpoint's
+tokenizer_config.json (bos_token, eos_token, ...), as transformers passes them.
+Where the template comes from (data.chat_template):
 
     auto         the checkpoint's chat_template.jinja, else tokenizer_config.json's
                  `chat_template` (a string, or a list of named templates: "default")
@@ -170,27 +171,34 @@ class ChatTemplate(NamedTuple):
         """Whether assistant output is marked with {% generation %} (exact role masks)."""
         return bool(_GENERATION_RE.search(self.text))
 
+    def reads(self, variable: str) -> bool:
+        """Whether the template's text names `variable` (`tools`, `tool_calls`): one that
+        never does cannot render it, and would drop it silently."""
+        return re.search(rf"\b{re.escape(variable)}\b", self.text) is not None
+
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, as transformers' apply_chat_template(tokenize=False)."""
-        return compile_template(self.text).render(**self._variables(messages, add_generation_prompt))
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               tools: Optional[list[dict]] = None) -> str:
+        """The conversation as text, as transformers' apply_chat_template(messages,
+        tools=tools, tokenize=False)."""
+        return compile_template(self.text).render(**self._variables(messages, add_generation_prompt, tools))
 
-    def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = False
-                          ) -> tuple[str, list[tuple[int, int]]]:
+    def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = False,
+                          tools: Optional[list[dict]] = None) -> tuple[str, list[tuple[int, int]]]:
         """(text, character spans of the {% generation %} blocks), as transformers
         renders with return_assistant_tokens_mask=True: block by block with generate()."""
         template = compile_template(self.text)
         blocks, spans = [], []
         with template.environment.activate_tracker(blocks, spans):
-            for block in template.generate(**self._variables(messages, add_generation_prompt)):
+            for block in template.generate(**self._variables(messages, add_generation_prompt, tools)):
                 blocks.append(block)
         return "".join(blocks), spans
 
-    def _variables(self, messages, add_generation_prompt) -> dict:
-        return {"messages": messages, "tools": None, "documents": None,
+    def _variables(self, messages, add_generation_prompt, tools) -> dict:
+        return {"messages": messages, "tools": tools or None, "documents": None,
                 "add_generation_prompt": add_generation_prompt, **self.special_tokens}
 
 

@@ -108,7 +108,7 @@ def test_check_data_reports_at_most_20_bad_lines_over_all_sources(tmp_path):
     assert problems[0] == f"data.sources[0]: {a}:1: 'messages' is an empty conversation; fix: give it at " \
                           "least one turn, or drop the line"
     assert problems[15] == f"data.sources[1]: {b}:2: 'messages'[0] has unknown role 'x'; fix: use one of " \
-                           "['system', 'user', 'assistant']"
+                           "['system', 'user', 'assistant', 'tool']"
     assert problems[20] == f"data.sources[1]: {b}: 5 more malformed lines not shown"
     assert problems[21].startswith("data.chat_template=auto: the data holds conversations but the task "
                                    "tokenizer has no chat template")
