@@ -47,11 +47,11 @@ from benchmarks.train_step.measure import model_config, round_orders, split_step
 from megaft.config import Config
 from megaft.kernels.config import KernelsConfig
 from megaft.models.config import ModelConfig
+from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
-from megaft.models.llama import Llama
 from megaft.optim.adamw import AdamW
 from megaft.optim.config import OptimConfig
-from megaft.parallel.flat import FlatParams
+from megaft.parallel.data.flat import FlatParams
 from megaft.peft import LoraConfig, apply_lora
 from megaft.perf.memory import estimate_ranks
 
@@ -69,7 +69,7 @@ class Turn:
 
 def build(variant: str, cfg: ModelConfig, lora: LoraConfig, device: torch.device, seed: int):
     """(model, FlatParams, AdamW) of `variant` from the seeded weights."""
-    model = Llama(cfg, kernels=KernelsConfig(backend="torch"))
+    model = Decoder(cfg, kernels=KernelsConfig(backend="torch"))
     init_params(model, cfg, seed=seed, tp_rank=0, tp_size=1)
     if variant == "lora":
         apply_lora(model, lora, seed=seed, tp_rank=0, tp_size=1)

@@ -6,7 +6,7 @@ reference from the same run:
    (megaft.perf.counts.activation_bytes_per_token) for recompute none/selective/full x
    tp 1/2 x sequence parallel on/off x cp 1/2; and cp=2 against cp=1.
 2. The bytes each rank sends around the cp ring in one forward + backward, counted at the
-   send (megaft.models.ring.bytes_sent), against the formula (megaft.perf.counts.ring_bytes).
+   send (megaft.parallel.context.ring.bytes_sent), against the formula (megaft.perf.counts.ring_bytes).
 3. Step time (forward + backward) of each recompute mode as a ratio against `none`, in
    alternating rounds (A B C, C B A, ...) on one process; on CUDA also the peak memory.
 
@@ -27,11 +27,12 @@ import torch
 from benchmarks.ranks import on_gloo_ranks
 from benchmarks.train_step.measure import round_orders
 from megaft.models.config import ModelConfig
-from megaft.models.docs import context_shard
+from megaft.models.decoder import Decoder
+from megaft.models.docs import Docs
 from megaft.models.init import init_params
-from megaft.models.llama import Llama
-from megaft.models.ring import bytes_sent
 from megaft.models.saved import block_bytes, saved_bytes
+from megaft.parallel.context import context_shard
+from megaft.parallel.context.ring import bytes_sent
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import activation_bytes_per_token, ring_bytes
 
@@ -45,8 +46,8 @@ def block_model(layers: int, recompute: str) -> ModelConfig:
                        max_seq_len=4 * SEQ, recompute=recompute)
 
 
-def _build(cfg: ModelConfig, grid: ParallelGrid, sp: bool) -> Llama:
-    model = Llama(cfg, group=grid.tp_group, sequence_parallel=sp)
+def _build(cfg: ModelConfig, grid: ParallelGrid, sp: bool) -> Decoder:
+    model = Decoder(cfg, group=grid.tp_group, sequence_parallel=sp)
     init_params(model, cfg, seed=1, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     return model
 
@@ -55,7 +56,8 @@ def _batch(grid: ParallelGrid, seq: int, vocab: int):
     """(ids, labels, docs) of this rank: ROWS seeded rows of `seq` tokens, its cp chunks under cp."""
     ids = torch.randint(0, vocab, (ROWS, seq), generator=torch.Generator().manual_seed(0))
     if grid.cp_size > 1:
-        return context_shard(ids, ids, None, grid.cp_group)
+        ids, labels, positions, doc_ids, shard = context_shard(ids, ids, None, grid.cp_group)
+        return ids, labels, Docs(positions, doc_ids, shard)
     return ids, ids, None
 
 
@@ -130,7 +132,7 @@ def step_times(args) -> dict[str, tuple[float, int]]:
     for mode in MODES:
         cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                           ffn_dim=args.ffn, vocab_size=args.vocab, max_seq_len=args.seq, recompute=mode)
-        model = Llama(cfg)
+        model = Decoder(cfg)
         init_params(model, cfg, seed=1, tp_rank=0, tp_size=1)
         models[mode] = model.to(device)
     ids = torch.randint(0, args.vocab, (args.rows, args.seq), generator=torch.Generator().manual_seed(0)).to(device)

@@ -11,11 +11,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
+from importlib.resources import files
 
 from hydra.core.config_store import ConfigStore
 
 from megaft.commbench.config import CommbenchConfig
 from megaft.data.config import DataConfig, build_tokenizer, check_data
+from megaft.device import resolve_device
 from megaft.kernels.config import KernelsConfig, check_kernels
 from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.models.config import ModelConfig, check_model
@@ -77,6 +79,24 @@ def register_configs() -> None:
         cs.store(group=group, name=f"base_{group}", node=node)
 
 
+def conf_dir() -> str:
+    """conf/ of the source tree, or the copy installed as the package megaft.conf: the config
+    tree of megaft-train, which every tool composes its config from."""
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    return source if os.path.isdir(source) else str(files("megaft.conf"))
+
+
+def compose_config(overrides: list[str]) -> Config:
+    """megaft-train's Config for `overrides` (the same config tree and validation of values),
+    for tools that read a config without being a Hydra app (megaft-scale, megaft-report)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
 def resolve(cfg: Config) -> Config:
     """Fill the fields that come from files: the HF architecture of model.init_from and
     the vocabulary size of the tokenizer. Call after the files were validated."""
@@ -104,13 +124,6 @@ def _model_file_problems(init_from: str) -> list[str]:
         problems.append(f"{init_from} has neither model.safetensors nor model.safetensors.index.json; "
                         "fix: save with safe_serialization=True")
     return problems
-
-
-def _device_type(device: str) -> str:
-    """"cpu" or "cuda": where the ranks of a run with `device` will compute."""
-    import torch
-
-    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def check_local_launch(cfg: Config) -> list[str]:
@@ -195,7 +208,7 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     if cfg.device not in set(Device):
         problems.append(f"device={cfg.device!r} is unknown; fix: auto, cpu or cuda")
     else:
-        problems += check_kernels(cfg.kernels, _device_type(cfg.device))
+        problems += check_kernels(cfg.kernels, resolve_device(cfg.device))
     return problems
 
 

@@ -27,7 +27,7 @@ import tokenize
 import typing
 from typing import Any, Iterator
 
-from megaft.config import Config
+from megaft.config import Config, compose_config, conf_dir
 
 COMMAND = "python -m megaft.configdoc --write"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,8 +193,6 @@ def _table(rows: list[Row]) -> list[str]:
 
 def presets(group: str) -> list[tuple[str, str]]:
     """(name, the YAML's leading comment) of every preset in conf/<group>/."""
-    from megaft.train import conf_dir
-
     folder = os.path.join(conf_dir(), group)
     if not os.path.isdir(folder):
         return []
@@ -214,8 +212,6 @@ def presets(group: str) -> list[tuple[str, str]]:
 def default_presets() -> dict[str, str]:
     """The preset conf/train.yaml picks per group ("none" for a null one)."""
     from omegaconf import OmegaConf
-
-    from megaft.train import conf_dir
 
     defaults = OmegaConf.to_container(OmegaConf.load(os.path.join(conf_dir(), "train.yaml")))["defaults"]
     return {k: "none" if v is None else str(v) for d in defaults if isinstance(d, dict) for k, v in d.items()}
@@ -237,8 +233,6 @@ def _section(name: str, cls: type, rows: list[Row], note: str, picked: dict[str,
 
 def render() -> str:
     """The whole page."""
-    from megaft.train import compose_config
-
     composed, picked = compose_config([]), default_presets()
     root_comments = field_comments(Config)
     out = [

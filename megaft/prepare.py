@@ -18,8 +18,7 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, register_configs
-from megaft.train import conf_dir
+from megaft.config import Config, ConfigError, conf_dir, register_configs
 
 register_configs()
 

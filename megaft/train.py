@@ -5,32 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from importlib.resources import files
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, check_local_launch, register_configs, validate
+from megaft.config import Config, ConfigError, check_local_launch, conf_dir, register_configs, validate
 from megaft.launch.runlock import RunLockedError
 
 log = logging.getLogger("megaft")
 register_configs()
-
-
-def conf_dir() -> str:
-    """conf/ of the source tree, or the copy installed as the package megaft.conf."""
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    return source if os.path.isdir(source) else str(files("megaft.conf"))
-
-
-def compose_config(overrides: list[str]) -> Config:
-    """megaft-train's Config for `overrides` (the same config tree and validation of values),
-    for tools that read a config without being a Hydra app (megaft-scale, megaft-report)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
 
 
 def prepare_data(cfg: Config, *, progress: bool) -> None:

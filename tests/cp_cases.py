@@ -123,8 +123,8 @@ def check_ring(rank: int, world: int, root: str) -> None:
     output and of dq, dk, dv (GQA: 4 query heads over 2 kv heads), over every rank."""
     import torch.nn.functional as F
 
-    from megaft.models.context import ContextShard
-    from megaft.models.ring import ring_attention
+    from megaft.parallel.context.layout import ContextShard
+    from megaft.parallel.context.ring import ring_attention
 
     group = dist.group.WORLD
     b, h, kvh, seq, d = 2, 4, 2, 8 * world, 8

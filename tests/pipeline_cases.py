@@ -19,7 +19,7 @@ from train_cases import small_config
 from megaft.config import Config
 from megaft.parallel.comm import all_gather
 from megaft.parallel.grid import ParallelGrid
-from megaft.parallel.shard import shard_of
+from megaft.parallel.tensor.shard import shard_of
 from megaft.training.loop import Trainer
 
 STEPS = 10
@@ -67,12 +67,12 @@ def pipeline_config(tied: bool = False, layers: int = 4, export: bool = False, *
 def capture_first_grads(trainer: Trainer, path: str) -> None:
     """Wrap the optimizer so its first step saves the gradients it is about to apply
     (after pp/tied/dp reductions and clipping) by name, at full shape, to `path`."""
-    grid, step = trainer.grid, trainer.optimizer.step
+    grid, step = trainer.grid, trainer.parts.optim.optimizer.step
     writer = grid.tp_rank == 0 and grid.dp_rank == 0
 
     def first_step(*args, **kwargs):
         grads = {}
-        for name, p in trainer.model.named_parameters():
+        for name, p in trainer.parts.model.named_parameters():
             g = p.grad.detach()
             spec = shard_of(p)
             if spec is not None:  # collective over tp: every tp rank gathers
@@ -80,10 +80,10 @@ def capture_first_grads(trainer: Trainer, path: str) -> None:
             grads[name] = g.cpu().clone()
         if writer:
             torch.save(grads, path)
-        trainer.optimizer.step = step  # only the first step
+        trainer.parts.optim.optimizer.step = step  # only the first step
         return step(*args, **kwargs)
 
-    trainer.optimizer.step = first_step
+    trainer.parts.optim.optimizer.step = first_step
 
 
 def _run(name: str, spec: dict, root: str, grid: ParallelGrid) -> Trainer:
@@ -110,7 +110,7 @@ def train_reference(root: str) -> None:
 
 def _tied_copies_equal(trainer: Trainer) -> bool:
     """Whether the tied embedding's two copies (first and last pp rank) are bit-identical."""
-    weight = trainer.model.tied_weight()
+    weight = trainer.parts.model.tied_weight()
     group = trainer.grid.embedding_group
     if weight is None:
         return True
@@ -123,7 +123,7 @@ def _generate(trainer: Trainer, run_dir: str) -> None:
     """Greedy completions of PROMPTS through the pipeline, written by rank 0."""
     from megaft.models.generate import pipeline_greedy_generate
 
-    outs = pipeline_greedy_generate(trainer.step.runtime, PROMPTS, max_new_tokens=NEW_TOKENS, eos_id=None)
+    outs = pipeline_greedy_generate(trainer.parts.step.runtime, PROMPTS, max_new_tokens=NEW_TOKENS, eos_id=None)
     if trainer.grid.rank == 0:
         with open(os.path.join(run_dir, "generated.json"), "w") as f:
             json.dump(outs, f)

@@ -275,10 +275,11 @@ def test_layout_mismatch_without_reshard_is_a_clear_error(tp2_runs, tmp_path):
 
     run = copy_at_step_10(tp2_runs, str(tmp_path / "run"))
     trainer = Trainer(small_config(), ParallelGrid.single(), run)
+    optim = trainer.parts.optim
     with pytest.raises(LayoutMismatchError, match=r"saved with tp=2 cp=1 dp=1 pp=1 .*"
                                                    r"resuming with tp=1 cp=1 dp=1 pp=1.*"
                                                    r"resharding needs the model.*; fix: .*parallel.tp=2"):
-        load_latest(os.path.join(run, "checkpoints"), trainer.flat, trainer.optimizer, trainer.grid)
+        load_latest(os.path.join(run, "checkpoints"), optim.flat, optim.optimizer, trainer.grid)
 
 
 def test_resume_off_starts_fresh(tmp_path):
@@ -335,8 +336,9 @@ def test_another_model_at_the_same_layout_is_a_clear_error(tmp_path):
     cfg = small_config()
     cfg.model.ffn_dim = 96  # same layout (tp=dp=pp=1), another model: the buffers do not fit
     trainer = Trainer(cfg, ParallelGrid.single(), run)
+    optim = trainer.parts.optim
     with pytest.raises(ValueError, match=r"cannot be resharded into this run's parallel.zero=0: parameter layers\."
                                          r"1\.mlp\.down_proj\.weight: checkpoint holds \(64, 128\), this model "
                                          r"\(64, 96\); fix: .*model config"):
-        load_latest(os.path.join(run, "checkpoints"), trainer.flat, trainer.optimizer, trainer.grid,
-                    model=trainer.model)
+        load_latest(os.path.join(run, "checkpoints"), optim.flat, optim.optimizer, trainer.grid,
+                    model=trainer.parts.model)

@@ -11,13 +11,13 @@ from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.checkpoint import io
 from megaft.config import Config, resolve, validate
-from megaft.parallel.buckets import GradReducer
-from megaft.parallel.compress import PowerSGD, compressible, orthonormalize_
 from megaft.parallel.config import ParallelConfig, check_parallel
-from megaft.parallel.flat import FlatParams
+from megaft.parallel.data.buckets import GradReducer
+from megaft.parallel.data.compress import PowerSGD, compressible, orthonormalize_
+from megaft.parallel.data.flat import FlatParams
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
-from megaft.training.parts import build_model
+from megaft.training.parts import RunParts, build_model
 
 # ---------------------------------------------------------------- one process
 
@@ -185,7 +185,7 @@ def bf16_powersgd_mismatches(grid: ParallelGrid) -> dict:
     import copy
 
     from megaft.optim.config import OptimConfig
-    from megaft.optim.zero import build_optimizer
+    from megaft.parallel.data.zero import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 16))
@@ -266,7 +266,7 @@ def _powersgd_bytes(cfg: Config, rank: int = PSGD_RANK) -> tuple[int, int]:
     """(fp32 bytes, PowerSGD bytes) of one step of `cfg`'s model at dp=2: every compressible
     matrix sends (n + m) r floats, everything else (and bucket padding) n m floats. The same
     for bf16 buckets (master weights): they go on the wire in fp32."""
-    model = build_model(cfg, ParallelGrid.single())
+    model = build_model(RunParts(cfg, ParallelGrid.single()))
     flat = FlatParams(model, weight_decay=0.0, device=torch.device("cpu"),
                       bucket_numel=int(cfg.parallel.bucket_mb * 2 ** 20) // 4, multiple=2 if cfg.parallel.zero else 1)
     total = sum(b.numel for b in flat.buckets)

@@ -19,7 +19,7 @@ from multirank import spawn
 from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.checkpoint import io
-from megaft.parallel.compress import compressible, initial_q
+from megaft.parallel.data.compress import compressible, initial_q
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
 
@@ -110,7 +110,7 @@ DP4 = dict(dp=4, zero=0, **PSGD)  # the dp=2 PowerSGD checkpoint of step 5, resu
 def _check_powersgd(trainer: Trainer) -> dict:
     """On this rank: every compressible local (tp-sharded) matrix has a PowerSGD state of its shape,
     the Q's are the same on every dp rank; returns the expected bytes per step (fp32, PowerSGD)."""
-    reducer, grid = trainer.reducer, trainer.grid
+    reducer, grid = trainer.parts.optim.reducer, trainer.grid
     r = reducer.powersgd.rank
     mats = {(b.group, b.start + a.lo): a for b, plan in zip(reducer.buckets, reducer.powersgd.plans)
             for a in plan.matrices}
@@ -130,7 +130,7 @@ def _check_powersgd(trainer: Trainer) -> dict:
 
 
 def _tied_copies_equal(trainer: Trainer) -> bool:
-    w = trainer.model.tied_weight()
+    w = trainer.parts.model.tied_weight()
     top = w.detach().clone()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=trainer.grid.embedding_group)
     return torch.equal(top, w.detach())
@@ -161,7 +161,7 @@ def parallel_runs(rank: int, world: int, root: str, dp2_root: str) -> None:
         trainer = Trainer(cfg, ParallelGrid.build(tp=1, dp=4, pp=1, device="cpu"), run_dir)
         trainer.fit()
     report = {"warnings": [str(w.message) for w in caught if "PowerSGD" in str(w.message)],
-              "warmup_from": trainer.reducer.warmup_from, "bytes": _check_powersgd(trainer)}
+              "warmup_from": trainer.parts.optim.reducer.warmup_from, "bytes": _check_powersgd(trainer)}
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 

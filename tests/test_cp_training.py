@@ -18,11 +18,15 @@ from benchmarks.memory import estimated_block_bytes, measure_layouts, parse_key
 from benchmarks.memory import key as layout_key
 from megaft.checkpoint import io
 from megaft.config import validate
-from megaft.models.context import chunk_index
+from megaft.parallel.context.layout import chunk_index
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.memory import estimate_memory
 
 RTOL = 1e-5  # fp32: cp reorders the softmax's sums (the ring merges partial results)
+# The grad norm (a sum of squares over every parameter) drifts further by step 8 of training:
+# 2.1e-5 on one AMD EPYC host, within 1e-5 on another (MKL picks its kernels by CPU model);
+# the losses and eval losses above stay within RTOL on both.
+NORM_RTOL = 5e-5
 ALL_RUNS = {**CP2_RUNS, **RANK4_RUNS}
 CP_RUNS = {n: s for n, s in ALL_RUNS.items() if s.get("cp", 1) > 1}
 
@@ -50,7 +54,7 @@ def test_loss_curve_matches_single_process(runs, name):
     norm_ref = "tp2_sp" if spec.get("tp", 1) == 2 else reference_of(spec)
     want_norm = [r["grad_norm"] for r in read_rows(os.path.join(runs, norm_ref)) if "grad_norm" in r]
     got_norm = [r["grad_norm"] for r in read_rows(os.path.join(runs, name)) if "grad_norm" in r]
-    assert got_norm == pytest.approx(want_norm, rel=RTOL), name
+    assert got_norm == pytest.approx(want_norm, rel=NORM_RTOL), name
     for g, w in zip(got_eval, want_eval):  # eval runs whole rows on every cp rank
         assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=RTOL), name
     summary = json.load(open(os.path.join(runs, name, "summary.json")))

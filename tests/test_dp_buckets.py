@@ -3,8 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from megaft.optim import OptimConfig, build_optimizer
-from megaft.parallel.flat import FlatParams, plan_buckets
+from megaft.optim import OptimConfig
+from megaft.parallel.data import build_optimizer
+from megaft.parallel.data.flat import FlatParams, plan_buckets
 from megaft.parallel.grid import ParallelGrid
 
 

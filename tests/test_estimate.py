@@ -10,12 +10,12 @@ from omegaconf import OmegaConf
 from train_cases import small_config
 
 from megaft.config import Config, validate
-from megaft.optim import build_optimizer
+from megaft.parallel.data import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import rank_params
 from megaft.perf.hardware import GIB
 from megaft.perf.memory import check_memory, estimate_memory, estimate_ranks
-from megaft.training.parts import build_model
+from megaft.training.parts import RunParts, build_model
 
 CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
 LLAMA_32_1B_PARAMS = 1_235_814_400  # the published count of Llama-3.2-1B (tied embeddings)
@@ -108,7 +108,7 @@ def compare_memory_bytes(rank: int, world: int) -> None:
         if masters:
             cfg.precision, cfg.optim.master_weights = "bf16", True
         grid = ParallelGrid.build(tp=tp, pp=pp, dp=dp, device="cpu")
-        model = build_model(cfg, grid)
+        model = build_model(RunParts(cfg, grid))
         _, opt, reducer = build_optimizer(model, cfg.optim, zero=zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
                                           norm_params=model.norm_params() if pp > 1 else None)
         measured = opt.memory_bytes()

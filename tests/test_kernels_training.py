@@ -97,8 +97,8 @@ def test_bf16_autocast_with_triton_tracks_torch():
     attention output cast to it) and every kernel takes the mixed dtypes: the loss of
     one forward + backward stays within bf16 rounding (2e-2) of the torch paths'."""
     from megaft.kernels.config import KernelsConfig
+    from megaft.models.decoder import Decoder
     from megaft.models.init import init_params
-    from megaft.models.llama import Llama
 
     cfg = small_config(steps=1).model
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -106,7 +106,7 @@ def test_bf16_autocast_with_triton_tracks_torch():
     for backend in ("torch", "triton"):
         for fused in (False, True):
             kernels = KernelsConfig(backend=backend, fused_linear_cross_entropy=fused, ce_chunk_tokens=5)
-            model = Llama(cfg, kernels=kernels)
+            model = Decoder(cfg, kernels=kernels)
             init_params(model, cfg, seed=0, tp_rank=0, tp_size=1)
             model.to(DEVICE)
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -196,9 +196,9 @@ def test_fused_linear_grads_into_flat_buffer():
     gradient buffers equal the unfused path's, every parameter's post-accumulate-grad hook
     fires once per backward, and the buffers are the same storage as before."""
     from megaft.kernels.config import KernelsConfig
+    from megaft.models.decoder import Decoder
     from megaft.models.init import init_params
-    from megaft.models.llama import Llama
-    from megaft.parallel.flat import FlatParams
+    from megaft.parallel.data.flat import FlatParams
 
     cfg = small_config(steps=1).model
     cfg.tie_embeddings = cfg.attention_bias = cfg.mlp_bias = True
@@ -206,7 +206,7 @@ def test_fused_linear_grads_into_flat_buffer():
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     grads, hooks = {}, {}
     for backend in ("torch", "triton"):
-        model = Llama(cfg, kernels=KernelsConfig(linear=backend))
+        model = Decoder(cfg, kernels=KernelsConfig(linear=backend))
         init_params(model, cfg, seed=0, tp_rank=0, tp_size=1)
         model.to(DEVICE)
         flat = FlatParams(model, weight_decay=0.1, device=torch.device(DEVICE))

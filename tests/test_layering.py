@@ -4,6 +4,11 @@ The layers, lowest first (docs/architecture.md); a module may import from its ow
 layer and the layers below. A module's layer is that of its longest matching prefix,
 so a component's config dataclass can sit in the config layer while its code sits
 higher (megaft.training.config, megaft.launch.config).
+
+Every prefix is also a folder (a package, or a module at the top of megaft/), and the
+prefixes are listed lowest first inside each layer too: between folders, an import may
+only point to a folder listed earlier, so no two folders import each other, even in
+one layer (megaft-report reads megaft-scale's study, so megaft.scale sits below it).
 """
 from __future__ import annotations
 
@@ -16,24 +21,28 @@ import pytest
 import megaft
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("megaft.fileio", "megaft.signals", "megaft.checks")),
-    ("parallel", ("megaft.parallel",)),
+    ("base", ("megaft.fileio", "megaft.signals", "megaft.checks", "megaft.device")),
+    # the grid and plain collectives, then one folder per parallel concept that the layers use
+    ("parallel", ("megaft.parallel", "megaft.parallel.tensor", "megaft.parallel.context")),
     ("kernels", ("megaft.kernels",)),
     ("layers", ("megaft.layers",)),
     ("models", ("megaft.models",)),
     ("peft", ("megaft.peft",)),
     ("optim", ("megaft.optim",)),
+    # data parallelism and ZeRO shard the optimizer of megaft.optim: above it
+    ("data parallel", ("megaft.parallel.data",)),
     ("pipeline", ("megaft.pipeline",)),
     ("checkpoint", ("megaft.checkpoint",)),
     ("data", ("megaft.data",)),
-    ("config", ("megaft.config", "megaft.perf", "megaft.training.config", "megaft.launch.config",
-                "megaft.verify.config", "megaft.commbench.config", "megaft.plan.config")),
+    ("config", ("megaft.training.config", "megaft.launch.config", "megaft.verify.config", "megaft.commbench.config",
+                "megaft.perf", "megaft.plan.config", "megaft.config")),
     ("training", ("megaft.training",)),
     ("launch", ("megaft.launch",)),
-    ("entry", ("megaft", "megaft.cli", "megaft.train", "megaft.report", "megaft.prepare", "megaft.verify",
-               "megaft.conf", "megaft.commbench", "megaft.plan", "megaft.scale")),
+    ("entry", ("megaft.plan", "megaft.scale", "megaft.report", "megaft.prepare", "megaft.verify", "megaft.commbench",
+               "megaft.configdoc", "megaft.train", "megaft.conf", "megaft.cli", "megaft")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
+FOLDERS = [p for _, prefixes in LAYERS for p in prefixes]  # lowest first
 ROOT = os.path.dirname(megaft.__file__)
 
 
@@ -65,9 +74,19 @@ def imports(name: str, path: str, known: dict[str, str]) -> set[str]:
     return {m for m in found if m == "megaft" or m.startswith("megaft.")} - {name}
 
 
+def folder_of(name: str) -> str:
+    """The longest prefix of LAYERS that `name` falls under: its folder (or leaf, for a config)."""
+    return max((p for p in FOLDERS if name == p or name.startswith(p + ".")), key=len)
+
+
 def layer_of(name: str) -> str:
-    best = max((p for _, prefixes in LAYERS for p in prefixes if name == p or name.startswith(p + ".")), key=len)
-    return next(layer for layer, prefixes in LAYERS if best in prefixes)
+    return next(layer for layer, prefixes in LAYERS if folder_of(name) in prefixes)
+
+
+def upward_between_folders(edges: dict[str, set[str]]) -> list[str]:
+    """Every import from a folder to one listed after it in FOLDERS."""
+    return sorted(f"{a} ({folder_of(a)}) imports {b} ({folder_of(b)})" for a, deps in edges.items() for b in deps
+                  if FOLDERS.index(folder_of(b)) > FOLDERS.index(folder_of(a)))
 
 
 def graph() -> dict[str, set[str]]:
@@ -113,6 +132,34 @@ def test_imports_point_down_the_layers():
     assert upward == [], "\n".join(upward)
 
 
+def test_imports_point_down_the_folders():
+    # One home per concept: between folders (plan, scale, report, launch, training, the parallel
+    # concepts...) an import points only to a folder listed earlier, within a layer too.
+    upward = upward_between_folders(graph())
+    assert upward == [], "\n".join(upward)
+
+
+def test_the_folder_checker_finds_upward_imports():
+    # The guard must be able to fail: the upward imports this check removed (issue 23) are caught.
+    planted = {"megaft.scale.app": {"megaft.report", "megaft.plan.multirun"},  # megaft-scale calling report.main
+               "megaft.plan.app": {"megaft.train"},  # the tools took conf_dir from the Hydra app
+               "megaft.launch.elastic": {"megaft.plan.replan"},  # the elastic re-plan below the planner
+               "megaft.optim.adamw": {"megaft.parallel.data.flat"},  # the optimizer math on the ZeRO folder
+               "megaft.parallel.context.batch": {"megaft.models.docs"}}  # cp sharding building Docs
+    assert upward_between_folders(planted) == [
+        "megaft.launch.elastic (megaft.launch) imports megaft.plan.replan (megaft.plan)",
+        "megaft.optim.adamw (megaft.optim) imports megaft.parallel.data.flat (megaft.parallel.data)",
+        "megaft.parallel.context.batch (megaft.parallel.context) imports megaft.models.docs (megaft.models)",
+        "megaft.plan.app (megaft.plan) imports megaft.train (megaft.train)",
+        "megaft.scale.app (megaft.scale) imports megaft.report (megaft.report)"]
+    assert upward_between_folders({"megaft.report": {"megaft.scale.report"}, "megaft.train": {"megaft.plan.replan"},
+                                   "megaft.parallel.data.zero": {"megaft.optim.adamw"}}) == []
+    assert folder_of("megaft.parallel.context.ring") == "megaft.parallel.context"
+    assert folder_of("megaft.parallel.grid") == "megaft.parallel"
+    assert folder_of("megaft.configdoc") == "megaft.configdoc"
+    assert folder_of("megaft.training.config") == "megaft.training.config"
+
+
 def test_the_checker_finds_cycles_and_upward_imports():
     # The guard must be able to fail: a planted cycle and a planted upward edge are caught.
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -121,7 +168,8 @@ def test_the_checker_finds_cycles_and_upward_imports():
     assert layer_of("megaft.training.config") == "config" and layer_of("megaft.training.loop") == "training"
 
 
-@pytest.mark.parametrize("name", ["megaft.parallel.grid", "megaft.kernels.rmsnorm", "megaft.models.llama"])
+@pytest.mark.parametrize("name", ["megaft.parallel.grid", "megaft.kernels.rmsnorm", "megaft.models.decoder",
+                                  "megaft.parallel.context", "megaft.parallel.data"])
 def test_low_layers_import_without_the_high_ones(name):
     # Importing a low-layer module in a fresh interpreter must not pull in the trainer or launcher.
     import subprocess

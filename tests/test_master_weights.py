@@ -31,10 +31,10 @@ def mw_config(**par):
 
 def _check_params_are_rounded_masters(trainer):
     """After a step every param the optimizer owns is its fp32 master rounded to nearest even."""
-    opt = trainer.optimizer
+    opt = trainer.parts.optim.optimizer
     chunks = getattr(opt, "chunks", None)
     pairs = ([(c[1], m) for c, m in zip(chunks, opt.master_chunks)] if chunks is not None
-             else [(g.data, m) for g, m in zip(trainer.flat.groups, opt.masters)])
+             else [(g.data, m) for g, m in zip(trainer.parts.optim.flat.groups, opt.masters)])
     assert pairs and all(m.dtype == torch.float32 and p.dtype == torch.bfloat16 for p, m in pairs)
     assert all(torch.equal(p, m.bfloat16()) for p, m in pairs)
     assert not all(torch.equal(p.float(), m) for p, m in pairs)  # the masters hold bits bf16 drops
@@ -58,10 +58,10 @@ def train_master_dp2(rank: int, world: int, root: str) -> None:
         _check_params_are_rounded_masters(trainer)
         if rank == 0:  # the bf16 buckets went over the wire as fp32: 4 bytes per padded element and
             # reduction (zero 2/3 reduce each of the rank's 2 micro-batches)
-            numel = sum(b.numel for b in trainer.flat.buckets) * (2 if spec["zero"] >= 2 else 1)
+            numel = sum(b.numel for b in trainer.parts.optim.flat.buckets) * (2 if spec["zero"] >= 2 else 1)
             sent = [r["comm_bytes"] for r in read_rows(os.path.join(root, name)) if "loss" in r]
             assert sent == [4 * numel] * DP_STEPS, (name, sent, numel)
-        for g in trainer.flat.groups if spec["zero"] < 3 else []:  # dp replicas hold the same bf16 params
+        for g in trainer.parts.optim.flat.groups if spec["zero"] < 3 else []:  # dp replicas hold the same bf16 params
             other = g.data.clone()
             dist.broadcast(other, src=0)
             assert torch.equal(other, g.data), name
@@ -80,14 +80,15 @@ def train_master_dp2(rank: int, world: int, root: str) -> None:
     cfg2 = mw_config(dp=2, zero=2, bucket_mb=0.01)
     resharded = Trainer(cfg2, grid, run_dir)  # loads step 10 of the zero=1 run through reshard
     assert resharded.resume() == DP_STEPS
-    for a, b in zip(resharded.optimizer.masters + resharded.optimizer.exp_avg,
-                    straight.optimizer.masters + straight.optimizer.exp_avg):
+    for a, b in zip(resharded.parts.optim.optimizer.masters + resharded.parts.optim.optimizer.exp_avg,
+                    straight.parts.optim.optimizer.masters + straight.parts.optim.optimizer.exp_avg):
         assert torch.equal(a, b)  # same dp and buckets: the same chunks, bit for bit
-    assert all(torch.equal(a.data, b.data) for a, b in zip(resharded.flat.groups, straight.flat.groups))
+    assert all(torch.equal(a.data, b.data)
+               for a, b in zip(resharded.parts.optim.flat.groups, straight.parts.optim.flat.groups))
     offloaded = Trainer(mw_config(**OFFLOAD), grid, run_dir)  # same layout: restored into the host masters
     assert offloaded.resume() == DP_STEPS
-    for a, b in zip(offloaded.optimizer.masters + offloaded.optimizer.exp_avg,
-                    straight.optimizer.masters + straight.optimizer.exp_avg):
+    for a, b in zip(offloaded.parts.optim.optimizer.masters + offloaded.parts.optim.optimizer.exp_avg,
+                    straight.parts.optim.optimizer.masters + straight.parts.optim.optimizer.exp_avg):
         assert torch.equal(a, b)  # not re-derived from the bf16 params after the load
 
 
@@ -99,7 +100,7 @@ def _resume_zero3(grid, run_dir: str, straight: Trainer) -> None:
     cfg.train.save_every = 5
     _fit(cfg, grid, run_dir, stop_after=5)
     resumed = _fit(cfg, grid, run_dir)
-    got, want = resumed.optimizer, straight.optimizer
+    got, want = resumed.parts.optim.optimizer, straight.parts.optim.optimizer
     assert got.step_count == want.step_count == DP_STEPS
     for kind in ("param_shards", "masters", "exp_avg", "exp_avg_sq"):
         a, b = getattr(got, kind), getattr(want, kind)
@@ -207,13 +208,13 @@ def test_checkpoint_converts_between_fp32_and_master_weights(tmp_path):
     fp32 = _fit(cfg, single, str(tmp_path), stop_after=2)
     mw = Trainer(mw_config(), single, str(tmp_path))
     assert mw.resume() == 2
-    assert all(torch.equal(m, g.data) for m, g in zip(mw.optimizer.masters, fp32.flat.groups))
+    assert all(torch.equal(m, g.data) for m, g in zip(mw.parts.optim.optimizer.masters, fp32.parts.optim.flat.groups))
     _check_params_are_rounded_masters(mw)
     mw.maybe_save(3, 3, force=True)
-    mw.writer.finish()  # published before the next run looks for it (also under async_save)
+    mw.parts.records.finish_saves()  # published before the next run looks for it (also under async_save)
     back = Trainer(dp_config(), single, str(tmp_path))
     assert back.resume() == 3
-    assert all(torch.equal(m, g.data) for m, g in zip(mw.optimizer.masters, back.flat.groups))
+    assert all(torch.equal(m, g.data) for m, g in zip(mw.parts.optim.optimizer.masters, back.parts.optim.flat.groups))
 
 
 def _problems(world=2, precision="bf16", **par):
@@ -241,7 +242,8 @@ def test_step_equals_torch_adamw_on_the_masters():
     """The optimizer alone: masters equal torch.optim.AdamW run in fp32 on the rounded init with
     the bf16 grads upcast, bit for bit (the torch kernel is torch's own op sequence), and every
     bf16 param equals its master rounded to nearest even."""
-    from megaft.optim import AdamW, FlatParams, OptimConfig
+    from megaft.optim import AdamW, OptimConfig
+    from megaft.parallel.data import FlatParams
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))

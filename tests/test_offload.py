@@ -11,7 +11,8 @@ from torch import nn
 from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.config import validate
-from megaft.optim import OptimConfig, build_optimizer
+from megaft.optim import OptimConfig
+from megaft.parallel.data import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
 

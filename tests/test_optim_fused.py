@@ -46,7 +46,7 @@ def _train(run_dir: str, fused: str, calls: list, device: str, **par) -> list[fl
         trainer.fit()
     finally:
         adamw_front._multi_impl = saved
-    n_tensors = len(trainer.optimizer.chunks) if par.get("zero") else len(trainer.flat.groups)
+    n_tensors = len(trainer.parts.optim.optimizer.chunks) if par.get("zero") else len(trainer.parts.optim.flat.groups)
     assert calls == [(fused, n_tensors)] * STEPS  # one call per step, every tensor in it, the asked backend
     return read_metrics(run_dir)[0]
 

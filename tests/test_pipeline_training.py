@@ -91,22 +91,22 @@ def test_first_step_grads_match_single_process(runs, name):
 
 @pytest.mark.parametrize("name", [n for n, s in ALL_RUNS.items() if s.get("export") and s.get("pp", 1) > 1])
 def test_export_and_generation_under_pp(runs, name):
-    """The pp export loads into a pp=1 Llama and holds the same tensors as a pp=1 model
+    """The pp export loads into a pp=1 Decoder and holds the same tensors as a pp=1 model
     would export; greedy generation through the pipeline equals pp=1 generation."""
     from pipeline_cases import pipeline_config
     from safetensors import safe_open
 
+    from megaft.models.decoder import Decoder
     from megaft.models.generate import greedy_generate
     from megaft.models.hf import load_hf_weights
     from megaft.models.hf_export import export_hf
     from megaft.models.hf_load import checkpoint_files
-    from megaft.models.llama import Llama
 
     spec = dict(ALL_RUNS[name])
     hf_dir = os.path.join(runs, name, "hf")
     assert os.path.isfile(os.path.join(hf_dir, "tokenizer.json"))
     cfg = pipeline_config(**spec).model
-    model = Llama(cfg)
+    model = Decoder(cfg)
     load_hf_weights(model, hf_dir, tp_rank=0, tp_size=1)  # strict: every name, every shape
     with open(os.path.join(hf_dir, "config.json")) as f:
         assert json.load(f)["tie_word_embeddings"] == bool(spec.get("tied"))

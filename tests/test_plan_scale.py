@@ -17,7 +17,7 @@ from megaft.config import register_configs
 from megaft.perf.time import TERMS
 from megaft.plan.multirun import measured, multirun_command, points_by_name, write_group
 from megaft.plan.probe import launcher_overrides, term_errors
-from megaft.scale.app import split_args
+from megaft.scale.app import report, split_args
 from megaft.scale.report import add_scaling
 from megaft.scale.study import study_points
 
@@ -153,6 +153,14 @@ def test_scale_exits_2_before_submitting(tmp_path, args, message):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert not os.path.exists(tmp_path / "s")
+
+
+
+def test_scale_runs_megaft_report_as_its_own_command(tmp_path, capfd):
+    # megaft-scale's last step is `python -m megaft.report <sweep dir>` (megaft.report reads the
+    # study; megaft.scale never imports it): that command exists and its status comes back.
+    assert report(str(tmp_path)) == 1
+    assert "megaft-report: no runs under" in capfd.readouterr().err
 
 
 def test_plan_rejects_a_bad_probe(tmp_path):

@@ -17,9 +17,9 @@ from megaft.kernels import _triton  # noqa: E402
 from megaft.kernels.config import KernelsConfig  # noqa: E402
 from megaft.models import saved  # noqa: E402
 from megaft.models.config import ModelConfig, check_model  # noqa: E402
+from megaft.models.decoder import Decoder  # noqa: E402
 from megaft.models.docs import Docs  # noqa: E402
 from megaft.models.init import init_params  # noqa: E402
-from megaft.models.llama import Llama  # noqa: E402
 from megaft.perf.counts import activation_bytes_per_token  # noqa: E402
 from megaft.pipeline.stage import StageModel  # noqa: E402
 from megaft.verify.run import run_verify  # noqa: E402
@@ -35,7 +35,7 @@ def tiny(**kw) -> ModelConfig:
 
 
 def loss_and_grads(cfg: ModelConfig, kernels=None, docs=None):
-    model = Llama(cfg, kernels=kernels)
+    model = Decoder(cfg, kernels=kernels)
     init_params(model, cfg, seed=1, tp_rank=0, tp_size=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(7)  # the dropout masks: recomputation must replay exactly these
@@ -81,7 +81,7 @@ def test_recompute_with_the_fused_kernels():
 
 
 def test_recompute_layers_are_the_first_of_each_stage():
-    model = Llama(tiny(n_layers=4, recompute="full", recompute_layers=2))
+    model = Decoder(tiny(n_layers=4, recompute="full", recompute_layers=2))
     assert [b.full_recompute for b in model.layers] == [True, True, False, False]
     cfg = tiny(n_layers=6, recompute="selective", recompute_layers=1)
     # 6 blocks over pp=2 x vpp=2 stages: [0, 1] [2, 3] [4] [5]; rank 0 holds stages 0 and 2
@@ -96,7 +96,7 @@ def test_recompute_layers_are_the_first_of_each_stage():
 
 def saved_bytes(cfg: ModelConfig, seq: int = 32) -> int:
     """Bytes of the distinct non-parameter tensors the forward saves for backward."""
-    model = Llama(cfg)
+    model = Decoder(cfg)
     init_params(model, cfg, seed=1, tp_rank=0, tp_size=1)
     ids = torch.randint(0, cfg.vocab_size, (2, seq))
     return saved.saved_bytes(model, lambda: model.loss_sum(ids, ids))

@@ -17,14 +17,15 @@ from train_cases import small_config
 from megaft import report
 from megaft.commbench.app import run as commbench
 from megaft.commbench.config import CommbenchConfig
-from megaft.config import Config, register_configs
+from megaft.config import Config, conf_dir, register_configs, validate
 from megaft.launch.submit_record import merge_submitted
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import flops_per_token
 from megaft.perf.time import step_cost
 from megaft.plan.shape import planning_config
-from megaft.train import conf_dir
 from megaft.training.loop import Trainer
+from megaft.training.run_config import read_run_config
+from megaft.training.summary import SCHEMA_VERSION, RunSummary
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def sweep(tmp_path_factory):
 
 @pytest.fixture
 def rows(sweep, monkeypatch):
-    monkeypatch.setattr(report, "squeue_states", lambda: {"77_1": "PENDING", "12": "RUNNING"})
+    monkeypatch.setattr(report.status, "squeue_states", lambda: {"77_1": "PENDING", "12": "RUNNING"})
     return {r["run"]: r for r in report.collect(str(sweep[0]))}
 
 
@@ -90,23 +91,68 @@ def test_running_run_uses_its_metrics(rows, sweep):
 
 
 def test_mfu(sweep):
-    summary = dict(sweep[1][0], device="cuda:0", device_name="NVIDIA H100 80GB HBM3", precision="bf16",
-                   peak_tflops=None)
-    tps = summary["tokens_per_s"]
-    mfu = report._mfu(summary, tps, None)
-    fpt = summary["flops_per_token"]  # written by the trainer from megaft.perf.counts
+    summary = dataclasses.replace(RunSummary.from_json(sweep[1][0]), device="cuda:0",
+                                  device_name="NVIDIA H100 80GB HBM3", precision="bf16", peak_tflops=None)
+    tps = summary.tokens_per_s
+    mfu = report.run_mfu(summary, tps, None)
+    fpt = summary.flops_per_token  # written by the trainer from megaft.perf.counts
     cfg = small_config(steps=4)
     assert fpt == flops_per_token(cfg.model, cfg.data.seq_len)
     assert mfu == pytest.approx(tps * fpt / 989.4e12)
-    assert report._mfu(summary, tps, 989.4 / 2) == pytest.approx(2 * mfu)  # --peak-tflops
-    assert report._mfu(dict(summary, precision="fp32"), tps, None) == pytest.approx(mfu * 989.4 / 66.9)
-    assert report._mfu(dict(summary, device_name="Some New GPU"), tps, None) is None
-    assert report._mfu(dict(summary, device="cpu"), tps, None) is None  # CPU: no peak unless given
-    assert report._mfu(dict(summary, device="cpu"), tps, 2.0) == pytest.approx(mfu * 989.4 / 2)
+    assert report.run_mfu(summary, tps, 989.4 / 2) == pytest.approx(2 * mfu)  # --peak-tflops
+
+    def mfu_of(**changed):
+        return report.run_mfu(dataclasses.replace(summary, **changed), tps, None)
+
+    assert mfu_of(precision="fp32") == pytest.approx(mfu * 989.4 / 66.9)
+    assert mfu_of(device_name="Some New GPU") is None
+    assert mfu_of(device="cpu") is None  # CPU: no peak unless given
+    assert report.run_mfu(dataclasses.replace(summary, device="cpu"), tps, 2.0) == pytest.approx(mfu * 989.4 / 2)
     # summary.json files from before flops_per_token: 6 * params + 12 * layers * dim * seq_len
-    old = {k: v for k, v in summary.items() if k != "flops_per_token"}
-    legacy = 6 * old["params"] + 12 * old["n_layers"] * old["dim"] * old["seq_len"]
-    assert report._mfu(old, tps, None) == pytest.approx(tps * legacy / 989.4e12)
+    old = dataclasses.replace(summary, flops_per_token=None)
+    legacy = 6 * old.params + 12 * old.n_layers * old.dim * old.seq_len
+    assert report.run_mfu(old, tps, None) == pytest.approx(tps * legacy / 989.4e12)
+
+
+def test_run_summary_round_trip(sweep):
+    """summary.json is RunSummary's: what the trainer wrote reads back equal, writes back the
+    same object, and the fields a run does not have (CPU: no GPU peak, no MFU) are left out."""
+    written = json.loads((sweep[0] / "0" / "summary.json").read_text())
+    assert written["schema"] == SCHEMA_VERSION and written == sweep[1][0]
+    summary = RunSummary.read(str(sweep[0] / "0"))
+    assert summary.to_json() == written and RunSummary.from_json(summary.to_json()) == summary
+    assert summary.peak_rss_bytes > 0 and "peak_memory_bytes" not in written and "mfu" not in written
+    assert summary.tp == summary.dp == summary.world_size == 1 and summary.kernels and summary.extra == {}
+    newer = dict(written, schema=SCHEMA_VERSION + 1, tool_note="kept")  # a newer writer's key survives
+    assert RunSummary.from_json(newer).to_json() == newer
+    assert RunSummary.read(str(sweep[0] / "missing")) is None
+
+
+def test_old_summary_without_schema_is_read(sweep, tmp_path, monkeypatch):
+    """A summary.json from before RunSummary (no `schema`, no flops_per_token or kernels, an
+    extra key): megaft-report reads it, and a launcher's restart count is added to it."""
+    from megaft.launch.elastic import record_restarts
+
+    old = {"steps": 4, "final_loss": 1.5, "tokens": 2048, "tokens_per_s": 1000.0, "wall_s": 3.0, "world_size": 2,
+           "tp": 2, "dp": 1, "pp": 1, "precision": "bf16", "device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3",
+           "model": "tiny", "params": 100_000, "n_layers": 2, "dim": 64, "seq_len": 32, "eval_loss": 1.7,
+           "peak_memory_bytes": 2**30, "custom": "from a tool"}
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(old))
+    summary = RunSummary.read(str(run))
+    assert summary.schema == 1 and summary.extra == {"custom": "from a tool"} and summary.cp is None
+    monkeypatch.setattr(report.status, "squeue_states", lambda: None)
+    assert report.main([str(run), "--no-plot", "--out", str(tmp_path / "out")]) == 0
+    row = json.loads((tmp_path / "out" / "report.json").read_text())[0]
+    got = (row["status"], row["world_size"], row["tp"], row["final_loss"], row["eval_loss"])
+    assert got == ("done", 2, 2, 1.5, 1.7)
+    assert row["peak_mem_gb"] == 1.0 and row["kernels"] is None
+    legacy = 6 * 100_000 + 12 * 2 * 64 * 32  # no flops_per_token: the count from the shape
+    assert row["mfu"] == pytest.approx(1000.0 * legacy / (2 * 989.4e12))
+    record_restarts(str(run), 3)
+    again = json.loads((run / "summary.json").read_text())
+    assert again["restarts"] == 3 and again["custom"] == "from a tool" and again["schema"] == 1
 
 
 def test_phase_columns_are_means_of_the_metrics(rows, sweep):
@@ -118,7 +164,7 @@ def test_phase_columns_are_means_of_the_metrics(rows, sweep):
 
 
 def test_table_and_files(sweep, monkeypatch, capsys):
-    monkeypatch.setattr(report, "squeue_states", lambda: None)  # no Slurm: submitted jobs are not "failed"
+    monkeypatch.setattr(report.status, "squeue_states", lambda: None)  # no Slurm: submitted jobs are not "failed"
     out_dir = sweep[0] / "out"
     assert report.main([str(sweep[0]), "--out", str(out_dir)]) == 0
     text = capsys.readouterr().out
@@ -167,6 +213,10 @@ def test_communication_share_next_to_the_measured_bandwidths_prediction(tmp_path
     register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("train", overrides=overrides))
+    # config.yaml is the config that ran: Hydra's, resolved (the tokenizer's vocabulary filled in)
+    ran, composed = read_run_config(str(runs / "dp2")), cfg.model.vocab_size
+    assert validate(cfg, 2) == [] and ran.config == cfg and (ran.world_size, ran.accumulation_steps) == (2, 1)
+    assert composed == 0 < ran.config.model.vocab_size
 
     def exposed(measured: str) -> tuple[float, float]:
         shaped, problems = planning_config(dataclasses.replace(
@@ -188,9 +238,10 @@ def test_communication_share_next_to_the_measured_bandwidths_prediction(tmp_path
     slow = json.loads((runs / "report.json").read_text())[0]
     assert slow["pred_comm_s"] == pytest.approx(exposed(str(tmp_path / "slow.json"))[0], rel=1e-12)
     assert slow["pred_comm_s"] > 5 * row["pred_comm_s"] and slow["comm_share"] == row["comm_share"]
-    # A run without cluster= (the file Hydra writes then) needs --cluster.
+    # A run from before config.yaml, without cluster= (the file Hydra writes then), needs --cluster.
     bare = runs / "bare"
     shutil.copytree(runs / "dp2", bare, ignore=shutil.ignore_patterns("report.*"))
+    (bare / "config.yaml").unlink()
     hydra_cfg = yaml.safe_load((bare / ".hydra" / "config.yaml").read_text())
     hydra_cfg["cluster"] = OmegaConf.to_container(OmegaConf.structured(Config).cluster)
     (bare / ".hydra" / "config.yaml").write_text(yaml.safe_dump(hydra_cfg))
@@ -200,9 +251,46 @@ def test_communication_share_next_to_the_measured_bandwidths_prediction(tmp_path
     assert json.loads((bare / "report.json").read_text())[0]["pred_comm_s"] is None
     assert report.main([str(bare), "--commbench", str(tmp_path / "bench"), "--cluster", "cpu", "--no-plot"]) == 0
     assert json.loads((bare / "report.json").read_text())[0]["pred_comm_s"] == pytest.approx(comm, rel=1e-12)
+    # config.yaml, where a run wrote one, is what is costed (the layout after any elastic change)
+    shutil.copy(runs / "dp2" / "config.yaml", bare / "config.yaml")
+    assert report.main([str(bare), "--commbench", str(tmp_path / "bench"), "--no-plot"]) == 0
+    assert json.loads((bare / "report.json").read_text())[0]["pred_comm_s"] == pytest.approx(comm, rel=1e-12)
     for args, message in ((["--commbench", str(tmp_path / "nowhere")], "--commbench"),
                           (["--commbench", str(tmp_path / "bench"), "--cluster", "h900"], "one of a100"),
                           (["--cluster", "cpu"], "--cluster goes with --commbench")):
         assert report.main([str(runs), "--no-plot", *args]) == 2
         err = capsys.readouterr().err
         assert message in err and "fix:" in err
+
+
+class _RunsACommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_result_pickle_runs_nothing(tmp_path):
+    # submitit's result file is read as plain data (issue 29): a planted object is refused and
+    # the reason comes from the job's stderr log instead
+    from megaft.report.status import failure_reason
+
+    folder, marker = tmp_path / "77_0", tmp_path / "pwned"
+    folder.mkdir()
+    with open(folder / "77_0_0_result.pkl", "wb") as f:
+        pickle.dump(("error", _RunsACommand(str(marker))), f)
+    (folder / "77_0_0_log.err").write_text("Traceback ...\nValueError: the real reason\n")
+    assert failure_reason({"submitit_folder": str(folder), "job_id": "77_0"}) == "ValueError: the real reason"
+    assert not marker.exists()
+
+
+def test_hf_ignore_keys_are_echoed_in_the_summary(sweep, tmp_path):
+    # keys a user declared harmless (model.hf_ignore_keys, issue 24) are on record; other runs say nothing
+    assert "hf_ignore_keys" not in sweep[1][0]
+    cfg = small_config(steps=1)
+    cfg.model.hf_ignore_keys = ["my_lab_flag"]
+    Trainer(cfg, ParallelGrid.single(), str(tmp_path)).fit()
+    assert json.load(open(tmp_path / "summary.json"))["hf_ignore_keys"] == ["my_lab_flag"]

@@ -62,3 +62,77 @@ def test_bf16_tracks_fp32(runs, tmp_path):
     for g, w in zip(got, want):
         assert g == pytest.approx(w, rel=2e-2)
     assert got != want[:5]  # bf16 really ran (exact equality would mean fp32 compute)
+
+
+@pytest.mark.parametrize("name, world, dp, accumulation", [
+    ("single", 1, 1, 2), ("accum", 1, 1, 8), ("tp2", 2, 1, 2), ("dp2", 2, 2, 2)])
+def test_config_yaml_is_the_config_that_ran(runs, name, world, dp, accumulation):
+    """RUN_DIR/config.yaml: the run's (resolved) config with dp as the grid had it, and what
+    it implied: the world size and the micro-batches per rank per step."""
+    from train_cases import PARALLEL_RUNS, small_config
+
+    from megaft.training.run_config import read_run_config
+
+    micro = {"single": 8, "accum": 2, **{r[0]: r[4] for r in PARALLEL_RUNS}}[name]
+    want = small_config(micro=micro)
+    for run_name, tp, run_dp, sp, _ in PARALLEL_RUNS:
+        if run_name == name:
+            want.parallel.tp, want.parallel.dp, want.parallel.sequence_parallel = tp, run_dp, sp
+    want.parallel.dp = dp  # None in the single-process configs: the grid's
+    ran = read_run_config(os.path.join(runs, name))
+    assert ran.config == want and (ran.world_size, ran.accumulation_steps) == (world, accumulation)
+
+
+def _parts(tmp_path, precision="fp32"):
+    """The parts of a one-process run of small_config (megaft.training.parts.TrainSpec)."""
+    import torch
+    from train_cases import small_config
+
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.parts import TrainSpec
+
+    cfg = small_config(steps=4, micro=4)
+    cfg.precision = precision
+    torch.manual_seed(0)
+    return TrainSpec().build(cfg, ParallelGrid.single(), str(tmp_path))
+
+
+def test_optimizer_part_takes_the_whole_step(tmp_path):
+    """OptimParts.step(lr) after a backward: the clipped update with the global grad norm,
+    then zeroed gradients; its public surface is all the loop needs."""
+    import torch
+
+    parts = _parts(tmp_path)
+    batch = parts.data.batch(0)
+    assert len(batch.inputs) == 4 and batch.tokens == 16 * 32 and batch.n_targets > 0  # global 16, micro 4
+    parts.step.forward_backward(batch, parts.optim.loss_divisor(batch.n_targets))
+    params = [p for p in parts.model.parameters() if p.requires_grad]
+    norm = torch.cat([p.grad.flatten() for p in params]).double().norm().float()
+    before = [p.detach().clone() for p in params]
+    stats = parts.optim.step(1e-3)
+    assert stats.finite and stats.lr == 1e-3 and stats.scaler_record() == {}
+    # the part sums fp32 squares per tensor (megaft.optim.clip): ~4e-6 from the fp64 norm here
+    torch.testing.assert_close(stats.grad_norm, norm, rtol=1e-5, atol=0)
+    assert all(not torch.equal(a, p) for a, p in zip(before, params))  # every parameter moved
+    assert all(not p.grad.any() for p in params)  # ready for the next step's accumulation
+    assert parts.optim.take_sent_bytes() == 0  # one process: nothing reduced
+    state = parts.optim.capture(1)
+    assert state["step"] == 1 and state["index"]  # names and offsets: a load can reshard
+
+
+def test_optimizer_part_skips_an_overflowed_fp16_step(tmp_path):
+    """fp16: the step's loss divisor carries the scale; an inf gradient skips the update on
+    every rank, halves the scale and counts the skip, and the gradients are still zeroed."""
+    import torch
+
+    parts = _parts(tmp_path, "fp16")
+    batch = parts.data.batch(0)
+    scale = parts.optim.scaler.scale
+    assert parts.optim.loss_divisor(batch.n_targets) == batch.n_targets / scale
+    parts.step.forward_backward(batch, parts.optim.loss_divisor(batch.n_targets))
+    params = [p for p in parts.model.parameters() if p.requires_grad]
+    params[0].grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in params]
+    stats = parts.optim.step(1e-3)
+    assert not stats.finite and stats.scaler_record() == {"loss_scale": scale / 2, "skipped_steps": 1}
+    assert all(torch.equal(a, p) for a, p in zip(before, params)) and not any(p.grad.any() for p in params)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megaft.config import Config
-from megaft.training.parts import TrainSpec, build_optim
+from megaft.training.parts import RunParts, TrainSpec, build_optim
 from megaft.verify.compare import compare
 from megaft.verify.config import TOLERANCES, Shrink
 from megaft.verify.run import run_verify
@@ -42,10 +42,10 @@ def verify_config(**parallel) -> Config:
     return cfg
 
 
-def skip_one_sp_reduce(cfg, grid, model):
+def skip_one_sp_reduce(parts: RunParts):
     """build_optim, except that the tp all-reduce of FAULTY's gradient never happens."""
-    parts = build_optim(cfg, grid, model)
-    opt, param = parts.optimizer, dict(model.named_parameters())[FAULTY]
+    optim = build_optim(parts)
+    opt, param = optim.optimizer, dict(parts.model.named_parameters())[FAULTY]
     real = opt.sync_sequence_parallel
 
     def sync(tp_group):
@@ -54,7 +54,7 @@ def skip_one_sp_reduce(cfg, grid, model):
         param.grad.copy_(kept)  # this rank's partial sum, as if its all-reduce were skipped
 
     opt.sync_sequence_parallel = sync
-    return parts
+    return optim
 
 
 CASES = {

@@ -117,7 +117,7 @@ def _inject_inf(trainer: Trainer, at_step: int) -> None:
     def train_step(step: int):
         handle = None
         if step == at_step and trainer.grid.dp_rank == 1:
-            handle = trainer.flat.params[0].register_hook(lambda g: g * float("inf"))
+            handle = trainer.parts.optim.flat.params[0].register_hook(lambda g: g * float("inf"))
         try:
             return step_fn(step)
         finally:
@@ -142,7 +142,7 @@ def train_fp16_and_resume(rank: int, world: int, root: str) -> None:
         trainer.fit(stop_after=stop)
         if rank == 0:
             with open(os.path.join(run_dir, "optimizer.json"), "w") as f:
-                json.dump({"step_count": trainer.optimizer.step_count}, f)
+                json.dump({"step_count": trainer.parts.optim.optimizer.step_count}, f)
     for name in ("dp2_zero2", "dp2_zero3"):
         for stop in (5, None):
             cfg = dp_config(**DP2_RUNS[name])

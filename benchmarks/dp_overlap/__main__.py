@@ -11,9 +11,9 @@ For each bucket size, every rank of a `dp`-rank gloo world times (median of
   reduce       the bucketed all-reduce alone, after backward (GradReducer.finish)
   sequential   backward, then the reduction (hooks off: what plain dp does)
   overlapped   backward with the hooks launching each bucket as it fills, then the
-               wait for the last ones (megaft.parallel.buckets)
+               wait for the last ones (megaft.parallel.data.buckets)
 
-Each bucket size is measured once per `--compression` (megaft.parallel.compress);
+Each bucket size is measured once per `--compression` (megaft.parallel.data.compress);
 sent_MiB is what one rank hands to the collectives per reduction (GradReducer's
 byte counter), so the rows compare bytes and time of none, bf16 and PowerSGD.
 

@@ -9,16 +9,16 @@ import torch
 import torch.distributed as dist
 
 from megaft.models.config import ModelConfig
-from megaft.models.llama import Llama
-from megaft.parallel.buckets import GradReducer
-from megaft.parallel.flat import FlatParams
+from megaft.models.decoder import Decoder
+from megaft.parallel.data.buckets import GradReducer
+from megaft.parallel.data.flat import FlatParams
 
 
-def model_of(args) -> Llama:
+def model_of(args) -> Decoder:
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=8, ffn_dim=args.dim * 3, vocab_size=1024,
                       max_seq_len=args.seq)
     torch.manual_seed(0)
-    return Llama(cfg)
+    return Decoder(cfg)
 
 
 def _times(fns: list, repeats: int) -> list[float]:

@@ -22,7 +22,8 @@ import time
 import torch
 from torch import nn
 
-from megaft.optim import OptimConfig, build_optimizer
+from megaft.optim import OptimConfig
+from megaft.parallel.data import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 
 

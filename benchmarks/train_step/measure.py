@@ -25,11 +25,11 @@ import yaml
 from megaft.kernels.autotune import decide_kernels
 from megaft.kernels.config import KernelsConfig
 from megaft.models.config import ModelConfig
+from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
-from megaft.models.llama import Llama
 from megaft.optim.adamw import AdamW
 from megaft.optim.config import OptimConfig
-from megaft.parallel.flat import FlatParams
+from megaft.parallel.data.flat import FlatParams
 from megaft.report import kernels_cell
 
 # vocab_size 0 in a preset means "the tokenizer's": the benchmark has none, so it takes
@@ -94,7 +94,7 @@ def block(provider: str, cfg: ModelConfig, *, device: torch.device, batch: int, 
     """Build the provider's model (``kernels``, default the spec as written) from the
     seeded weights, run ``warmup`` untimed then ``steps`` timed train steps; everything
     it built is freed when it returns."""
-    model = Llama(cfg, kernels=kernels or kernels_config(provider))
+    model = Decoder(cfg, kernels=kernels or kernels_config(provider))
     init_params(model, cfg, seed=seed, tp_rank=0, tp_size=1)
     model.to(device)
     flat = FlatParams(model, weight_decay=0.1, device=device)

@@ -38,6 +38,32 @@ def shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+class UnsafeCheckpointError(Exception):
+    """A shard holds an object outside what torch's weights-only unpickler allows (tensors,
+    containers, numbers, strings): loading it could run code, so megaft refuses it. Not a
+    ValueError, so no reshard fallback swallows it."""
+
+
+def load_shard(ckpt_dir: str, rank: int, *, mmap: bool = False) -> dict[str, Any]:
+    """Rank `rank`'s shard of `ckpt_dir`, unpickled weights-only: a checkpoint never runs code.
+    Every shard megaft ever wrote holds only tensors, dicts, lists, tuples, numbers and strings,
+    so old checkpoints load unchanged."""
+    import pickle
+
+    import torch
+
+    path = os.path.join(ckpt_dir, shard_name(rank))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:  # torch names the refused global ("Unsupported global: ...")
+        found = re.search(r"(?:Unsupported global|unsupported GLOBAL)[: ]+(?:GLOBAL )?([\w.]+)", str(exc))
+        what = found.group(1) if found else str(exc).strip().splitlines()[0][:200]
+        raise UnsafeCheckpointError(
+            f"{path}: refused: it holds {what}, which is not a tensor, number, string or container, and "
+            "unpickling it could run code; megaft never wrote it. fix: resume from a checkpoint megaft saved "
+            "(train.resume=false starts afresh; move this checkpoint away)") from None
+
+
 def sha256(path: str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

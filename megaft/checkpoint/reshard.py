@@ -2,7 +2,7 @@
 
 Every shard carries an index of its flat buffers (`param_index`): for each parameter
 its global name, local shape, offset in its buffer and tensor-parallel split
-(megaft.parallel.shard.TPShard), and where its AdamW moments live (`moment_ranges`:
+(megaft.parallel.tensor.shard.TPShard), and where its AdamW moments live (`moment_ranges`:
 per buffer, the element ranges [lo, hi) whose moments this rank holds, at `at` in
 its moment tensor; zero=0: the whole buffer, ZeRO: its chunk of every bucket). The
 parameter buffers themselves are always saved whole (ZeRO-3 gathers them to save).
@@ -21,14 +21,13 @@ needed shard: fine for the models this repo fine-tunes on a node, not for 70B.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from megaft.checkpoint import io
-from megaft.parallel.shard import local_from_full, shard_of
+from megaft.parallel.tensor.shard import local_from_full, shard_of
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 # The fp32 values of the params: the saved fp32 masters (optim.master_weights, laid out like the
@@ -78,7 +77,7 @@ def _ranges(state: dict[str, Any]) -> list[list[tuple[int, int, int]]]:
 
 
 def _load(path: str, rank: int) -> dict[str, Any]:
-    state = torch.load(os.path.join(path, io.shard_name(rank)), map_location="cpu", weights_only=False, mmap=True)
+    state = io.load_shard(path, rank, mmap=True)
     if "index" not in state:
         raise ValueError(f"{path} has no parameter index (saved by an older megaft)")
     return state

@@ -34,7 +34,8 @@ from megaft.checkpoint import io
 from megaft.checkpoint.adapters import check_lora_base
 from megaft.checkpoint.io import CheckpointWarning
 from megaft.checkpoint.reshard import load_resharded, moment_ranges
-from megaft.optim import AdamW, FlatParams
+from megaft.optim import AdamW
+from megaft.parallel.data import FlatParams
 from megaft.parallel.grid import ParallelGrid
 
 
@@ -261,7 +262,7 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
     check_lora_base(manifest, lora, path)  # adapters of another base: refused (megaft.checkpoint.adapters)
     same = manifest["layout"] == layout(grid)
     if same:
-        state = torch.load(os.path.join(path, io.shard_name(grid.rank)), map_location="cpu", weights_only=False)
+        state = io.load_shard(path, grid.rank)
         if model is None or _fits(state, flat, optimizer):
             return restore(state, flat, optimizer, grid, reducer)  # bitwise; a clear error when it does not fit
     elif model is None:

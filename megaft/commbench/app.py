@@ -17,19 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 from megaft.commbench.config import check_commbench
 from megaft.commbench.report import format_table
 from megaft.commbench.verdict import verdict
-from megaft.config import Config, ConfigError, check_local_launch, register_configs
+from megaft.config import Config, ConfigError, check_local_launch, conf_dir, register_configs
+from megaft.device import resolve_device
 from megaft.launch.config import check_launcher
 from megaft.launch.env import DistEnv
 from megaft.parallel.config import check_parallel
-from megaft.train import conf_dir
 
 register_configs()
-
-
-def device_type(device: str) -> str:
-    import torch
-
-    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def check(cfg: Config, world_size: int, *, local: bool) -> list[str]:
@@ -37,7 +31,7 @@ def check(cfg: Config, world_size: int, *, local: bool) -> list[str]:
     The model, data and memory checks of megaft-train do not apply: nothing is trained."""
     import torch
 
-    problems = check_commbench(cfg.commbench, device_type(cfg.device)) + check_parallel(cfg.parallel, world_size)
+    problems = check_commbench(cfg.commbench, resolve_device(cfg.device)) + check_parallel(cfg.parallel, world_size)
     problems += check_launcher(cfg.launcher) + (check_local_launch(cfg) if local else [])
     if cfg.device == "cuda" and not torch.cuda.is_available():
         problems.append("device=cuda but torch sees no CUDA GPU; fix: device=cpu (gloo) or a CUDA build of torch")

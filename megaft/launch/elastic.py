@@ -7,7 +7,9 @@ old layout would have had (up to fp32 summation order), and the newest checkpoin
 resharded to the new dp on load (megaft.checkpoint.reshard). A world that tp * cp * pp no
 longer divides is re-planned when the run names a cluster (megaft.plan.replan), else an
 error naming both. Without elastic, an unset parallel.dp already
-follows the world; a set one must match it (validation says so).
+follows the world; a set one must match it (validation says so). The restarted run's
+config.yaml records the new dp and accumulation (megaft.training.run_config); the restart
+message takes the old accumulation from the config.yaml the previous attempt left.
 
 `requeue_after_loss`: under Slurm, rank 0 of an elastic job that lost ranks (a node)
 requeues it on the nodes that remain. `record_restarts` adds the launcher's restart count to summary.json: the local
@@ -16,7 +18,6 @@ launcher's (`launcher.max_restarts`) or Slurm's (SLURM_RESTART_COUNT).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -24,9 +25,10 @@ from typing import Optional
 
 from megaft.checkpoint import io
 from megaft.config import Config
-from megaft.fileio import write_json_atomic
 from megaft.launch import health
 from megaft.launch.preempt import requeue, shrink_requeued
+from megaft.training.run_config import read_run_config
+from megaft.training.summary import RunSummary
 
 log = logging.getLogger("megaft")
 
@@ -64,6 +66,9 @@ def adapt(cfg: Config, world: int, run_dir: str) -> Optional[str]:
         return None
     step, layout = was
     old_acc = train.global_batch_size // max(train.micro_batch_size * layout["dp"], 1)
+    before = read_run_config(run_dir)  # the attempt that ran before this one (config.yaml)
+    if before is not None and before.config.parallel.dp == layout["dp"]:
+        old_acc = before.accumulation_steps  # what it ran, even with another micro-batch size
     new_acc = train.global_batch_size // max(train.micro_batch_size * dp, 1)
     msg = (f"megaft: elastic restart: checkpoint step {step} was written by {layout['world_size']} rank(s) "
            f"(tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}); this run has {world}: tp={par.tp} pp={par.pp} "
@@ -88,11 +93,8 @@ def requeue_after_loss(max_requeue: int, run_dir: str, world: int, since: float)
 
 def record_restarts(run_dir: str, restarts: int) -> None:
     """Add `restarts` to the run's summary.json, when the run finished (wrote one)."""
-    path = os.path.join(run_dir, "summary.json")
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
+    summary = RunSummary.read(run_dir)
+    if summary is None:
         return
-    summary["restarts"] = restarts
-    write_json_atomic(path, summary)
+    summary.restarts = restarts
+    summary.write(run_dir)

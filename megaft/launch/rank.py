@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megaft.config import Config
+from megaft.device import resolve_device
 from megaft.launch import health
 from megaft.launch.elastic import record_restarts, requeue_after_loss
 from megaft.launch.env import DistEnv
@@ -22,7 +23,7 @@ from megaft.training.stop import PreemptFlag
 
 
 def pick_device(setting: str, local_rank: int) -> torch.device:
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+    if resolve_device(setting) == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda but torch sees no CUDA GPU; fix: device=cpu or a CUDA build of torch")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -3,7 +3,7 @@ from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
 from megaft.layers.embedding import VocabParallelEmbedding
 from megaft.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaft.layers.norm import RMSNorm
-from megaft.parallel.shard import TPShard, padded_size, shard_of
+from megaft.parallel.tensor.shard import TPShard, padded_size, shard_of
 
 __all__ = [
     "ColumnParallelLinear", "RMSNorm", "RowParallelLinear", "TPShard", "VocabParallelEmbedding",

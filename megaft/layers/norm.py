@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from megaft.kernels.rmsnorm import rmsnorm
-from megaft.parallel.comm import Group, copy_to_tp
-from megaft.parallel.shard import mark_sequence_parallel
+from megaft.parallel.comm import Group
+from megaft.parallel.tensor.comm import copy_to_tp
+from megaft.parallel.tensor.shard import mark_sequence_parallel
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,5 @@
 """Models built from megaft.layers, their configs, initialization and HF interop."""
 from megaft.models.config import ModelConfig, check_model
-from megaft.models.llama import Llama
+from megaft.models.decoder import Decoder
 
-__all__ = ["Llama", "ModelConfig", "check_model"]
+__all__ = ["Decoder", "ModelConfig", "check_model"]

@@ -28,9 +28,9 @@ from megaft.models import recompute
 from megaft.models.config import ModelConfig, kv_replicas
 from megaft.models.docs import Docs, attend, kernel_name, rope_at
 from megaft.models.kv import mark_replicated, replica_sum
-from megaft.models.ring import ring_attention
 from megaft.models.softcap import softcap_attention
 from megaft.parallel.comm import Group, group_size
+from megaft.parallel.context.ring import ring_attention
 
 
 def op_backend(kernels: Optional[KernelsConfig], op: str) -> str:
@@ -50,7 +50,7 @@ def window_mask(seq: int, window: Optional[int], device: torch.device) -> Option
 
 def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, device: torch.device) -> str:
     """What a run's attention computes with, for summary.json: `ring` under context
-    parallelism (megaft.models.ring), the packed-documents kernel (`kernel_name`), SDPA with
+    parallelism (megaft.parallel.context.ring), the packed-documents kernel (`kernel_name`), SDPA with
     an explicit sliding-window mask when a layer's window is shorter than the sequence, the
     explicit soft-capped attention (`explicit_softcap`), or plain causal SDPA."""
     if cp > 1:
@@ -65,17 +65,18 @@ def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, d
 
 class Attention(nn.Module):
     """Each tp rank owns n_heads/tp query heads and the kv heads they read: n_kv_heads/tp,
-    or one replicated kv head when tp > n_kv_heads. `layer` picks the block's window."""
+    or one replicated kv head when tp > n_kv_heads. `layer` picks the block's window;
+    `selective`: the attention core runs again in backward (recompute=selective)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None, layer: int = 0):
+                 kernels: Optional[KernelsConfig] = None, layer: int = 0, selective: bool = False):
         super().__init__()
         tp, hd = group_size(group), cfg.hd
         self.group, self.sp, self.rope_backend = group, sequence_parallel, op_backend(kernels, "rope")
         self.replicas = kv_replicas(cfg, tp)
         self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads * self.replicas // tp, hd
         self.window = cfg.window(layer)
-        self.selective = False  # recompute the attention core in backward (set by Block)
+        self.selective = selective
         lin = op_backend(kernels, "linear")
         col = dict(group=group, bias=cfg.attention_bias or cfg.qkv_bias, sequence_parallel=sequence_parallel,
                    shared_input=True, backend=lin)

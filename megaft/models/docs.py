@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megaft.kernels.rope import rope
-from megaft.models.context import ContextShard, chunk_index
-from megaft.parallel.comm import Group, group_rank, group_size
+from megaft.parallel.context.layout import ContextShard
 
 
 @dataclass
@@ -37,7 +36,7 @@ class Docs:
     position_ids: torch.Tensor  # position of each token inside its document (0 at its start)
     doc_ids: torch.Tensor  # document index of each token in its row (padding: an index of its own)
     # Context parallelism: these are this cp rank's tokens of the rows `cp` describes, and
-    # attention is the ring over the cp group (megaft.models.ring); None = whole rows here.
+    # attention is the ring over the cp group (megaft.parallel.context.ring); None = whole rows here.
     cp: Optional[ContextShard] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -83,21 +82,6 @@ class Docs:
             return create_block_mask(mask_mod(self, window), b, None, s, s, device=self.doc_ids.device)
 
         return self._once((window, True), block_mask)
-
-
-def context_shard(input_ids: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs],
-                  group: Group) -> tuple[torch.Tensor, torch.Tensor, Docs]:
-    """This cp rank's tokens of a micro-batch of whole rows [b, seq] (its two chunks,
-    megaft.models.context), and the `Docs` that gives attention the rest: global positions
-    (or each document's own) for RoPE, and the rows' document ids for the ring's masks."""
-    b, seq = input_ids.shape
-    idx = chunk_index(seq, group_size(group), group_rank(group), input_ids.device)
-    if docs is None:
-        local = Docs(idx.expand(b, -1), torch.zeros(b, idx.numel(), dtype=torch.long, device=input_ids.device),
-                     ContextShard(group, seq))
-    else:
-        local = Docs(docs.position_ids[:, idx], docs.doc_ids[:, idx], ContextShard(group, seq, docs.doc_ids))
-    return input_ids[:, idx], labels[:, idx], local
 
 
 def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:

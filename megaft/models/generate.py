@@ -9,11 +9,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaft.models.llama import Llama
-from megaft.parallel.comm import all_gather, gather_from_tp, group_size
+from megaft.models.decoder import Decoder
+from megaft.parallel.comm import all_gather, group_size
+from megaft.parallel.tensor.comm import gather_from_tp
 
 
-def full_logits(model: Llama, input_ids: torch.Tensor) -> torch.Tensor:
+def full_logits(model: Decoder, input_ids: torch.Tensor) -> torch.Tensor:
     """[batch, seq, vocab_size] logits as a user sees them: gathered, padding dropped.
     (For inspection and tests; training never gathers the vocabulary.)"""
     local = model(input_ids)
@@ -23,7 +24,7 @@ def full_logits(model: Llama, input_ids: torch.Tensor) -> torch.Tensor:
 def _argmax(model, logits: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel argmax of [batch, V_local] without gathering the vocabulary:
     each rank sends its best (value, id); ties go to the lowest id like torch.argmax.
-    `model` is a `Llama` or the last pipeline stage (`cfg`, `vocab_start`, `group`)."""
+    `model` is a `Decoder` or the last pipeline stage (`cfg`, `vocab_start`, `group`)."""
     local = logits.float()
     real = model.cfg.vocab_size - model.vocab_start
     if real < local.shape[-1]:
@@ -62,7 +63,7 @@ def _decode(prompts: list[list[int]], max_new_tokens: int, eos_id: Optional[int]
 
 
 @torch.no_grad()
-def greedy_generate(model: Llama, prompts: list[list[int]], *, max_new_tokens: int,
+def greedy_generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int,
                     eos_id: Optional[int], device: torch.device) -> list[list[int]]:
     """Continue each prompt greedily until eos or `max_new_tokens`; returns the new ids
     (eos excluded)."""

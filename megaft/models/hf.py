@@ -9,7 +9,7 @@ reads each rank's slice only (hf_load.py); export gathers over tp and one rank
 writes (hf_export.py); kv heads replicated over tp > n_kv_heads are written once.
 
     cfg = hf_model_config(path, base=cfg)            # shapes from config.json
-    model = Llama(cfg, group=grid.tp_group)
+    model = Decoder(cfg, group=grid.tp_group)
     load_hf_weights(model, path, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     ...
     export_hf(model, cfg, out, tokenizer_json=path, tp_group=grid.tp_group,

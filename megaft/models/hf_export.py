@@ -32,7 +32,7 @@ from megaft.models.config import ModelConfig
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE, hf_name
 from megaft.models.kv import ReplicatedShard, dedupe_gathered
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
-from megaft.parallel.shard import full_shape, shard_of
+from megaft.parallel.tensor.shard import full_shape, shard_of
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, like save_pretrained)
 # Files a tokenizer.json usually travels with; copied when present beside it.
@@ -105,7 +105,8 @@ def _publish(tmp: str, out_dir: str) -> None:
         shutil.rmtree(old)
 
 
-def _copy_tokenizer(tokenizer_json: str, tmp: str) -> None:
+def copy_tokenizer(tokenizer_json: str, tmp: str) -> None:
+    """tokenizer_json (a file, or a directory holding tokenizer.json) and its sidecars into `tmp`."""
     src = os.path.join(tokenizer_json, "tokenizer.json") if os.path.isdir(tokenizer_json) else tokenizer_json
     if not os.path.isfile(src):
         raise FileNotFoundError(f"{src}: tokenizer.json to export not found")
@@ -174,7 +175,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
                 with open(os.path.join(tmp, INDEX), "w") as f:
                     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             if tokenizer_json:
-                _copy_tokenizer(tokenizer_json, tmp)
+                copy_tokenizer(tokenizer_json, tmp)
             _publish(tmp, out_dir)
     except BaseException:
         if tmp and os.path.isdir(tmp):
@@ -236,7 +237,7 @@ def _export_stages(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenize
                 json.dump({"metadata": {"total_size": sum(n for _, n in everything)}, "weight_map": weight_map},
                           f, indent=2)
             if tokenizer_json:
-                _copy_tokenizer(tokenizer_json, tmp)
+                copy_tokenizer(tokenizer_json, tmp)
             _publish(tmp, out_dir)
     except BaseException:
         if publisher and tmp and os.path.isdir(tmp):

@@ -19,7 +19,7 @@ from megaft.models.arch import SPECS, spec_for
 from megaft.models.arch.spec import HFCheckpointError, read_common, screen
 from megaft.models.config import ModelConfig
 from megaft.models.kv import local_rows
-from megaft.parallel.shard import full_shape, shard_of
+from megaft.parallel.tensor.shard import full_shape, shard_of
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -171,7 +171,7 @@ def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int, str
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str, *, tp_rank: int, tp_size: int, strict: bool = True) -> None:
-    """Fill a built (tp-sharded) Llama with the weights of the HF checkpoint in `path`.
+    """Fill a built (tp-sharded) Decoder with the weights of the HF checkpoint in `path`.
 
     Reads model.safetensors or model.safetensors.index.json; each rank reads only the
     rows of its shard, zero-fills vocabulary padding and casts to the parameter's

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megaft.models.config import ModelConfig
-from megaft.parallel.shard import full_shape, local_from_full
+from megaft.parallel.tensor.shard import full_shape, local_from_full
 
 # Output projections of each residual branch get std / sqrt(2 * n_layers) (GPT-2, Megatron).
 _SCALED = ("o_proj.weight", "down_proj.weight")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
-from megaft.parallel.shard import TPShard
+from megaft.parallel.tensor.shard import TPShard
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ torch.utils.checkpoint's non-reentrant form replays the RNG state of the forward
 (dropout draws the same mask), and re-runs the tensor-parallel collectives inside a
 block in the same order on every tp rank, so recomputation changes no number: losses
 and gradients equal `none` bitwise (tests/test_recompute.py).
+
+The setting is a constructor argument all the way down: `Decoder` picks each block's
+(`recomputed_layers`), `Block(recompute=...)` wraps its forward for `full` and passes
+`selective=` to its Attention and MLP; no module is changed after it is built.
 """
 from __future__ import annotations
 

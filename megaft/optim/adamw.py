@@ -1,4 +1,7 @@
-"""AdamW over FlatParams (plain dp, ZeRO stage 0): one multi-tensor kernel call per step."""
+"""AdamW over FlatParams (plain dp, ZeRO stage 0): one multi-tensor kernel call per step.
+
+The flat buffers and the ZeRO stages that shard this optimizer's state are data
+parallelism's (megaft.parallel.data: `build_optimizer` picks this class or ShardedAdamW)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +14,7 @@ from megaft.optim.clip import grad_norm
 from megaft.optim.config import OptimConfig
 from megaft.optim.offload import NO_HOST, HostAdamW, host_zeros
 from megaft.parallel.comm import Group
-from megaft.parallel.flat import FlatParams
-from megaft.parallel.grads import sync_sequence_parallel_grads
+from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 
 
 def adamw_update_(items, cfg: OptimConfig, *, step: int, lr: float, masters: Optional[list] = None) -> None:
@@ -49,6 +51,7 @@ def state_bytes(params, grads, optimizer_state, host: Optional[HostAdamW]) -> di
 class AdamW:
     """Decoupled-weight-decay Adam (Loshchilov & Hutter) with fp32 state.
 
+    `flat`: the model's FlatParams (megaft.parallel.data.flat), whose buffers it updates.
     `optim.fused` picks the kernel (megaft.kernels.adamw): auto, torch, cpu, cuda, triton.
     `norm_params` are the parameters the grad norm counts (under pp: all but the
     last stage's tied copy); default: all. `scaler` (fp16) is saved in checkpoints.
@@ -56,7 +59,7 @@ class AdamW:
     `cfg.master_weights`: the buffers hold bf16 params and grads; `masters` their fp32 masters.
     """
 
-    def __init__(self, flat: FlatParams, cfg: OptimConfig, *, norm_params: Optional[list] = None,
+    def __init__(self, flat, cfg: OptimConfig, *, norm_params: Optional[list] = None,
                  offload: bool = False):
         self.flat, self.cfg, self.step_count, self.offload = flat, cfg, 0, offload
         self.norm_params = flat.params if norm_params is None else norm_params

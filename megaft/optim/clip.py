@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megaft.parallel.comm import Group, all_reduce
-from megaft.parallel.shard import shard_of
+from megaft.parallel.tensor.shard import shard_of
 
 
 @torch.no_grad()

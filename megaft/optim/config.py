@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from megaft.device import resolve_device
 from megaft.kernels.adamw import BACKENDS as FUSED_BACKENDS  # one list: the kernel front's
 
 Fused = StrEnum("Fused", [(b, b) for b in FUSED_BACKENDS])  # optim.fused's choices, checked by Hydra
@@ -63,7 +64,7 @@ def _check_fused_triton(device: str | None) -> list[str]:
 
     from megaft.kernels import _triton
 
-    on_cuda = device == "cuda" or (device in (None, "auto") and torch.cuda.is_available())
+    on_cuda = resolve_device(device) == "cuda"
     why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
     if why is None:
         return []
@@ -73,7 +74,7 @@ def _check_fused_triton(device: str | None) -> list[str]:
 
 def check_master_weights(cfg: OptimConfig, *, precision: str) -> list[str]:
     """optim.master_weights=true: needs precision=bf16; any tp/pp/dp, zero 0-3, offload and
-    grad_compression (bf16 buckets are reduced in fp32, PowerSGD included: megaft.parallel.buckets)."""
+    grad_compression (bf16 buckets are reduced in fp32, PowerSGD included: megaft.parallel.data.buckets)."""
     if not cfg.master_weights:
         return []
     errors = []

@@ -1,4 +1,16 @@
-"""Process groups (ParallelGrid), autograd-aware collectives and their config."""
+"""Parallelism, one folder per concept (picotron's rule), over one grid of process groups.
+
+- `grid`: `ParallelGrid`, every process group of a rank (tp fastest, then cp, dp, pp);
+  `config`: `ParallelConfig` and its checks; `comm`: group helpers and plain collectives;
+- `tensor/`: tensor and sequence parallelism (the autograd collectives, tp shard metadata);
+- `context/`: context parallelism (the zig-zag token layout, a micro-batch's cp share,
+  ring attention);
+- `data/`: data parallelism and ZeRO 1-3 (flat buffers, bucketed gradient reduction and
+  its compression, the sharded optimizer state, per-layer parameter gathering).
+
+Pipeline parallelism is its own package, megaft.pipeline (schedules as data, their
+validator and simulator, the stage model and the p2p runtime).
+"""
 from megaft.parallel.config import ParallelConfig, check_parallel
 from megaft.parallel.grid import Axis, ParallelGrid
 

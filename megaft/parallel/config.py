@@ -35,7 +35,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel degree: stages the layers are split into
     dp: Optional[int] = None  # data-parallel degree; None = world_size // (tp * cp * pp)
     # context-parallel degree: ranks that split every sequence (load-balanced ring attention,
-    # megaft.models.context, megaft.models.ring); parameters are replicated over cp like over dp
+    # megaft.parallel.context); parameters are replicated over cp like over dp
     cp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pp rank; > 1 needs schedule=interleaved
     schedule: Schedule = Schedule["1f1b"]  # pipeline schedule: gpipe | 1f1b | interleaved
@@ -49,7 +49,7 @@ class ParallelConfig:
     # none | cpu: fp32 master weights and Adam moments of this rank's shard in (pinned) host
     # memory, updated by the C++ AdamW (megaft.optim.offload); the device keeps no Adam moments (8 B/param, /dp)
     offload: Offload = Offload.none
-    # dp gradient compression (megaft.parallel.compress): none | bf16 (half the bytes, bf16 sums)
+    # dp gradient compression (megaft.parallel.data.compress): none | bf16 (half the bytes, bf16 sums)
     # | powersgd (rank-r factors with error feedback; zero 0/1 only)
     grad_compression: Compression = Compression.none
     powersgd_rank: int = 2  # r of PowerSGD's P (n x r) and Q (m x r); sends (n+m)r of n*m elements

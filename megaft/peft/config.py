@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List
 
-# Target name -> the module it adapts (HF's names, which are also megaft's: megaft.models.llama).
+# Target name -> the module it adapts (HF's names, which are also megaft's: megaft.models.decoder).
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
                   "up": "up_proj", "down": "down_proj", "lm_head": "lm_head"}
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from megaft.models.config import ModelConfig
-from megaft.models.hf_export import export_hf, gather_full
+from megaft.models.hf_export import copy_tokenizer, export_hf, gather_full
 from megaft.models.hf_load import hf_name
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.peft.config import TARGET_MODULES, LoraConfig
@@ -78,10 +78,8 @@ def export_adapter(model: nn.Module, model_cfg: ModelConfig, cfg: LoraConfig, ou
             save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
             with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
                 json.dump(adapter_config(cfg, model_cfg.init_from), f, indent=2)
-            if tokenizer_json:
-                src = (os.path.join(tokenizer_json, "tokenizer.json") if os.path.isdir(tokenizer_json)
-                       else tokenizer_json)
-                shutil.copyfile(src, os.path.join(tmp, "tokenizer.json"))
+            if tokenizer_json:  # with its chat template and config, as the full export (a chat LoRA keeps both)
+                copy_tokenizer(tokenizer_json, tmp)
             if os.path.exists(out_dir):
                 shutil.rmtree(out_dir)
             os.rename(tmp, out_dir)

@@ -7,7 +7,7 @@ local GEMM's, before any reduction). The shapes follow the weight's split:
 * column-parallel (q, k, v, gate, up, lm_head): A [r, in] replicated, B [out/tp, r]
   split by output like the weight. Each rank's B slice sees all of A, so A's gradient
   is a partial sum per rank: it is marked like a sequence-parallel parameter and summed
-  over tp after backward (megaft.parallel.grads), then counted once in the grad norm.
+  over tp after backward (megaft.parallel.tensor.grads), then counted once in the grad norm.
 * row-parallel (o, down): A [r, in/tp] split by input like the weight, B [out, r]
   replicated. A's slice gives a partial A x; since B is replicated, B (sum A x) =
   sum (B A x), so each rank adds B (its partial A x) to its partial GEMM output and the
@@ -22,7 +22,7 @@ well: each full A is drawn from a generator seeded by (seed, parameter name) and
 
 Parameter names: `<linear>.adapter.A` / `.B` (peft's lora_A / lora_B: megaft.peft.export).
 The base parameters are frozen (requires_grad=False): FlatParams, the dp buckets, the
-grad norm and the optimizer see only the adapters (megaft.parallel.flat takes trainable
+grad norm and the optimizer see only the adapters (megaft.parallel.data.flat takes trainable
 parameters only), so checkpoints hold the adapters and their AdamW state.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch import nn
 from megaft.layers import ColumnParallelLinear, RowParallelLinear
 from megaft.layers.dropout import sliced_dropout
 from megaft.parallel.comm import Group, group_rank, group_size
-from megaft.parallel.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
+from megaft.parallel.tensor.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
 from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model
 
 

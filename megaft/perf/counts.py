@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megaft.models.config import ModelConfig
-from megaft.parallel.shard import padded_size
+from megaft.parallel.tensor.shard import padded_size
 from megaft.peft.config import LoraConfig
 from megaft.pipeline.partition import stage_layer_counts
 
@@ -193,7 +193,7 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
 
 def ring_bytes(rows: int, seq: int, kv_heads: int, head_dim: int, cp: int, *, itemsize: int,
                recompute_forward: bool = False) -> int:
-    """Bytes one rank sends around the context-parallel ring (megaft.models.ring) for one
+    """Bytes one rank sends around the context-parallel ring (megaft.parallel.context.ring) for one
     layer and micro-batch of `rows` rows of `seq` tokens (`kv_heads`: this tp rank's):
     forward, cp-1 K/V blocks; backward, cp-1 K/V blocks again and cp fp32 dK/dV
     accumulators; a recomputed forward (model.recompute=full) sends its K/V again."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megaft.parallel.shard import padded_size
+from megaft.device import resolve_device
+from megaft.parallel.tensor.shard import padded_size
 from megaft.perf.counts import BF16, FP32, activation_bytes_per_token, layer_params, lora_rank_bytes, rank_params
 from megaft.perf.hardware import GIB
 from megaft.pipeline.partition import stage_layer_counts
@@ -128,7 +129,7 @@ def memory_budget(cfg, target: Optional[tuple[int, str]] = None) -> tuple[Option
         return target
     import torch
 
-    if cfg.device != "cpu" and torch.cuda.is_available():
+    if resolve_device(cfg.device) == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, props.name
     return None, ""

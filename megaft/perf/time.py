@@ -9,7 +9,7 @@ to the step (`StepCost.step_s`):
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
   with sequence parallelism reduce-scatter + all-gather: the same bytes), plus the
   vocab-parallel embedding and head; megaft does not overlap them with compute.
-* **cp_comm**: the context-parallel ring (megaft.models.ring): per block, cp-1 K/V
+* **cp_comm**: the context-parallel ring (megaft.parallel.context.ring): per block, cp-1 K/V
   blocks in forward, and in backward cp-1 K/V blocks plus cp fp32 dK/dV accumulators, each
   a p2p over the cp group's link, hidden behind the attention core's compute of the block
   in hand; only what that compute cannot cover shows. Under cp every rank holds

@@ -1,5 +1,9 @@
 """Pipeline parallelism: schedules as data, their validator, a simulator and a timeline plot.
 
+Pipeline parallelism lives here, not under megaft/parallel/ (which holds tensor, context
+and data parallelism): one home, this package, with its stage model (`stage`) and the
+p2p runtime (`runtime`).
+
 A schedule is `{rank: [Action, ...]}` built by a pure function (`gpipe`,
 `one_f_one_b`, `interleaved_1f1b`, or `build_schedule(name, ...)`) or loaded from a
 CSV; `validate` checks it without processes and `simulate` replays it with costs.

@@ -1,8 +1,8 @@
-"""The part of the Llama that one pipeline rank holds: its virtual stages' layers.
+"""The part of the decoder (megaft.models.decoder) that one pipeline rank holds: its virtual stages' layers.
 
 `StageModel` keeps the full model's parameter names (`embed_tokens.weight`,
 `layers.<global index>.…`, `norm.weight`, `lm_head.weight`), so initialization
-(seeded by name), HF loading and checkpoints treat it like a slice of `Llama`.
+(seeded by name), HF loading and checkpoints treat it like a slice of `Decoder`.
 
 Tied embeddings under pp > 1: the rank of the last virtual stage holds its own
 `embed_tokens` copy used as the head weight (same name, hence the same init or HF
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megaft.models.config import ModelConfig
-from megaft.models.llama import Decoder, rope_of
+from megaft.models.decoder import Decoder, rope_of
 from megaft.parallel.comm import Group, all_reduce, group_size
 from megaft.pipeline.partition import stage_layers
 
@@ -52,7 +52,7 @@ class StageModel(Decoder):
                 docs=None) -> torch.Tensor:
         """Stage `stage` on `x` (input ids on stage 0, activations otherwise); the last
         stage returns `Decoder.head_out`: the summed token loss against `labels` (as
-        `Llama.loss_sum`), or without labels the logits of this tp rank's vocabulary slice.
+        `Decoder.loss_sum`), or without labels the logits of this tp rank's vocabulary slice.
         `docs`: packed documents kept apart (megaft.models.docs), the micro-batch's."""
         if stage == 0:
             x = self.embed(x)

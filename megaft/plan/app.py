@@ -24,7 +24,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, register_configs
+from megaft.config import Config, ConfigError, conf_dir, register_configs
 from megaft.fileio import write_json_atomic
 from megaft.plan.measured import apply_measured
 from megaft.plan.report import (
@@ -37,7 +37,6 @@ from megaft.plan.report import (
 )
 from megaft.plan.shape import planning_config
 from megaft.plan.space import rule_of_thumb, search
-from megaft.train import conf_dir
 
 register_configs()
 # megaft-train's root config with a cluster preset (conf/train.yaml's `cluster` default is null).

@@ -25,9 +25,10 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from megaft.fileio import read_json, read_jsonl
+from megaft.fileio import read_jsonl
 from megaft.launch.submit_record import read_submitted
 from megaft.training.phases import PHASE_KEYS
+from megaft.training.summary import RunSummary
 
 LOG_FILE = "multirun.log"  # megaft-train -m's stdout and stderr, in the sweep dir
 
@@ -118,23 +119,23 @@ def measured(run_dir: str) -> Optional[dict[str, Any]]:
     """A finished run's steady numbers: the median over its train lines after the first
     (warm-up) step of tokens/s (whole job) and step time, and the mean phase times
     (megaft.training.phases); None without summary.json."""
-    summary = read_json(os.path.join(run_dir, "summary.json"))
+    summary = RunSummary.read(run_dir)
     if summary is None:
         return None
     train = [rec for rec in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
              if "loss" in rec and rec.get("tokens_per_s")]
     steady = train[1:] or train
-    world = summary["world_size"]
-    tokens_per_step = summary["tokens"] / max(summary["steps"], 1)
+    world = summary.world_size
+    tokens_per_step = summary.tokens / max(summary.steps, 1)
     if steady:
         tps = statistics.median(float(rec["tokens_per_s"]) for rec in steady)
         step_s = statistics.median(tokens_per_step / float(rec["tokens_per_s"]) for rec in steady)
     else:
-        tps = summary["tokens_per_s"]
+        tps = summary.tokens_per_s
         step_s = tokens_per_step / tps if tps else None
     out = {"tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world if tps else None, "step_s": step_s,
-           "world_size": world, "steps": summary["steps"], "steady_steps": len(steady),
-           "final_loss": summary.get("final_loss")}
+           "world_size": world, "steps": summary.steps, "steady_steps": len(steady),
+           "final_loss": summary.final_loss}
     for key in PHASE_KEYS:
         values = [float(rec[key]) for rec in steady if key in rec]
         out[key] = statistics.fmean(values) if values else None

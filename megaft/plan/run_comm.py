@@ -3,11 +3,12 @@ the bandwidth megaft-commbench measured predicts for it.
 
 Measured, from the run's phase times (megaft.training.phases.comm_share): exposed
 communication over the phased step, comm_s / (forward_s + backward_s + optimizer_s + comm_s).
-Predicted: the run's own config (its `.hydra/config.yaml`) on its world size, costed by the
-planner's model (megaft.perf.time) with the cluster's links replaced by the measured ones
-(`cluster.measured`, megaft.plan.measured). comm_s is the time nothing hid (the dp reduction
-left after backward, pipeline receive waits), so the prediction it stands next to is the
-same group of terms megaft-plan's probe compares it with: dp_comm + pp_bubble
+Predicted: the config the run ran with (its config.yaml, written after elastic changes and
+re-plans: megaft.training.run_config; Hydra's .hydra/config.yaml for runs from before it) on
+its world size, costed by the planner's model (megaft.perf.time) with the cluster's links
+replaced by the measured ones (`cluster.measured`, megaft.plan.measured). comm_s is the time
+nothing hid (the dp reduction left after backward, pipeline receive waits), so the prediction
+it stands next to is the same group of terms megaft-plan's probe compares it with: dp_comm + pp_bubble
 (megaft.plan.probe.TERM_GROUPS, "exposed comm"), over the predicted step.
 
 The compute side of the prediction (what hides the reduction, what the step takes) comes
@@ -19,14 +20,13 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
-
-from megaft.config import Config
+from megaft.config import Config, compose_config, conf_dir
 from megaft.perf.time import step_cost
 from megaft.plan.measured import apply_measured
 from megaft.plan.probe import TERM_GROUPS
 from megaft.plan.shape import planning_config
 from megaft.training.phases import comm_share
+from megaft.training.run_config import load_config, read_run_config
 
 COMM_COLUMNS = ("comm_share", "pred_comm_s", "pred_comm_share")
 EXPOSED = next(terms for name, terms, _ in TERM_GROUPS if name == "exposed comm")
@@ -34,8 +34,6 @@ EXPOSED = next(terms for name, terms, _ in TERM_GROUPS if name == "exposed comm"
 
 def preset_cluster(name: str):
     """The ClusterConfig of conf/cluster/<name>.yaml (ValueError naming the presets otherwise)."""
-    from megaft.train import compose_config  # megaft-train's config tree
-
     try:
         return compose_config([f"cluster={name}"]).cluster
     except Exception as exc:  # Hydra's "Could not find 'cluster/x'" and its kin
@@ -45,8 +43,6 @@ def preset_cluster(name: str):
 
 
 def _cluster_dir() -> str:
-    from megaft.train import conf_dir
-
     return os.path.join(conf_dir(), "cluster")
 
 
@@ -60,11 +56,14 @@ def check_commbench(measured: str, cluster) -> list[str]:
 
 
 def run_config(run_dir: str) -> Config:
-    """The run's Config as megaft-train composed it (`.hydra/config.yaml`)."""
+    """The Config the run ran with (config.yaml), else as megaft-train composed it (.hydra/config.yaml)."""
+    ran = read_run_config(run_dir)
+    if ran is not None:
+        return ran.config
     path = os.path.join(run_dir, ".hydra", "config.yaml")
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing (a run not started by megaft-train); nothing to predict from")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+    return load_config(path)
 
 
 def predict(run_dir: str, world_size: int, measured: str, cluster=None) -> dict[str, float]:

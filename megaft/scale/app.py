@@ -11,23 +11,25 @@ with megaft-train's config tree (a bad one exits 2 before anything is queued) an
 on; `hydra/launcher=...` (default slurm), `hydra.launcher.*` and `hydra.sweep.dir` (default
 multirun/scale-<time>) go to the multirun. Each node count is one point
 (`+scale_point=n<N>`, megaft.plan.multirun), submitted through megaft's Slurm launcher; the
-command waits for the jobs, then runs `megaft-report` on the sweep dir, which adds
+command waits for the jobs, then runs `megaft-report` on the sweep dir (`python -m
+megaft.report`, a process of its own, as megaft-train -m is), which adds
 speedup, efficiency and communication share columns and scaling.png (megaft.scale.report).
 Exit status: 0 when every point finished, 1 otherwise, 2 on a bad study or config.
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from typing import Optional
 
 from omegaconf import OmegaConf
 
+from megaft.config import compose_config
 from megaft.fileio import write_json_atomic
 from megaft.plan.multirun import multirun_command, override_key, run_multirun, wait_dequeued, write_group
 from megaft.scale.study import GROUP, POINT_KEYS, SCALE_FILE, study_points
-from megaft.train import compose_config
 
 OWN_KEYS = {"mode": "strong", "nodes": [1, 2, 4, 8], "ranks_per_node": 8, "place_nodes": True}
 
@@ -84,10 +86,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if status != 0:
         print(f"megaft-scale: megaft-train -m exited {status}; its output's tail:\n{tail}", file=sys.stderr)
     wait_dequeued(sweep_dir)  # so that megaft-report sees them done, not running
-    from megaft.report import main as report
+    return 1 if status != 0 or report(sweep_dir) != 0 else 0
 
-    report_status = report([sweep_dir])
-    return 1 if status != 0 or report_status != 0 else 0
+
+def report(sweep_dir: str) -> int:
+    """megaft-report on the sweep dir, as its own command (as the study ran megaft-train -m):
+    megaft-report reads what megaft-scale wrote, never the reverse; its exit status."""
+    sys.stdout.flush()
+    return subprocess.run([sys.executable, "-m", "megaft.report", sweep_dir]).returncode
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ import torch
 from tokenizers import Tokenizer
 
 from megaft.data import Task, count_targets
+from megaft.models.decoder import Decoder
 from megaft.models.generate import greedy_generate, pipeline_greedy_generate
-from megaft.models.llama import Llama
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 
 
 @torch.no_grad()
-def eval_loss(model: Llama, batches: list[tuple[torch.Tensor, torch.Tensor]], grid: ParallelGrid,
+def eval_loss(model: Decoder, batches: list[tuple[torch.Tensor, torch.Tensor]], grid: ParallelGrid,
               autocast) -> Optional[float]:
     """Mean next-token cross-entropy over every target token of the eval lines."""
     if not batches:
@@ -60,11 +60,11 @@ def pipeline_eval_loss(runtime, batches: list[tuple[torch.Tensor, torch.Tensor]]
 def eval_accuracy(model, task: Task, tok: Tokenizer, eos_id: Optional[int], grid: ParallelGrid,
                   autocast) -> float:
     """Exact-match accuracy of greedy completions of the task's held-out prompts.
-    `model` is a `Llama`, or a `PipelineRuntime` under pp > 1 (generation through the
+    `model` is a `Decoder`, or a `PipelineRuntime` under pp > 1 (generation through the
     stages; every pp rank gets the same completions)."""
     examples = task.eval[grid.dp_rank::grid.dp_size]
     prompts = [tok.encode(ex["prompt"]).ids for ex in examples]
-    if isinstance(model, Llama):
+    if isinstance(model, Decoder):
         with autocast():
             outs = greedy_generate(model, prompts, max_new_tokens=task.max_new_tokens, eos_id=eos_id,
                                    device=grid.device)

@@ -1,12 +1,10 @@
-"""Run-directory outputs: metrics.jsonl (one JSON object per line), TensorBoard event
-files (run_dir/tensorboard, the same scalars) and summary.json."""
+"""Run-directory outputs: metrics.jsonl (one JSON object per line) and TensorBoard event
+files (run_dir/tensorboard, the same scalars); summary.json is megaft.training.summary's."""
 from __future__ import annotations
 
 import json
 import os
 from typing import Any, Optional
-
-from megaft.fileio import write_json_atomic
 
 
 class MetricsLog:
@@ -43,8 +41,3 @@ class MetricsLog:
             self._tb.close()
             self._tb = None
         self._tb_dir = None
-
-
-def write_summary(run_dir: str, summary: dict[str, Any]) -> None:
-    """summary.json, written atomically so readers never see half of it."""
-    write_json_atomic(os.path.join(run_dir, "summary.json"), summary)

@@ -1,27 +1,29 @@
-"""The parts a run is composed of, each built by a named function from the config and the grid.
+"""The parts a run is composed of, each built by a named function of the parts before it.
 
-`TrainSpec` bundles the builders (torchtitan's train_spec idea): the `Trainer` calls
-them in order and never reaches into what they return. A feature that changes one
-part (an adapter model, another data store, a reference path for verification)
-passes a spec with that builder replaced, instead of growing the trainer.
+`TrainSpec` bundles the builders (torchtitan's train_spec idea): the `Trainer` builds
+them in order and calls only their typed surface (megaft.training.protocols). A feature
+that changes one part (an adapter model, another data store, a fault for megaft-verify's
+tests) passes a spec with that builder replaced, instead of growing the trainer. Every
+builder has one signature, `builder(parts: RunParts) -> part`:
 
-    data     build_data(cfg, grid)                       -> DataParts
-    kernels  choose_kernels(cfg, grid)                   -> (KernelsConfig, record for summary.json)
-    model    build_model(cfg, grid, kernels)             -> Llama | StageModel (this rank's shard)
-    optim    build_optim(cfg, grid, model)               -> OptimParts (flat buffers, optimizer, reducer, scaler)
-    step     build_step(cfg, grid, model, optim, phases) -> PlainStep | PipelineStep, picked once
-    records  build_records(cfg, grid, run_dir)           -> Records (metrics, checkpoints, guards)
+    data     build_data      -> DataParts: a step's micro-batches on this rank, the eval set
+    kernels  choose_kernels  -> Kernels: the decided KernelsConfig and its summary.json record
+    model    build_model     -> Decoder | StageModel (this rank's shard)
+    optim    build_optim     -> OptimParts (megaft.training.optimizer): the optimizer step's sequence
+    step     build_step      -> PlainStep | PipelineStep (megaft.training.step), picked once
+    records  build_records   -> Records (megaft.training.records): config.yaml, metrics, checkpoints
+    export   build_export    -> HFExport (megaft.training.export): the model for other tools
 """
 from __future__ import annotations
 
-import os
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 from tokenizers import Tokenizer
 
-from megaft import checkpoint
 from megaft.config import Config
 from megaft.data import (
     EncodedCorpus,
@@ -31,6 +33,7 @@ from megaft.data import (
     Task,
     build_tokenizer,
     chat_encoder,
+    count_targets,
     data_sources,
     encode_examples,
     eval_batches,
@@ -40,36 +43,74 @@ from megaft.data import (
     special_ids,
 )
 from megaft.kernels.autotune import decide_kernels
+from megaft.models.decoder import Decoder
 from megaft.models.docs import Docs
-from megaft.models.llama import Llama
-from megaft.optim import LossScaler, build_optimizer
 from megaft.parallel.comm import all_reduce
+from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.tensor.shard import full_shape
 from megaft.peft import apply_lora
-from megaft.peft.base import lora_record
-from megaft.pipeline.runtime import PipelineRuntime
-from megaft.pipeline.stage import StageModel, sync_tied_grads
-from megaft.training.config import accumulation_steps, use_tensorboard
-from megaft.training.evaluate import eval_loss, pipeline_eval_loss
-from megaft.training.guards import BadStepGuard, model_signature
-from megaft.training.metrics import MetricsLog
-from megaft.training.phases import PhaseTimer
-from megaft.training.stop import StepBoundary
-from megaft.training.stragglers import StragglerMonitor
+from megaft.pipeline.stage import StageModel
+from megaft.training.export import build_export
+from megaft.training.optimizer import build_optim
+from megaft.training.protocols import (
+    Batches,
+    Builder,
+    DataPart,
+    ExportPart,
+    Kernels,
+    OptimPart,
+    RecordsPart,
+    RunParts,
+    StepBatch,
+    StepPart,
+)
+from megaft.training.records import build_records
+from megaft.training.step import build_step
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
+__all__ = ["DataParts", "RunParts", "TrainSpec", "build_data", "build_export", "build_model", "build_optim",
+           "build_records", "build_step", "choose_kernels", "micro_batches", "model_params"]
+
+
+def micro_batches(inputs: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs], grid: ParallelGrid,
+                  size: int) -> tuple[list, list, Optional[list]]:
+    """This rank's micro-batches of a global batch: its dp share of the rows and, under
+    context parallelism, its cp chunks of their tokens (megaft.parallel.context.context_shard)."""
+    share = inputs.shape[0] // grid.dp_size
+    rows = slice(grid.dp_rank * share, (grid.dp_rank + 1) * share)
+    micro_in, micro_lab = list(inputs[rows].split(size)), list(labels[rows].split(size))
+    micro_docs = None if docs is None else [
+        Docs(p, d) for p, d in zip(docs.position_ids[rows].split(size), docs.doc_ids[rows].split(size))]
+    if grid.cp_size > 1:
+        parts = [context_shard(i, lab, d, grid.cp_group)
+                 for i, lab, d in zip(micro_in, micro_lab, micro_docs or [None] * len(micro_in))]
+        micro_in, micro_lab = [p[0] for p in parts], [p[1] for p in parts]
+        micro_docs = [Docs(*p[2:]) for p in parts]  # positions, doc ids and the ContextShard the ring reads
+    return micro_in, micro_lab, micro_docs
 
 
 @dataclass
 class DataParts:
-    """The tokenizer, the training stream (a pure function of (seed, step)) and the eval set."""
+    """The tokenizer, the training stream (a pure function of (seed, step)) and the eval set;
+    `batch(step)` is this rank's share of step `step`'s global batch (of `global_batch_size`
+    sequences, in micro-batches of `micro_batch_size`, split over `grid`)."""
 
     tokenizer: Tokenizer
     eos_id: Optional[int]
     task: Optional[Task]  # the generated task scored by exact match, when there is one
     stream: PackedStream | PackedDocs
     eval_batches: Batches
-    packing: str = "stream"  # data.packing: docs keeps documents apart in attention
+    packing: str  # data.packing: docs keeps documents apart in attention
+    grid: ParallelGrid
+    global_batch_size: int  # train.global_batch_size
+    micro_batch_size: int  # train.micro_batch_size
+
+    def batch(self, step: int) -> StepBatch:
+        """Step `step`'s micro-batches on this rank, with the global batch's target and token counts."""
+        inputs, labels, docs = self.global_batch(step, self.global_batch_size)
+        n_targets = max(count_targets(labels), 1)
+        micro_in, micro_lab, micro_docs = micro_batches(inputs, labels, docs, self.grid, self.micro_batch_size)
+        return StepBatch(micro_in, micro_lab, micro_docs, n_targets, int(inputs.numel()))
 
     def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor, Optional[Docs]]:
         """(input_ids, labels, document layout or None) of step `step`'s global batch."""
@@ -79,11 +120,12 @@ class DataParts:
         return batch.input_ids, batch.labels, Docs(batch.position_ids, batch.doc_ids)
 
 
-def build_data(cfg: Config, grid: ParallelGrid) -> DataParts:
+def build_data(parts: RunParts) -> DataParts:
     """Tokenizer, training stream and eval batches of cfg.data. Conversations are rendered
     with the chat template; packing=docs|none packs whole documents (megaft.data.packed),
     from the prepared, memory-mapped store for files (megaft.data.prepare: prepared once,
     usually by the launcher before any rank starts), in memory for a generated task."""
+    cfg, grid = parts.cfg, parts.grid
     data, init_from = cfg.data, cfg.model.init_from
     tok = build_tokenizer(data, init_from=init_from)
     eos_token = cfg.model.extra.get("eos_token_id")
@@ -103,30 +145,32 @@ def build_data(cfg: Config, grid: ParallelGrid) -> DataParts:
         examples = Examples([], evals, None)
     evals = eval_batches(encode_examples(tok, examples.eval, eos_id, chat=chat), cfg.train.eval_batch_size,
                          pad_id, max_len=cfg.model.max_seq_len)
-    return DataParts(tok, eos_id, examples.task, stream, evals, data.packing)
+    return DataParts(tok, eos_id, examples.task, stream, evals, data.packing, grid, cfg.train.global_batch_size,
+                     cfg.train.micro_batch_size)
 
 
-def choose_kernels(cfg: Config, grid: ParallelGrid):
-    """(KernelsConfig, record): kernels.backend=auto on CUDA set to the backends measured
-    fastest (rank 0 decides for all ranks), and each op's backend and its source for
-    summary.json (megaft.kernels.autotune.decide_kernels)."""
-    return decide_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
-                          seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device, rank=grid.rank,
-                          master_weights=cfg.optim.master_weights)
+def choose_kernels(parts: RunParts) -> Kernels:
+    """kernels.backend=auto on CUDA set to the backends measured fastest (rank 0 decides for
+    all ranks), and each op's backend and its source for summary.json
+    (megaft.kernels.autotune.decide_kernels)."""
+    cfg, grid = parts.cfg, parts.grid
+    return Kernels(*decide_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
+                                   seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device,
+                                   rank=grid.rank, master_weights=cfg.optim.master_weights))
 
 
-def build_model(cfg: Config, grid: ParallelGrid, kernels=None) -> Llama | StageModel:
+def build_model(parts: RunParts) -> Decoder | StageModel:
     """The sharded model on this rank's device: HF weights or a tp-independent init.
     Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names).
-    `kernels`: the decided KernelsConfig (default: choose_kernels)."""
+    Built with parts.kernels (choose_kernels when not built yet)."""
+    cfg, grid = parts.cfg, parts.grid
     par = cfg.parallel
-    if kernels is None:
-        kernels = choose_kernels(cfg, grid)[0]
+    kernels = (parts.kernels or choose_kernels(parts)).config
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
                            group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
     else:
-        model = Llama(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
+        model = Decoder(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
     if cfg.model.init_from:
         from megaft.models.hf import load_hf_weights
 
@@ -141,142 +185,33 @@ def build_model(cfg: Config, grid: ParallelGrid, kernels=None) -> Llama | StageM
     return model.to(grid.device)
 
 
-@dataclass
-class OptimParts:
-    """Flat parameter/gradient buffers, the (ZeRO-sharded) optimizer, the bucketed dp
-    reduction and the fp16 loss scaler (None otherwise; the optimizer saves it)."""
-
-    flat: Any
-    optimizer: Any
-    reducer: Any
-    scaler: Optional[LossScaler]
-
-
-def build_optim(cfg: Config, grid: ParallelGrid, model: torch.nn.Module) -> OptimParts:
-    scaler = None
-    if cfg.precision == "fp16":
-        scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
-    flat, optimizer, reducer = build_optimizer(
-        model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
-        norm_params=model.norm_params() if grid.pp_size > 1 else None, compression=cfg.parallel,
-        offload=cfg.parallel.offload, scaler=scaler)
-    return OptimParts(flat, optimizer, reducer, scaler)
-
-
-class PlainStep:
-    """Forward and backward of each micro-batch through the whole model (pp = 1); the dp
-    buckets reduce during the last backward."""
-
-    def __init__(self, model: Llama, reducer, grid: ParallelGrid, phases: PhaseTimer):
-        self.model, self.reducer, self.grid, self.phases = model, reducer, grid, phases
-
-    def forward_backward(self, micro_in: list, micro_lab: list, divisor: float, autocast,
-                         micro_docs: Optional[list] = None) -> torch.Tensor:
-        """Backpropagate sum(loss) / divisor over the micro-batches; returns the loss sum (fp64).
-        `micro_docs`: each micro-batch's packed-document layout (data.packing=docs), or None."""
-        device, phase = self.grid.device, self.phases.phase
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (mb_in, mb_lab) in enumerate(zip(micro_in, micro_lab)):
-            if i == len(micro_in) - 1:
-                self.reducer.arm()  # buckets reduce during the last backward only
-            docs = micro_docs[i] if micro_docs else None
-            with phase("forward"), autocast():
-                loss = self.model.loss_sum(mb_in.to(device), mb_lab.to(device), docs)
-            with phase("backward"):
-                (loss / divisor).backward()
-            loss_sum += loss.detach().double()
-        return loss_sum
-
-    def eval_loss(self, batches: Batches, autocast) -> Optional[float]:
-        return eval_loss(self.model, batches, self.grid, autocast)
-
-    @property
-    def generator(self):
-        """What greedy generation runs through (megaft.training.evaluate.eval_accuracy)."""
-        return self.model
-
-    @property
-    def current_action(self):
-        """The pipeline action in hand, for hang reports: none without a pipeline."""
-        return None
-
-
-class PipelineStep:
-    """The rank's pipeline schedule over the micro-batches (pp > 1); the dp reduction runs
-    after it (the reducer is not armed), and the tied embedding copies sum their grads."""
-
-    def __init__(self, model: StageModel, grid: ParallelGrid, cfg: Config, phases: PhaseTimer):
-        self.model, self.grid, self.phases = model, grid, phases
-        self.runtime = PipelineRuntime(model, grid, cfg.parallel.schedule,
-                                       accumulation_steps(cfg.train, grid.dp_size), cfg.parallel.vpp,
-                                       wrap_compute=phases.timed_handler)
-
-    def forward_backward(self, micro_in: list, micro_lab: list, divisor: float, autocast,
-                         micro_docs: Optional[list] = None) -> torch.Tensor:
-        loss_sum = self.runtime.train_step(list(micro_in), list(micro_lab), divisor, autocast, micro_docs)
-        self.phases.add("comm", self.runtime.wait_s)
-        with self.phases.phase("comm"):
-            sync_tied_grads(self.model, self.grid.embedding_group)
-            all_reduce(loss_sum, self.grid.pp_group)  # the last stage's loss, on every pp rank
-        return loss_sum
-
-    def eval_loss(self, batches: Batches, autocast) -> Optional[float]:
-        return pipeline_eval_loss(self.runtime, batches, self.grid, autocast)
-
-    @property
-    def generator(self):
-        return self.runtime  # greedy generation through the stages
-
-    @property
-    def current_action(self):
-        return self.runtime.current_action
-
-
-def build_step(cfg: Config, grid: ParallelGrid, model, optim: OptimParts,
-               phases: PhaseTimer) -> PlainStep | PipelineStep:
-    if grid.pp_size > 1:
-        return PipelineStep(model, grid, cfg, phases)
-    return PlainStep(model, optim.reducer, grid, phases)
-
-
-@dataclass
-class Records:
-    """What a run writes and watches: metrics.jsonl (and TensorBoard), the checkpoint writer
-    (its manifests carry the model record resume checks, and a LoRA run's base), the
-    agreement on where to stop, the non-finite-step guard and the per-rank step times."""
-
-    metrics: MetricsLog
-    writer: checkpoint.CheckpointWriter
-    boundary: StepBoundary
-    guard: BadStepGuard
-    stragglers: StragglerMonitor
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.writer.root
-
-
-def build_records(cfg: Config, grid: ParallelGrid, run_dir: str) -> Records:
-    is_writer = grid.rank == 0
-    metrics = MetricsLog(run_dir, enabled=is_writer, tensorboard=is_writer and use_tensorboard(cfg.train.tensorboard))
-    checkpoint_dir = os.path.join(run_dir, "checkpoints")
-    writer = checkpoint.CheckpointWriter(checkpoint_dir, grid, keep_last=cfg.train.keep_last,
-                                         async_save=cfg.train.async_save)
-    writer.meta = {"model": model_signature(cfg.model)}
-    if cfg.lora.rank > 0:  # adapter-only checkpoints name their base (megaft.peft.base): resume checks it
-        writer.meta["lora"] = lora_record(cfg.lora, cfg.model.init_from, cfg.train.seed)
-    return Records(metrics, writer, StepBoundary(grid.world_size, grid.device),
-                   BadStepGuard(cfg.train.max_bad_steps, checkpoint_dir),
-                   StragglerMonitor(grid, cfg.train.straggler_every, cfg.train.straggler_factor))
+def model_params(model: torch.nn.Module, grid: ParallelGrid, *, trainable: bool = False) -> int:
+    """Parameters of the whole (unsharded, unpadded) model; `trainable`: only those the
+    optimizer updates (LoRA: the adapters). Under pp a sum over the stages (a collective)."""
+    copy = model.embed_tokens.weight if getattr(model, "tied_copy", False) else None
+    local = sum(math.prod(full_shape(p, grid.tp_size)) for p in model.parameters()
+                if p is not copy and (p.requires_grad or not trainable))
+    if grid.pp_size == 1:
+        return local
+    total = torch.tensor(float(local), dtype=torch.float64, device=grid.device)
+    return int(all_reduce(total, grid.pp_group).item())
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """The builders a Trainer composes a run from; replace one to change that part."""
+    """The builders a Trainer composes a run from, in build order; replace one to change that part."""
 
-    data: Callable[..., DataParts] = build_data
-    kernels: Callable[..., tuple] = choose_kernels
-    model: Callable[..., torch.nn.Module] = build_model
-    optim: Callable[..., OptimParts] = build_optim
-    step: Callable[..., PlainStep | PipelineStep] = build_step
-    records: Callable[..., Records] = build_records
+    data: Builder[DataPart] = build_data
+    kernels: Builder[Kernels] = choose_kernels
+    model: Builder[torch.nn.Module] = build_model
+    optim: Builder[OptimPart] = build_optim
+    step: Builder[StepPart] = build_step
+    records: Builder[RecordsPart] = build_records
+    export: Builder[ExportPart] = build_export
+
+    def build(self, cfg: Config, grid: ParallelGrid, run_dir: str) -> RunParts:
+        """Every part, each builder given the parts built before it."""
+        parts = RunParts(cfg, grid, run_dir)
+        for f in dataclasses.fields(self):
+            setattr(parts, f.name, getattr(self, f.name)(parts))
+        return parts

@@ -10,8 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, register_configs
-from megaft.train import conf_dir
+from megaft.config import Config, ConfigError, conf_dir, register_configs
 from megaft.verify.run import run_verify, slurm_body, write_report
 
 register_configs()

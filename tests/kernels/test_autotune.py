@@ -270,11 +270,11 @@ def test_decided_kernels_fill_in_the_auto_ops(monkeypatch, tmp_path):
     from megaft.training import parts
 
     passed = []
-    monkeypatch.setattr(parts, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]))
+    monkeypatch.setattr(parts, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]) or (None, {}))
     cfg = Config()
     for flag in (False, True):
         cfg.optim.master_weights = flag
-        parts.choose_kernels(cfg, ParallelGrid.single())
+        parts.choose_kernels(parts.RunParts(cfg, ParallelGrid.single()))
     assert passed == [False, True]
 
 

@@ -150,7 +150,7 @@ def _tp2_rank(rank: int, world: int, backends: list[str]) -> None:
     and this rank's weight-grad rows must equal the full single-process reference."""
     import torch.distributed as dist
 
-    from megaft.parallel.comm import copy_to_tp
+    from megaft.parallel.tensor.comm import copy_to_tp
 
     group = dist.group.WORLD
     failures = []

@@ -24,6 +24,7 @@ from megaft.launch.elastic import ElasticError, adapt
 from megaft.launch.local import launch_local
 from megaft.train import run as train_run
 from megaft.training.config import TrainConfig, check_train
+from megaft.training.run_config import read_run_config
 
 TOL = 1e-5  # another dp reorders fp32 gradient sums (docs/checkpoints-and-elastic.md: 1e-6); same layout is bitwise
 
@@ -72,12 +73,20 @@ def elastic_resume(run: str, capfd, *, saved: int, was: int, now: int) -> dict:
     return json.load(open(os.path.join(run, "summary.json")))
 
 
+def ran_layout(run: str) -> tuple[int, int, int]:
+    """(world size, dp, gradient accumulation) of RUN_DIR/config.yaml: the latest attempt's."""
+    ran = read_run_config(run)
+    return ran.world_size, ran.config.parallel.dp, ran.accumulation_steps
+
+
 def test_dp2_checkpoint_resumes_on_one_rank_with_the_same_global_batch(straight, tmp_path, capfd):
     run = str(tmp_path)
     launch_local(config(), run, worker=signal_worker)  # both ranks save at step FAULT_STEP + 1 and stop
+    assert ran_layout(run) == (2, 2, 1)  # global batch 16 = 2 ranks x 1 micro-batch of 8
     saved = FAULT_STEP + 1
     summary = elastic_resume(run, capfd, saved=saved, was=2, now=1)
     assert (summary["dp"], summary["world_size"], summary["restarts"]) == (1, 1, 0)
+    assert ran_layout(run) == (1, 1, 2)  # config.yaml after the shrink: dp=1, 2 micro-batches per step
     got, want = losses(run), losses(straight)
     assert got[:saved] == want[:saved]  # written by the dp=2 ranks before the stop
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=TOL)
@@ -94,8 +103,10 @@ def test_one_rank_checkpoint_grows_to_dp2_with_the_same_global_batch(straight, t
     one.parallel.dp, one.train.save_every = 1, saved
     Trainer(one, ParallelGrid.single(), run).fit(stop_after=saved)  # saves step `saved`, then stops
     assert [r["step"] for r in read_rows(run) if "loss" in r] == list(range(1, saved + 1))
+    assert ran_layout(run) == (1, 1, 2)
     summary = elastic_resume(run, capfd, saved=saved, was=1, now=2)
     assert (summary["dp"], summary["world_size"], summary["steps"]) == (2, 2, 20)
+    assert ran_layout(run) == (2, 2, 1)  # config.yaml after the growth
     got, want = losses(run), losses(straight)
     assert len(got) == len(want) == 20
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=TOL)
@@ -144,6 +155,9 @@ def test_world_that_tp_does_not_divide_is_replanned_when_a_cluster_is_named(stra
     assert "global batch 16 kept; the checkpoint is resharded" in out
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert (summary["tp"], summary["dp"], summary["world_size"]) == (1, 1, 1)
+    ran = read_run_config(run)  # config.yaml: the re-planned layout, not the tp=2 one asked for
+    assert (ran.config.parallel.tp, ran.config.parallel.dp, ran.world_size) == (1, 1, 1)
+    assert ran.accumulation_steps == 16 // ran.config.train.micro_batch_size
     torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(straight)), rtol=0, atol=TOL)
 
 

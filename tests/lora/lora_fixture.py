@@ -6,8 +6,8 @@ import json
 
 import torch
 
+from megaft.models.decoder import Decoder
 from megaft.models.hf import hf_model_config, load_hf_weights
-from megaft.models.llama import Llama
 from megaft.peft import LoraConfig, adapters, apply_lora
 from megaft.peft.export import peft_name
 
@@ -18,10 +18,10 @@ def lora_config(**kw) -> LoraConfig:
     return LoraConfig(**{"rank": 4, "alpha": 8.0, "targets": list(TARGETS), **kw})
 
 
-def megaft_lora_model(ckpt: str, cfg: LoraConfig) -> Llama:
+def megaft_lora_model(ckpt: str, cfg: LoraConfig) -> Decoder:
     """The single-process megaft model of `ckpt` with `cfg`'s adapters (eval mode)."""
     model_cfg = hf_model_config(ckpt)
-    model = Llama(model_cfg)
+    model = Decoder(model_cfg)
     load_hf_weights(model, ckpt, tp_rank=0, tp_size=1)
     return apply_lora(model, cfg, seed=0, tp_rank=0, tp_size=1).eval()
 

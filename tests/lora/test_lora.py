@@ -125,25 +125,25 @@ def trained(tmp_path_factory):
 
 def test_base_is_frozen_and_only_adapters_train(tmp_path, trained):
     cfg, trainer, _ = trained
-    model, base = trainer.model, load_file(os.path.join(cfg.model.init_from, "model.safetensors"))
+    model, base = trainer.parts.model, load_file(os.path.join(cfg.model.init_from, "model.safetensors"))
     names = {id(p): n for n, p in model.named_parameters()}
     adapter_params = [p for _, a in adapters(model) for p in (a.A, a.B)]
     assert len(adapter_params) == 2 * len(TARGETS) * cfg.model.n_layers
-    assert {id(p) for p in trainer.flat.params} == {id(p) for p in adapter_params}
+    assert {id(p) for p in trainer.parts.optim.flat.params} == {id(p) for p in adapter_params}
     for name, p in model.named_parameters():
         if ".adapter." in name:
             continue
         assert not p.requires_grad and p.grad is None, name
         assert torch.equal(p.detach(), base[hf_name(name, cfg.model.arch)]), f"{name} changed"  # bitwise
-    init = dict(adapters(Trainer(cfg, ParallelGrid.single(), str(tmp_path)).model))  # a new run: the seeded init
+    init = dict(adapters(Trainer(cfg, ParallelGrid.single(), str(tmp_path)).parts.model))  # a new run: the seeded init
     for name, a in adapters(model):  # B starts at 0, A at its seeded init: both moved
         assert a.B.abs().max() > 0 and not torch.equal(a.A, init[name].A), name
     # fp32 params + grads + two Adam moments of the adapters only (one flat buffer each, no padding at dp=1)
     n = sum(p.numel() for p in adapter_params)
-    assert trainer.optimizer.memory_bytes()["optimizer"] == 8 * n
-    assert trainer.optimizer.memory_bytes()["params"] == 4 * n and trainer.optimizer.memory_bytes()["grads"] == 4 * n
+    held = trainer.parts.optim.memory_bytes()
+    assert held["optimizer"] == 8 * n and held["params"] == 4 * n and held["grads"] == 4 * n
     assert n < sum(p.numel() for p in model.parameters()) / 10
-    assert all(names[id(p)].endswith((".A", ".B")) for p in trainer.flat.params)
+    assert all(names[id(p)].endswith((".A", ".B")) for p in trainer.parts.optim.flat.params)
     # the memory estimate (megaft.perf.memory) counts the same: adapter state, frozen base weights only
     est, frozen = estimate_memory(cfg, 1), sum(p.nbytes for p in model.parameters() if not p.requires_grad)
     assert (est.optimizer, est.grads, est.params) == (8 * n, 4 * n, frozen + 4 * n)
@@ -185,10 +185,10 @@ def test_export_loads_in_peft_and_merged_in_transformers(trained):
     assert sorted(config["target_modules"]) == sorted(HF_TARGETS) and config["r"] == 4 and config["lora_alpha"] == 8
     saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in saved
-    assert set(saved) == {peft_name(f"{m}.adapter.{w}", "llama") for m, _ in adapters(trainer.model)
+    assert set(saved) == {peft_name(f"{m}.adapter.{w}", "llama") for m, _ in adapters(trainer.parts.model)
                           for w in ("A", "B")}
     ids = sample_ids()
-    model = trainer.model.eval()
+    model = trainer.parts.model.eval()
     with torch.no_grad():
         ours = model(ids)[..., :VOCAB]
         loaded = peft.PeftModel.from_pretrained(load_reference(cfg.model.init_from), adapter_dir).eval()
@@ -207,12 +207,12 @@ def test_bf16_base_halves_the_frozen_linears_and_trains(tmp_path, trained):
     cfg = run_config(cfg.model.init_from, cfg.data.path, precision="bf16", base_dtype="bf16")
     cfg.train.max_steps, cfg.train.save_every = 2, 0
     trainer = train(cfg, str(tmp_path / "run"))
-    dtypes = {n: p.dtype for n, p in trainer.model.named_parameters()}
+    dtypes = {n: p.dtype for n, p in trainer.parts.model.named_parameters()}
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if n.endswith("proj.weight") or n == "lm_head.weight")
     assert all(d == torch.float32 for n, d in dtypes.items() if ".adapter." in n or "norm" in n or "embed" in n)
-    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".adapter." not in n)
-    frozen = sum(p.nbytes for p in trainer.model.parameters() if not p.requires_grad)
-    n = sum(p.numel() for p in trainer.flat.params)
+    assert not any(p.requires_grad for n, p in trainer.parts.model.named_parameters() if ".adapter." not in n)
+    frozen = sum(p.nbytes for p in trainer.parts.model.parameters() if not p.requires_grad)
+    n = sum(p.numel() for p in trainer.parts.optim.flat.params)
     assert estimate_memory(cfg, 1).params == frozen + 4 * n  # the estimate counts the bf16 base too
     # bf16 compute and weights against the fp32 run: same first loss to bf16 rounding (~1e-2 relative)
     first, want = losses(str(tmp_path / "run"))[1], losses(full_dir)[1]

@@ -39,7 +39,7 @@ from megaft.config import Config, validate
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.memory import estimate_ranks
 from megaft.training.loop import Trainer
-from megaft.training.parts import TrainSpec, build_optim
+from megaft.training.parts import RunParts, TrainSpec, build_optim
 from megaft.verify.run import run_verify
 
 # fp32: the layouts only reorder sums (~1e-7 relative); issue 15 asks for 1e-5 on the losses.
@@ -110,21 +110,22 @@ def losses(run_dir) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
-def record_state(out_dir: str, cfg: Config, grid, model):
+def record_state(out_dir: str, parts: RunParts):
     """build_optim, recording this rank's measured state bytes, its adapter parameters and
     megaft.perf.memory's figures for its pp rank in out_dir/rank_<rank>.json (a layout rank's
     TrainSpec.optim: runs in the spawned ranks)."""
-    parts = build_optim(cfg, grid, model)
+    cfg, grid, model = parts.cfg, parts.grid, parts.model
+    optim = build_optim(parts)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     est = estimate_ranks(cfg, grid.world_size)[grid.pp_rank]
     record = {"rank": grid.rank, "dp": grid.dp_size, "pp_rank": grid.pp_rank, "zero": cfg.parallel.zero,
               "names": [n for n, _ in trainable], "adapters": sum(p.numel() for _, p in trainable),
               "frozen": sum(p.nbytes for p in model.parameters() if not p.requires_grad),
-              "memory": parts.optimizer.memory_bytes(),
+              "memory": optim.memory_bytes(),
               "estimate": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer}}
     with open(os.path.join(out_dir, f"rank_{grid.rank}.json"), "w") as f:
         json.dump(record, f)
-    return parts
+    return optim
 
 
 def run_measured(cfg: Config, tmp_path):

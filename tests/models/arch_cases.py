@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaft.models import Llama
+from megaft.models import Decoder
 from megaft.models.generate import full_logits
 from megaft.models.hf import export_hf, hf_model_config, load_hf_weights
-from megaft.parallel.grads import sync_sequence_parallel_grads
-from megaft.parallel.shard import local_from_full, shard_of
+from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
+from megaft.parallel.tensor.shard import local_from_full, shard_of
 from megaft.pipeline.stage import StageModel
 from models.arch_fixture import SEQ, VOCAB, load_reference, sample_ids
 from models.hf_fixture import checkpoint_tensors, padded_lines
@@ -75,7 +75,7 @@ def check_tp(path: str, out: str, *, tag: str, tp_rank: int, tp_size: int, group
     """Logits and loss at this tp degree vs transformers; export and reload."""
     failures = []
     cfg = hf_model_config(path)
-    model = Llama(cfg, group=group)
+    model = Decoder(cfg, group=group)
     load_hf_weights(model, path, tp_rank=tp_rank, tp_size=tp_size)
     reference = load_reference(path)
     ids, (lines, labels) = sample_ids(), batch()
@@ -122,9 +122,9 @@ def check_wide_tp(path: str, out: str, *, tag: str, tp_rank: int, tp_size: int, 
     summed over their copies, which stay bit-identical), and the export writes each head once."""
     failures = []
     cfg = hf_model_config(path)
-    ref = Llama(cfg)
+    ref = Decoder(cfg)
     load_hf_weights(ref, path, tp_rank=0, tp_size=1)
-    model = Llama(cfg, group=group, sequence_parallel=sequence_parallel)
+    model = Decoder(cfg, group=group, sequence_parallel=sequence_parallel)
     load_hf_weights(model, path, tp_rank=tp_rank, tp_size=tp_size)
     ids, (lines, labels) = sample_ids(), batch()
     with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from multirank import spawn
 
-from megaft.models import Llama
+from megaft.models import Decoder
 from megaft.models.generate import full_logits
 from megaft.models.hf import hf_model_config, load_hf_weights
 from models.arch_cases import check_tp, pp2_rank_fn, raise_failures, tp_rank_fn, wide_tp_rank_fn
@@ -50,7 +50,7 @@ def test_each_feature_moves_the_logits(arch_dirs):
         cfg = hf_model_config(arch_dirs[name])
         logits = []
         for c in (cfg, dataclasses.replace(cfg, **change)):
-            model = Llama(c)
+            model = Decoder(c)
             load_hf_weights(model, arch_dirs[name], tp_rank=0, tp_size=1, strict=False)
             with torch.no_grad():
                 logits.append(full_logits(model, ids))

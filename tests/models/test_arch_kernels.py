@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from megaft.kernels import _triton  # noqa: E402
 from megaft.kernels.config import KernelsConfig  # noqa: E402
-from megaft.models import Llama  # noqa: E402
+from megaft.models import Decoder  # noqa: E402
 from megaft.models.generate import full_logits  # noqa: E402
 from megaft.models.hf import hf_model_config, load_hf_weights  # noqa: E402
 from models.arch_cases import batch  # noqa: E402
@@ -36,7 +36,7 @@ def test_triton_kernels_match_torch_and_transformers(tmp_path, name):
     ids, (lines, labels) = sample_ids(), batch()
     logits, grads = {}, {}
     for backend in ("torch", "triton"):
-        model = Llama(cfg, kernels=KernelsConfig(backend=backend, autotune=False))
+        model = Decoder(cfg, kernels=KernelsConfig(backend=backend, autotune=False))
         load_hf_weights(model, path, tp_rank=0, tp_size=1)
         with torch.no_grad():
             logits[backend] = full_logits(model, ids)

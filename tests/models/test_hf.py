@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from multirank import spawn
 from safetensors.torch import load_file, save_file
 
-from megaft.models import Llama, ModelConfig
+from megaft.models import Decoder, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.hf import HFCheckpointError, checkpoint_files, export_hf, hf_model_config, load_hf_weights
 from models.hf_fixture import LLAMA3_ROPE, VOCAB, checkpoint_tensors, load_reference, make_hf_llama, padded_lines
@@ -61,7 +61,7 @@ def _reference_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def check_variant(path: str, out: str, *, tp_rank: int, tp_size: int, group, max_shard_bytes: int) -> None:
     """Import `path`, compare logits and loss with transformers, export to `out` and reload."""
     cfg = hf_model_config(path)
-    model = Llama(cfg, group=group)
+    model = Decoder(cfg, group=group)
     load_hf_weights(model, path, tp_rank=tp_rank, tp_size=tp_size)
     reference = load_reference(path)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -159,8 +159,8 @@ def test_config_errors(hf_dirs, tmp_path):
         _expect(f"{tmp_path}/config.json: {match}", hf_model_config, str(tmp_path))
 
 
-def _model(path: str) -> Llama:
-    return Llama(hf_model_config(path))
+def _model(path: str) -> Decoder:
+    return Decoder(hf_model_config(path))
 
 
 def test_weight_errors(hf_dirs, tmp_path):

@@ -15,8 +15,8 @@ import transformers
 from safetensors import safe_open
 
 from megaft.models.arch.spec import HFCheckpointError
+from megaft.models.decoder import Decoder
 from megaft.models.hf import hf_model_config, load_hf_weights
-from megaft.models.llama import Llama
 from megaft.models.multimodal import extract_text_model, main, merge_text_model
 from models.arch_fixture import make_hf, sample_ids
 from models.hf_fixture import VOCAB, write_char_tokenizer
@@ -67,7 +67,7 @@ def test_extracted_text_model_gives_the_multimodal_logits(tmp_path, multimodal, 
     want = _logits(mm, ids)
     cfg = hf_model_config(dst)
     assert (cfg.arch, cfg.sandwich_norms, cfg.qk_norm, cfg.query_pre_attn_scalar) == ("gemma3_text", True, True, 24)
-    ours = Llama(cfg).eval()
+    ours = Decoder(cfg).eval()
     load_hf_weights(ours, dst, tp_rank=0, tp_size=1)
     with torch.no_grad():
         got = ours(ids)[..., :VOCAB]

@@ -11,9 +11,9 @@ import torch
 from megaft.data import EncodedCorpus, PackedDocs
 from megaft.data.encode import Encoded
 from megaft.models.config import ModelConfig
+from megaft.models.decoder import Decoder
 from megaft.models.docs import Docs
 from megaft.models.init import init_params
-from megaft.models.llama import Llama
 
 SEQ = 24  # packed row length: several documents per row
 LENGTHS = [5, 9, 3, 12, 7, 4, 11, 6, 8, 2]  # tokens per document (all <= SEQ: none split)
@@ -53,13 +53,13 @@ def packed(seed: int = 0, rows: int = 4):
     return batch.input_ids, batch.labels, Docs(batch.position_ids, batch.doc_ids), pieces
 
 
-def full_model(cfg: ModelConfig, seed: int = 5) -> Llama:
-    model = Llama(cfg)
+def full_model(cfg: ModelConfig, seed: int = 5) -> Decoder:
+    model = Decoder(cfg)
     init_params(model, cfg, seed=seed, tp_rank=0, tp_size=1)
     return model
 
 
-def reference(model: Llama, pieces) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reference(model: Decoder, pieces) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed token loss of every document run alone, and the gradients of that sum."""
     model.zero_grad()
     total = torch.zeros((), dtype=torch.float64)

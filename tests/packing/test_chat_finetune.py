@@ -76,7 +76,7 @@ def test_interrupted_packed_run_resumes_bitwise(tmp_path, chat_data):
     straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
     os.makedirs(straight), os.makedirs(interrupted)
     trainer = Trainer(cfg, ParallelGrid.single(), straight)
-    assert 4 * 5 < trainer.data.stream.sequences_per_epoch(0) < 4 * 10  # the resumed steps cross an epoch
+    assert 4 * 5 < trainer.parts.data.stream.sequences_per_epoch(0) < 4 * 10  # the resumed steps cross an epoch
     trainer.fit()
     Trainer(cfg, ParallelGrid.single(), interrupted).fit(stop_after=5)
     assert sorted(_losses(interrupted)) == list(range(1, 6))

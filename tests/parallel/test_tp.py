@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from multirank import spawn
 
 from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
-from megaft.models import Llama, ModelConfig
+from megaft.models import Decoder, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.init import init_params
 from parallel import tp_cases
@@ -31,7 +31,7 @@ def test_cross_entropy_single_rank_matches_torch():
 def test_vocab_padding_is_invisible():
     """A vocabulary padded to 64 gives the same logits and loss as an unpadded one."""
     base = dict(dim=32, n_layers=1, n_heads=2, ffn_dim=32, vocab_size=21, max_seq_len=16)
-    plain, padded = Llama(ModelConfig(**base)), Llama(ModelConfig(**base, make_vocab_size_divisible_by=64))
+    plain, padded = Decoder(ModelConfig(**base)), Decoder(ModelConfig(**base, make_vocab_size_divisible_by=64))
     for m in (plain, padded):
         init_params(m, m.cfg, seed=5, tp_rank=0, tp_size=1)
     assert padded.lm_head.weight.shape[0] == 64 and plain.lm_head.weight.shape[0] == 21

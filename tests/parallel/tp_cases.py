@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
-from megaft.models import Llama, ModelConfig
+from megaft.models import Decoder, ModelConfig
 from megaft.models.generate import full_logits
 from megaft.models.init import init_params
 from megaft.parallel.comm import group_rank, group_size, split
-from megaft.parallel.grads import sync_sequence_parallel_grads
 from megaft.parallel.grid import ParallelGrid
-from megaft.parallel.shard import local_from_full
+from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
+from megaft.parallel.tensor.shard import local_from_full
 
 # fp32; the sharded model sums partial products in a different order than the
 # reference matmul (split K in row-parallel layers), so equality holds to rounding.
@@ -48,9 +48,9 @@ def compare_model(grid: ParallelGrid, case: dict, sequence_parallel: bool, seq: 
     cfg = ModelConfig(**case)
     ids, labels = _inputs(cfg.vocab_size, seq)
     n = int((labels != -100).sum())
-    ref = Llama(cfg)
+    ref = Decoder(cfg)
     init_params(ref, cfg, seed=3, tp_rank=0, tp_size=1)
-    model = Llama(cfg, group=grid.tp_group, sequence_parallel=sequence_parallel)
+    model = Decoder(cfg, group=grid.tp_group, sequence_parallel=sequence_parallel)
     init_params(model, cfg, seed=3, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     failures = []
     tag = f"tp={grid.tp_size} sp={sequence_parallel} case={case} seq={seq}"

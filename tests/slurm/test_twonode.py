@@ -177,8 +177,8 @@ def test_commbench_across_the_two_nodes_measures_the_bridge_and_feeds_the_planne
     in a node (= intra_node), dp groups and inter_node cross the bridge, the node-pair matrix
     holds both directions between mn1 and mn2, every result is correct with nccl-tests'
     arithmetic, and megaft-plan's cluster.measured takes both tiers from it."""
+    from megaft.config import compose_config
     from megaft.plan.shape import planning_config
-    from megaft.train import compose_config
 
     run = str(tmp_path / "cb")
     script = tmp_path / "cb.sh"

@@ -11,7 +11,7 @@ no separate add, which for a bf16 buffer would round twice) and hands autograd a
 placeholder of the buffer's dtype (a stride-0 expanded scalar, no allocation) instead of
 the weight gradient. Autograd's AccumulateGrad still runs for the weight,
 adding the zeros in place: that keeps the dp reducer's post-accumulate-grad hooks
-(megaft.parallel.buckets) firing at the right moment, and keeps tied weights exact (the
+(megaft.parallel.data.buckets) firing at the right moment, and keeps tied weights exact (the
 head's share is already in the buffer, the embedding's arrives through autograd).
 Without a main grad (before FlatParams, ZeRO-2's keep_grads=False, frozen weights)
 the weight gradient is returned normally.

@@ -18,11 +18,11 @@ powersgd: Vogels et al. 2019 (Algorithm 1), rank r, with error feedback. Each 2-
   shrink ((n + m) r >= n m) go uncompressed in fp32. Wire cost per compressed matrix:
   (n + m) r instead of n m elements. torch's ddp_comm_hooks/powerSGD_hook.py was the
   reading reference; it averages, this module sums (the loss is pre-divided by the
-  global target count, see megaft.parallel.buckets).
+  global target count, see megaft.parallel.data.buckets).
 
 Everything here is fp32: P, Q, E and the bucket M_hat is written into. With bf16
 gradients (`optim.master_weights`) the reducer hands in an fp32 copy of the bucket (the
-upcast is exact) and rounds M_hat to bf16 once where it lands (megaft.parallel.buckets),
+upcast is exact) and rounds M_hat to bf16 once where it lands (megaft.parallel.data.buckets),
 as it rounds the uncompressed fp32 dp sum. E is taken before that rounding: the rounding
 is not fed back, it is the same one an uncompressed master-weights run makes.
 
@@ -35,7 +35,7 @@ the reduced tensor, orthonormalizes P, returns the Q's to all-reduce) and `end`
 Checkpoints: `state_dict()` holds each matrix's Q and this rank's E (with the
 geometry they belong to); `load_state_dict` restores them bitwise, or raises
 ValueError when the geometry differs (another layout, bucket size or rank), in which
-case the caller restarts the state with `reset()` (megaft.parallel.buckets).
+case the caller restarts the state with `reset()` (megaft.parallel.data.buckets).
 """
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ class PowerSGD:
     def begin(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Add the error to bucket i's matrices (in `grad`, its flat fp32 gradient) and
         return [P of every matrix, plain elements] flat, to be summed over dp."""
-        if grad.dtype != torch.float32:  # bf16 buckets are upcast by the caller (megaft.parallel.buckets)
+        if grad.dtype != torch.float32:  # bf16 buckets are upcast by the caller (megaft.parallel.data.buckets)
             raise TypeError(f"PowerSGD works on fp32 buckets, got {grad.dtype}; pass grad.float()")
         plan = self.plans[i]
         parts = []

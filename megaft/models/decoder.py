@@ -1,4 +1,5 @@
-"""Llama-style decoder built from megaft.layers (tensor parallel over `group`).
+"""`Decoder`: the decoder-only transformer of every family, built from megaft.layers
+(tensor parallel over `group`) and a ModelConfig that the family's ArchSpec filled.
 
 Activations are [batch, seq, hidden]; with sequence parallel the residual stream
 between blocks is a sequence shard [batch, seq / tp, hidden]. Parameter names
@@ -7,6 +8,8 @@ follow the Hugging Face layout (see megaft.models.hf) with `layers.N.` prefixes.
 The block is Llama's; what other families change (biases, qk-norm, sliding window,
 (1 + w) norms, scaled embeddings, GeGLU) is read from ModelConfig fields, set by the
 family's spec in megaft.models.arch (attention variants: megaft.models.attention).
+Activation checkpointing (`model.recompute`) is a constructor setting of each block,
+passed on to its attention and MLP (megaft.models.recompute).
 
 RMSNorm (with the residual add fused in front of the post-attention norm), RoPE,
 SwiGLU, the loss and the linears' GEMMs (kernels.linear: gate/up + SwiGLU in one GEMM,
@@ -42,14 +45,15 @@ from megaft.parallel.comm import Group, group_rank, group_size
 class MLP(nn.Module):
     """Gated MLP down(act(gate(x)) * up(x)), gate/up split by columns, down by rows:
     SwiGLU (act silu, through the swiglu kernels) or GeGLU (gelu_pytorch_tanh, Gemma:
-    torch ops, the SwiGLU kernels do not apply)."""
+    torch ops, the SwiGLU kernels do not apply). `selective`: the activation runs again in
+    backward (recompute=selective)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None):
+                 kernels: Optional[KernelsConfig] = None, selective: bool = False):
         super().__init__()
         self.group, self.sp, self.swiglu_backend = group, sequence_parallel, op_backend(kernels, "swiglu")
         self.activation = cfg.activation
-        self.selective = False  # recompute the activation in backward (set by Block)
+        self.selective = selective
         lin = op_backend(kernels, "linear")
         col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True,
                    backend=lin)
@@ -84,11 +88,12 @@ class Block(nn.Module):
                  kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none"):
         super().__init__()
         self.dropout, self.full_recompute = cfg.dropout, recompute == "full"
+        selective = recompute == "selective"  # the attention core and the MLP activation
         # Under sequence parallel this rank holds the tp_rank-th slice of the sequence (dim 1).
         self.seq_split = (group_rank(group), group_size(group)) if sequence_parallel else (0, 1)
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
-                                   layer=layer)
+                                   layer=layer, selective=selective)
         # post_attention_layernorm: the MLP's input norm, or with sandwich norms (Gemma 2/3, HF's names) the
         # attention output's, pre_feedforward_layernorm then being the MLP's input norm
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
@@ -96,8 +101,7 @@ class Block(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
             self.post_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
-        self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
-        self.self_attn.selective = self.mlp.selective = recompute == "selective"
+        self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels, selective=selective)
 
     def forward(self, x, cos, sin, docs=None):
         return recompute.run(self._forward, x, cos, sin, docs, enabled=self.full_recompute)
@@ -205,11 +209,14 @@ def fused_head_loss_sum(hidden: torch.Tensor, head: ColumnParallelLinear, labels
 
 
 class Decoder(nn.Module):
-    """The parts of the decoder one rank holds, built one way for every layout: the
-    embedding (`embedding`), the blocks `layer_ids` (global indices, so parameter names
-    match the whole model's), and the final norm and head (`head`). `Llama` holds them
-    all; a pipeline rank (megaft.pipeline.stage) holds its stages' slice, with the
-    blocks keyed by global index (`keyed`)."""
+    """The decoder, or the part of it one rank holds, built one way for every layout and
+    family: the embedding (`embedding`), the blocks `layer_ids` (global indices, so
+    parameter names match the whole model's), and the final norm and head (`head`).
+
+    By default it holds them all: `forward` returns this rank's vocabulary slice of the
+    logits, [batch, seq, padded_vocab / tp], and `loss_sum` the summed token loss. A
+    pipeline rank (megaft.pipeline.stage.StageModel) holds its stages' slice, with the
+    blocks keyed by global index (`keyed`), and runs it stage by stage."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
                  kernels: Optional[KernelsConfig] = None, layer_ids=None, embedding: bool = True,
@@ -274,17 +281,9 @@ class Decoder(nn.Module):
         return token_loss_sum(logits[:, :labels.shape[1]], labels, group=self.group,
                               vocab_size=self.cfg.vocab_size, kernels=self.kernels)
 
-
-class Llama(Decoder):
-    """The whole decoder. `forward` returns this rank's vocabulary slice of the logits,
-    [batch, seq, padded_vocab / tp]; `loss_sum` the summed token loss."""
-
-    def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
-                 kernels: Optional[KernelsConfig] = None):
-        super().__init__(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
-
     def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
-        """The last block's output; `docs`: packed documents kept apart (megaft.models.docs)."""
+        """The last block's output of the whole decoder; `docs`: packed documents kept apart
+        (megaft.models.docs)."""
         x, docs = self.embed(input_ids), self.prepare_docs(docs)
         for i, layer in enumerate(self.layers):
             x = layer(x, *rope_of(self, self.cfg, i), docs)

@@ -85,7 +85,7 @@ class FlatParams:
 
     `bucket_numel` (0: one bucket per group) and `multiple` (dp under ZeRO, else 1)
     shape the buckets; `keep_grads=False` leaves `.grad` unset (ZeRO-2 keeps only
-    the reduced shard, see megaft.parallel.buckets). `dtype`: of params and grads
+    the reduced shard, see megaft.parallel.data.buckets). `dtype`: of params and grads
     (bf16 under optim.master_weights: the params are rounded into the buffers)."""
 
     def __init__(self, model: nn.Module, *, weight_decay: float, device: torch.device, bucket_numel: int = 0,

@@ -1,4 +1,4 @@
-"""Ring attention over the cp group (megaft.models.context says who holds which tokens).
+"""Ring attention over the cp group (megaft.parallel.context.layout says who holds which tokens).
 
 K and V (kv heads only under GQA) travel around the cp group, one block per step, with
 asynchronous p2p that overlaps the attention of the block in hand. Each block's partial
@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megaft.models.context import ContextShard
 from megaft.parallel.comm import Group, group_rank, group_size
+from megaft.parallel.context.layout import ContextShard
 
 # -- one block -------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Context parallelism (`parallel.cp`): which tokens of every row a cp rank holds, and
 which (query, key) pairs of two ranks' tokens attend; the attention itself is the ring
-of megaft.models.ring.
+of megaft.parallel.context.ring.
 
 Load balance: the sequence is cut into 2·cp chunks and cp rank i holds chunks i and
 2·cp-1-i, so every rank has the same share of causal work (Megatron's zig-zag order).

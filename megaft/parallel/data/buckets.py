@@ -28,7 +28,7 @@ bf16 gradients (`optim.master_weights`) are reduced in fp32: each bucket is upca
 its collective (zero 2's scratch is fp32 already) and the sum is rounded to bf16 once
 where it lands, so no rounding per partial sum (Megatron reduces bf16 grads in fp32 too).
 
-Compression (`parallel.grad_compression`, megaft.parallel.compress): bf16 casts each
+Compression (`parallel.grad_compression`, megaft.parallel.data.compress): bf16 casts each
 bucket for its collective (any mode); powersgd (zero 0/1) all-reduces each bucket's P
 factors from the hook and its Q factors in `finish()`, then writes P Q^T back (zero 1
 then keeps its chunk, as the reduce-scatter would have). With bf16 grads PowerSGD works
@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from megaft.parallel.comm import Group, group_rank, group_size, reduce_scatter_single
-from megaft.parallel.compress import COMPRESSIONS, PowerSGD
-from megaft.parallel.flat import Bucket, FlatParams
+from megaft.parallel.data.compress import COMPRESSIONS, PowerSGD
+from megaft.parallel.data.flat import Bucket, FlatParams
 
 
 def chunk_range(bucket: Bucket, dp: int, dp_rank: int) -> tuple[int, int]:

@@ -7,9 +7,9 @@ optimizer layout), so a bucket's reduce-scatter lands exactly on the owned chunk
   stage 1: Adam moments (exp_avg, exp_avg_sq) only for the owned chunks; the
            full gradient buffer stays (the reduced chunk is copied into it).
   stage 2: also no full gradient buffer; gradients live as the owned chunks only
-           (megaft.parallel.buckets moves each .grad into a scratch bucket).
+           (megaft.parallel.data.buckets moves each .grad into a scratch bucket).
   stage 3: also the parameters: the owned chunks are the only persistent copy, and
-           each layer is gathered just while it runs (megaft.optim.zero3).
+           each layer is gathered just while it runs (megaft.parallel.data.zero3).
 After the update (stages 1, 2) each bucket's params are all-gathered from their owners.
 
 In fp32 the parameters are the master weights (no extra copy), so the bytes held
@@ -22,7 +22,7 @@ fp32 master copy). bf16 autocast keeps fp32 weights, so the same formula holds.
 params and grads in the flat buffers, fp32 masters and moments (K = 12) for the owned
 chunks: stage 0: 2 + 2 + 12; stage 1: 2 + 2 + 12/dp; stage 2: 2 + (2 + 12)/dp; stage 3:
 (2 + 2 + 12)/dp (under offload the host masters are the masters). The dp reduction runs
-in fp32 (megaft.parallel.buckets upcasts each bucket) and the reduced gradient is
+in fp32 (megaft.parallel.data.buckets upcasts each bucket) and the reduced gradient is
 rounded to bf16 once; micro-batches accumulate in the bf16 grads (ZeRO's 2 bytes).
 After the update each owned chunk of params is its master rounded to nearest even,
 then all-gathered (stage 3: gathered per layer) in bf16 as usual.
@@ -37,10 +37,10 @@ import torch
 from megaft.optim.adamw import adamw_update_, state_bytes
 from megaft.optim.config import OptimConfig
 from megaft.optim.offload import HostAdamW, host_zeros
-from megaft.parallel.buckets import chunk_range
 from megaft.parallel.comm import Group, all_gather_single, all_reduce, group_rank, group_size
-from megaft.parallel.flat import FlatParams
-from megaft.parallel.shard import is_sequence_parallel, shard_of
+from megaft.parallel.data.buckets import chunk_range
+from megaft.parallel.data.flat import FlatParams
+from megaft.parallel.tensor.shard import is_sequence_parallel, shard_of
 
 # Kinds of gradient segments for the norm: tp-sharded (sum over tp), replicated
 # over tp (count once), or left out (the last pp stage's tied embedding copy).
@@ -57,7 +57,7 @@ class ShardedAdamW:
         self.dp, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.buckets = flat.buckets
         self.scaler = None
-        self.gatherer = None  # stage 3: megaft.optim.zero3.ParamGatherer (set by build_optimizer)
+        self.gatherer = None  # stage 3: megaft.parallel.data.zero3.ParamGatherer (set by build_optimizer)
         counted = {id(p) for p in (flat.params if norm_params is None else norm_params)}
         # One flat moment (and, stage 2, grad) tensor per group; per-bucket chunk views into them.
         self.ranges = [chunk_range(b, self.dp, self.dp_rank) for b in self.buckets]
@@ -109,7 +109,7 @@ class ShardedAdamW:
 
     @property
     def chunk_grads(self) -> list[torch.Tensor]:
-        """Where each bucket's reduced chunk lands (megaft.parallel.buckets.GradReducer)."""
+        """Where each bucket's reduced chunk lands (megaft.parallel.data.buckets.GradReducer)."""
         return [c[2] for c in self.chunks]
 
     @property
@@ -200,7 +200,7 @@ class ShardedAdamW:
             adamw_update_([(param, grad, m, v, self.flat.groups[b.group].weight_decay)
                            for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr,
                           masters=self.master_chunks or None)
-        if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
+        if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.parallel.data.zero3)
             return
         sends = [param.clone() for _, param, *_ in self.chunks]  # the output overlaps the input: copy it
         works = [all_gather_single(self.flat.groups[b.group].data[b.start:b.stop], send, group=self.group,
@@ -221,8 +221,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     `offload="cpu"`: masters and moments on the host (megaft.optim.offload).
     `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state."""
     from megaft.optim.adamw import AdamW
-    from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
-    from megaft.parallel.buckets import GradReducer
+    from megaft.parallel.data.buckets import GradReducer
+    from megaft.parallel.data.zero3 import ParamGatherer, model_units, unit_params
 
     # Gradients and ZeRO shards span the ranks holding the same parameters: dp×cp (cp replicates them).
     numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients (bf16 ones are reduced in fp32 too)

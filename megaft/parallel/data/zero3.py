@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megaft.parallel.comm import Group, all_gather_single, group_size
-from megaft.parallel.flat import FlatParams
+from megaft.parallel.data.flat import FlatParams
 
 
 def model_units(model: nn.Module) -> list[nn.Module]:

@@ -1,10 +1,10 @@
-"""Sequence-parallel gradient sync over tp after backward (the dp reduction: megaft.parallel.buckets)."""
+"""Sequence-parallel gradient sync over tp after backward (the dp reduction: megaft.parallel.data.buckets)."""
 from __future__ import annotations
 
 import torch
 
 from megaft.parallel.comm import Group, all_reduce, group_size
-from megaft.parallel.shard import is_sequence_parallel
+from megaft.parallel.tensor.shard import is_sequence_parallel
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ def mark_sharded(param: torch.nn.Parameter, dim: int, full: int, padded: int) ->
 
 def mark_sequence_parallel(param: torch.nn.Parameter) -> torch.nn.Parameter:
     """A replicated parameter applied to sequence shards: its grads are partial per
-    rank and must be summed over tp (see megaft.parallel.grads)."""
+    rank and must be summed over tp (see megaft.parallel.tensor.grads)."""
     param._sequence_parallel = True
     return param
 

@@ -1,0 +1,51 @@
+"""The export part: the trained model written for other tools when a run finishes
+(train.export_hf): a Hugging Face directory in run_dir/hf, or with LoRA a peft adapter
+folder in hf/ and the merged model in hf_merged/ (megaft.peft.export)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megaft.config import Config
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.protocols import DataPart, RunParts
+
+
+class HFExport:
+    """Writes the model of a finished run. Under pp each stage's tp rank 0 (first dp×cp
+    replica) writes its own tensors; rank 0 writes the tokenizer when it came from no file."""
+
+    def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str, model: torch.nn.Module, data: DataPart):
+        self.cfg, self.grid, self.run_dir, self.model, self.data = cfg, grid, run_dir, model, data
+
+    def _tokenizer_json(self) -> Optional[str]:
+        from megaft.data.tokenizer import tokenizer_file
+
+        if self.cfg.data.tokenizer or self.cfg.model.init_from:
+            return tokenizer_file(self.cfg.data.tokenizer or self.cfg.model.init_from)
+        if self.grid.rank == 0:  # a tokenizer trained for this run: saved beside the model
+            path = os.path.join(self.run_dir, "tokenizer.json")
+            self.data.tokenizer.save(path)
+            return path
+        return None
+
+    def write(self) -> None:
+        from megaft.models.hf import export_hf
+
+        cfg, grid = self.cfg, self.grid
+        tok_json = self._tokenizer_json()
+        writer = grid.tp_rank == 0 and grid.replica_rank == 0
+        if cfg.lora.rank > 0:  # a peft adapter folder in hf/ (+ the merged model in hf_merged/)
+            from megaft.peft.export import export_lora
+
+            export_lora(self.model, cfg.model, cfg.lora, self.run_dir, tokenizer_json=tok_json,
+                        tp_group=grid.tp_group, pp_group=grid.pp_group, is_writer=writer)
+            return
+        export_hf(self.model, cfg.model, os.path.join(self.run_dir, "hf"), tokenizer_json=tok_json,
+                  tp_group=grid.tp_group, pp_group=grid.pp_group, is_writer=writer)
+
+
+def build_export(parts: RunParts) -> HFExport:
+    return HFExport(parts.cfg, parts.grid, parts.run_dir, parts.model, parts.data)

@@ -1,0 +1,79 @@
+"""RUN_DIR/config.yaml: the config a run actually ran with.
+
+Hydra saves the config it composed (.hydra/config.yaml) before anything is resolved. What
+ran can differ: `resolve` fills the architecture and vocabulary from files, an elastic
+restart sets parallel.dp to the world it got (megaft.launch.elastic), a re-plan replaces
+the layout (megaft.plan.replan), and an unset parallel.dp follows the world. The trainer's
+rank 0 writes this file when a run (or a restarted attempt) starts, so it is always the
+latest attempt's; megaft-report (--commbench) and an elastic resume read it.
+
+The file is the Config as YAML, with parallel.dp as the grid has it, plus one mapping that is
+not a config field, `derived` (world_size and accumulation_steps, the micro-batches per rank
+per optimizer step), which `read_run_config` sets apart.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import yaml
+from omegaconf import OmegaConf
+
+from megaft.config import Config
+from megaft.training.config import accumulation_steps
+
+FILE = "config.yaml"
+DERIVED = "derived"
+HEADER = ("# The config this run ran with: resolved, after any elastic change or re-plan\n"
+          "# (megaft.training.run_config). `derived` is not a setting: what the layout implies.\n")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run directory's config.yaml: the Config and what it implied on its world."""
+
+    config: Config
+    world_size: int
+    accumulation_steps: int  # micro-batches per rank per optimizer step
+
+
+def ran_config(cfg: Config, world_size: int, dp: int) -> RunConfig:
+    """`cfg` as it runs on a grid of `world_size` ranks with `dp` data-parallel replicas (a copy:
+    parallel.dp set, `cfg` untouched)."""
+    ran = copy.deepcopy(cfg)
+    ran.parallel.dp = dp
+    return RunConfig(ran, world_size, accumulation_steps(ran.train, dp))
+
+
+def write_run_config(run_dir: str, run: RunConfig) -> str:
+    """run_dir/config.yaml (replaced whole: a reader never sees half of it); its path."""
+    path = os.path.join(run_dir, FILE)
+    derived = {DERIVED: {"world_size": run.world_size, "accumulation_steps": run.accumulation_steps}}
+    text = HEADER + OmegaConf.to_yaml(OmegaConf.structured(run.config)) + yaml.safe_dump(derived, sort_keys=False)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_config(path: str) -> Config:
+    """The Config in a YAML file: this module's config.yaml or Hydra's .hydra/config.yaml
+    (keys that are not config fields, like `derived`, are dropped)."""
+    raw = OmegaConf.load(path)
+    known = {k: v for k, v in raw.items() if k in Config.__dataclass_fields__}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), known))
+
+
+def read_run_config(run_dir: str) -> Optional[RunConfig]:
+    """run_dir/config.yaml, or None when the run wrote none (it started before this file existed)."""
+    path = os.path.join(run_dir, FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        derived = (yaml.safe_load(f) or {}).get(DERIVED) or {}
+    cfg = load_config(path)
+    dp = cfg.parallel.dp or 1
+    return RunConfig(cfg, int(derived.get("world_size", dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)),
+                     int(derived.get("accumulation_steps", accumulation_steps(cfg.train, dp))))

@@ -1,0 +1,122 @@
+"""The step part: forward and backward of one step's micro-batches, picked once per run.
+
+`PlainStep` runs each micro-batch through the whole model (pp = 1); `PipelineStep` runs the
+rank's pipeline schedule (pp > 1). Both evaluate through the same path and own the run's
+autocast (train.precision), so the trainer never sees a model's or a schedule's details.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from megaft.config import Config
+from megaft.models.decoder import Decoder
+from megaft.parallel.comm import all_reduce
+from megaft.parallel.grid import ParallelGrid
+from megaft.pipeline.runtime import PipelineRuntime
+from megaft.pipeline.stage import StageModel, sync_tied_grads
+from megaft.training.config import accumulation_steps
+from megaft.training.evaluate import eval_loss, pipeline_eval_loss
+from megaft.training.phases import PhaseTimer
+from megaft.training.protocols import Autocast, Batches, OptimPart, RunParts, StepBatch
+
+
+def precision_autocast(precision: str, device: torch.device) -> Autocast:
+    """A function returning a fresh autocast context: bf16/fp16 compute, fp32 a no-op."""
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return lambda: torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext
+
+
+class _Step:
+    """What both steps share: the loss sum over the replicas, and the autocast."""
+
+    def __init__(self, grid: ParallelGrid, phases: PhaseTimer, autocast: Autocast):
+        self.grid, self.phases, self.autocast = grid, phases, autocast
+
+    def total_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The global batch's loss sum on every rank, from this rank's (in place)."""
+        with self.phases.phase("comm"):
+            all_reduce(loss_sum, self.grid.replica_group)  # dp×cp: cp ranks hold parts of each row
+        return loss_sum
+
+
+class PlainStep(_Step):
+    """Forward and backward of each micro-batch through the whole model (pp = 1); the dp
+    buckets reduce during the last backward."""
+
+    def __init__(self, model: Decoder, optim: OptimPart, grid: ParallelGrid, phases: PhaseTimer, autocast: Autocast):
+        super().__init__(grid, phases, autocast)
+        self.model, self.optim = model, optim
+
+    def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
+        """Backpropagate sum(loss) / divisor over the micro-batches; returns the loss sum (fp64)."""
+        device, phase = self.grid.device, self.phases.phase
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
+            if i == len(batch.inputs) - 1:
+                self.optim.arm_reduction()  # buckets reduce during the last backward only
+            docs = batch.docs[i] if batch.docs else None
+            with phase("forward"), self.autocast():
+                loss = self.model.loss_sum(mb_in.to(device), mb_lab.to(device), docs)
+            with phase("backward"):
+                (loss / divisor).backward()
+            loss_sum += loss.detach().double()
+        return loss_sum
+
+    def eval_loss(self, batches: Batches) -> Optional[float]:
+        return eval_loss(self.model, batches, self.grid, self.autocast)
+
+    @property
+    def generator(self):
+        """What greedy generation runs through (megaft.training.evaluate.eval_accuracy)."""
+        return self.model
+
+    @property
+    def current_action(self):
+        """The pipeline action in hand, for hang reports: none without a pipeline."""
+        return None
+
+
+class PipelineStep(_Step):
+    """The rank's pipeline schedule over the micro-batches (pp > 1); the dp reduction runs
+    after it (the reducer is not armed), and the tied embedding copies sum their grads."""
+
+    def __init__(self, model: StageModel, grid: ParallelGrid, cfg: Config, phases: PhaseTimer, autocast: Autocast):
+        super().__init__(grid, phases, autocast)
+        self.model = model
+        self.runtime = PipelineRuntime(model, grid, cfg.parallel.schedule,
+                                       accumulation_steps(cfg.train, grid.dp_size), cfg.parallel.vpp,
+                                       wrap_compute=phases.timed_handler)
+
+    def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
+        loss_sum = self.runtime.train_step(list(batch.inputs), list(batch.labels), divisor, self.autocast,
+                                           batch.docs)
+        self.phases.add("comm", self.runtime.wait_s)
+        with self.phases.phase("comm"):
+            sync_tied_grads(self.model, self.grid.embedding_group)
+            all_reduce(loss_sum, self.grid.pp_group)  # the last stage's loss, on every pp rank
+        return loss_sum
+
+    def eval_loss(self, batches: Batches) -> Optional[float]:
+        return pipeline_eval_loss(self.runtime, batches, self.grid, self.autocast)
+
+    @property
+    def generator(self):
+        return self.runtime  # greedy generation through the stages
+
+    @property
+    def current_action(self):
+        return self.runtime.current_action
+
+
+def build_step(parts: RunParts) -> PlainStep | PipelineStep:
+    """The pipeline step when pp > 1, else the plain one."""
+    cfg, grid = parts.cfg, parts.grid
+    autocast = precision_autocast(cfg.precision, grid.device)
+    if grid.pp_size > 1:
+        return PipelineStep(parts.model, grid, cfg, parts.phases, autocast)
+    return PlainStep(parts.model, parts.optim, grid, parts.phases, autocast)
