@@ -51,11 +51,13 @@ def run(cfg: Config, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
     prepare_data(cfg, progress=env is None or env.rank == 0)
     if env is not None:
-        from megaft.launch.rank import run_rank
+        from megaft.launch.rank import RunStoppedError, run_rank, stopped_message
         from megaft.launch.runlock import run_lock
 
         with run_lock(run_dir, enabled=env.rank == 0):  # one run per run directory (rank 0 holds it)
-            run_rank(cfg, run_dir, env)
+            summary = run_rank(cfg, run_dir, env)
+        if summary.get("stopped_by"):  # saved, not finished: every rank exits EXIT_STOPPED
+            raise RunStoppedError(stopped_message(summary))
     else:
         from megaft.launch.local import launch_local
 
@@ -73,7 +75,11 @@ def _hydra_main(dcfg: DictConfig) -> None:
         sys.exit(2)
     except RuntimeError as exc:
         from megaft.launch.local import InterruptedRunError
+        from megaft.launch.rank import EXIT_STOPPED, RunStoppedError
 
+        if isinstance(exc, RunStoppedError):
+            print(f"megaft-train: {exc}", file=sys.stderr)
+            sys.exit(EXIT_STOPPED)
         if not isinstance(exc, InterruptedRunError):
             raise
         print(f"megaft-train: {exc}", file=sys.stderr)

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from megaft.config import Config
 from megaft.launch import health
 from megaft.launch.elastic import record_restarts
-from megaft.launch.rank import local_worker
+from megaft.launch.rank import EXIT_STOPPED, RunStoppedError, local_worker, stopped_message
 from megaft.launch.runlock import run_lock
 from megaft.signals import STOP_SIGNALS, WARNING_SIGNALS
 
@@ -66,6 +66,10 @@ def _child(worker: Worker, rank: int, cfg: Config, run_dir: str, nproc: int, ini
     _detach()
     try:
         worker(rank, cfg, run_dir, nproc, init_file)
+    except SystemExit as exc:
+        if exc.code != EXIT_STOPPED:  # the one deliberate exit: stopped after a checkpoint
+            errors.put((rank, f"SystemExit: {exc.code}"))
+        raise
     except BaseException as exc:
         lines = traceback.format_exception_only(type(exc), exc)
         errors.put((rank, "".join(lines).strip()[-2000:]))
@@ -79,7 +83,7 @@ def _describe(code: Optional[int]) -> str:
 
 
 def _wait_first_failure(procs) -> Optional[int]:
-    """Wait until every child exited 0 (None) or one exited non-zero (its rank)."""
+    """Wait until every child exited 0 or EXIT_STOPPED (None), or one exited otherwise (its rank)."""
     alive = dict(enumerate(procs))
     while alive:
         ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()])
@@ -87,7 +91,7 @@ def _wait_first_failure(procs) -> Optional[int]:
             if proc.sentinel in ready:
                 proc.join()
                 del alive[rank]
-                if proc.exitcode != 0:
+                if proc.exitcode not in (0, EXIT_STOPPED):
                     return rank
     return None
 
@@ -159,6 +163,8 @@ def _run_once(cfg: Config, run_dir: str, worker: Worker) -> None:
         extra = f"\n{report}" if report and report not in detail else ""  # rank 0's error may quote it already
         raise RankFailedError(f"rank {failed} of {nproc} {_describe(procs[failed].exitcode)}; the other ranks were "
                               f"stopped. Its error: {detail}{extra}")
+    if any(p.exitcode == EXIT_STOPPED for p in procs):  # every rank saved and stopped together
+        raise RunStoppedError(stopped_message({"stopped_by": "SIGTERM" if forwarder.stops else "a signal"}))
 
 
 def launch_local(cfg: Config, run_dir: str, worker: Worker = local_worker) -> None:

@@ -5,8 +5,8 @@ user sends `scancel --signal=USR1 <job>`), and preemption/scancel send SIGTERM. 
 ranks agree on the strongest request at a step boundary and save
 (megaft.training.stop); this module decides the job's fate:
 
-- SIGUSR1/SIGUSR2 (REQUEUE): save, requeue, exit 0.
-- SIGTERM (STOP): save and exit 0 without requeueing, so `scancel` still ends a job
+- SIGUSR1/SIGUSR2 (REQUEUE): save, requeue, exit 75 (megaft.launch.rank.EXIT_STOPPED).
+- SIGTERM (STOP): save and exit 75 without requeueing, so `scancel` still ends a job
   for good (Slurm's own preemption requeues by itself).
 
 Requeueing is `scontrol requeue $SLURM_JOB_ID`, the route submitit's own checkpoint

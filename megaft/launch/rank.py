@@ -67,6 +67,21 @@ def process_group(cfg: Config, env: DistEnv, run_dir: str,
         dist.destroy_process_group()
 
 
+# megaft-train's exit status for a run stopped by a signal after saving a checkpoint: not
+# finished, so not 0 (a Slurm `afterok` chain must not start); run again to resume. 75 is
+# sysexits' EX_TEMPFAIL, "try again later" (docs/tools.md's table).
+EXIT_STOPPED = 75
+
+
+class RunStoppedError(RuntimeError):
+    """Training stopped before train.max_steps on a signal, with a checkpoint to resume from."""
+
+
+def stopped_message(summary: dict) -> str:
+    return (f"stopped by {summary['stopped_by']} after saving a checkpoint, before train.max_steps; run again in "
+            f"the same directory to resume (exit status {EXIT_STOPPED})")
+
+
 def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0, spec=None) -> dict:
     """Initialize the process group of `env`, build the grid and train; returns the summary.
 
@@ -105,4 +120,6 @@ def local_worker(local_rank: int, cfg: Config, run_dir: str, nproc: int, init_fi
     """Entry of a rank started by the local launcher (torch.multiprocessing); bind `spec`
     with functools.partial to compose the run from other builders (megaft.verify)."""
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    run_rank(cfg, run_dir, DistEnv(local_rank, nproc, local_rank, f"file://{init_file}"), threads, spec)
+    summary = run_rank(cfg, run_dir, DistEnv(local_rank, nproc, local_rank, f"file://{init_file}"), threads, spec)
+    if summary.get("stopped_by"):  # saved and stopped: the launcher tells it apart from a failure
+        raise SystemExit(EXIT_STOPPED)

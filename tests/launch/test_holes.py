@@ -20,6 +20,7 @@ from train_cases import read_rows, small_config
 from megaft.checkpoint import CheckpointWarning, ModelMismatchError, io, list_checkpoints, problem
 from megaft.launch import runlock
 from megaft.launch.local import launch_local
+from megaft.launch.rank import EXIT_STOPPED
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.guards import BadStepsError
 from megaft.training.loop import Trainer
@@ -200,11 +201,12 @@ def _gone(pids, timeout=30):
 
 
 def _saved_at_the_last_step(proc, run, ranks):
-    """The run stopped after saving the step it was in: exit 0, one complete checkpoint at the last train
-    line, no summary (the run is not over), ranks gone, lock released."""
+    """The run stopped after saving the step it was in: exit 75 (not finished: run again to resume), one
+    complete checkpoint at the last train line, no summary (the run is not over), ranks gone, lock released."""
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == EXIT_STOPPED == 75, out[-3000:]
     assert "megaft: stopped by SIGTERM after saving a checkpoint; not requeued" in out, out[-3000:]
+    assert "megaft-train: stopped by SIGTERM after saving a checkpoint, before train.max_steps; run again" in out
     saved = [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))]
     train_steps = [r["step"] for r in read_rows(run) if "loss" in r]
     assert len(saved) == 1 and saved[0] == train_steps[-1] < 400, (saved, train_steps)
@@ -223,6 +225,12 @@ def test_sigterm_to_the_launcher_alone_is_forwarded_and_the_ranks_save(tmp_path)
     assert len(ranks) == 2, ranks
     os.kill(proc.pid, signal.SIGTERM)
     _saved_at_the_last_step(proc, run, ranks)
+    # running it again resumes from that checkpoint, finishes, and exits 0 with a summary
+    proc = _start(run)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    steps = [r["step"] for r in read_rows(run) if "loss" in r]
+    assert steps == list(range(1, 401)) and os.path.exists(os.path.join(run, "summary.json"))
 
 
 def test_ctrl_c_saves_at_the_next_step_and_a_second_one_kills(tmp_path):
