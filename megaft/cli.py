@@ -13,32 +13,33 @@ import signal
 from megaft.signals import WARNING_SIGNALS
 
 
-def _run(module: str) -> None:
-    """Block the warning signals, then import `module` (torch, Hydra) and run its main()."""
+def _run(module: str):
+    """Block the warning signals, then import `module` (torch, Hydra) and run its main();
+    its return value is the exit status (the console script passes it to sys.exit)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, WARNING_SIGNALS)
-    importlib.import_module(module).main()
+    return importlib.import_module(module).main()
 
 
-def train() -> None:
+def train():
     """`megaft-train`."""
-    _run("megaft.train")
+    return _run("megaft.train")
 
 
-def verify() -> None:
+def verify():
     """`megaft-verify`: runs ranks like megaft-train."""
-    _run("megaft.verify.app")
+    return _run("megaft.verify.app")
 
 
-def commbench() -> None:
+def commbench():
     """`megaft-commbench`: runs ranks like megaft-train."""
-    _run("megaft.commbench.app")
+    return _run("megaft.commbench.app")
 
 
-def plan() -> None:
+def plan():
     """`megaft-plan`: starts no rank, but behaves like every other entry point."""
-    _run("megaft.plan.app")
+    return _run("megaft.plan.app")
 
 
-def scale() -> None:
+def scale():
     """`megaft-scale`: submits a scaling study (megaft-train -m) and reports it; starts no rank."""
-    _run("megaft.scale.app")
+    return _run("megaft.scale.app")

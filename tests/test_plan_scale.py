@@ -167,3 +167,10 @@ def test_plan_rejects_a_bad_probe(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megaft.plan.app", "cluster=cpu", "plan.probe=-1",
                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "plan.probe=-1 must be >= 0" in out.stderr, out.stderr
+
+
+def test_the_console_scripts_pass_their_exit_status_on(tmp_path):
+    # megaft-scale's main() returns its status; the console script used to drop it and exit 0
+    script = os.path.join(os.path.dirname(sys.executable), "megaft-scale")
+    out = subprocess.run([script, "model.nonsense=1"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and "megaft-scale: Could not override 'model.nonsense'" in out.stderr, out
