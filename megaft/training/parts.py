@@ -104,6 +104,8 @@ class DataParts:
     grid: ParallelGrid
     global_batch_size: int  # train.global_batch_size
     micro_batch_size: int  # train.micro_batch_size
+    # training conversations with no assistant turn under data.train_on=assistant (None: no chat data)
+    untrained: Optional[int] = None
 
     def batch(self, step: int) -> StepBatch:
         """Step `step`'s micro-batches on this rank, with the global batch's target and token counts."""
@@ -140,13 +142,16 @@ def build_data(parts: RunParts) -> DataParts:
                   if from_store else EncodedCorpus(encode_examples(tok, examples.train, eos_id, chat=chat)))
         stream = PackedDocs(corpus, data.seq_len, data.seed, pad_id=pad_id, packing=data.packing,
                             long_docs=data.long_docs, weights=[s.weight for s in data_sources(data)] or None)
+    # counted by the store's preparation, or by the chat encoder before it encodes the eval set
+    untrained = corpus.manifest["counts"].get("conversations_without_assistant") if from_store else \
+        (chat.untrained if chat is not None else None)
     if examples is None:  # the eval lines are few: read them in memory
         evals = read_source(data.eval_path, max_lines=data.eval_max_lines) if data.eval_path else []
         examples = Examples([], evals, None)
     evals = eval_batches(encode_examples(tok, examples.eval, eos_id, chat=chat), cfg.train.eval_batch_size,
                          pad_id, max_len=cfg.model.max_seq_len)
     return DataParts(tok, eos_id, examples.task, stream, evals, data.packing, grid, cfg.train.global_batch_size,
-                     cfg.train.micro_batch_size)
+                     cfg.train.micro_batch_size, untrained)
 
 
 def choose_kernels(parts: RunParts) -> Kernels:

@@ -71,6 +71,8 @@ class RunSummary:
     peak_tflops: Optional[float] = None
     mfu: Optional[float] = field(default=None, **_SOMETIMES)
     restarts: Optional[int] = field(default=None, **_SOMETIMES)  # launcher restarts and requeues
+    # chat data: training conversations with no assistant turn, which train nothing (data.train_on=assistant)
+    conversations_without_assistant: Optional[int] = field(default=None, **_SOMETIMES)
     # config.json keys read as metadata on the user's word (model.hf_ignore_keys), when there are any
     hf_ignore_keys: Optional[list] = field(default=None, **_SOMETIMES)
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know

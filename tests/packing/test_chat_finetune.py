@@ -101,3 +101,18 @@ def test_interrupted_packed_run_at_dp2_zero3_resumes_bitwise(tmp_path, chat_data
     want = _losses(str(straight))
     assert sorted(want) == list(range(1, 11))
     assert _losses(str(interrupted)) == {step: want[step] for step in range(6, 11)}
+
+
+@pytest.mark.parametrize("packing", ["docs", "stream"])  # from the prepared store; encoded in memory
+def test_conversations_without_an_assistant_turn_are_in_the_summary(tmp_path, chat_data, packing):
+    tok, path, _ = chat_data
+    lines = open(path).read().splitlines()
+    lines[0] = json.dumps({"messages": [m for m in json.loads(lines[0])["messages"] if m["role"] != "assistant"]})
+    lines[1] = json.dumps({"messages": [m for m in json.loads(lines[1])["messages"] if m["role"] != "assistant"]})
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = chat_config(tok, str(tmp_path / "data.jsonl"), str(tmp_path / "cache"))
+    cfg.data.packing, cfg.train.max_steps, cfg.launcher.nproc = packing, 1, 1
+    assert validate(cfg, 1) == []
+    Trainer(cfg, ParallelGrid.single(), str(tmp_path)).fit()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["conversations_without_assistant"] == 2
