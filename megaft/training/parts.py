@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from megaft.config import Config
 from megaft.data import (
+    DataError,
     EncodedCorpus,
     Examples,
     PackedDocs,
@@ -122,6 +123,35 @@ class DataParts:
         return batch.input_ids, batch.labels, Docs(batch.position_ids, batch.doc_ids)
 
 
+def agreed_store(data, grid: ParallelGrid, **kwargs):
+    """The prepared store of `data`, opened by every rank (verified, and rebuilt when damaged:
+    megaft.data.prepare), with one collective in which the ranks agree on the verdict before
+    any trains: when a rank could not open it, or ranks' stores hold different tokens (data
+    files that differ between nodes), every rank raises instead of some waiting on a collective."""
+    store, error = None, None
+    try:
+        store = prepare_dataset(data, progress=grid.rank == 0, **kwargs)
+    except DataError as exc:
+        error = exc
+    if grid.world_size == 1:
+        if error is not None:
+            raise error
+        return store
+    key = int(store.manifest["arrays"]["tokens.bin"]["sha256"][:12], 16) if store is not None else 0
+    verdict = torch.tensor([int(error is not None), key, -key], dtype=torch.int64, device=grid.device)
+    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
+    failed, high, low = (int(v) for v in verdict.tolist())
+    if error is not None:
+        raise error
+    if failed:
+        raise DataError("another rank could not open the prepared dataset (its error above names why); no rank "
+                        "trains on a store the others did not verify")
+    if high != -low:
+        raise DataError(f"the ranks' prepared datasets hold different tokens (this rank's: {store.path}): the "
+                        "data files differ between nodes; fix: give every node the same files (a shared file system)")
+    return store
+
+
 def build_data(parts: RunParts) -> DataParts:
     """Tokenizer, training stream and eval batches of cfg.data. Conversations are rendered
     with the chat template; packing=docs|none packs whole documents (megaft.data.packed),
@@ -138,8 +168,8 @@ def build_data(parts: RunParts) -> DataParts:
     if data.packing == "stream":
         stream = PackedStream(encode_examples(tok, examples.train, eos_id, chat=chat), data.seq_len, data.seed)
     else:
-        corpus = (prepare_dataset(data, init_from=init_from, eos_token_id=eos_token, tok=tok, progress=grid.rank == 0)
-                  if from_store else EncodedCorpus(encode_examples(tok, examples.train, eos_id, chat=chat)))
+        corpus = (agreed_store(data, grid, init_from=init_from, eos_token_id=eos_token, tok=tok) if from_store
+                  else EncodedCorpus(encode_examples(tok, examples.train, eos_id, chat=chat)))
         stream = PackedDocs(corpus, data.seq_len, data.seed, pad_id=pad_id, packing=data.packing,
                             long_docs=data.long_docs, weights=[s.weight for s in data_sources(data)] or None)
     # counted by the store's preparation, or by the chat encoder before it encodes the eval set

@@ -66,3 +66,35 @@ def test_two_ranks_never_use_a_damaged_store(setup, tmp_path):  # noqa: F811
     spawn(2, _open_on_ranks, cfg, ckpt, str(tmp_path))
     for rank in range(2):  # both got the rebuilt store, neither the damaged one
         assert np.array_equal(np.load(tmp_path / f"tokens_{rank}.npy"), good)
+
+
+def _agree_on_ranks(rank: int, world: int, cfgs, ckpt, out: str) -> None:
+    from types import SimpleNamespace
+
+    from megaft.data.errors import DataError
+    from megaft.training.parts import agreed_store
+
+    grid = SimpleNamespace(rank=rank, world_size=world, device="cpu")
+    try:
+        agreed_store(cfgs[rank], grid, init_from=ckpt, eos_token_id=2)
+        result = "ok"
+    except DataError as exc:
+        result = str(exc)
+    with open(os.path.join(out, f"rank_{rank}.txt"), "w") as f:
+        f.write(result)
+
+
+def test_ranks_agree_on_the_store_before_training(setup, tmp_path):  # noqa: F811
+    # same data: both open it; data that differs on one node: every rank refuses, none waits
+    import copy
+
+    cfg, ckpt, root = setup
+    spawn(2, _agree_on_ranks, [cfg, cfg], ckpt, str(tmp_path))
+    assert [open(tmp_path / f"rank_{r}.txt").read() for r in range(2)] == ["ok", "ok"]
+    other = copy.deepcopy(cfg)
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text(open(cfg.sources[0].path).read().replace("a", "b", 3))
+    other.sources[0].path = str(changed)
+    spawn(2, _agree_on_ranks, [cfg, other], ckpt, str(tmp_path))
+    for r in range(2):
+        assert "prepared datasets hold different tokens" in open(tmp_path / f"rank_{r}.txt").read()
