@@ -1,9 +1,19 @@
 """Small file helpers shared by the run directory, checkpoints and exports."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Optional
+
+
+def file_sha256(path: str, chunk: int = 1 << 22) -> str:
+    """sha256 of a file's bytes, read in chunks (checkpoint shards, prepared stores, models)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

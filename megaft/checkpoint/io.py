@@ -11,7 +11,6 @@ ranks; megaft.checkpoint.state adds the collectives.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import shutil
 import warnings
 from typing import Any, Optional
 
-from megaft.fileio import write_json_atomic
+from megaft.fileio import file_sha256, write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -64,14 +63,6 @@ def load_shard(ckpt_dir: str, rank: int, *, mmap: bool = False) -> dict[str, Any
             "(train.resume=false starts afresh; move this checkpoint away)") from None
 
 
-def sha256(path: str, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _fsync_dir(path: str) -> None:
     # A rename is durable only once the directory holding it is synced.
     fd = os.open(path, os.O_RDONLY)
@@ -89,7 +80,7 @@ def write_manifest(tmp_dir: str, step: int, layout: dict[str, int],
     for name in sorted(os.listdir(tmp_dir)):
         if name.startswith("rank_") and name.endswith(".pt"):
             path = os.path.join(tmp_dir, name)
-            files[name] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+            files[name] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
     manifest = {**(meta or {}), "format": FORMAT_VERSION, "step": step, "layout": layout, "files": files}
     write_json_atomic(os.path.join(tmp_dir, MANIFEST), manifest)
     return manifest
@@ -128,7 +119,7 @@ def problem(ckpt_dir: str) -> Optional[str]:
         size = os.path.getsize(path)
         if size != want["bytes"]:
             return f"shard {name} has {size} bytes, manifest.json says {want['bytes']}"
-        if sha256(path) != want["sha256"]:
+        if file_sha256(path) != want["sha256"]:
             return f"shard {name} fails its sha256 checksum (corrupt)"
     return None
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from megaft.data.encode import Encoded
 from megaft.data.errors import DataError
+from megaft.fileio import file_sha256
 
 FORMAT_VERSION = 2  # 2: the manifest records each array's size and sha256
 MANIFEST = "manifest.json"
@@ -127,14 +128,6 @@ class PreparedWriter:
     def abort(self) -> None:
         for f in (self._tokens, self._target):
             f.close()
-
-
-def file_sha256(path: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def store_problems(path: str, manifest: dict, verify: str = "full", vocab_size: Optional[int] = None) -> list[str]:

