@@ -19,6 +19,7 @@ per rank and one action string per cell, like torchtitan's custom CSV schedules.
 from __future__ import annotations
 
 import csv
+import functools
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -30,6 +31,9 @@ Schedule = dict[int, list[Action]]
 SCHEDULES = tuple(s.value for s in ScheduleName)  # parallel.schedule's choices
 
 F, B = ActionKind.F, ActionKind.B
+# Action from a (stage, kind, microbatch) tuple without namedtuple's keyword-argument layer:
+# the planner builds hundreds of thousands of actions per search
+_action = functools.partial(tuple.__new__, Action)
 
 
 def _check_sizes(pp: int, m: int, chunks: int = 1) -> None:
@@ -61,10 +65,10 @@ def add_send_recv(compute: Mapping[int, Sequence[Action]], pp: int, chunks: int 
             else:
                 continue
             if pre:
-                actions.append(Action(s, recv, mb))
+                actions.append(_action((s, recv, mb)))
             actions.append(a)
             if post:
-                actions.append(Action(s, send, mb))
+                actions.append(_action((s, send, mb)))
         out[rank] = actions
     return out
 
@@ -91,10 +95,10 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
     compute: Schedule = {}
     for r in range(pp):
         warmup = min(pp - r - 1, m)
-        order = [Action(r, F, i) for i in range(warmup)]
+        order = [_action((r, F, i)) for i in range(warmup)]
         for i in range(m - warmup):
-            order += [Action(r, F, warmup + i), Action(r, B, i)]
-        order += [Action(r, B, i) for i in range(m - warmup, m)]
+            order += [_action((r, F, warmup + i)), _action((r, B, i))]
+        order += [_action((r, B, i)) for i in range(m - warmup, m)]
         compute[r] = order
     return add_send_recv(compute, pp)
 
@@ -124,7 +128,7 @@ def interleaved_1f1b(pp: int, chunks: int, m: int) -> Schedule:
         if kind is B:
             chunk = chunks - 1 - chunk  # backward walks the chunks last-to-first
         mb = (k // group) * pp + k % pp
-        return Action(chunk * pp + rank, kind, mb)
+        return _action((chunk * pp + rank, kind, mb))
 
     compute: Schedule = {}
     for r in range(pp):
