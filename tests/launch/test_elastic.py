@@ -22,6 +22,7 @@ from megaft.config import ConfigError
 from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.launch.elastic import ElasticError, adapt
 from megaft.launch.local import launch_local
+from megaft.launch.rank import RunStoppedError
 from megaft.train import run as train_run
 from megaft.training.config import TrainConfig, check_train
 from megaft.training.run_config import read_run_config
@@ -81,7 +82,8 @@ def ran_layout(run: str) -> tuple[int, int, int]:
 
 def test_dp2_checkpoint_resumes_on_one_rank_with_the_same_global_batch(straight, tmp_path, capfd):
     run = str(tmp_path)
-    launch_local(config(), run, worker=signal_worker)  # both ranks save at step FAULT_STEP + 1 and stop
+    with pytest.raises(RunStoppedError):  # both ranks save at step FAULT_STEP + 1 and stop
+        launch_local(config(), run, worker=signal_worker)
     assert ran_layout(run) == (2, 2, 1)  # global batch 16 = 2 ranks x 1 micro-batch of 8
     saved = FAULT_STEP + 1
     summary = elastic_resume(run, capfd, saved=saved, was=2, now=1)
@@ -144,7 +146,8 @@ def test_world_that_tp_does_not_divide_is_replanned_when_a_cluster_is_named(stra
     run = str(tmp_path)
     cfg = config()
     cfg.parallel.tp = 2
-    launch_local(cfg, run, worker=signal_worker)  # both ranks save at step FAULT_STEP + 1 and stop
+    with pytest.raises(RunStoppedError):  # both ranks save at step FAULT_STEP + 1 and stop
+        launch_local(cfg, run, worker=signal_worker)
     cfg = config(elastic=True, nproc=1)
     cfg.parallel.tp, cfg.cluster = 2, cpu_cluster()
     train_run(cfg, run)

@@ -17,6 +17,7 @@ from train_cases import read_rows, small_config
 from launch.faults import FAULT_STEP, HANG_MARK, die_worker, hang_worker, signal_worker
 from megaft.checkpoint import io, list_checkpoints, problem
 from megaft.launch.local import RankFailedError, launch_local
+from megaft.launch.rank import RunStoppedError
 
 TIMEOUT_S = 3  # launcher.timeout_s of the hang/death cases: small, so the test is fast
 
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("not_in_slurm")  # tests/launch/conftest.py
 
 def test_signal_to_one_rank_stops_all_at_one_step_then_resumes_exactly(straight, tmp_path, capfd):
     run = str(tmp_path)
-    launch_local(config(), run, worker=signal_worker)  # exits cleanly: no exception
+    with pytest.raises(RunStoppedError, match="run again in the same directory to resume"):
+        launch_local(config(), run, worker=signal_worker)  # saved and stopped: not finished (exit 75)
     stopped = FAULT_STEP + 1  # the signal lands during step FAULT_STEP; every rank stops after it
     ckpts = os.path.join(run, "checkpoints")
     assert [s for s, _ in list_checkpoints(ckpts)] == [stopped]  # saved although train.save_every=0
