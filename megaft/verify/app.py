@@ -20,6 +20,7 @@ SLURM_TASK_BODY = slurm_body  # what each Slurm task runs under hydra/launcher=s
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="train")
 def _hydra_main(dcfg: DictConfig) -> None:
     from megaft.launch.env import external_env
+    from megaft.launch.rank import EXIT_STOPPED, RunStoppedError
 
     cfg: Config = OmegaConf.to_object(dcfg)
     run_dir = HydraConfig.get().runtime.output_dir
@@ -29,6 +30,9 @@ def _hydra_main(dcfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"megaft-verify: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RunStoppedError as exc:  # a signal stopped the ranks: not verified, as megaft-train says it
+        print(f"megaft-verify: {exc}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
     if report is None:  # a rank other than 0 under torchrun/srun: rank 0 reports
         return
     print(f"megaft-verify: wrote {write_report(report, run_dir)}", flush=True)
