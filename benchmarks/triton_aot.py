@@ -18,10 +18,10 @@ import os
 import sys
 import time
 
-FAMILIES = ("rmsnorm", "swiglu", "rope", "cross_entropy", "linear", "adamw")
+FAMILIES = ("rmsnorm", "swiglu", "rope", "cross_entropy", "linear", "adamw", "grouped_gemm")
 # fp32 pointers; other upper-case names are pointers of the tested dtype, lower-case ones scalars
 FP32 = {"RSTD", "DW_PART", "M", "S", "T", "LSE", "G", "COS", "SIN", "SCAL"}
-INT64 = {"LABELS", "PTRS", "CHUNKS"}
+INT64 = {"LABELS", "PTRS", "CHUNKS", "OFFS"}
 CONSTS = {"BLOCK": 1024, "BLOCK_QH": 32, "BLOCK_KH": 8, "BLOCK_D": 64,
           "HAS_RESIDUAL": True, "HAS_DH": True, "BACKWARD": False, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32,
           "HAS_BIAS": True, "HAS_RES": True, "SWIGLU": True, "ACCUMULATE": True, "UPCAST": False,

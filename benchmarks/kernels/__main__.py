@@ -5,7 +5,7 @@
         [--json out.json] [--csv [out.csv]] [--plot DIR]
 
 Ops: rmsnorm, swiglu, rope, cross_entropy, linear_cross_entropy, linear_residual,
-linear_swiglu (fused-epilogue GEMMs), and adamw (delegated to
+linear_swiglu (fused-epilogue GEMMs), grouped_gemm (MoE experts), and adamw (delegated to
 ``benchmarks.kernels.adamw``, its own table; only with ``--op adamw``). Providers:
 torch (eager reference), torch.compile, triton, cuda (megaft._cuda), liger and apex
 when they import; unavailable ones are listed as skipped with the reason.
@@ -36,10 +36,10 @@ from benchmarks.kernels import harness
 
 
 def _load_ops():
-    from benchmarks.kernels import cross_entropy, linear, rmsnorm, rope, swiglu
+    from benchmarks.kernels import cross_entropy, grouped_gemm, linear, rmsnorm, rope, swiglu
 
     return {op.name: op for op in (rmsnorm.OP, swiglu.OP, rope.OP, cross_entropy.CE, cross_entropy.LCE,
-                                   linear.RESIDUAL, linear.SWIGLU)}
+                                   linear.RESIDUAL, linear.SWIGLU, grouped_gemm.OP)}
 
 
 def _outputs(out) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ dispatching front taking ``backend=``.
 
     rmsnorm, swiglu, rope   auto | torch | triton | cuda   (megaft.kernels.dispatch)
     cross_entropy           auto | torch | triton, plain and fused with the head projection
+    grouped_gemm            auto | torch | triton | cuda (torch._grouped_mm): the experts' grouped matmuls
     adamw                   auto | torch | cpu | cuda | triton
 
 ``megaft.kernels.config.KernelsConfig`` (the ``kernels`` config group) picks the model's

@@ -1,7 +1,8 @@
 """Measured ``kernels.backend=auto``: on a GPU, each op runs the backend that was
 fastest on the run's own shapes, among those that agree with torch.
 
-For every op left on ``auto`` (rmsnorm, rope, swiglu, cross_entropy, linear) with
+For every op left on ``auto`` (rmsnorm, rope, swiglu, cross_entropy, linear, and
+grouped_gemm in a mixture of experts) with
 ``kernels.autotune=true`` on CUDA, :func:`choose` first runs torch (the reference) and
 each available backend once on the op's representative call
 (:mod:`megaft.kernels.cases`, fresh inputs per backend) and drops, with a warning, a
@@ -252,7 +253,9 @@ def measure_ops(cases: dict[str, Case], candidates: dict[str, list[str]], *, dev
     from ``cache`` when it holds the key, else measured and stored."""
     choices = {}
     for op, available in candidates.items():
-        case = cases[op]
+        case = cases.get(op)
+        if case is None:  # an op the model never calls (grouped_gemm of a dense model): left to the fixed order
+            continue
         if not [b for b in available if b != "torch"]:
             choices[op] = Choice(op, "torch")
             continue

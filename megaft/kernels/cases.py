@@ -152,18 +152,48 @@ def linear_case(tokens: int, k: int, n: int, fuse_residual: bool = True, master_
     return Case("linear", shape, make, step)
 
 
+def grouped_gemm_case(tokens: int, top_k: int, k: int, m: int, experts: int) -> Case:
+    """An MoE layer's gate (or up) projection: ``tokens`` x ``top_k`` rows sorted by expert
+    through ``experts`` weights [m, k] (megaft.models.moe). The routing is drawn once from
+    the seed: uneven, as a router's is, with each token's k experts distinct."""
+    rows = tokens * top_k
+
+    def make(device, dtype):
+        gen = torch.Generator().manual_seed(0)
+        scores = torch.randn(tokens, experts, generator=gen) + 0.5 * torch.randn(experts, generator=gen)
+        counts = torch.bincount(scores.topk(min(top_k, experts), dim=-1).indices.reshape(-1), minlength=experts)
+        return (_randn(gen, rows, k, device=device, dtype=dtype, grad=True),
+                _randn(gen, experts, m, k, device=device, dtype=dtype, scale=k ** -0.5, grad=True),
+                counts, _randn(gen, rows, m, device=device, dtype=dtype))
+
+    def step(backend, inputs):
+        from megaft.kernels.grouped_gemm import grouped_mm
+
+        x, w, counts, dy = inputs
+        return _backward(grouped_mm(x, w, counts, backend), (x, w), dy)
+
+    shape = (("rows", rows), ("k", k), ("m", m), ("experts", experts))
+    return Case("grouped_gemm", shape, make, step)
+
+
 def model_cases(model, *, tp: int, batch: int, seq: int, master_weights: bool = False) -> dict[str, Case]:
     """The case of every op for a ModelConfig under tensor parallelism ``tp`` with
     micro-batches of ``batch`` sequences of ``seq`` tokens (on this rank);
-    ``master_weights``: optim.master_weights (bf16 params and main grads: the linears)."""
+    ``master_weights``: optim.master_weights (bf16 params and main grads: the linears).
+    grouped_gemm has a case only for a mixture of experts (``model.n_experts``)."""
     seq = max(1, min(seq, MAX_TOKENS))
     batch = max(1, min(batch, MAX_TOKENS // seq))
     tokens = batch * seq
     ffn = max(1, model.ffn_dim // tp)
-    return {
+    out = {
         "rmsnorm": rmsnorm_case(tokens, model.dim, model.norm_eps),
         "rope": rope_case(batch, seq, max(1, model.n_heads // tp), max(1, model.kv_heads // tp), model.hd),
         "swiglu": swiglu_case(tokens, ffn),
         "cross_entropy": cross_entropy_case(min(tokens, MAX_CE_TOKENS), max(1, -(-model.vocab_size // tp))),
         "linear": linear_case(tokens, ffn, model.dim, fuse_residual=tp == 1, master_weights=master_weights),
     }
+    if model.n_experts:
+        top_k = min(model.top_k, model.n_experts)
+        out["grouped_gemm"] = grouped_gemm_case(tokens, top_k, model.dim, max(1, model.expert_ffn // tp),
+                                                model.n_experts)
+    return out

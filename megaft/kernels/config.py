@@ -16,7 +16,7 @@ from typing import Optional
 
 from megaft.kernels.dispatch import BACKENDS
 
-OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear")
+OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear", "grouped_gemm")
 # auto | torch | triton | cuda (megaft.kernels.dispatch), as an enum Hydra checks when composing
 KernelBackend = StrEnum("KernelBackend", [(b, b) for b in BACKENDS])
 
@@ -29,6 +29,7 @@ class KernelsConfig:
     swiglu: Optional[KernelBackend] = None  # the MLP's silu(gate) * up; None = `backend`
     cross_entropy: Optional[KernelBackend] = None  # vocab-parallel loss; None = `backend`
     linear: Optional[KernelBackend] = None  # parallel linears: GEMM + epilogue, wgrad fused into the main grad
+    grouped_gemm: Optional[KernelBackend] = None  # MoE experts' grouped GEMMs (cuda: torch._grouped_mm)
     fused_linear_cross_entropy: bool = False  # head projection + loss chunk by chunk (never all logits)
     ce_chunk_tokens: int = 2048  # tokens per chunk of the fused linear cross-entropy
     autotune: bool = True  # auto on CUDA: time the available backends once per shape (false: fixed order)
@@ -45,8 +46,9 @@ class KernelsConfig:
         return "auto" if self.backend == "cuda" and op not in CUDA_OPS else self.backend
 
 
-# Ops with a CUDA C++ kernel (linear's: the cuBLASLt forward GEMM + epilogue and the cuBLAS wgrad accumulation).
-CUDA_OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear")
+# Ops with a cuda backend: a CUDA C++ kernel (linear's: the cuBLASLt forward GEMM + epilogue and the cuBLAS
+# wgrad accumulation), or for grouped_gemm torch's own torch._grouped_mm (dispatch.TORCH_CUDA_OPS).
+CUDA_OPS = ("rmsnorm", "rope", "swiglu", "cross_entropy", "linear", "grouped_gemm")
 
 
 def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:

@@ -1,8 +1,10 @@
-"""The dispatch rule shared by the kernel fronts (rmsnorm, swiglu, rope, cross_entropy, linear).
+"""The dispatch rule shared by the kernel fronts (rmsnorm, swiglu, rope, cross_entropy, linear,
+grouped_gemm).
 
     torch   the reference (torch ops); always available
     triton  Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (tests)
-    cuda    CUDA C++ kernels of megaft._cuda, registered as ``torch.ops.megaft.<op>_*``
+    cuda    CUDA C++ kernels of megaft._cuda, registered as ``torch.ops.megaft.<op>_*``;
+            for the ops of TORCH_CUDA_OPS a CUDA op of torch itself instead
     auto    on CUDA tensors: triton when it imports, else cuda when built, else torch;
             on CPU: torch (Triton runs on CPU only interpreted, in tests)
 
@@ -32,11 +34,16 @@ BACKENDS = ("auto", "torch", "triton", "cuda")
 # (default f"{op}_fwd"); linear's CUDA C++ ops (the cuBLASLt forward, the cuBLAS wgrad
 # accumulation) come from one build, so the wgrad op stands for both.
 CUDA_OP_NAMES = {"linear": "wgrad_accumulate"}
+# Ops whose cuda backend is torch's own CUDA kernel (torch.<name>), not megaft._cuda.
+TORCH_CUDA_OPS = {"grouped_gemm": "_grouped_mm"}
 _logged: set[tuple[str, str, str]] = set()
 
 
 def cuda_unavailable_reason(op: str, device: torch.device) -> str | None:
-    """Why the CUDA C++ kernel of ``op`` cannot run on ``device``, or None when it can."""
+    """Why the CUDA C++ kernel of ``op`` (torch's for TORCH_CUDA_OPS) cannot run on
+    ``device``, or None when it can."""
+    if op in TORCH_CUDA_OPS:
+        return _torch_cuda_reason(op, device)
     if device.type != "cuda":
         return (f"tensors are on {device.type} and the CUDA C++ kernels take CUDA tensors only; "
                 "use backend='torch' or 'auto'")
@@ -46,6 +53,19 @@ def cuda_unavailable_reason(op: str, device: torch.device) -> str | None:
     if not hasattr(torch.ops.megaft, name):
         return (f"megaft._cuda was built without torch.ops.megaft.{name} (csrc/cuda/kernel_ops.cpp); "
                 f"fix: {_ext.fix_hint(_ext.CUDA)}")
+    return None
+
+
+def _torch_cuda_reason(op: str, device: torch.device) -> str | None:
+    name = TORCH_CUDA_OPS[op]
+    if device.type != "cuda":
+        return (f"tensors are on {device.type} and {op}'s cuda backend, torch.{name}, runs on CUDA tensors only "
+                "(on the CPU torch's op is a per-group loop, as the torch backend); use backend='torch' or 'auto'")
+    if not torch.backends.cuda.is_built():
+        return f"torch {torch.__version__} is built without CUDA; fix: a CUDA build of torch"
+    if not hasattr(torch, name):
+        return (f"torch {torch.__version__} has no torch.{name} (torch >= 2.8 has it); "
+                "fix: a newer torch, or backend='triton'")
     return None
 
 

@@ -230,7 +230,7 @@ def test_only_auto_ops_on_cuda_with_autotune_are_measured():
     assert autotune.ops_to_measure(KernelsConfig(), CPU) == {}  # CPU stays torch
     assert autotune.ops_to_measure(KernelsConfig(autotune=False), cuda) == {}  # the fixed order
     todo = autotune.ops_to_measure(KernelsConfig(rmsnorm="torch", linear="triton"), cuda)
-    assert sorted(todo) == ["cross_entropy", "rope", "swiglu"]
+    assert sorted(todo) == ["cross_entropy", "grouped_gemm", "rope", "swiglu"]
     if _triton.import_error() is None:
         assert all("triton" in backends for backends in todo.values())
     fixed = KernelsConfig(autotune=False)
@@ -255,7 +255,8 @@ def test_decided_kernels_fill_in_the_auto_ops(monkeypatch, tmp_path):
                       "rope": {"backend": "torch", "source": "fixed"},  # nothing but torch to time
                       "swiglu": {"backend": "torch", "source": "config"},
                       "cross_entropy": {"backend": "torch", "source": "cpu"},  # auto, not measured: CPU
-                      "linear": {"backend": "torch", "source": "cpu"}}
+                      "linear": {"backend": "torch", "source": "cpu"},
+                      "grouped_gemm": {"backend": "torch", "source": "cpu"}}
     assert list(record) == list(OPS)
     again, cached = autotune.decide_kernels(kernels, TINY, timer=fake_timer({}), **kw)
     assert again == out and cached["rmsnorm"] == dict(measured, source="cache")  # the measuring run's ms

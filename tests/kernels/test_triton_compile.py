@@ -24,7 +24,7 @@ print("ok" if main(["--arch", "80", "90"]) == 0 else "failed")
 # every launch entry point of megaft/kernels/<family>/triton.py (a kernel the discovery missed fails)
 KERNELS = {"rmsnorm._fwd_kernel", "rmsnorm._bwd_kernel", "swiglu._fwd_kernel", "swiglu._bwd_kernel",
            "rope._rope_kernel", "cross_entropy._stats_kernel", "cross_entropy._grad_kernel", "linear._gemm_kernel",
-           "adamw._adamw_kernel"}
+           "adamw._adamw_kernel", "grouped_gemm._grouped_rows_kernel", "grouped_gemm._grouped_wgrad_kernel"}
 
 
 def compile_without_interpreter(script: str, timeout: int) -> str:
