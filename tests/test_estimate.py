@@ -1,6 +1,7 @@
 """The per-GPU memory estimate (megaft.perf.memory): the 1b preset against small budgets in
 validate() (pure config, no GPU), and its params/grads/optimizer bytes against what a
-tiny CPU model's optimizer really holds (`memory_bytes()`) under tp, pp, dp and ZeRO."""
+tiny CPU model's optimizer really holds (`memory_bytes()`) under tp, pp, dp and ZeRO, dense and
+mixture of experts (tests/test_perf_moe.py checks the MoE counts against built models)."""
 import os
 
 import pytest
@@ -97,14 +98,24 @@ MEMORY_CASES = [(1, 1, 2, 0, False, False), (1, 1, 2, 1, False, False), (1, 1, 2
                 (1, 1, 2, 3, False, False), (2, 1, 1, 0, False, False), (1, 2, 1, 0, False, False),
                 (1, 2, 1, 0, True, False), (1, 1, 2, 0, False, True), (1, 1, 2, 2, False, True),
                 (1, 1, 2, 3, False, True)]
+# the same with a mixture of experts (Qwen2-MoE-like: a shared expert and a dense block): every expert,
+# the router and the shared expert's gate held, split over tp and pp, sharded by ZeRO
+MOE_CASES = [(2, 1, 1, 0, False, False), (1, 2, 1, 0, False, False), (1, 1, 2, 2, False, True),
+             (1, 1, 2, 3, False, False)]
+MOE_SHAPE = dict(arch="qwen2_moe", n_experts=4, top_k=2, moe_ffn_dim=32, shared_expert_ffn_dim=64,
+                 mlp_only_layers=[1])
 
 
 def compare_memory_bytes(rank: int, world: int) -> None:
     failures = []
-    for tp, pp, dp, zero, tied, masters in MEMORY_CASES:
+    for case in [(c, False) for c in MEMORY_CASES] + [(c, True) for c in MOE_CASES]:
+        (tp, pp, dp, zero, tied, masters), moe = case
         cfg = small_config()
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero = tp, pp, dp, zero
         cfg.model.tie_embeddings = tied
+        if moe:
+            for key, value in MOE_SHAPE.items():
+                setattr(cfg.model, key, value)
         if masters:
             cfg.precision, cfg.optim.master_weights = "bf16", True
         grid = ParallelGrid.build(tp=tp, pp=pp, dp=dp, device="cpu")
@@ -116,7 +127,7 @@ def compare_memory_bytes(rank: int, world: int) -> None:
         for part in ("params", "grads", "optimizer"):
             # 5%: the flat buffers pad to a multiple of dp and the vocabulary to one of tp
             if measured[part] != pytest.approx(getattr(est, part), rel=0.05):
-                failures.append(f"{(tp, pp, dp, zero, tied, masters)} pp rank {grid.pp_rank} {part}: measured "
+                failures.append(f"{case} pp rank {grid.pp_rank} {part}: measured "
                                 f"{measured[part]} vs estimated {getattr(est, part)}")
         reducer.remove_hooks()
         del model, opt

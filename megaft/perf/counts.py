@@ -6,56 +6,123 @@ megaft-report read it (tests/test_layering.py checks that nobody else counts).
 MFU = tokens/s * model FLOPs per token / (ranks * peak FLOP/s), the PaLM paper's
 definition (appendix B): the FLOPs the model needs, not what the hardware ran, so
 activation recomputation, padding and pipeline bubbles lower MFU instead of inflating it.
+
+Mixtures of experts (megaft.models.moe): parameter and memory counts hold every expert;
+FLOPs count the weights a token is multiplied by (router, top_k experts, shared expert),
+so idle experts do not inflate MFU (flops_per_token); blocks differ only in whether they
+are a mixture (ModelConfig.is_moe), and each count is per block (`layer`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence, TypeVar
 
-from megaft.models.config import ModelConfig
+from megaft.models.config import ModelConfig, kv_replicas
 from megaft.parallel.tensor.shard import padded_size
 from megaft.peft.config import LoraConfig
-from megaft.pipeline.partition import stage_layer_counts
+from megaft.pipeline.partition import stage_layer_counts, stage_layers
 
+T = TypeVar("T")
 FP32 = 4
 BF16 = 2
 
 
+def per_block(m: ModelConfig, count: Callable[[int], T]) -> list[T]:
+    """`count(layer)` for every decoder block, evaluated once per kind of block: every count
+    here depends on a block only through whether it is a mixture of experts (m.is_moe)."""
+    kinds: dict = {}
+    return [kinds[kind] if (kind := m.is_moe(i)) in kinds else kinds.setdefault(kind, count(i))
+            for i in range(m.n_layers)]
+
+
 # --- parameters ---------------------------------------------------------------------------
+#
+# A mixture-of-experts block (megaft.models.moe, where `m.is_moe(layer)`) replaces the dense MLP
+# by: the router `gate.weight` [E, dim] (replicated over tp); the stacked experts gate/up
+# [E, F/tp, dim] and down [E, dim, F/tp] (F = m.expert_ffn, split over tp like the dense MLP);
+# with `shared_expert_ffn_dim` S > 0 a dense gated MLP of inner size S (tp-split, with the MLP's
+# biases) and its sigmoid gate `shared_expert_gate.weight` [1, dim] (replicated). Other blocks
+# keep the dense MLP of ffn_dim. Counts of all weights (memory, optimizer state) hold every
+# expert; counts of the weights a token multiplies (FLOPs) hold the router, the top_k experts
+# it is sent to, the shared expert and its gate.
+
+def _dense_mlp_params(m: ModelConfig, ffn: int, tp: int) -> int:
+    """One tp rank's gated MLP of inner size `ffn`: gate, up (column) and down (row, bias whole)."""
+    return 3 * m.dim * ffn // tp + ((2 * ffn // tp + m.dim) if m.mlp_bias else 0)
+
+
+def mlp_params(m: ModelConfig, layer: int, tp: int) -> int:
+    """Parameters of block `layer`'s MLP on one tp rank: the dense MLP, or the router, every
+    expert's tp slice, the shared expert and its gate."""
+    if not m.is_moe(layer):
+        return _dense_mlp_params(m, m.ffn_dim, tp)
+    out = m.n_experts * m.dim + 3 * m.n_experts * m.dim * m.expert_ffn // tp
+    if m.shared_expert_ffn_dim:
+        out += _dense_mlp_params(m, m.shared_expert_ffn_dim, tp) + m.dim
+    return out
+
+
+def mlp_matmul_params(m: ModelConfig, layer: int) -> int:
+    """Weights of block `layer`'s MLP that one token multiplies (the whole model, no tp): the
+    dense gate/up/down, or the router (E * dim), the top_k experts it is routed to (3 * dim * F
+    each) and the shared expert with its gate (3 * dim * S + dim). Idle experts do not count."""
+    if not m.is_moe(layer):
+        return 3 * m.dim * m.ffn_dim
+    out = m.n_experts * m.dim + m.top_k * 3 * m.dim * m.expert_ffn
+    if m.shared_expert_ffn_dim:
+        out += 3 * m.dim * m.shared_expert_ffn_dim + m.dim
+    return out
+
+
+def _attention_matmul_params(m: ModelConfig) -> int:
+    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd  # GQA: k and v project to kv heads only
+    return m.dim * q + 2 * m.dim * kv + q * m.dim
+
 
 def matmul_params(m: ModelConfig) -> int:
     """Weights that take part in a matmul per token: every linear of every block and the
-    output head (the embedding lookup is a gather; a tied head still multiplies)."""
-    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd  # GQA: k and v project to kv heads only
-    attn = m.dim * q + 2 * m.dim * kv + q * m.dim
-    mlp = 3 * m.dim * m.ffn_dim  # SwiGLU: gate, up, down
-    return m.n_layers * (attn + mlp) + m.dim * m.vocab_size
+    output head (the embedding lookup is a gather; a tied head still multiplies). Of a
+    mixture of experts only the active ones (mlp_matmul_params): the router, top_k experts,
+    the shared expert and its gate."""
+    return (m.n_layers * _attention_matmul_params(m) + sum(per_block(m, lambda i: mlp_matmul_params(m, i)))
+            + m.dim * m.vocab_size)
 
 
 def total_params(m: ModelConfig) -> int:
-    """Weights of the model: the matmul weights plus the input embedding."""
-    return matmul_params(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    """Weights of the whole model as built (no tp, no vocabulary padding): every block with all
+    its experts, norms and biases, the input embedding, the final norm and an untied head."""
+    vocab = m.vocab_size * m.dim
+    return (sum(per_block(m, lambda i: layer_params(m, 1, i))) + vocab + m.dim
+            + (0 if m.tie_embeddings else vocab))
 
 
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one decoder block on one tp rank (row-parallel biases are whole)."""
-    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
+def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None) -> int:
+    """Parameters of decoder block `layer` on one tp rank (row-parallel biases are whole; kv
+    heads copied when tp > n_kv_heads count once per rank); None: the largest block (the
+    same for every block of a dense model)."""
+    if layer is None:
+        return max(per_block(m, lambda i: layer_params(m, tp, i)))
+    q, kv = m.n_heads * m.hd, m.kv_heads * kv_replicas(m, tp) * m.hd
     attn = (m.dim * (q + 2 * kv) + q * m.dim) // tp
-    if m.attention_bias:
-        attn += (q + 2 * kv) // tp + m.dim
-    mlp = 3 * m.dim * m.ffn_dim // tp
-    if m.mlp_bias:
-        mlp += 2 * m.ffn_dim // tp + m.dim
-    norms = (4 if m.sandwich_norms else 2) * m.dim + (2 * m.hd if m.qk_norm else 0)  # RMSNorm weights
-    return attn + mlp + norms
+    if m.attention_bias or m.qkv_bias:
+        attn += (q + 2 * kv) // tp + (m.dim if m.attention_bias else 0)
+    norms = (4 if m.sandwich_norms else 2) * m.dim  # RMSNorm weights
+    if m.qk_norm:  # per head: [hd] each, replicated; full width (OLMoE): [heads * hd] split like q and k
+        norms += (m.n_heads + m.kv_heads) * m.hd // tp if m.qk_norm_width == "full" else 2 * m.hd
+    return attn + mlp_params(m, layer, tp) + norms
+
+
+def rank_layer_ids(m: ModelConfig, *, pp: int, vpp: int, pp_layers=None) -> list[list[int]]:
+    """The decoder blocks (global indices) each pp rank holds: its virtual stages r, r + pp, ..."""
+    stages = stage_layers(m.n_layers, pp * vpp, pp_layers)
+    return [[i for c in range(vpp) for i in stages[r + c * pp]] for r in range(pp)]
 
 
 def rank_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None) -> list[int]:
     """Parameters held by each pp rank (one tp shard): its stages' layers, the embedding on
     the first, the final norm and head on the last (a tied head is a copy when pp > 1)."""
     vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * tp) // tp * m.dim
-    counts = stage_layer_counts(m.n_layers, pp * vpp, pp_layers)
-    per_layer = layer_params(m, tp)
-    out = [sum(counts[r + c * pp] for c in range(vpp)) * per_layer for r in range(pp)]
+    blocks = per_block(m, lambda i: layer_params(m, tp, i))
+    out = [sum(blocks[i] for i in ids) for ids in rank_layer_ids(m, pp=pp, vpp=vpp, pp_layers=pp_layers)]
     out[0] += vocab
     out[-1] += m.dim + (vocab if not m.tie_embeddings or pp > 1 else 0)
     return out
@@ -67,13 +134,17 @@ def rank_layers(m: ModelConfig, par) -> list[int]:
     return [sum(counts[r + c * par.pp] for c in range(par.vpp)) for r in range(par.pp)]
 
 
-def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int) -> tuple[int, int]:
-    """(adapter parameters, base linear weight elements) of one decoder block on one tp rank
+def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int) -> tuple[int, int]:
+    """(adapter parameters, base linear weight elements) of decoder block `layer` on one tp rank
     (megaft.peft.lora's splits: column A [r, in] whole, B [out/tp, r]; row A [r, in/tp],
-    B [out, r] whole)."""
+    B [out, r] whole). Adapters go on the parallel linears only: in a mixture-of-experts
+    block gate/up/down are the shared expert's (none without one); the stacked experts, the
+    router and the shared expert's gate get none and stay fp32 under lora.base_dtype=bf16."""
     q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
-    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True),
-              "gate": (m.dim, m.ffn_dim, False), "up": (m.dim, m.ffn_dim, False), "down": (m.ffn_dim, m.dim, True)}
+    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True)}
+    ffn = m.shared_expert_ffn_dim if m.is_moe(layer) else m.ffn_dim
+    if ffn:
+        shapes.update({"gate": (m.dim, ffn, False), "up": (m.dim, ffn, False), "down": (ffn, m.dim, True)})
     adapters = sum(r * (i // tp + o) if row else r * (i + o // tp)
                    for t, (i, o, row) in shapes.items() if t in lora.targets)
     return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
@@ -84,11 +155,12 @@ def head_adapter_params(m: ModelConfig, lora: LoraConfig, vocab_local: int) -> i
     return lora.rank * (m.dim + vocab_local) if "lm_head" in lora.targets else 0
 
 
-def lora_rank_bytes(m: ModelConfig, lora: LoraConfig, par, r: int, n: int, layers: int) -> tuple[int, int]:
+def lora_rank_bytes(m: ModelConfig, lora: LoraConfig, par, r: int, n: int, layers: Sequence[int]) -> tuple[int, int]:
     """(frozen base bytes, trainable adapter parameters) of pp rank `r` holding `n` base params
-    and `layers` blocks: base linears in lora.base_dtype, embedding and norms fp32."""
-    adapters, linear = adapter_layer_params(m, lora, par.tp)
-    adapters, linear = adapters * layers, linear * layers
+    and the blocks `layers` (global indices): base linears in lora.base_dtype, embedding,
+    norms and experts fp32."""
+    blocks = per_block(m, lambda i: adapter_layer_params(m, lora, par.tp, i))
+    adapters, linear = sum(blocks[i][0] for i in layers), sum(blocks[i][1] for i in layers)
     if r == par.pp - 1 and not m.tie_embeddings:  # the untied head is a linear too
         vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp)
         linear += vocab // par.tp * m.dim
@@ -103,8 +175,8 @@ def trainable_rank_params(m: ModelConfig, par, lora: LoraConfig) -> list[int]:
     full = rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
     if lora.rank <= 0:
         return full
-    return [lora_rank_bytes(m, lora, par, r, n, layers)[1]
-            for r, (n, layers) in enumerate(zip(full, rank_layers(m, par)))]
+    ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
+    return [lora_rank_bytes(m, lora, par, r, n, layers)[1] for r, (n, layers) in enumerate(zip(full, ids))]
 
 
 # --- FLOPs ----------------------------------------------------------------------------------
@@ -115,12 +187,20 @@ def flops_per_token(m: ModelConfig, seq_len: int, lora: Optional[LoraConfig] = N
     passes = 12 * layers * n_heads * head_dim * seq_len (PaLM counts the full square, not
     the causal half; query heads count, GQA shares only the k/v projections).
 
+    A mixture-of-experts block counts the weights a token is multiplied by, not the ones it
+    holds (matmul_params): 6 * (E * dim + top_k * 3 * dim * F + 3 * dim * S + dim) per MoE
+    block (router, the top_k routed experts, the shared expert of S and its gate), as
+    Megatron-LM's and DeepSeek's counts of activated parameters do, so idle experts do not
+    inflate MFU; dense blocks of the same model keep 6 * 3 * dim * ffn_dim. The gather,
+    sort and weighted sum of the dispatch are not matmuls and do not count.
+
     Under LoRA (`lora.rank` > 0) the frozen weights need no weight gradient: 4 per base
     weight (forward and input gradient), and 6 per adapter parameter."""
     attention = 12.0 * m.n_layers * m.n_heads * m.hd * seq_len
     if lora is None or lora.rank <= 0:
         return 6.0 * matmul_params(m) + attention
-    adapters = m.n_layers * adapter_layer_params(m, lora, 1)[0] + head_adapter_params(m, lora, m.vocab_size)
+    adapters = (sum(a for a, _ in per_block(m, lambda i: adapter_layer_params(m, lora, 1, i)))
+                + head_adapter_params(m, lora, m.vocab_size))
     return 4.0 * matmul_params(m) + 6.0 * adapters + attention
 
 
@@ -130,10 +210,21 @@ def flops_per_token_from_params(params: int, n_layers: int, dim: int, seq_len: i
     return 6.0 * params + 12.0 * n_layers * dim * seq_len
 
 
-def layer_forward_flops(m: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one block: a third of flops_per_token's per-layer share."""
-    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
-    return 2.0 * (m.dim * (q + 2 * kv) + q * m.dim + 3 * m.dim * m.ffn_dim) + 4.0 * m.n_heads * m.hd * seq_len
+def layer_forward_flops(m: ModelConfig, seq_len: int, layer: Optional[int] = None) -> float:
+    """Forward FLOPs per token of block `layer`: 2 per weight it multiplies (a mixture of
+    experts: its active ones, mlp_matmul_params) plus the attention core; a third of its
+    share of flops_per_token. None: the mean block (n_layers of them make the blocks' share)."""
+    if layer is None:
+        return sum(per_block(m, lambda i: layer_forward_flops(m, seq_len, i))) / m.n_layers
+    return 2.0 * (_attention_matmul_params(m) + mlp_matmul_params(m, layer)) + attention_core_flops(m, seq_len)
+
+
+def mlp_activation_flops(m: ModelConfig, layer: int) -> float:
+    """Forward FLOPs per token of block `layer`'s gated activation (what model.recompute=selective
+    runs again besides the attention core), about 4 per element: ffn_dim wide, or in a mixture
+    of experts top_k * F wide for the routed copies plus S for the shared expert."""
+    width = m.top_k * m.expert_ffn + m.shared_expert_ffn_dim if m.is_moe(layer) else m.ffn_dim
+    return 4.0 * width
 
 
 def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
@@ -154,17 +245,20 @@ def mfu(tokens_per_s: float, flops_per_tok: float, ranks: int, peak: float) -> f
 # --- bytes ----------------------------------------------------------------------------------
 
 def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bool, precision: str,
-                               recompute: str = "none", cp: int = 1, seq: int = 0) -> float:
-    """Bytes saved for backward per token (of this rank) per decoder block, as megaft's
-    block saves them with the torch kernels (tests/test_recompute.py and
-    tests/test_cp_training.py count the saved tensors and check this to a few percent).
+                               recompute: str = "none", cp: int = 1, seq: int = 0,
+                               layer: Optional[int] = None) -> float:
+    """Bytes saved for backward per token (of this rank) by decoder block `layer` (None: the
+    fullest block of the model; every block of a dense model is alike), as megaft's block
+    saves them with the torch kernels (tests/test_recompute.py, tests/test_cp_training.py
+    and tests/test_perf_moe.py count the saved tensors and check this to a few percent).
 
     Each norm: its fp32 input (the residual), the normalized fp32 rows and the per-row
     rstd, sequence-sharded under sequence parallel; and the linears' input (the norm's
     output cast to the compute dtype; whole, as gathered, under sequence parallel; one
     tensor shared by q/k/v and by gate/up). Attention (tp-sharded heads): q, k, v, the
     output (o_proj reads it in place) and an fp32 log-sum-exp per head; SDPA's kernels and
-    the ring keep no seq x seq scores. The MLP: gate, up, activation and product.
+    the ring keep no seq x seq scores. The MLP: gate, up, activation and product. A
+    mixture-of-experts block's MLP is moe_activation_bytes_per_token's instead.
 
     model.recompute=selective recomputes the attention core (its log-sum-exp is not kept)
     and the MLP activation (one ffn-wide tensor less); full keeps only the block's fp32
@@ -174,8 +268,12 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
     sp = tp if sequence_parallel else 1
     if recompute == "full":
         return m.dim * FP32 / sp
+    if layer is None:
+        return max(per_block(m, lambda i: activation_bytes_per_token(
+            m, tp=tp, sequence_parallel=sequence_parallel, precision=precision, recompute=recompute, cp=cp, seq=seq,
+            layer=i)))
     half = 2 if precision in ("bf16", "fp16") else FP32
-    norms = 2 * ((2 * m.dim + 1) * FP32 / sp + m.dim * half)
+    norms = 2 * (2 * m.dim + 1) * FP32 / sp + m.dim * half  # the MLP's input is counted with the MLP
     if m.sandwich_norms:  # Gemma 2/3: two more norms, whose outputs feed no linear
         norms += 2 * (2 * m.dim + 1) * FP32 / sp
     attention = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd) * half / tp
@@ -187,8 +285,55 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
         # the product with v under bf16/fp16); k and v repeated per query head; no log-sum-exp
         attention += m.n_heads * seq * (2 * FP32 + (half if half != FP32 else 0)) / tp
         attention += (2 * (m.n_heads - m.kv_heads) * m.hd * half - m.n_heads * FP32) / tp
+    if m.is_moe(layer):
+        return norms + attention + moe_activation_bytes_per_token(m, tp=tp, sp=sp, half=half, recompute=recompute)
     ffn = (4 if recompute == "none" else 3) * m.ffn_dim * half / tp
-    return norms + attention + ffn
+    return norms + attention + m.dim * half + ffn
+
+
+def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: int, recompute: str) -> float:
+    """Bytes a mixture-of-experts MLP (megaft.models.moe) saves for backward per token of this
+    rank (`sp`: tp under sequence parallel, else 1; `half`: the compute dtype's itemsize), with
+    k = top_k, E = n_experts, F = expert_ffn, S = shared_expert_ffn_dim:
+
+    - its input, the norm's fp32 output, which the fp32 router multiplies: dim * 4 / sp;
+    - the router (fp32, on this rank's tokens): logits, probabilities and the z-loss's
+      log-sum-exp (2E + 1) * 4, the top-k indices k * 8, under norm_topk_prob the top-k
+      values and their sum (k + 1) * 4, all / sp; the routing weights the output sum
+      multiplies, k * 4 (gathered over the micro-batch under sequence parallel);
+    - the dispatch: the sort order and the source rows, 2 * k * 8 (int64 over the micro-batch);
+    - the routed copies (k per token; every tp rank sees the micro-batch's tokens): the
+      sorted input k * dim * half, the grouped gate/up outputs, SwiGLU's activation and
+      product (4 | 3 under selective) * k * F / tp * half, the down output k * dim * half
+      (kept by the reorder) and its fp32 copy in token order k * dim * 4;
+    - with a shared expert: its input (the gate's and the MLP's casts of the norm output;
+      under sequence parallel the MLP's is the gathered whole), its gate/up/activation/product
+      (4 | 3) * S / tp * half, its output and sigmoid gate (dim + 1) * half / sp.
+
+    The compute-dtype copies of the expert weights the grouped GEMMs keep are per layer, not
+    per token: moe_weight_copy_bytes."""
+    k, e, f, shared = m.top_k, m.n_experts, m.expert_ffn, m.shared_expert_ffn_dim
+    wide = 4 if recompute == "none" else 3  # selective recomputes the SwiGLU activation
+    router = (m.dim * FP32 + (2 * e + 1) * FP32 + k * 8 + ((k + 1) * FP32 if m.norm_topk_prob else 0)) / sp + k * FP32
+    dispatch = 2 * k * 8
+    routed = k * m.dim * half + wide * k * f * half / tp + k * m.dim * (half + FP32)
+    out = router + dispatch + routed
+    if shared:
+        cast = half != FP32
+        out += (m.dim * half / sp if cast else 0) + (m.dim * half if cast or sp > 1 else 0)
+        out += wide * shared * half / tp + (m.dim + 1) * half / sp
+    return out
+
+
+def moe_weight_copy_bytes(m: ModelConfig, *, tp: int, layer: int, copies: bool) -> int:
+    """Bytes of the compute-dtype copies of block `layer`'s stacked expert weights that the
+    grouped GEMMs keep for backward (Experts.forward casts gate/up/down to the autocast dtype):
+    3 * E * dim * F / tp * 2 per micro-batch whose backward is pending, when `copies` (fp32
+    parameters under bf16/fp16 compute); 0 for a dense block or when the weights already are
+    in the compute dtype (optim.master_weights, fp32 runs)."""
+    if not copies or not m.is_moe(layer):
+        return 0
+    return 3 * m.n_experts * m.dim * m.expert_ffn // tp * BF16
 
 
 def ring_bytes(rows: int, seq: int, kv_heads: int, head_dim: int, cp: int, *, itemsize: int,

@@ -9,6 +9,15 @@ and allocator fragmentation. Parameters, grads and optimizer state match
 `ShardedAdamW.memory_bytes()` closely (tests/test_estimate.py); activations are a
 per-layer count of the saved tensors (SDPA keeps no seq x seq scores), a rough
 figure meant to catch configs that cannot fit, not to promise one fits to the MiB.
+
+Mixture-of-experts models (megaft.models.moe): parameters, grads and optimizer state hold
+every expert, the routers and shared experts (megaft.perf.counts.rank_params); each MoE
+block saves its routed activations (top_k copies of each token's MLP input and
+intermediates), the router's fp32 logits and probabilities and the dispatch indices
+(counts.moe_activation_bytes_per_token) in place of the dense MLP's, plus, per micro-batch
+in flight, the compute-dtype copies of its fp32 expert weights that the grouped GEMMs keep
+for backward (counts.moe_weight_copy_bytes; a block under full recompute keeps none until
+it is recomputed).
 """
 from __future__ import annotations
 
@@ -17,9 +26,19 @@ from typing import Optional
 
 from megaft.device import resolve_device
 from megaft.parallel.tensor.shard import padded_size
-from megaft.perf.counts import BF16, FP32, activation_bytes_per_token, layer_params, lora_rank_bytes, rank_params
+from megaft.perf.counts import (
+    BF16,
+    FP32,
+    activation_bytes_per_token,
+    layer_params,
+    lora_rank_bytes,
+    moe_weight_copy_bytes,
+    per_block,
+    rank_layer_ids,
+    rank_params,
+)
 from megaft.perf.hardware import GIB
-from megaft.pipeline.partition import stage_layer_counts
+from megaft.pipeline.partition import stage_layers
 
 MARGIN_FRACTION = 0.10  # allocator fragmentation and transient copies
 MARGIN_FIXED = 1.0 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers
@@ -78,30 +97,37 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     cp = par.cp
     replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
-    # recomputed blocks hold only their input, and the one being recomputed holds everything
-    every = activation_bytes_per_token(m, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                                       precision=cfg.precision, cp=cp, seq=cfg.data.seq_len)
-    per_token = every if m.recompute == "none" else activation_bytes_per_token(
-        m, tp=par.tp, sequence_parallel=par.sequence_parallel, precision=cfg.precision, recompute=m.recompute,
-        cp=cp, seq=cfg.data.seq_len)
-    counts = stage_layer_counts(m.n_layers, par.pp * par.vpp, par.pp_layers)
+    acts = dict(tp=par.tp, sequence_parallel=par.sequence_parallel, precision=cfg.precision, cp=cp,
+                seq=cfg.data.seq_len)
+    # per block (a mixture of experts' differ from the dense ones): everything it saves, and what
+    # it keeps under model.recompute (recomputed blocks hold less, and the one being recomputed
+    # holds everything)
+    every = per_block(m, lambda i: activation_bytes_per_token(m, layer=i, **acts))
+    kept = every if m.recompute == "none" else per_block(
+        m, lambda i: activation_bytes_per_token(m, layer=i, recompute=m.recompute, **acts))
+    # the grouped GEMMs' compute-dtype copies of fp32 expert weights, per micro-batch in flight
+    copies = cfg.precision in ("bf16", "fp16") and not cfg.optim.master_weights
+    expert_copies = per_block(m, lambda i: moe_weight_copy_bytes(m, tp=par.tp, layer=i, copies=copies))
+    stages = stage_layers(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = par.offload == "cpu"  # Adam moments live in host memory
     # optim.master_weights: bf16 params and grads, fp32 masters beside the moments (2 + 2 + 12)
     weight, opt_bytes = (BF16, 3 * FP32) if cfg.optim.master_weights else (FP32, 2 * FP32)
+    ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
     out = []
     for r, n in enumerate(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)):
-        layers = sum(counts[r + c * par.pp] for c in range(par.vpp))
         live = in_flight(par.schedule, par.pp, par.vpp, r, micro)
         # model.recompute_layers: the first N blocks of each of this rank's virtual stages
-        again = 0 if m.recompute == "none" else sum(
-            counts[r + c * par.pp] if m.recompute_layers is None else min(counts[r + c * par.pp], m.recompute_layers)
-            for c in range(par.vpp))
-        acts = (again * per_token + (layers - again) * every) * tokens * live
-        if m.recompute == "full" and again:
-            acts += every * tokens  # the block being recomputed in backward
+        again = set() if m.recompute == "none" else {
+            i for c in range(par.vpp) for i in list(stages[r + c * par.pp])[:m.recompute_layers]}
+        full = m.recompute == "full"
+        held = sum(kept[i] if i in again else every[i] for i in ids[r]) * tokens
+        held += sum(expert_copies[i] for i in ids[r] if not (full and i in again))  # full: none kept
+        activations = held * live
+        if full and again:  # the block being recomputed in backward (the fullest of them)
+            activations += max(every[i] * tokens + expert_copies[i] for i in again)
         if r == par.pp - 1:  # fp32 logits and their softmax for the loss, one micro-batch at a time
-            acts += 2 * tokens * vocab_local * FP32
+            activations += 2 * tokens * vocab_local * FP32
         buffers = 0
         if par.zero >= 2:  # reduce-scatter scratch: about two buckets in flight
             buffers += int(2 * par.bucket_mb * 2 ** 20)
@@ -109,12 +135,12 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
             buffers += 2 * 2 * layer_params(m, par.tp) * weight
         frozen = 0
         if cfg.lora.rank > 0:  # LoRA: only the adapters train
-            frozen, n = lora_rank_bytes(m, cfg.lora, par, r, n, layers)
+            frozen, n = lora_rank_bytes(m, cfg.lora, par, r, n, ids[r])
         out.append(MemoryEstimate(
             rank=r, params=frozen + n * weight // (replicas if par.zero == 3 else 1),
             grads=n * weight // (replicas if par.zero >= 2 else 1),
-            optimizer=0 if offloaded else n * opt_bytes // (replicas if par.zero >= 1 else 1), activations=int(acts),
-            buffers=buffers))
+            optimizer=0 if offloaded else n * opt_bytes // (replicas if par.zero >= 1 else 1),
+            activations=int(activations), buffers=buffers))
     return out
 
 

@@ -4,11 +4,14 @@ Every term is in seconds per optimizer step for the slowest rank, and the terms 
 to the step (`StepCost.step_s`):
 
 * **compute**: the FLOPs megaft counts for MFU (`megaft.perf.counts`: 6 per matmul
-  weight per token plus attention's 12·layers·heads·head_dim·seq) split over the layers
-  each virtual stage holds, run at `peak × cluster.matmul_fraction`.
+  weight per token plus attention's 12·layers·heads·head_dim·seq) summed over the blocks
+  each virtual stage holds (`layer_forward_flops` per block: a mixture-of-experts block
+  counts its active weights, the router, top_k experts and the shared expert, so a stage
+  of MoE blocks weighs what its tokens multiply), run at `peak × cluster.matmul_fraction`.
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
-  with sequence parallelism reduce-scatter + all-gather: the same bytes), plus the
-  vocab-parallel embedding and head; megaft does not overlap them with compute.
+  with sequence parallelism reduce-scatter + all-gather: the same bytes), three with a
+  shared expert (its MLP reduces on its own), plus the vocab-parallel embedding and head;
+  megaft does not overlap them with compute.
 * **cp_comm**: the context-parallel ring (megaft.parallel.context.ring): per block, cp-1 K/V
   blocks in forward, and in backward cp-1 K/V blocks plus cp fp32 dK/dV accumulators, each
   a p2p over the cp group's link, hidden behind the attention core's compute of the block
@@ -19,8 +22,9 @@ to the step (`StepCost.step_s`):
   idle on the busiest rank when every F/B action costs its stage's compute + tp + ZeRO
   time and every p2p message (fp32 activations, megaft's wire dtype) its transfer time.
 * **zero_comm**: ZeRO-3's per-layer all-gathers (before forward and backward) and
-  reduce-scatters, each hidden behind the previous layer's compute as megaft prefetches
-  one layer ahead; ZeRO-2's per-micro-batch reduce-scatter behind that backward.
+  reduce-scatters of each block's parameters (`layer_params`: every expert of a MoE
+  block), each hidden behind the previous layer's compute as megaft prefetches one layer
+  ahead; ZeRO-2's per-micro-batch reduce-scatter behind that backward.
 * **dp_comm**: ZeRO 0/1's gradient reduction. Buckets launch during the last
   micro-batch's backward, so only what backward cannot hide (at least the last bucket)
   shows; under pp > 1 megaft reduces after the schedule, so all of it shows.
@@ -58,9 +62,11 @@ from megaft.perf.counts import (
     layer_forward_flops,
     layer_params,
     mfu,
+    mlp_activation_flops,
+    per_block,
     trainable_rank_params,
 )
-from megaft.pipeline.partition import stage_layer_counts
+from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
 from megaft.training.config import accumulation_steps
@@ -148,6 +154,13 @@ def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
     return max(0.0, forward - core_f), max(0.0, backward - 2 * core_f)
 
 
+def _block_collectives(m, layer: int) -> int:
+    """tp collectives of block `layer` in forward (and as many in backward): attention's and
+    the MLP's, and a shared expert's own (a mixture of experts' routing gathers under sequence
+    parallel, k indices and weights per token, are too small to count)."""
+    return 3 if m.is_moe(layer) and m.shared_expert_ffn_dim else 2
+
+
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring and ZeRO (exposed)."""
     m, par, seq = cfg.model, cfg.parallel, cfg.data.seq_len
@@ -160,48 +173,59 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     gbytes = 2 if par.grad_compression == "bf16" else 4
     tp_link, dp_link = group_link(cluster, tp), group_link(cluster, dp, tp)
     tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
-    layer_f = tokens * layer_forward_flops(m, seq) / tp / rate
     head_f = tokens * head_forward_flops(m) / tp / rate
-    # recomputed in backward: the whole block (full) or the attention core and activation (selective)
     attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
-    core_f = attention_f + tokens * 4.0 * m.ffn_dim / tp / rate
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
-    lp = layer_params(m, tp)
     lora = cfg.lora if cfg.lora.rank > 0 else None
-    if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
-        adapters = adapter_layer_params(m, lora, tp)[0]
+    # per block (a mixture of experts' differ from the dense ones): forward and backward compute,
+    # what model.recompute runs again (the whole block under full, the attention core and the
+    # activation under selective), the parameters ZeRO moves and the trained ones
+    def block(i: int) -> tuple[float, float, float, int, int]:
+        layer_f = tokens * layer_forward_flops(m, seq, i) / tp / rate
+        core_f = attention_f + tokens * mlp_activation_flops(m, i) / tp / rate
+        lp = layer_params(m, tp, i)
+        if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
+            adapters = adapter_layer_params(m, lora, tp, i)[0]
+            adapter_f = tokens * 2.0 * adapters / rate
+            layer_b = layer_f + attention_f + 2 * adapter_f  # input grads of every matmul, the core's second
+            layer_f += adapter_f
+        else:
+            adapters, layer_b = lp, 2 * layer_f
+        return layer_f, layer_b, {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0), lp, adapters
+
+    f, b, again, params, trained = zip(*per_block(m, block))
+    if lora:
         head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
-        adapter_f, head_adapter_f = tokens * 2.0 * adapters / rate, tokens * 2.0 * head_adapters / rate
-        layer_b = layer_f + attention_f + 2 * adapter_f  # input grads of every matmul, the core's second
-        head_b = head_f + 2 * head_adapter_f
-        layer_f, head_f = layer_f + adapter_f, head_f + head_adapter_f
+        head_adapter_f = tokens * 2.0 * head_adapters / rate
+        head_b, head_f = head_f + 2 * head_adapter_f, head_f + head_adapter_f
     else:
-        layer_b, head_b = 2 * layer_f, 2 * head_f
-    again_f = {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0)
+        head_b = 2 * head_f
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
-    ag_layer = gather_s(lp * wbytes, dp, dp_link)
-    rs_layer = gather_s(lp * gbytes, dp, dp_link)
     out = []
-    for s, n in enumerate(stage_layer_counts(m.n_layers, stages, par.pp_layers)):
-        first, last = s == 0, s == stages - 1
-        c = {"f_compute": n * layer_f + (head_f if last else 0.0)}
+    for s, ids in enumerate(stage_layers(m.n_layers, stages, par.pp_layers)):
+        first, last, n = s == 0, s == stages - 1, len(ids)
+        colls = sum(_block_collectives(m, i) for i in ids)
+        c = {"f_compute": sum(f[i] for i in ids) + (head_f if last else 0.0)}
         # model.recompute runs (part of) the forward again
-        c["b_compute"] = n * (layer_b + again_f) + (head_b if last else 0.0)
-        c["f_tp"] = tp_one * (2 * n + first + (last and par.sequence_parallel)) + (
+        c["b_compute"] = sum(b[i] + again[i] for i in ids) + (head_b if last else 0.0)
+        c["f_tp"] = tp_one * (colls + first + (last and par.sequence_parallel)) + (
             3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
-        c["b_tp"] = tp_one * (2 * n + last) + (tp_one * 2 * n if m.recompute == "full" else 0.0)
+        c["b_tp"] = tp_one * (colls + last) + (tp_one * colls if m.recompute == "full" else 0.0)
         c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
         c["b_cp"] = n * ring_b
         c["f_zero"] = c["b_zero"] = 0.0
-        if par.zero == 3 and dp > 1:  # prefetch hides a gather behind the previous layer's compute
+        if par.zero == 3 and dp > 1:  # prefetch hides a block's gather behind the previous block's compute
             ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
-            c["f_zero"] = ag_layer + (n - 1) * max(0.0, ag_layer - layer_f) + ends
-            c["b_zero"] = ag_layer + rs_layer + (n - 1) * max(0.0, ag_layer + rs_layer - 2 * layer_f) + 2 * ends
+            ag = [gather_s(params[i] * wbytes, dp, dp_link) for i in ids]
+            agrs = [a + gather_s(params[i] * gbytes, dp, dp_link) for a, i in zip(ag, ids)]
+            c["f_zero"] = ag[0] + sum(max(0.0, ag[j] - f[ids[j - 1]]) for j in range(1, n)) + ends
+            # backward runs the blocks last to first: each hides behind the one after it
+            c["b_zero"] = agrs[-1] + sum(max(0.0, agrs[j] - 2 * f[ids[j + 1]]) for j in range(n - 1)) + 2 * ends
         elif par.zero == 2 and dp > 1:  # every micro-batch reduce-scatters its grads during backward
             if lora:
-                grads = (n * adapters + (head_adapters if last else 0)) * gbytes
+                grads = (sum(trained[i] for i in ids) + (head_adapters if last else 0)) * gbytes
             else:
-                grads = (n * lp + (m.vocab_size * m.dim / tp if first or last else 0)) * gbytes
+                grads = (sum(params[i] for i in ids) + (m.vocab_size * m.dim / tp if first or last else 0)) * gbytes
             bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
             c["b_zero"] = max(bucket, gather_s(grads, dp, dp_link) - c["b_compute"])
         out.append(c)

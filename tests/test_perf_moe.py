@@ -1,0 +1,329 @@
+"""megaft.perf on mixtures of experts (CPU, no ranks): parameter counts equal the built
+models' (every family's shape, tp 1 and 2, pipeline ranks, LoRA), FLOPs count the active
+weights only, the activation estimate equals the bytes a forward saves, and the memory
+estimate and the planner's compute move with top_k and the expert count as the formulas
+in megaft.perf.counts say."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from megaft.config import Config
+from megaft.models import saved
+from megaft.models.config import ModelConfig, check_model
+from megaft.models.decoder import Decoder
+from megaft.models.init import init_params
+from megaft.peft.config import LoraConfig
+from megaft.peft.lora import adapters, apply_lora
+from megaft.perf.counts import (
+    activation_bytes_per_token,
+    adapter_layer_params,
+    flops_per_token,
+    head_forward_flops,
+    layer_forward_flops,
+    layer_params,
+    matmul_params,
+    moe_weight_copy_bytes,
+    rank_params,
+    total_params,
+)
+from megaft.perf.memory import estimate_ranks
+from megaft.perf.time import _stage_costs, step_cost
+from megaft.pipeline.stage import StageModel
+from megaft.plan.config import ClusterConfig
+
+CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
+SHAPE = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=61, max_seq_len=64)
+FAMILIES = {  # each family's shape, as tests/models/moe_fixture.py builds them from transformers
+    "mixtral": dict(arch="mixtral", n_experts=4, top_k=2),  # every block a mixture, experts of ffn_dim
+    "qwen2_moe": dict(arch="qwen2_moe", n_experts=4, top_k=2, moe_ffn_dim=32, shared_expert_ffn_dim=48,
+                      qkv_bias=True, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(arch="qwen3_moe", n_experts=4, top_k=2, moe_ffn_dim=32, qk_norm=True, head_dim=24,
+                      decoder_sparse_step=2, n_layers=4),  # blocks 1 and 3 are mixtures
+    "olmoe": dict(arch="olmoe", n_experts=4, top_k=2, ffn_dim=32, qk_norm=True, qk_norm_width="full",
+                  norm_topk_prob=False, tie_embeddings=True),
+}
+
+
+def moe(family: str, **kw) -> ModelConfig:
+    return ModelConfig(**{**SHAPE, **FAMILIES[family], **kw})
+
+
+@pytest.fixture
+def tp_group(monkeypatch):
+    """A stand-in tp group of `tp` ranks (this process is rank 0) for building one tp shard of a
+    model without processes: construction only asks the group its size and rank."""
+    def make(tp: int):
+        if tp == 1:
+            return None
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: tp)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+        return object()
+    return make
+
+
+def numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# --- parameters ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_param_counts_equal_the_built_model(family, tp, tp_group):
+    cfg = moe(family)
+    assert check_model(cfg, tp) == []
+    group = tp_group(tp)
+    model = Decoder(cfg, group=group)
+    kinds = [cfg.is_moe(i) for i in range(cfg.n_layers)]
+    assert kinds == {"mixtral": [True] * 3, "qwen2_moe": [True, False, True], "qwen3_moe": [False, True] * 2,
+                     "olmoe": [True] * 3}[family]
+    for i, block in enumerate(model.layers):  # per block: dense or MoE, norms, biases, tp slices
+        assert layer_params(cfg, tp, i) == numel(block), (family, tp, i)
+    assert rank_params(cfg, tp=tp, pp=1, vpp=1) == [numel(model)]
+    if tp == 1:
+        assert total_params(cfg) == numel(model)
+    # pipeline ranks (interleaved where the depth allows), the tied head copied onto the last
+    pp, vpp = (2, 2) if cfg.n_layers == 4 else (2, 1)
+    stages = [numel(StageModel(cfg, pp=pp, pp_rank=r, vpp=vpp, group=group)) for r in range(pp)]
+    assert rank_params(cfg, tp=tp, pp=pp, vpp=vpp) == stages
+
+
+def test_param_counts_hold_every_expert():
+    """By hand: a Mixtral-like block holds E experts of 3 * dim * F, the router E * dim; a
+    Qwen2-MoE-like one adds the shared expert (3 * dim * S) and its gate (dim)."""
+    cfg, d = moe("mixtral"), SHAPE["dim"]
+    attn, norms = 2 * d * 64 + 2 * d * 32, 2 * d  # q, o: 4 heads of 16; k, v: 2 kv heads
+    assert layer_params(cfg, 1, 0) == attn + norms + 4 * d + 4 * 3 * d * 96
+    assert layer_params(cfg, 2, 0) == attn // 2 + norms + 4 * d + 4 * 3 * d * 96 // 2  # the router is whole
+    q2 = moe("qwen2_moe")
+    biases = 64 + 2 * 32  # q/k/v (Qwen2's qkv_bias)
+    assert layer_params(q2, 1, 0) == attn + biases + norms + 4 * d + 4 * 3 * d * 32 + 3 * d * 48 + d
+    assert layer_params(q2, 1, 1) == attn + biases + norms + 3 * d * 96  # mlp_only_layers: dense
+    assert layer_params(q2, 1) == layer_params(q2, 1, 0)  # None: the largest block
+    ol = moe("olmoe")  # full-width qk norms: [heads * hd] and [kv_heads * hd], split over tp
+    assert layer_params(ol, 2, 0) - layer_params(moe("olmoe", qk_norm=False), 2, 0) == (64 + 32) // 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_lora_counts_equal_the_adapters_built(family, tp, tp_group):
+    """Adapters go on the parallel linears: attention, dense MLPs and the shared expert; the
+    stacked experts and the router get none."""
+    cfg = moe(family)
+    lora = LoraConfig(rank=4)
+    group = tp_group(tp)
+    model = apply_lora(Decoder(cfg, group=group), lora, seed=0, tp_rank=0, tp_size=tp, group=group)
+    found = {}
+    for name, adapter in adapters(model):
+        i = int(name.split(".")[1])
+        found[i] = found.get(i, 0) + adapter.A.numel() + adapter.B.numel()
+    for i in range(cfg.n_layers):
+        assert adapter_layer_params(cfg, lora, tp, i)[0] == found[i], (family, tp, i)
+    if family == "mixtral":  # no shared expert: attention's four adapters only
+        assert adapter_layer_params(cfg, lora, 1, 0)[0] == 4 * (4 * 64 + 4 * 64) - 2 * 4 * 32
+
+
+# --- FLOPs ---------------------------------------------------------------------------------
+
+def test_flops_count_the_active_experts_only():
+    d, f, e, layers, seq = 64, 96, 4, 3, 32
+    dense = ModelConfig(**{**SHAPE, "ffn_dim": f})
+    top1 = moe("mixtral", top_k=1)
+    # one expert of F per token, as a dense MLP of F, plus the router's 6 * E * dim per block
+    assert flops_per_token(top1, seq) == flops_per_token(dense, seq) + 6 * e * d * layers
+    # each further expert a token visits adds 6 * 3 * dim * F per block; idle experts add their router rows only
+    assert flops_per_token(moe("mixtral"), seq) == flops_per_token(top1, seq) + 6 * 3 * d * f * layers
+    more = flops_per_token(moe("mixtral", n_experts=8), seq)
+    assert more == flops_per_token(moe("mixtral"), seq) + 6 * 4 * d * layers
+    # Qwen2-MoE-like: two MoE blocks (router, 2 experts of 32, shared expert of 48 and its gate), one dense
+    q2 = moe("qwen2_moe")
+    attention = 2 * d * 64 + 2 * d * 32
+    active = 3 * attention + 2 * (e * d + 2 * 3 * d * 32 + 3 * d * 48 + d) + 3 * d * 96 + d * 61
+    assert matmul_params(q2) == active
+    assert flops_per_token(q2, seq) == 6 * active + 12 * layers * 4 * 16 * seq
+    assert total_params(q2) > matmul_params(q2) + 2 * 2 * 3 * d * 32  # every expert is held
+    # the per-block forward FLOPs add up to the model's (a third of the training FLOPs)
+    for cfg in (moe(name) for name in FAMILIES):
+        blocks = sum(layer_forward_flops(cfg, seq, i) for i in range(cfg.n_layers))
+        assert 3 * (blocks + head_forward_flops(cfg)) == pytest.approx(flops_per_token(cfg, seq), rel=1e-12)
+        assert cfg.n_layers * layer_forward_flops(cfg, seq) == pytest.approx(blocks, rel=1e-12)
+
+
+def cluster() -> ClusterConfig:
+    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "cluster", "h100.yaml")))
+    fields.pop("defaults")
+    return ClusterConfig(**fields)
+
+
+def run_config(model: ModelConfig, *, precision: str = "fp32", seq: int = 32, micro: int = 2, **parallel) -> Config:
+    cfg = Config()
+    cfg.model = model
+    cfg.data.seq_len, cfg.precision, cfg.device = seq, precision, "cpu"
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = micro, micro * parallel.pop("dp", 1)
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def test_planner_compute_follows_the_active_flops():
+    """megaft-plan prices a block by the FLOPs its tokens multiply: the compute term of a
+    top-1 mixture is the dense model's scaled by the FLOPs ratio, and its MFU reads the same count."""
+    seq, h100 = 32, cluster()
+    dense = step_cost(run_config(ModelConfig(**SHAPE), seq=seq), h100, 1)
+    top1 = step_cost(run_config(moe("mixtral", top_k=1), seq=seq), h100, 1)
+    assert top1.flops_per_token == flops_per_token(moe("mixtral", top_k=1), seq)
+    ratio = top1.flops_per_token / dense.flops_per_token
+    assert top1.terms["compute"] == pytest.approx(dense.terms["compute"] * ratio, rel=1e-12)
+    # the compute term is the training FLOPs of the step's tokens at the achievable rate, summed per block
+    rate = h100.peak_tflops("fp32") * 1e12 * h100.matmul_fraction
+    for name in FAMILIES:
+        cost = step_cost(run_config(moe(name), seq=seq), h100, 1)
+        assert cost.terms["compute"] == pytest.approx(2 * seq * flops_per_token(moe(name), seq) / rate, rel=1e-12)
+    # Qwen2-MoE-like over pp=3: the dense block's stage computes less than the MoE blocks' stages,
+    # and ZeRO moves each stage's own parameters (all experts)
+    cfg = run_config(moe("qwen2_moe"), seq=seq, pp=3)
+    assert step_cost(cfg, h100, 3).flops_per_token == flops_per_token(cfg.model, seq)
+    stages = _stage_costs(cfg, h100, 1)
+    assert stages[1]["f_compute"] < stages[0]["f_compute"] < stages[2]["f_compute"]  # the head is on the last
+    zero2 = _stage_costs(run_config(moe("qwen2_moe"), seq=seq, pp=3, zero=2, dp=2), h100, 2)
+    assert zero2[1]["b_zero"] < zero2[0]["b_zero"]
+    for zero in (2, 3):  # ZeRO-3's per-block gathers and ZeRO-2's reduce-scatters price every expert
+        small = step_cost(run_config(moe("mixtral"), seq=seq, zero=zero, dp=8), h100, 8)
+        big = step_cost(run_config(moe("mixtral", n_experts=8), seq=seq, zero=zero, dp=8), h100, 8)
+        assert big.terms["zero_comm"] > small.terms["zero_comm"]
+        assert big.terms["compute"] == pytest.approx(
+            small.terms["compute"] * big.flops_per_token / small.flops_per_token, rel=1e-12)
+
+
+# --- activation bytes: the formula, against what the forward saves ---------------------------
+
+def mixtral_tiny(layers: int = 2, **kw) -> ModelConfig:
+    return ModelConfig(**{**SHAPE, "arch": "mixtral", "n_layers": layers, "ffn_dim": 128, "vocab_size": 50,
+                          "max_seq_len": 256, "n_experts": 4, "top_k": 2, **kw})
+
+
+def block_saved_bytes(kw: dict, precision: str) -> float:
+    """One block's saved bytes per token (megaft.models.saved.block_bytes), bf16 under CPU autocast."""
+    def measure(layers: int, seq: int) -> int:
+        cfg = mixtral_tiny(layers, **kw)
+        model = Decoder(cfg)
+        init_params(model, cfg, seed=1, tp_rank=0, tp_size=1)
+        ids = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            return saved.saved_bytes(model, lambda: model.loss_sum(ids, ids))
+    return saved.block_bytes(measure, 32) / 64
+
+
+QWEN2_LIKE = dict(arch="qwen2_moe", shared_expert_ffn_dim=96, moe_ffn_dim=32, norm_topk_prob=False)
+
+
+def test_moe_activation_bytes_by_hand():
+    """The documented formula (counts.moe_activation_bytes_per_token) worked by hand for a
+    Mixtral-like block: dim 64, F 128, E 4, top 2, fp32, tp 1."""
+    d, f, e, k = 64, 128, 4, 2
+    norms = 2 * (2 * d + 1) * 4 + d * 4  # both norms' fp32 input, normalized rows and rstd; q/k/v's input
+    attention = (2 * 4 * 16 + 2 * 2 * 16) * 4 + 4 * 4  # q, k, v, out; fp32 log-sum-exp per head
+    router = d * 4 + (2 * e + 1) * 4 + k * 8 + (k + 1) * 4 + k * 4  # input, logits/probs/lse, top-k, weights
+    dispatch = 2 * k * 8
+    routed = k * d * 4 + 4 * k * f * 4 + k * d * (4 + 4)  # sorted input, gate/up/act/product, down + copy
+    block = norms + attention + router + dispatch + routed
+    assert block == 8064
+    cfg = mixtral_tiny()
+    assert activation_bytes_per_token(cfg, tp=1, sequence_parallel=False, precision="fp32") == block
+    # selective: no log-sum-exp, one F-wide tensor less per routed copy; full: the block's input
+    assert activation_bytes_per_token(cfg, tp=1, sequence_parallel=False, precision="fp32",
+                                      recompute="selective") == block - 4 * 4 - k * f * 4
+    assert activation_bytes_per_token(cfg, tp=1, sequence_parallel=False, precision="fp32", recompute="full") == d * 4
+    # tp 2, sequence parallel, bf16: the routed copies are whole-token, their F split; the router's are sharded
+    bf = activation_bytes_per_token(cfg, tp=2, sequence_parallel=True, precision="bf16", layer=0)
+    want = (2 * (2 * d + 1) * 4 / 2 + d * 2 + (2 * 4 * 16 + 2 * 2 * 16) * 2 / 2 + 4 * 4 / 2
+            + (d * 4 + (2 * e + 1) * 4 + k * 8 + (k + 1) * 4) / 2 + k * 4 + dispatch
+            + k * d * 2 + 4 * k * f * 2 / 2 + k * d * (2 + 4))
+    assert bf == want
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("kw", [{}, QWEN2_LIKE], ids=["mixtral", "qwen2_moe"])
+def test_moe_activation_bytes_equal_the_saved_bytes(kw, recompute):
+    """fp32: the estimate is the bytes one MoE block saves, exactly (router, dispatch, routed
+    copies, the shared expert and its gate)."""
+    kw = {**kw, "recompute": recompute}
+    measured = block_saved_bytes(kw, "fp32")
+    assert measured == activation_bytes_per_token(mixtral_tiny(**kw), tp=1, sequence_parallel=False,
+                                                  precision="fp32", recompute=recompute)
+
+
+def test_moe_activation_bytes_under_bf16():
+    """bf16 (CPU autocast): what top_k and the expert count add per token is exactly the
+    estimate's (the attention part, which the CPU path saves a little differently from the
+    GPU kernels the dense formula follows, cancels); the compute-dtype copies of the expert
+    weights the grouped GEMMs keep are moe_weight_copy_bytes per block and micro-batch."""
+    def est(**kw):
+        return activation_bytes_per_token(mixtral_tiny(**kw), tp=1, sequence_parallel=False, precision="bf16")
+
+    assert block_saved_bytes({}, "bf16") - block_saved_bytes({"top_k": 1}, "bf16") == est() - est(top_k=1)
+    assert block_saved_bytes({"n_experts": 8}, "bf16") - block_saved_bytes({}, "bf16") == est(n_experts=8) - est()
+
+    def total(layers: int) -> int:
+        cfg = mixtral_tiny(layers)
+        model = Decoder(cfg)
+        init_params(model, cfg, seed=1, tp_rank=0, tp_size=1)
+        ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return saved.saved_bytes(model, lambda: model.loss_sum(ids, ids))
+
+    weight_sized = total(2) - total(1) - 64 * block_saved_bytes({}, "bf16")
+    attention_copies = (2 * 64 * 64 + 2 * 32 * 64) * 2  # autocast's q/k/v/o copies (not in the estimate)
+    copies = moe_weight_copy_bytes(mixtral_tiny(), tp=1, layer=0, copies=True)
+    assert copies == 3 * 4 * 64 * 128 * 2 and weight_sized - attention_copies == copies
+
+
+# --- the memory estimate -------------------------------------------------------------------
+
+def test_memory_estimate_by_hand():
+    """fp32, one rank: params/grads/moments of every expert; activations = tokens x the blocks'
+    bytes + the head's logits; a dense block of a mixed model counts as dense."""
+    cfg = run_config(mixtral_tiny(3, arch="qwen2_moe", mlp_only_layers=[1], shared_expert_ffn_dim=48))
+    m, tokens = cfg.model, 2 * 32
+    est = estimate_ranks(cfg, 1)[0]
+    n = total_params(m)
+    assert (est.params, est.grads, est.optimizer) == (4 * n, 4 * n, 8 * n)
+    blocks = [activation_bytes_per_token(m, tp=1, sequence_parallel=False, precision="fp32", layer=i) for i in range(3)]
+    dense = activation_bytes_per_token(mixtral_tiny(3, n_experts=0, arch="llama"), tp=1, sequence_parallel=False,
+                                       precision="fp32")
+    assert blocks[1] == dense and blocks[0] == blocks[2] != dense
+    assert est.activations == tokens * sum(blocks) + 2 * tokens * 50 * 4
+
+
+def test_memory_estimate_grows_with_top_k_and_experts():
+    d, f, tokens, layers = 64, 128, 2 * 32, 2
+
+    def est(precision="fp32", master=False, **kw):
+        cfg = run_config(mixtral_tiny(layers, **kw), precision=precision)
+        cfg.optim.master_weights = master
+        return estimate_ranks(cfg, 1)[0]
+
+    # fp32: one more expert per token adds, per MoE block and token, the sorted input d*4, gate/up/act/product
+    # 4*F*4, the down output and its copy d*8, an index 8, a weight 4 and a top-k value 4, two dispatch indices 16
+    per_k = d * 4 + 4 * f * 4 + d * 8 + 8 + 4 + 4 + 16
+    assert est().activations - est(top_k=1).activations == layers * tokens * per_k
+    assert est().params == est(top_k=1).params  # top_k changes no weight
+    # more experts: their weights (params, grads, moments) and the router's logits and probabilities
+    per_expert = 3 * d * f + d
+    more = est(n_experts=8)
+    assert more.params - est().params == layers * 4 * per_expert * 4
+    assert more.optimizer - est().optimizer == layers * 4 * per_expert * 8
+    assert more.activations - est().activations == layers * tokens * 4 * 2 * 4
+    # bf16 over fp32 weights: each block also keeps bf16 copies of its experts for backward
+    bf, bf8 = est("bf16"), est("bf16", n_experts=8)
+    assert bf8.activations - bf.activations == layers * (tokens * 4 * 2 * 4 + 4 * 3 * d * f * 2)
+    assert bf.activations - est("bf16", master=True).activations == layers * 4 * 3 * d * f * 2
+    # full recompute keeps the blocks' inputs and, for the one being recomputed, everything
+    full = run_config(mixtral_tiny(layers, recompute="full"), precision="bf16")
+    every = activation_bytes_per_token(full.model, tp=1, sequence_parallel=False, precision="bf16", layer=0)
+    assert estimate_ranks(full, 1)[0].activations == (layers * tokens * d * 4 + tokens * every + 4 * 3 * d * f * 2
+                                                      + 2 * tokens * 50 * 4)
