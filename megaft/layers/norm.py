@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from megaft.kernels.rmsnorm import rmsnorm
-from megaft.parallel.comm import Group
+from megaft.parallel.comm import Group, all_reduce, group_size
 from megaft.parallel.tensor.comm import copy_to_tp
-from megaft.parallel.tensor.shard import mark_sequence_parallel
+from megaft.parallel.tensor.shard import mark_sequence_parallel, mark_sharded
 
 
 class RMSNorm(nn.Module):
@@ -38,3 +38,37 @@ class RMSNorm(nn.Module):
         weight = self.weight if self.group is None else copy_to_tp(self.weight, self.group)
         weight = weight + self.offset if self.offset else weight
         return rmsnorm(x, weight, self.eps, self.backend, residual=residual)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward is also the sum: every rank's output feeds that
+    rank's own computation, so each input's gradient gathers all ranks' parts."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group), None
+
+
+class WidthRMSNorm(nn.Module):
+    """RMSNorm over a projection split by columns over tp (OLMoE's q_norm / k_norm over all
+    heads at once): the sum of squares is added over the ranks, each rank scales its slice
+    with its slice of the weight (sharded like the projection's rows). HF OlmoeRMSNorm's
+    order: fp32 statistics, cast back, then times the weight."""
+
+    def __init__(self, width: int, *, eps: float, group: Group = None):
+        super().__init__()
+        tp = group_size(group)
+        self.eps, self.group, self.width = eps, group, width
+        self.weight = mark_sharded(nn.Parameter(torch.ones(width // tp)), 0, width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.square().sum(-1, keepdim=True)
+        if group_size(self.group) > 1:
+            squares = _SumOverRanks.apply(squares, self.group)
+        return self.weight * (xf * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)

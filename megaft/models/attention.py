@@ -2,7 +2,9 @@
 
 * q/k/v(/o) biases (`attention_bias`, Qwen2's `qkv_bias`);
 * qk-norm (`qk_norm`, Qwen3): an RMSNorm over head_dim on q and k before RoPE, through
-  the rmsnorm kernel front, its weight shared by all tp ranks' heads;
+  the rmsnorm kernel front, its weight shared by all tp ranks' heads; with
+  `qk_norm_width=full` (OLMoE) one RMSNorm over the whole q (k) projection, its sum of
+  squares added over tp (megaft.layers.norm.WidthRMSNorm);
 * sliding window (`sliding_window`, `layer_types`, Mistral/Qwen2): query i sees keys
   j with i - window < j <= i (transformers' sliding_window_overlay), a boolean mask
   for SDPA; RoPE goes through the rope kernel front either way;
@@ -24,6 +26,7 @@ from megaft.kernels.linear import layer_linear
 from megaft.kernels.rope import rope
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
+from megaft.layers.norm import WidthRMSNorm
 from megaft.models import recompute
 from megaft.models.config import ModelConfig, kv_replicas
 from megaft.models.docs import Docs, attend, kernel_name, rope_at
@@ -97,7 +100,11 @@ class Attention(nn.Module):
         self.q_scale = math.sqrt(hd / qpas) if qpas is not None and qpas != hd else None
         self.softcap = cfg.attn_softcap  # Gemma 2: the explicit form (megaft.models.softcap), cp refused
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
+        self.full_qk_norm = cfg.qk_norm and cfg.qk_norm_width == "full"
+        if self.full_qk_norm:  # OLMoE: over the whole q (k) projection, each rank's heads a slice of it
+            self.q_norm = WidthRMSNorm(cfg.n_heads * hd, eps=cfg.norm_eps, group=group)
+            self.k_norm = WidthRMSNorm(cfg.kv_heads * hd, eps=cfg.norm_eps, group=group)
+        elif cfg.qk_norm:
             norm = dict(eps=cfg.norm_eps, backend=op_backend(kernels, "rmsnorm"), offset=cfg.norm_offset,
                         group=group if tp > 1 else None)
             self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
@@ -114,11 +121,13 @@ class Attention(nn.Module):
         in each; None = one causal sequence per row."""
         x = column_input(x, self.group, self.sp)
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.hd)
-        k = self._kv(self.k_proj, x).view(b, s, self.n_kv, self.hd)
+        q, k = self.q_proj(x), self._kv(self.k_proj, x)
         v = self._kv(self.v_proj, x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
-        if self.q_norm is not None:  # back to the projections' dtype (an fp32 weight promotes under autocast)
+        if self.full_qk_norm:
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
+        q, k = q.view(b, s, self.n_heads, self.hd), k.view(b, s, self.n_kv, self.hd)
+        if self.q_norm is not None and not self.full_qk_norm:  # back to the projections' dtype (an fp32
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)  # weight promotes under autocast)
         if docs is not None:
             q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale

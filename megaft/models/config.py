@@ -13,6 +13,7 @@ from megaft.models.arch import SPECS
 from megaft.models.rope import ROPE_TYPES
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP (SwiGLU, GeGLU)
+QK_NORM_WIDTHS = ("head", "full")  # what model.qk_norm normalizes: each head, or all heads at once (OLMoE)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values megaft runs
 
 
@@ -42,6 +43,7 @@ class ModelConfig:
     arch: str = "llama"  # architecture family (HF model_type) export writes; see megaft.models.arch
     qkv_bias: bool = False  # biases on q/k/v only, none on o (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qk_norm_width: str = "head"  # what qk_norm normalizes: head (each head, Qwen3) | full (all heads at once, OLMoE)
     sliding_window: Optional[int] = None  # keys a query sees, itself included (Mistral); None = full causal
     layer_types: Optional[List[str]] = None  # per layer full_attention | sliding_attention; None = all sliding
     #   when sliding_window is set (HF layer_types, Qwen2's max_window_layers)
@@ -63,6 +65,16 @@ class ModelConfig:
     # config.json keys you know do not change the math, read as metadata instead of refused (not
     # quantization_config); the run's config.yaml and summary.json record them
     hf_ignore_keys: List[str] = field(default_factory=list)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; megaft.models.moe); 0 experts = dense MLPs
+    n_experts: int = 0  # routed experts of each MoE layer (HF num_local_experts / num_experts)
+    top_k: int = 2  # experts each token goes to (HF num_experts_per_tok)
+    moe_ffn_dim: Optional[int] = None  # each expert's inner size (HF moe_intermediate_size); None = ffn_dim
+    norm_topk_prob: bool = True  # rescale the top-k routing weights to sum to 1 (HF norm_topk_prob)
+    shared_expert_ffn_dim: int = 0  # inner size of a sigmoid-gated expert every token passes (Qwen2-MoE); 0 = none
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 (HF decoder_sparse_step)
+    mlp_only_layers: List[int] = field(default_factory=list)  # layers kept dense (HF mlp_only_layers)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the training loss
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2); 0 = off
     make_vocab_size_divisible_by: int = 1  # pad the vocabulary to a multiple of this * tp (Megatron uses 128)
     extra: Dict[str, Any] = field(default_factory=dict)  # HF config fields kept for export (bos/eos ids)
 
@@ -73,6 +85,16 @@ class ModelConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each routed expert's inner size."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` has a mixture-of-experts MLP (Qwen2-MoE's rule, every family's)."""
+        return (self.n_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def window(self, layer: int) -> Optional[int]:
         """The attention window of block `layer` (None = full causal)."""
@@ -130,10 +152,47 @@ def _variant_problems(cfg: ModelConfig) -> list[str]:
             errors.append(f"model.{name}={getattr(cfg, name)} must be > 0 (or null: no soft-capping)")
     if cfg.rope_local is not None and "rope_theta" not in cfg.rope_local:
         errors.append("model.rope_local needs rope_theta; fix: e.g. model.rope_local={rope_theta: 10000.0}")
+    errors += _moe_problems(cfg)
     if cfg.arch not in SPECS:
         errors.append(f"model.arch={cfg.arch!r} is not supported; fix: one of {', '.join(SPECS)}")
     else:  # what the family's HF class fixes: a model it cannot express would export wrong
-        errors += [p + "; fix: set model.arch to a family that has it" for p in SPECS[cfg.arch].refuse(cfg)]
+        spec = SPECS[cfg.arch]
+        if spec.moe != (cfg.n_experts > 0):
+            moe = ", ".join(name for name, s in SPECS.items() if s.moe)
+            errors.append(f"model.n_experts={cfg.n_experts} cannot be exported as {cfg.arch} ({spec.architecture} "
+                          + ("is a mixture of experts); fix: model.n_experts >= 1" if spec.moe else
+                             f"has dense MLPs); fix: model.arch among the mixtures of experts ({moe})"))
+        errors += [p + "; fix: set model.arch to a family that has it" for p in spec.refuse(cfg)]
+    return errors
+
+
+def _moe_problems(cfg: ModelConfig) -> list[str]:
+    if cfg.qk_norm_width not in QK_NORM_WIDTHS:
+        return [f"model.qk_norm_width={cfg.qk_norm_width!r} is unknown; fix: one of {', '.join(QK_NORM_WIDTHS)}"]
+    if cfg.n_experts == 0:
+        return []
+    errors = []
+    if cfg.n_experts < 0:
+        errors.append(f"model.n_experts={cfg.n_experts} must be >= 0 (0 = dense MLPs)")
+    elif not 1 <= cfg.top_k <= cfg.n_experts:
+        errors.append(f"model.top_k={cfg.top_k} must be between 1 and model.n_experts={cfg.n_experts}; "
+                      f"fix: model.top_k <= {cfg.n_experts}")
+    for name in ("moe_ffn_dim", "shared_expert_ffn_dim"):
+        value = getattr(cfg, name)
+        if value is not None and value < (1 if name == "moe_ffn_dim" else 0):
+            errors.append(f"model.{name}={value} must be >= 1" + (" (or null: ffn_dim)" if name == "moe_ffn_dim"
+                                                                    else " (0: no shared expert)"))
+    if cfg.decoder_sparse_step < 1:
+        errors.append(f"model.decoder_sparse_step={cfg.decoder_sparse_step} must be >= 1")
+    bad = sorted(i for i in cfg.mlp_only_layers if not 0 <= i < cfg.n_layers)
+    if bad:
+        errors.append(f"model.mlp_only_layers {bad} are not layers of a {cfg.n_layers}-layer model")
+    if not any(cfg.is_moe(i) for i in range(cfg.n_layers)):
+        errors.append("model.n_experts > 0 but no layer is a mixture of experts (decoder_sparse_step / "
+                      "mlp_only_layers leave none); fix: model.n_experts=0 for a dense model")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(cfg, name) < 0:
+            errors.append(f"model.{name}={getattr(cfg, name)} must be >= 0")
     return errors
 
 
@@ -153,7 +212,11 @@ def check_model(cfg: ModelConfig, tp: int) -> list[str]:
     if cfg.hd % 2:
         errors.append(f"head dim {cfg.hd} must be even for rotary embeddings; fix: change model.dim/n_heads/head_dim")
     if tp > 0:
-        for name, value in (("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim)):
+        sizes = [("n_heads", cfg.n_heads), ("ffn_dim", cfg.ffn_dim)]
+        if cfg.n_experts > 0:
+            sizes += [("moe_ffn_dim" if cfg.moe_ffn_dim else "ffn_dim (each expert's)", cfg.expert_ffn)]
+            sizes += [("shared_expert_ffn_dim", cfg.shared_expert_ffn_dim)] if cfg.shared_expert_ffn_dim else []
+        for name, value in sizes:
             if value % tp:
                 errors.append(f"parallel.tp={tp} does not divide model.{name}={value}; "
                               f"fix: pick tp among the divisors of {value}")
@@ -162,6 +225,10 @@ def check_model(cfg: ModelConfig, tp: int) -> list[str]:
         if cfg.kv_heads % tp and tp % cfg.kv_heads:
             errors.append(f"parallel.tp={tp} neither divides nor is a multiple of model.n_kv_heads={cfg.kv_heads}; "
                           f"fix: a divisor or a multiple of {cfg.kv_heads}")
+    if tp > cfg.kv_heads and cfg.qk_norm and cfg.qk_norm_width == "full":
+        errors.append(f"parallel.tp={tp} exceeds model.n_kv_heads={cfg.kv_heads} with a full-width qk-norm "
+                      "(OLMoE): replicated kv heads would count twice in k's norm; fix: parallel.tp <= "
+                      f"{cfg.kv_heads}")
     if not 0.0 <= cfg.dropout < 1.0:
         errors.append(f"model.dropout={cfg.dropout} must be in [0, 1)")
     if cfg.recompute not in set(Recompute):  # a config built in Python

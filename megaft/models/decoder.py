@@ -27,57 +27,18 @@ from torch import nn
 
 from megaft.kernels.config import KernelsConfig
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
-from megaft.kernels.linear import fused_gate_up
-from megaft.kernels.linear.fused import fused_gate_up_swiglu
-from megaft.kernels.swiglu import swiglu
-from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from megaft.layers import ColumnParallelLinear, RMSNorm, VocabParallelEmbedding
 from megaft.layers.dropout import sliced_dropout
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.attention import Attention, op_backend
 from megaft.models.config import ModelConfig
 from megaft.models.docs import Docs
+from megaft.models.mlp import MLP
+from megaft.models.moe import MoE, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
 from megaft.models.rope import rope_init, rope_tables
 from megaft.models.softcap import softcap
 from megaft.parallel.comm import Group, group_rank, group_size
-
-
-class MLP(nn.Module):
-    """Gated MLP down(act(gate(x)) * up(x)), gate/up split by columns, down by rows:
-    SwiGLU (act silu, through the swiglu kernels) or GeGLU (gelu_pytorch_tanh, Gemma:
-    torch ops, the SwiGLU kernels do not apply). `selective`: the activation runs again in
-    backward (recompute=selective)."""
-
-    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None, selective: bool = False):
-        super().__init__()
-        self.group, self.sp, self.swiglu_backend = group, sequence_parallel, op_backend(kernels, "swiglu")
-        self.activation = cfg.activation
-        self.selective = selective
-        lin = op_backend(kernels, "linear")
-        col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True,
-                   backend=lin)
-        self.gate_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
-        self.up_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
-        self.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.dim, group=group, bias=cfg.mlp_bias,
-                                           sequence_parallel=sequence_parallel, backend=lin)
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """down(...) (+ residual: down_proj fuses the add where exact, see RowParallelLinear)."""
-        x = column_input(x, self.group, self.sp)
-        gate, up = self.gate_proj, self.up_proj
-        if self.activation == "gelu_pytorch_tanh":  # HF GELUTanh: F.gelu(approximate="tanh")
-            h = recompute.run(geglu, gate(x), up(x), enabled=self.selective)
-        elif fused_gate_up(gate.backend, x.device) and gate.adapter is None and up.adapter is None:
-            # one GEMM reads both weights, SwiGLU in its epilogue (LoRA adapters: the unfused path)
-            h = fused_gate_up_swiglu(x, gate.weight, up.weight, gate.bias, up.bias)
-        else:  # selective recompute: the activation runs again in backward, gate/up outputs are kept
-            h = recompute.run(swiglu, gate(x), up(x), self.swiglu_backend, enabled=self.selective)
-        return self.down_proj(h, residual)
-
-
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.gelu(gate, approximate="tanh") * up
 
 
 class Block(nn.Module):
@@ -85,7 +46,8 @@ class Block(nn.Module):
     what it recomputes in backward (megaft.models.recompute)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none"):
+                 kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none",
+                 log: Optional[RouterLog] = None):
         super().__init__()
         self.dropout, self.full_recompute = cfg.dropout, recompute == "full"
         selective = recompute == "selective"  # the attention core and the MLP activation
@@ -101,7 +63,12 @@ class Block(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
             self.post_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
-        self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels, selective=selective)
+        if cfg.is_moe(layer):  # a mixture of experts (megaft.models.moe) records its router statistics in `log`
+            self.mlp = MoE(cfg, group=group, sequence_parallel=sequence_parallel, log=log or RouterLog(),
+                           kernels=kernels, selective=selective, layer=layer)
+        else:
+            self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
+                           selective=selective)
 
     def forward(self, x, cos, sin, docs=None):
         return recompute.run(self._forward, x, cos, sin, docs, enabled=self.full_recompute)
@@ -232,8 +199,11 @@ class Decoder(nn.Module):
         # Registration order (embedding, blocks, norm, head) is the flat buffers' layout order.
         if embedding:
             self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
+        self.router_log = RouterLog()  # the MoE layers' statistics of the last forward
+        self.token_groups: list = []  # the groups a micro-batch's tokens are split over (router statistics)
         blocks = {str(i): Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels, layer=i,
-                                recompute=cfg.recompute if i in again else "none") for i in layer_ids}
+                                recompute=cfg.recompute if i in again else "none", log=self.router_log)
+                  for i in layer_ids}
         self.layers = nn.ModuleDict(blocks) if keyed else nn.ModuleList(blocks.values())
         if head:
             self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
@@ -284,10 +254,28 @@ class Decoder(nn.Module):
     def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
         """The last block's output of the whole decoder; `docs`: packed documents kept apart
         (megaft.models.docs)."""
+        self.start_router_log(input_ids.shape[1], docs)
         x, docs = self.embed(input_ids), self.prepare_docs(docs)
         for i, layer in enumerate(self.layers):
             x = layer(x, *rope_of(self, self.cfg, i), docs)
         return x
+
+    def start_router_log(self, seq_len: int, docs: Optional[Docs] = None) -> None:
+        """Open the MoE statistics of a forward over a micro-batch of `seq_len` tokens per row
+        (this rank's), and note the groups its tokens are split over: tp under sequence
+        parallel, cp."""
+        self.router_log.start(seq_len)
+        self.token_groups = ([self.group] if self.sp else []) + (
+            [docs.cp.group] if docs is not None and docs.cp is not None else [])
+
+    def router_losses(self) -> Optional[RouterLosses]:
+        """The load-balancing and z-losses of the last forward's micro-batch (megaft.models.moe);
+        None without MoE layers. Collective over the groups its tokens are split over."""
+        return router_losses(self.router_log.close(), self.cfg, self.token_groups)
+
+    def router_sums(self) -> Optional[RouterSums]:
+        """The last forward's statistics, for a pipeline stage that holds some of the MoE layers."""
+        return sum_records(self.router_log.close(), self.token_groups)
 
     def forward(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
         return self.head_out(self.blocks(input_ids, docs))[:, :input_ids.shape[1]]

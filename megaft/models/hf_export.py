@@ -29,7 +29,7 @@ from torch import nn
 from megaft.models.arch import spec_for
 from megaft.models.arch.spec import write_common
 from megaft.models.config import ModelConfig
-from megaft.models.hf_load import CONFIG, INDEX, SINGLE, hf_name
+from megaft.models.hf_load import CONFIG, INDEX, SINGLE
 from megaft.models.kv import ReplicatedShard, dedupe_gathered
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
 from megaft.parallel.tensor.shard import full_shape, shard_of
@@ -89,6 +89,16 @@ def _full(param: torch.Tensor, group: Group, local: Optional[torch.Tensor] = Non
         raise ValueError(f"tp group of {group_size(group)} ranks gathered {full.shape[spec.dim]} rows, "
                          f"the parameter was sharded for {spec.padded}: pass the model's own tp group")
     return full.narrow(spec.dim, 0, spec.full)
+
+
+def hf_tensors(name: str, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of our parameter `name` (its full value): one, or a stacked
+    expert weight's published per-expert tensors."""
+    spec = spec_for(cfg.arch, "model.arch")
+    per_expert = spec.expert_names(name, cfg.n_experts)
+    if per_expert is None:
+        return {spec.hf_name(name): full.contiguous()}
+    return {hf: full[e].contiguous() for e, hf in enumerate(per_expert)}
 
 
 gather_full = _full  # the public name (megaft.peft.export gathers adapters with it)
@@ -163,7 +173,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
                 local = transform(name, p.detach()) if transform else None
                 full = _full(p, tp_group, local)  # collective: every rank gathers, the writer keeps it
                 if is_writer:
-                    tensors[hf_name(name, cfg.arch)] = full.to("cpu", dtype or full.dtype).contiguous()
+                    tensors.update(hf_tensors(name, full.to("cpu", dtype or full.dtype), cfg))
             if is_writer:
                 save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, file))
@@ -187,7 +197,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
 
 
 def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_group: Group,
-                  dtype: Optional[torch.dtype], arch: str, transform=None) -> tuple[dict[str, str], int]:
+                  dtype: Optional[torch.dtype], cfg: ModelConfig, transform=None) -> tuple[dict[str, str], int]:
     """Gather and (on a writer, `tmp` set) save `shards` as files first+1.. of total_files;
     returns (weight map, bytes written)."""
     weight_map, nbytes = {}, 0
@@ -197,7 +207,7 @@ def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_g
         for name, p in shard:
             full = _full(p, tp_group, transform(name, p.detach()) if transform else None)  # collective over tp
             if tmp:
-                tensors[hf_name(name, arch)] = full.to("cpu", dtype or full.dtype).contiguous()
+                tensors.update(hf_tensors(name, full.to("cpu", dtype or full.dtype), cfg))
         if tmp:
             save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
@@ -226,7 +236,7 @@ def _export_stages(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenize
     tmp = box[0] if is_writer else None
     try:
         written = _write_shards(shards, sum(counts[:group_rank(pp_group)]), sum(counts), tmp, tp_group, dtype,
-                                cfg.arch, transform)
+                                cfg, transform)
         everything: list = [None] * group_size(pp_group)
         dist.all_gather_object(everything, written, group=pp_group)
         if publisher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -24,7 +25,13 @@ from megaft.parallel.tensor.shard import full_shape, shard_of
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_LIST_LIMIT = 20  # names listed in an error before "... and N more"
+_LIST_LIMIT = 20
+# ModelConfig fields a family sets; one it does not set takes ModelConfig's default (Llama's dense block).
+FAMILY_FIELDS = ("attention_bias", "mlp_bias", "qkv_bias", "qk_norm", "qk_norm_width", "sliding_window", "layer_types",
+                 "norm_offset", "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar", "rope_local",
+                 "attn_softcap", "final_softcap", "n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob",
+                 "shared_expert_ffn_dim", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+                 "router_z_loss_coef")  # names listed in an error before "... and N more"
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
@@ -72,10 +79,8 @@ def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfi
     common = read_common(raw, spec, file, base, act=family.pop("activation", None))
     # The family's fields win over the common ones they refine; the Llama-only
     # defaults a family does not set fall back to ModelConfig's (Llama behaviour).
-    fields = {f: getattr(ModelConfig, f) for f in ("attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
-                                                   "sliding_window", "layer_types", "norm_offset",
-                                                   "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar",
-                                                   "rope_local", "attn_softcap", "final_softcap")}
+    fields = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+              for f in dataclasses.fields(ModelConfig) if f.name in FAMILY_FIELDS}
     return dataclasses.replace(base, name=os.path.basename(os.path.normpath(path)), init_from=str(path),
                                **{**fields, **common, **family})
 
@@ -107,27 +112,69 @@ def _source(path: str) -> str:
     return index if os.path.isfile(index) else os.path.join(path, SINGLE)
 
 
-def _read_local(f, name: str, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's shard of tensor `name` in the param's dtype, reading only its rows;
-    padding rows are zero."""
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor feeding (part of) a parameter: `expert`, the index along a
+    stacked expert weight's dim 0 it fills (None: the whole parameter); `offset`, where the
+    parameter's rows start along the sharded dim (the up half of a fused gate_up_proj)."""
+    hf: str
+    shape: tuple
+    expert: Optional[int] = None
+    offset: int = 0
+
+
+def _sources(model: nn.Module, files: dict[str, str], tp_size: int) -> dict[str, list[Source]]:
+    """Our parameter names -> the checkpoint tensors that fill them. Stacked expert weights
+    read the published per-expert tensors, or transformers 5's fused in-memory ones
+    (`mlp.experts.gate_up_proj` [E, 2F, dim], `mlp.experts.down_proj` [E, dim, F]) when the
+    checkpoint holds those instead."""
+    cfg = getattr(model, "cfg", None)
+    arch = getattr(cfg, "arch", "llama")
+    spec = SPECS[arch]
+    out = {}
+    for name, param in model.named_parameters():
+        shape = full_shape(param, tp_size)
+        per_expert = spec.expert_names(name, cfg.n_experts) if cfg is not None else None
+        if per_expert is None:
+            out[name] = [Source(hf_name(name, arch), shape)]
+            continue
+        prefix, _, proj = name.rpartition(".mlp.experts.")
+        fused = f"model.{prefix}.mlp.experts." + ("down_proj" if proj == "down_proj" else "gate_up_proj")
+        if per_expert[0] not in files and fused in files:
+            if proj == "down_proj":
+                out[name] = [Source(fused, shape)]
+            else:  # gate rows first, then up rows
+                e, f, d = shape
+                out[name] = [Source(fused, (e, 2 * f, d), offset=f if proj == "up_proj" else 0)]
+        else:
+            out[name] = [Source(hf, shape[1:], expert=i) for i, hf in enumerate(per_expert)]
+    return out
+
+
+def _read_into(f, src: Source, param: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+    """Copy this rank's rows of checkpoint tensor `src` into `param` (cast to its dtype),
+    reading only those rows; padding rows become zero."""
     spec = shard_of(param)
-    sl = f.get_slice(name)
+    sl = f.get_slice(src.hf)
+    dst = param if src.expert is None else param[src.expert]
     if spec is None:
-        return sl[:].to(param.dtype)
+        dst.copy_(sl[:])
+        return
+    dim = spec.dim - (src.expert is not None)
     start, end = spec.real_bounds(tp_rank, tp_size)
-    local = torch.zeros(param.shape, dtype=param.dtype)
     if end > start:  # a rank may own only padding rows when the vocabulary is tiny
-        index = (slice(None),) * spec.dim + (slice(start, end),)
-        local.narrow(spec.dim, 0, end - start).copy_(sl[index])
-    return local
+        index = (slice(None),) * dim + (slice(src.offset + start, src.offset + end),)
+        dst.narrow(dim, 0, end - start).copy_(sl[index])
+    dst.narrow(dim, end - start, dst.shape[dim] - (end - start)).zero_()
 
 
-def _by_file(wanted: dict[str, str], files: dict[str, str]) -> list[tuple[str, list[str]]]:
-    """(file, our param names stored in it) for the wanted tensors the checkpoint has."""
-    by_file: dict[str, list[str]] = {}
-    for name, hf in wanted.items():
-        if hf in files:
-            by_file.setdefault(files[hf], []).append(name)
+def _by_file(wanted: dict[str, list[Source]], files: dict[str, str]) -> list[tuple[str, list[tuple[str, Source]]]]:
+    """(file, [(our param name, source)]) for the wanted tensors the checkpoint has."""
+    by_file: dict[str, list[tuple[str, Source]]] = {}
+    for name, sources in wanted.items():
+        for src in sources:
+            if src.hf in files:
+                by_file.setdefault(files[src.hf], []).append((name, src))
     return sorted(by_file.items())
 
 
@@ -139,31 +186,31 @@ def _check_tp(model: nn.Module, tp_size: int) -> None:
                              f"{local_rows(spec, tp_size)} of tp_size={tp_size}: built for another tp")
 
 
-def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int, strict: bool) -> dict[str, str]:
-    """Map our param names -> HF names after checking names and shapes; every problem at once."""
+def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
+           strict: bool) -> dict[str, list[Source]]:
+    """Map our param names -> their checkpoint tensors after checking names and shapes; every problem at once."""
     cfg = getattr(model, "cfg", None)
-    arch = getattr(cfg, "arch", "llama")
-    wanted = {name: hf_name(name, arch) for name, _ in model.named_parameters()}
+    wanted = _sources(model, files, tp_size)
     tied = getattr(cfg, "tie_embeddings", False)
     problems = []
-    missing = [hf for hf in wanted.values() if hf not in files]
+    needed = list(dict.fromkeys(src.hf for sources in wanted.values() for src in sources))
+    missing = [hf for hf in needed if hf not in files]
     if missing:
         problems.append(f"{_source(path)}: tensors missing from the checkpoint: {_names(missing)}")
     # HF omits lm_head when tied, but some tied checkpoints still carry a copy: ignore it.
     ignored = {"lm_head.weight"} if tied else set()
-    known = set(wanted.values()) | ignored
+    known = set(needed) | ignored
     extra = sorted(n for n in files if n not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra and strict:
         problems.append(f"{_source(path)}: unexpected tensors (not in the model; strict=False ignores them): "
                         f"{_names(extra)}")
-    for file, names in _by_file(wanted, files):
+    for file, entries in _by_file(wanted, files):
         with safe_open(file, "pt") as f:
-            for name in names:
-                found = tuple(f.get_slice(wanted[name]).get_shape())
-                expected = full_shape(model.get_parameter(name), tp_size)
-                if found != expected:
-                    problems.append(f"{file}: tensor {wanted[name]} has shape {list(found)}, "
-                                    f"expected {list(expected)} from config.json")
+            for src in {src.hf: src for _, src in entries}.values():  # a fused tensor feeds two params
+                found = tuple(f.get_slice(src.hf).get_shape())
+                if found != src.shape:
+                    problems.append(f"{file}: tensor {src.hf} has shape {list(found)}, "
+                                    f"expected {list(src.shape)} from config.json")
     if problems:
         raise HFCheckpointError("cannot load the HF checkpoint:\n  " + "\n  ".join(problems))
     return wanted
@@ -181,8 +228,7 @@ def load_hf_weights(model: nn.Module, path: str, *, tp_rank: int, tp_size: int, 
     _check_tp(model, tp_size)
     files = checkpoint_files(path)
     wanted = _check(model, files, path, tp_size, strict)
-    for file, names in _by_file(wanted, files):
+    for file, entries in _by_file(wanted, files):
         with safe_open(file, "pt") as f:  # each file opened once
-            for name in names:
-                param = model.get_parameter(name)
-                param.copy_(_read_local(f, wanted[name], param, tp_rank, tp_size))
+            for name, src in entries:
+                _read_into(f, src, model.get_parameter(name), tp_rank, tp_size)

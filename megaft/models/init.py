@@ -16,7 +16,7 @@ from megaft.models.config import ModelConfig
 from megaft.parallel.tensor.shard import full_shape, local_from_full
 
 # Output projections of each residual branch get std / sqrt(2 * n_layers) (GPT-2, Megatron).
-_SCALED = ("o_proj.weight", "down_proj.weight")
+_SCALED = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
 def _seed_for(seed: int, name: str) -> int:

@@ -30,12 +30,15 @@ The runtime never reorders compute, so a schedule that passes `validate` runs as
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megaft.models.moe import RouterSums, router_terms, wire_size
+from megaft.models.moe_stats import StepRouterStats
 from megaft.pipeline.actions import Action, ActionKind, message_of, rank_of
 from megaft.pipeline.comm_plan import nccl_problems, plan
 from megaft.pipeline.schedules import build_schedule
@@ -52,9 +55,16 @@ def _tag(direction: str, stage: int, mb: int) -> int:
 class _StepState:
     """What one step keeps between actions, keyed by (stage, micro-batch)."""
 
-    def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device, docs=None):
+    def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device, docs=None,
+                 router_weight: float = 0.0):
         self.inputs, self.labels, self.n_targets, self.docs = inputs, labels, n_targets, docs
         self.shape, self.autocast, self.device = shape, autocast, device
+        # Mixtures of experts: each message also carries the micro-batch's router statistics (RouterSums.wire)
+        # summed over the stages so far, forward; the totals come back with the gradients (megaft.models.moe).
+        self.router_weight = router_weight
+        self.router: dict[tuple, Optional[RouterSums]] = {}  # this stage's statistics, for its backward
+        self.tails: dict[tuple, torch.Tensor] = {}  # (direction, stage, mb) -> the statistics a send carries
+        self.totals: dict[tuple, torch.Tensor] = {}  # the last stage's totals, for its backward
         self.received: dict[tuple, tuple[torch.Tensor, list]] = {}  # message -> (buffer, works to wait)
         self.stage_in: dict[tuple, Optional[torch.Tensor]] = {}
         self.stage_out: dict[tuple, torch.Tensor] = {}
@@ -72,7 +82,8 @@ class _StepState:
         return buf
 
     def left_behind(self) -> bool:
-        return bool(self.received or self.stage_in or self.stage_out or self.input_grads)
+        return bool(self.received or self.stage_in or self.stage_out or self.input_grads or self.tails
+                    or self.router or self.totals)
 
 
 class PipelineRuntime:
@@ -93,6 +104,9 @@ class PipelineRuntime:
         self.base = grid.rank - grid.pp_rank * self.stride
         self._sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []  # in-flight sends, buffers
         self.wait_s = 0.0  # seconds the last train_step spent blocked on peers (benchmarks/pipeline)
+        self.extra = wire_size(model.cfg)  # router statistics appended to every message (0: dense)
+        self.moe_layers = sum(model.cfg.is_moe(i) for i in range(model.cfg.n_layers))
+        self.router_stats = StepRouterStats(model.cfg)  # the last train_step's (megaft.training.moe_metrics)
         # The action (or batch of sends/receives) train_step is executing, None between steps: the
         # hang report's "pipeline action" (megaft.launch.trace.CollectiveTrace.action_of).
         self.current_action: Optional[Action | list[Action]] = None
@@ -126,11 +140,14 @@ class PipelineRuntime:
             if a.kind.is_send:
                 src = state.stage_out[key] if a.kind is K.SEND_F else state.input_grads.pop(key)
                 buf = src.detach().to(WIRE_DTYPE).contiguous()
+                if self.extra:
+                    buf = torch.cat([buf.reshape(-1), state.tails.pop((direction, a.stage, mb)).to(WIRE_DTYPE)])
                 ops.append(dist.P2POp(dist.isend, buf, self._peer(sender + (1 if direction == "F" else -1)),
                                       self.grid.pp_group, tag))
                 sends.append(buf)
             else:
-                buf = torch.empty(state.shape, dtype=WIRE_DTYPE, device=state.device)
+                buf = torch.empty(math.prod(state.shape) + self.extra if self.extra else state.shape,
+                                  dtype=WIRE_DTYPE, device=state.device)
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(sender), self.grid.pp_group, tag))
                 recvs.append(((direction, sender, mb), buf))
             is_send.append(a.kind.is_send)
@@ -154,36 +171,86 @@ class PipelineRuntime:
 
     # -- compute -------------------------------------------------------------------
 
+    def _split(self, buf: torch.Tensor, shape) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A received message: the tensor, and the router statistics it carries (None when dense)."""
+        if not self.extra:
+            return buf, None
+        n = math.prod(shape)
+        return buf[:n].view(shape), buf[n:]
+
     def _forward(self, s: int, mb: int, state: _StepState) -> None:
+        incoming = None
         if s == 0:
             x, state.stage_in[(s, mb)] = state.inputs[mb].to(state.device), None
         else:
-            x = state.take(("F", s - 1, mb)).requires_grad_()
+            x, incoming = self._split(state.take(("F", s - 1, mb)), state.shape)
+            x = x.requires_grad_()
             state.stage_in[(s, mb)] = x
         with state.autocast():
             out = self.model(s, x, state.labels[mb].to(state.device) if s == self.last else None,
-                             state.docs[mb] if state.docs else None)
+                             state.docs[mb] if state.docs else None, seq_len=state.inputs[mb].shape[1])
         state.stage_out[(s, mb)] = out
+        if self.extra:
+            self._forward_router(s, mb, incoming, state)
         if s == self.last:
             state.loss_sum += out.detach().double()
 
+    def _forward_router(self, s: int, mb: int, incoming: Optional[torch.Tensor], state: _StepState) -> None:
+        """Add this stage's router statistics to the ones received and pass them on; the last
+        stage keeps the totals (its backward and every earlier stage's need them)."""
+        sums = self.model.router_sums()
+        total = torch.zeros(self.extra, device=state.device) if incoming is None else incoming.clone()
+        if sums is not None:
+            total[:-1] += sums.wire()[:-1]
+            total[-1] = sums.tokens  # the micro-batch's tokens: every MoE layer routes the same
+        state.router[(s, mb)] = sums
+        if sums is not None:  # its counts for the metrics
+            self.router_stats.add(router_terms(sums, total, self.moe_layers, self.model.cfg), values=False)
+        if s == self.last:
+            state.totals[(s, mb)] = total
+            self.router_stats.add(router_terms(None, total, self.moe_layers, self.model.cfg))  # the values
+        else:
+            state.tails[("F", s, mb)] = total
+
+    def _router_term(self, s: int, mb: int, total: torch.Tensor, state: _StepState) -> Optional[torch.Tensor]:
+        """This stage's share of the micro-batch's router losses, weighted like its token loss."""
+        sums = state.router.pop((s, mb))
+        if sums is None:
+            return None
+        return router_terms(sums, total, self.moe_layers, self.model.cfg).local * state.router_weight
+
     def _backward(self, s: int, mb: int, state: _StepState) -> None:
         out, x = state.stage_out.pop((s, mb)), state.stage_in.pop((s, mb))
+        total = None
         if s == self.last:
+            if self.extra:
+                total = state.totals.pop((s, mb))
+                term = self._router_term(s, mb, total, state)
+                out = out if term is None else out + term
             (out / state.n_targets).backward()
         else:
-            out.backward(state.take(("B", s + 1, mb)).to(out.dtype))
+            grad, total = self._split(state.take(("B", s + 1, mb)), out.shape)
+            term = self._router_term(s, mb, total, state) if self.extra else None
+            if term is None:
+                out.backward(grad.to(out.dtype))
+            else:
+                torch.autograd.backward([out, term / state.n_targets], [grad.to(out.dtype), None])
         if x is not None:
             state.input_grads[(s, mb)] = x.grad
+            if self.extra:
+                state.tails[("B", s, mb)] = total
         del out, x  # the graph and saved activations of (s, mb) go now
 
     def train_step(self, inputs: list[torch.Tensor], labels: list[torch.Tensor], n_targets: int,
-                   autocast: Callable, docs: Optional[list] = None) -> torch.Tensor:
+                   autocast: Callable, docs: Optional[list] = None, router_weight: float = 0.0) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in the params.
         Returns this rank's summed token loss (fp64; zero unless it holds the last stage).
-        `docs`: each micro-batch's packed-document layout (megaft.models.docs.Docs), or None."""
+        `docs`: each micro-batch's packed-document layout (megaft.models.docs.Docs), or None.
+        `router_weight`: a mixture of experts' router losses' weight, in token-loss units
+        (n_targets / the global batch's micro-batches: megaft.training.moe_metrics)."""
         state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
-                           self.grid.device, docs)
+                           self.grid.device, docs, router_weight)
+        self.router_stats = StepRouterStats(self.model.cfg)
         for item in self.program:
             self.current_action = item
             if isinstance(item, list):

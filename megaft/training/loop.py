@@ -28,6 +28,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import flops_per_token, mfu
 from megaft.perf.hardware import device_peak_tflops
 from megaft.training.evaluate import eval_accuracy
+from megaft.training.moe_metrics import moe_record
 from megaft.training.parts import TrainSpec, model_params
 from megaft.training.stop import NONE, REQUEUE, PreemptFlag
 from megaft.training.summary import RunSummary
@@ -73,6 +74,7 @@ class Trainer:
         loss_sum = fwd_bwd.total_loss(loss_sum)
         out = {"loss": (loss_sum / batch.n_targets).item(), "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
                "tokens": batch.tokens}
+        out.update(fwd_bwd.router_record())
         out.update(stats.scaler_record())
         out.update(phases.result())
         return out
@@ -212,7 +214,7 @@ class Trainer:
             attention=attention_record(cfg.model, packing=parts.data.packing, cp=grid.cp_size,
                                        seq_len=cfg.data.seq_len, device=grid.device),
             packing=parts.data.packing, hf_ignore_keys=list(cfg.model.hf_ignore_keys) or None,
-            conversations_without_assistant=parts.data.untrained,
+            conversations_without_assistant=parts.data.untrained, moe=moe_record(cfg.model, parts.kernels.record),
             # megaft-report's MFU: model FLOPs per token need the shape and the sequence length.
             n_layers=cfg.model.n_layers, dim=cfg.model.dim, seq_len=cfg.data.seq_len,
             flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops, **self._mfu(tokens_per_s))

@@ -117,6 +117,8 @@ class StepPart(Protocol):
 
     def total_loss(self, loss_sum: torch.Tensor) -> torch.Tensor: ...
 
+    def router_record(self) -> dict[str, float]: ...  # a mixture of experts' step metrics ({} when dense)
+
     def eval_loss(self, batches: Batches) -> Optional[float]: ...
 
     @property

@@ -18,6 +18,7 @@ from megaft.peft.base import lora_record
 from megaft.training.config import use_tensorboard
 from megaft.training.guards import BadStepGuard, model_signature
 from megaft.training.metrics import MetricsLog
+from megaft.training.moe_metrics import ROUTER_KEYS
 from megaft.training.phases import PHASE_KEYS
 from megaft.training.protocols import RunParts
 from megaft.training.run_config import ran_config, write_run_config
@@ -65,6 +66,7 @@ class Records:
         self.metrics.write(step=step, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
                            tokens_per_s=out["tokens"] / seconds, comm_bytes=comm_bytes,
                            **{k: out[k] for k in ("loss_scale", "skipped_steps") if k in out},
+                           **{k: v for k, v in out.items() if k in ROUTER_KEYS or k.startswith("moe/")},
                            **mfu, **{k: out[k] for k in PHASE_KEYS if k in out}, **spread)
         self.guard.observe(step, out)
 

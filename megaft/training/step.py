@@ -19,6 +19,7 @@ from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
 from megaft.training.config import accumulation_steps
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
+from megaft.training.moe_metrics import StepRouterStats
 from megaft.training.phases import PhaseTimer
 from megaft.training.protocols import Autocast, Batches, OptimPart, RunParts, StepBatch
 
@@ -51,21 +52,36 @@ class PlainStep(_Step):
     def __init__(self, model: Decoder, optim: OptimPart, grid: ParallelGrid, phases: PhaseTimer, autocast: Autocast):
         super().__init__(grid, phases, autocast)
         self.model, self.optim = model, optim
+        self.router_stats = StepRouterStats(model.cfg)
 
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
-        """Backpropagate sum(loss) / divisor over the micro-batches; returns the loss sum (fp64)."""
+        """Backpropagate sum(loss) / divisor over the micro-batches (plus, for a mixture of
+        experts, the router terms averaged over the global batch's micro-batches,
+        megaft.training.moe_metrics); returns the loss sum (fp64)."""
         device, phase = self.grid.device, self.phases.phase
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.router_stats = StepRouterStats(self.model.cfg)
+        # divisor is n_targets (/ the fp16 loss scale): the router terms' weight 1 / micro-batches, as a loss sum
+        router_weight = batch.n_targets / (len(batch.inputs) * self.grid.dp_size)
         for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
             docs = batch.docs[i] if batch.docs else None
             with phase("forward"), self.autocast():
                 loss = self.model.loss_sum(mb_in.to(device), mb_lab.to(device), docs)
+                router = self.model.router_losses()
+            objective = loss
+            if router is not None:
+                objective = loss + router.local * router_weight
+                self.router_stats.add(router)
             with phase("backward"):
-                (loss / divisor).backward()
+                (objective / divisor).backward()
             loss_sum += loss.detach().double()
         return loss_sum
+
+    def router_record(self) -> dict[str, float]:
+        """aux_loss, z_loss and the expert loads of the last step (collective over dp); {} when dense."""
+        return self.router_stats.record(self.grid.dp_group)
 
     def eval_loss(self, batches: Batches) -> Optional[float]:
         return eval_loss(self.model, batches, self.grid, self.autocast)
@@ -93,8 +109,9 @@ class PipelineStep(_Step):
                                        wrap_compute=phases.timed_handler)
 
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
+        router_weight = batch.n_targets / (len(batch.inputs) * self.grid.dp_size)  # as PlainStep's
         loss_sum = self.runtime.train_step(list(batch.inputs), list(batch.labels), divisor, self.autocast,
-                                           batch.docs)
+                                           batch.docs, router_weight=router_weight)
         self.phases.add("comm", self.runtime.wait_s)
         with self.phases.phase("comm"):
             sync_tied_grads(self.model, self.grid.embedding_group)
@@ -111,6 +128,10 @@ class PipelineStep(_Step):
     @property
     def current_action(self):
         return self.runtime.current_action
+
+    def router_record(self) -> dict[str, float]:
+        """As PlainStep's: each stage's counts and the last stage's values, summed over pp."""
+        return self.runtime.router_stats.record(self.grid.dp_group, self.grid.pp_group)
 
 
 def build_step(parts: RunParts) -> PlainStep | PipelineStep:

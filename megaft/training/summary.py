@@ -75,6 +75,9 @@ class RunSummary:
     conversations_without_assistant: Optional[int] = field(default=None, **_SOMETIMES)
     # config.json keys read as metadata on the user's word (model.hf_ignore_keys), when there are any
     hf_ignore_keys: Optional[list] = field(default=None, **_SOMETIMES)
+    # a mixture of experts: experts, top_k, its MoE layers, the grouped GEMM and the token dispatch
+    # (megaft.training.moe_metrics.moe_record)
+    moe: Optional[dict] = field(default=None, **_SOMETIMES)
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     def to_json(self) -> dict[str, Any]:

@@ -23,10 +23,16 @@ class StepRow:
     ref_loss: float
     grad_norm: float
     ref_grad_norm: float
+    aux: Optional[float] = None  # a mixture of experts' load-balancing loss (metrics aux_loss)
+    ref_aux: Optional[float] = None
 
     @property
     def loss_rel(self) -> float:
         return rel(self.loss, self.ref_loss)
+
+    @property
+    def aux_rel(self) -> float:
+        return 0.0 if self.ref_aux is None else rel(math.nan if self.aux is None else self.aux, self.ref_aux)
 
     @property
     def grad_norm_rel(self) -> float:
@@ -49,9 +55,14 @@ class Report:
         loss_tol, norm_tol, grad_tol = self.tolerances
         lines = [f"{'step':>5} {'loss':>12} {'reference':>12} {'rel diff':>9}   {'grad_norm':>12} "
                  f"{'reference':>12} {'rel diff':>9}"]
+        moe = any(r.ref_aux is not None for r in self.rows)
+        if moe:
+            lines[0] += f"   {'aux_loss':>12} {'reference':>12} {'rel diff':>9}"
         for r in self.rows:
             lines.append(f"{r.step:>5} {r.loss:>12.6f} {r.ref_loss:>12.6f} {r.loss_rel:>9.2e}   "
-                         f"{r.grad_norm:>12.6f} {r.ref_grad_norm:>12.6f} {r.grad_norm_rel:>9.2e}")
+                         f"{r.grad_norm:>12.6f} {r.ref_grad_norm:>12.6f} {r.grad_norm_rel:>9.2e}"
+                         + (f"   {r.aux or math.nan:>12.6f} {r.ref_aux or math.nan:>12.6f} {r.aux_rel:>9.2e}"
+                            if moe else ""))
         if self.grads:
             name, worst = self.grads[0]
             lines.append(f"step-1 gradients: largest relative difference {worst:.2e} in {name} "
@@ -66,7 +77,10 @@ class Report:
                 "tolerances": list(self.tolerances),
                 "steps": [dict(step=r.step, loss=r.loss, ref_loss=r.ref_loss, loss_rel=r.loss_rel,
                                grad_norm=r.grad_norm, ref_grad_norm=r.ref_grad_norm,
-                               grad_norm_rel=r.grad_norm_rel) for r in self.rows],
+                               grad_norm_rel=r.grad_norm_rel,
+                               **({} if r.ref_aux is None else dict(aux_loss=r.aux, ref_aux_loss=r.ref_aux,
+                                                                     aux_loss_rel=r.aux_rel)))
+                          for r in self.rows],
                 "grads": [{"name": n, "rel": d} for n, d in self.grads]}
 
 
@@ -106,16 +120,19 @@ def compare(user_metrics: str, ref_metrics: str, user_grads: Optional[dict], ref
     """The report of two runs; failures name the first step and the worst parameter that differ."""
     loss_tol, norm_tol, grad_tol = tolerances
     user, ref = train_lines(user_metrics), train_lines(ref_metrics)
-    rows = [StepRow(s, user[s]["loss"], ref[s]["loss"], user[s]["grad_norm"], ref[s]["grad_norm"])
-            for s in sorted(ref) if s in user]
+    rows = [StepRow(s, user[s]["loss"], ref[s]["loss"], user[s]["grad_norm"], ref[s]["grad_norm"],
+                    user[s].get("aux_loss"), ref[s].get("aux_loss")) for s in sorted(ref) if s in user]
     report = Report(rows, grad_differences(user_grads, ref_grads) if ref_grads else [], tolerances)
     if len(rows) != len(ref):
         report.failures.append(f"the layout ran {len(user)} step(s), the reference {len(ref)}")
-    bad = next((r for r in rows if not (r.loss_rel <= loss_tol and r.grad_norm_rel <= norm_tol)), None)
+    bad = next((r for r in rows if not (r.loss_rel <= loss_tol and r.grad_norm_rel <= norm_tol
+                                        and r.aux_rel <= loss_tol)), None)
     if bad is not None:
         report.failures.append(f"step {bad.step} differs: loss {bad.loss:.8g} vs {bad.ref_loss:.8g} "
                                f"(rel {bad.loss_rel:.2e}), grad_norm {bad.grad_norm:.8g} vs "
-                               f"{bad.ref_grad_norm:.8g} (rel {bad.grad_norm_rel:.2e})")
+                               f"{bad.ref_grad_norm:.8g} (rel {bad.grad_norm_rel:.2e})"
+                               + ("" if bad.ref_aux is None else f", aux_loss {bad.aux} vs {bad.ref_aux:.8g} "
+                                                                 f"(rel {bad.aux_rel:.2e})"))
     if report.grads and report.grads[0][1] > grad_tol:
         name, worst = report.grads[0]
         report.failures.append(f"parameter {name} differs at step 1: max|Δgrad| / max|grad| = {worst:.2e} "

@@ -5,7 +5,9 @@ virtual pipeline stage holds (one per stage, or `parallel.pp_layers` as given), 
 vocabulary and its padding (`make_vocab_size_divisible_by` × tp), the sequence length,
 biases, tying and RoPE settings, and both kinds of layer of a model with sliding-window
 and full-attention layers (when it keeps two or more). Shrunk: the number of layers, head_dim (8), the
-hidden size (heads × 8) and the MLP width (2 × hidden, rounded up to a multiple of tp).
+hidden size (heads × 8) and the MLP width (2 × hidden, rounded up to a multiple of tp; a
+mixture of experts keeps its experts and top-k, every shrunk block a mixture, each expert and
+the shared one that wide).
 A shrunk model is randomly initialized (the checkpoint's weights have other shapes);
 its tokenizer stays the checkpoint's.
 """
@@ -28,6 +30,10 @@ def shrink(cfg: Config) -> Config:
     m.dim = m.n_heads * HEAD_DIM
     tp = max(par.tp, 1)
     m.ffn_dim = -(-2 * m.dim // tp) * tp
+    if m.n_experts > 0:  # every shrunk block a mixture, the experts and top-k kept, each expert shrunk
+        m.moe_ffn_dim = m.ffn_dim if m.moe_ffn_dim else None
+        m.shared_expert_ffn_dim = m.ffn_dim if m.shared_expert_ffn_dim else 0
+        m.decoder_sparse_step, m.mlp_only_layers = 1, []
     if m.init_from:
         out.data.tokenizer = out.data.tokenizer or m.init_from
         m.init_from = None

@@ -2,12 +2,14 @@
 
 Each module says what its family changes in the Llama block (as ModelConfig fields the
 model code reads), the HF parameter names and the config.json fields read and written.
-Everything else (GPT-2, mixtures of experts, multimodal Gemma 3, ...) is refused by name.
+Mixtures of experts: mixtral, qwen2_moe, qwen3_moe, olmoe (megaft.models.moe). Everything else
+(GPT-2, DeepSeek, multimodal Gemma 3, ...) is refused by name.
 """
-from megaft.models.arch import gemma, gemma2, gemma3, llama, mistral, qwen2, qwen3
+from megaft.models.arch import gemma, gemma2, gemma3, llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe
 from megaft.models.arch.spec import ArchSpec, HFConfigError
 
-SPECS: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3)}
+SPECS: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3,
+                                                                   mixtral, qwen2_moe, qwen3_moe, olmoe)}
 
 
 def spec_for(model_type: object, file: str = "config.json") -> ArchSpec:

@@ -63,6 +63,8 @@ ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor", "origin
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                       "mscale", "mscale_all_dim", "truncate")}
+# Our stacked expert weights (megaft.models.moe.Experts), in the order of ArchSpec.expert_proj.
+EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh", "silu": "silu",
                "swish": "silu"}
 
@@ -80,10 +82,30 @@ class ArchSpec:
     # config.json as read_common expects it (a family with its own rope layout rewrites it first)
     normalize: Callable[[dict, str], dict] = lambda raw, file: raw
 
+    moe: bool = False  # a mixture-of-experts family (ModelConfig.n_experts > 0); dense families have none
+    # Mixtures of experts: the HF module holding the router and the experts (Mixtral: block_sparse_moe),
+    # and the per-expert names of our gate/up/down projections (Mixtral: w1, w3, w2)
+    moe_module: str = "mlp"
+    expert_proj: tuple = EXPERT_PROJ
+
     def hf_name(self, name: str) -> str:
         """Our parameter name -> its HF *ForCausalLM state-dict name (every family shares
-        Llama's layout: a `model.` prefix, lm_head at the top)."""
-        return name if name == "lm_head.weight" else "model." + name
+        Llama's layout: a `model.` prefix, lm_head at the top; a MoE router sits in
+        `moe_module`). Stacked expert weights map to several tensors: `expert_names`."""
+        if name == "lm_head.weight":
+            return name
+        if self.moe_module != "mlp":
+            name = name.replace(".mlp.gate.", f".{self.moe_module}.gate.")
+        return "model." + name
+
+    def expert_names(self, name: str, n_experts: int) -> Optional[list[str]]:
+        """The published per-expert tensors of a stacked expert weight (`layers.N.mlp.experts.gate_proj`
+        [E, F, dim] -> `model.layers.N.mlp.experts.E.gate_proj.weight`, ...); None for other names."""
+        prefix, sep, proj = name.rpartition(".mlp.experts.")
+        if not sep or proj not in EXPERT_PROJ:
+            return None
+        hf_proj = self.expert_proj[EXPERT_PROJ.index(proj)]
+        return [f"model.{prefix}.{self.moe_module}.experts.{e}.{hf_proj}.weight" for e in range(n_experts)]
 
 
 def is_metadata(key: str) -> bool:

@@ -1,0 +1,58 @@
+"""The dense gated MLP of the decoder block (SwiGLU / GeGLU), tensor parallel over `group`; also
+a mixture of experts' shared expert (megaft.models.moe)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaft.kernels.config import KernelsConfig
+from megaft.kernels.linear import fused_gate_up
+from megaft.kernels.linear.fused import fused_gate_up_swiglu
+from megaft.kernels.swiglu import swiglu
+from megaft.layers import ColumnParallelLinear, RowParallelLinear
+from megaft.layers.linear import column_input
+from megaft.models import recompute
+from megaft.models.attention import op_backend
+from megaft.models.config import ModelConfig
+from megaft.parallel.comm import Group
+
+
+class MLP(nn.Module):
+    """Gated MLP down(act(gate(x)) * up(x)), gate/up split by columns, down by rows:
+    SwiGLU (act silu, through the swiglu kernels) or GeGLU (gelu_pytorch_tanh, Gemma:
+    torch ops, the SwiGLU kernels do not apply). `selective`: the activation runs again in
+    backward (recompute=selective)."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+                 kernels: Optional[KernelsConfig] = None, selective: bool = False):
+        super().__init__()
+        self.group, self.sp, self.swiglu_backend = group, sequence_parallel, op_backend(kernels, "swiglu")
+        self.activation = cfg.activation
+        self.selective = selective
+        lin = op_backend(kernels, "linear")
+        col = dict(group=group, bias=cfg.mlp_bias, sequence_parallel=sequence_parallel, shared_input=True,
+                   backend=lin)
+        self.gate_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
+        self.up_proj = ColumnParallelLinear(cfg.dim, cfg.ffn_dim, **col)
+        self.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.dim, group=group, bias=cfg.mlp_bias,
+                                           sequence_parallel=sequence_parallel, backend=lin)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """down(...) (+ residual: down_proj fuses the add where exact, see RowParallelLinear)."""
+        x = column_input(x, self.group, self.sp)
+        gate, up = self.gate_proj, self.up_proj
+        if self.activation == "gelu_pytorch_tanh":  # HF GELUTanh: F.gelu(approximate="tanh")
+            h = recompute.run(geglu, gate(x), up(x), enabled=self.selective)
+        elif fused_gate_up(gate.backend, x.device) and gate.adapter is None and up.adapter is None:
+            # one GEMM reads both weights, SwiGLU in its epilogue (LoRA adapters: the unfused path)
+            h = fused_gate_up_swiglu(x, gate.weight, up.weight, gate.bias, up.bias)
+        else:  # selective recompute: the activation runs again in backward, gate/up outputs are kept
+            h = recompute.run(swiglu, gate(x), up(x), self.swiglu_backend, enabled=self.selective)
+        return self.down_proj(h, residual)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up

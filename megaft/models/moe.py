@@ -1,0 +1,278 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and its router statistics.
+
+`MoE` replaces a block's MLP where `ModelConfig.is_moe(layer)`:
+
+- the router (`gate.weight` [E, dim], replicated) runs in fp32: softmax over the experts,
+  top-k, the top-k weights renormalized when `norm_topk_prob` (transformers' order);
+- tokens are sorted by expert and each projection is one grouped GEMM over the stacked
+  expert weights (`experts.gate_proj`, `up_proj` [E, F, dim], `down_proj` [E, dim, F]; the
+  kernel is `kernels.grouped_gemm`, megaft.kernels.grouped_gemm); each token's k outputs
+  are put back in token order and summed with their weights in fp32 (no atomics: the
+  sum is the same on every layout);
+- Qwen2-MoE's shared expert: an MLP every token passes, scaled by sigmoid(shared_expert_gate).
+
+Tensor parallel (what megaft builds, and why): each expert is split like the dense MLP,
+gate/up by columns and down by rows (Megatron's expert tensor parallelism with etp = tp),
+so every tp rank holds a slice of every expert and sees every token of the micro-batch: no
+token moves between tp ranks beyond the MLP's own all-gather / reduce-scatter, and the
+router, replicated, decides the same experts on every rank. The routing weights enter the
+tp region like the activations (`column_input`), so their gradient, partial per rank, is
+summed there.
+
+Router statistics: each MoE layer records, for the tokens this rank routed, the top-k
+assignment counts and the routing probabilities summed per expert (and the z-loss sum);
+`router_losses` turns them into transformers' load-balancing loss. transformers pools the
+statistics over the MoE layers before the product (load_balancing_loss_func):
+aux = E * sum_e (C_e / (L T)) (P_e / (L T)), C and P summed over layers and tokens. Its
+gradient reaches the probabilities through P only (C counts), so with C and T summed over
+the ranks that hold the micro-batch's tokens (tp under sequence parallel, cp), each rank's
+share E * sum_e C_e P_local_e / (L T)^2 sums to the micro-batch's loss and back-propagates
+exactly its tokens' part: every layout equals the single process.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaft.kernels.config import KernelsConfig
+from megaft.kernels.grouped_gemm import grouped_mm
+from megaft.kernels.swiglu import swiglu
+from megaft.layers.linear import column_input
+from megaft.models import recompute
+from megaft.models.config import ModelConfig
+from megaft.models.mlp import MLP  # the shared expert
+from megaft.parallel.comm import Group, all_gather, all_reduce, group_rank, group_size
+from megaft.parallel.tensor.comm import reduce_from_tp, reduce_scatter_to_sp
+from megaft.parallel.tensor.shard import mark_sequence_parallel, mark_sharded
+
+
+@dataclass
+class RouterRecord:
+    """One MoE layer's statistics of the tokens this rank routed in one forward: top-k
+    assignments per expert, routing probabilities summed per expert (with grad), the z-loss
+    sum (with grad) and the token count."""
+    layer: int
+    counts: torch.Tensor
+    probs: torch.Tensor
+    z: torch.Tensor
+    tokens: torch.Tensor
+
+
+class RouterLog:
+    """The router statistics of one forward, shared by a model's MoE layers. A layer
+    records only while the log is open: the replay of a recomputed block in backward
+    (model.recompute=full) adds nothing."""
+
+    def __init__(self):
+        self.records: list[RouterRecord] = []
+        self.open = False
+        self.seq_len: Optional[int] = None  # the micro-batch's length before sequence-parallel padding
+
+    def start(self, seq_len: int) -> None:
+        self.records, self.open, self.seq_len = [], True, seq_len
+
+    def add(self, record: RouterRecord) -> None:
+        if self.open:
+            self.records.append(record)
+
+    def close(self) -> list[RouterRecord]:
+        self.open = False
+        records, self.records = self.records, []
+        return records
+
+
+@dataclass
+class RouterLosses:
+    """One micro-batch's router terms. `local`: this rank's share of
+    aux_coef * aux + z_coef * z (it carries the gradient; the shares of the ranks holding the
+    micro-batch's tokens, and of the pipeline stages, sum to the whole); `aux`, `z`: the
+    micro-batch's values; `counts`: [MoE layers here, experts] top-k assignments of its tokens."""
+    local: torch.Tensor
+    aux: torch.Tensor
+    z: torch.Tensor
+    counts: torch.Tensor
+    layers: list[int]  # the MoE layers of `counts`' rows
+
+
+@dataclass
+class RouterSums:
+    """A micro-batch's statistics over the MoE layers of one forward (a pipeline stage's, or all),
+    summed over the ranks holding its tokens ("whole") or this rank's part (with grad)."""
+    layers: list[int]
+    counts: torch.Tensor  # [layers, experts], whole
+    probs: torch.Tensor  # [experts], this rank's, summed over the layers: the gradient's path
+    z: torch.Tensor  # this rank's z-loss sum, with grad
+    whole_probs: torch.Tensor  # [experts], detached
+    whole_z: torch.Tensor  # detached
+    tokens: torch.Tensor  # the micro-batch's token count
+
+    def wire(self) -> torch.Tensor:
+        """[counts summed over layers (E), probs (E), z, tokens]: what a pipeline stage passes on."""
+        return torch.cat([self.counts.sum(0), self.whole_probs, self.whole_z.reshape(1), self.tokens.reshape(1)])
+
+
+def wire_size(cfg: ModelConfig) -> int:
+    """Length of RouterSums.wire for `cfg` (0 for a dense model)."""
+    return 2 * cfg.n_experts + 2 if cfg.n_experts > 0 else 0
+
+
+def sum_records(records: Sequence[RouterRecord], groups: Sequence[Group] = ()) -> Optional[RouterSums]:
+    """The records of one forward summed over its layers, their counts and values also over
+    `groups`, the process groups the micro-batch's tokens are split over (tp under sequence
+    parallel, cp); None without records."""
+    if not records:
+        return None
+    counts = torch.stack([r.counts for r in records])
+    probs = torch.stack([r.probs for r in records]).sum(0)
+    z = torch.stack([r.z for r in records]).sum()
+    tokens = records[0].tokens.to(torch.float32)
+    stats = torch.cat([counts.reshape(-1), probs.detach(), z.detach().reshape(1), tokens.reshape(1)])
+    for group in groups:
+        if group_size(group) > 1:
+            all_reduce(stats, group)
+    whole_counts, whole_probs, whole_z, whole_tokens = stats.split([counts.numel(), probs.numel(), 1, 1])
+    return RouterSums([r.layer for r in records], whole_counts.view_as(counts), probs, z, whole_probs,
+                      whole_z[0], whole_tokens[0])
+
+
+def router_terms(sums: Optional[RouterSums], total: torch.Tensor, n_layers: int, cfg: ModelConfig) -> RouterLosses:
+    """The router losses of a micro-batch whose statistics over all its `n_layers` MoE layers
+    are `total` (RouterSums.wire summed over every part of the model); `sums`: this part's
+    (None: a pipeline stage without MoE layers, whose share is zero)."""
+    n_experts = cfg.n_experts
+    counts, probs, z, tokens = total.split([n_experts, n_experts, 1, 1])
+    rows = n_layers * tokens[0]
+    c = counts / rows
+    aux = n_experts * (c * probs).sum() / rows
+    if sums is None:
+        return RouterLosses(torch.zeros((), device=total.device), aux, z[0] / rows,
+                            torch.zeros((0, n_experts), device=total.device), [])
+    local = (cfg.router_aux_loss_coef * n_experts * (c * sums.probs).sum() / rows
+             + cfg.router_z_loss_coef * sums.z / rows)
+    return RouterLosses(local, aux.detach(), (z[0] / rows).detach(), sums.counts, sums.layers)
+
+
+def router_losses(records: Sequence[RouterRecord], cfg: ModelConfig,
+                  groups: Sequence[Group] = ()) -> Optional[RouterLosses]:
+    """The load-balancing loss (transformers' load_balancing_loss_func, pooled over the MoE
+    layers of `records`: all of the model's) and the z-loss (mean over tokens and layers of
+    logsumexp(logits)^2) of a micro-batch; `groups` as for `sum_records`."""
+    sums = sum_records(records, groups)
+    return None if sums is None else router_terms(sums, sums.wire(), len(records), cfg)
+
+
+class Router(nn.Module):
+    """`weight` [experts, dim] (HF `mlp.gate.weight`); fp32 logits, softmax, top-k."""
+
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.top_k, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
+        if sequence_parallel:  # applied to sequence shards: grads summed over tp
+            mark_sequence_parallel(self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, probs, top-k weights, top-k experts), all fp32 but the indices."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        probs = torch.softmax(logits, dim=-1)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, probs, top, experts
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked weights, each split over tp like the dense MLP
+    (gate/up by their F rows, down by its F columns), and the grouped computation."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group, kernels: Optional[KernelsConfig], selective: bool):
+        super().__init__()
+        tp, f, e = group_size(group), cfg.expert_ffn, cfg.n_experts
+        if f % tp:
+            raise ValueError(f"Experts: the expert inner size {f} is not divisible by tp={tp}")
+        self.gate_proj = mark_sharded(nn.Parameter(torch.empty(e, f // tp, cfg.dim)), 1, f, f)
+        self.up_proj = mark_sharded(nn.Parameter(torch.empty(e, f // tp, cfg.dim)), 1, f, f)
+        self.down_proj = mark_sharded(nn.Parameter(torch.empty(e, cfg.dim, f // tp)), 2, f, f)
+        self.backend = _backend(kernels, "grouped_gemm")
+        self.swiglu_backend = _backend(kernels, "swiglu")
+        self.selective = selective
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[rows sorted by expert, dim] -> this rank's partial outputs (summed over tp later);
+        `counts`: rows per expert (int64, CPU)."""
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        if torch.is_autocast_enabled(x.device.type):  # the grouped kernels take one dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), tuple(w.to(dtype) for w in weights)
+        gate = grouped_mm(x, weights[0], counts, backend=self.backend)
+        up = grouped_mm(x, weights[1], counts, backend=self.backend)
+        h = recompute.run(swiglu, gate, up, self.swiglu_backend, enabled=self.selective)
+        return grouped_mm(h, weights[2], counts, backend=self.backend)
+
+
+def _backend(kernels: Optional[KernelsConfig], op: str) -> str:
+    return "torch" if kernels is None else kernels.for_op(op)
+
+
+class MoE(nn.Module):
+    """The sparse MLP of one block (see the module doc). Input and output as the dense
+    MLP's: [batch, seq, dim], a sequence shard under sequence parallel."""
+
+    def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool, log: RouterLog,
+                 kernels: Optional[KernelsConfig] = None, selective: bool = False, layer: int = 0):
+        super().__init__()
+        self.group, self.sp, self.log, self.n_experts = group, sequence_parallel, log, cfg.n_experts
+        self.layer = layer
+        self.gate = Router(cfg, sequence_parallel)
+        self.experts = Experts(cfg, group=group, kernels=kernels, selective=selective)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_ffn_dim:
+            shared = dataclasses.replace(cfg, ffn_dim=cfg.shared_expert_ffn_dim)
+            self.shared_expert = MLP(shared, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
+                                     selective=selective)
+            self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
+            if sequence_parallel:
+                mark_sequence_parallel(self.shared_expert_gate.weight)
+
+    def _record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> None:
+        """This rank's statistics, over its real tokens (not the sequence-parallel padding)."""
+        b, s, e = probs.shape
+        valid = None
+        if self.sp and self.log.seq_len is not None:
+            start = group_rank(self.group) * s
+            n = max(0, min(s, self.log.seq_len - start))
+            if n < s:
+                valid = slice(0, n)
+        if valid is not None:
+            logits, probs, experts = logits[:, valid], probs[:, valid], experts[:, valid]
+        counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
+        z = torch.logsumexp(logits, dim=-1).square().sum()
+        tokens = torch.tensor(float(probs.shape[0] * probs.shape[1]), device=probs.device)
+        self.log.add(RouterRecord(self.layer, counts, probs.reshape(-1, e).sum(0), z, tokens))
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits, probs, top, experts = self.gate(x)
+        self._record(logits, probs, experts)
+        # every tp rank computes its slice of every expert for the whole micro-batch
+        xs = column_input(x, self.group, self.sp)
+        weights = column_input(top, self.group, self.sp)  # grads of the weights: partial per rank, summed
+        if self.sp and group_size(self.group) > 1:
+            experts = all_gather(experts, 1, self.group)
+        b, s, d = xs.shape
+        k = experts.shape[-1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).cpu()
+        y = self.experts(xs.reshape(b * s, d)[order // k], counts)
+        y = torch.empty_like(y).index_copy(0, order, y)  # back to (token, slot) order
+        out = (y.view(b * s, k, d).float() * weights.reshape(b * s, k, 1)).sum(1).to(x.dtype).view(b, s, d)
+        out = reduce_scatter_to_sp(out, self.group) if self.sp else reduce_from_tp(out, self.group)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if residual is None else residual + out
