@@ -57,6 +57,7 @@ LAYOUTS = [
     ("mixtral", dict(tp=2), {}),
     ("qwen2_moe", dict(tp=2, sequence_parallel=True), {}),
     ("olmoe", dict(dp=2, zero=3), {}),
+    ("olmoe", dict(tp=2, sequence_parallel=True), {}),  # the full-width qk-norm's squares summed over tp
     ("qwen3_moe", dict(cp=2), {}),
     ("qwen2_moe", dict(tp=2, recompute="full"), {}),
     ("qwen3_moe", dict(pp=2), {}),
