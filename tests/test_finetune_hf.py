@@ -15,9 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL_LINES = ["hello world", "abc", "The quick brown fox 42", "Z"]
 
 
-def _reference_eval_loss(ckpt: str) -> float:
-    """transformers' token-weighted next-token loss over the eval lines, one line one sequence."""
-    model = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+def reference_eval_loss(ckpt: str) -> float:
+    """transformers' token-weighted next-token loss over the eval lines, one line one sequence
+    (the checkpoint's own *ForCausalLM class; tests/models/test_moe_training.py uses it too)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
     total, count = 0.0, 0
     with torch.no_grad():
@@ -50,7 +51,7 @@ def test_finetune_hf_checkpoint_on_jsonl(tmp_path):
     step0 = rows[0]
     assert step0["step"] == 0 and "eval_accuracy" not in step0  # file data defines no accuracy
     # fp32 forward in both; tp=2 reorders sums: 1e-5 relative.
-    assert abs(step0["eval_loss"] - _reference_eval_loss(str(ckpt))) <= 1e-5 * step0["eval_loss"]
+    assert abs(step0["eval_loss"] - reference_eval_loss(str(ckpt))) <= 1e-5 * step0["eval_loss"]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     exported = run / "hf"
     assert (exported / "tokenizer.json").exists()

@@ -14,10 +14,8 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
-import transformers
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
+from test_finetune_hf import EVAL_LINES, reference_eval_loss
 
 from megaft.config import Config
 from megaft.verify.run import run_verify
@@ -25,7 +23,6 @@ from models.hf_fixture import checkpoint_tensors
 from models.moe_fixture import make_hf_moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EVAL_LINES = ["hello world", "abc", "The quick brown fox 42", "Z"]
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +99,7 @@ def test_an_expert_without_tokens_trains_at_zero3_dp2(tmp_path, data):
     assert first["moe/0/tokens_max"] > 0 and first["moe/0/imbalance"] > 1
 
 
-def _eval_loss(ckpt: str) -> float:
-    """transformers' token-weighted next-token loss over the eval lines, one line one sequence."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for line in EVAL_LINES:
-            ids = torch.tensor([tok.encode(line).ids])
-            total += F.cross_entropy(model(ids).logits[0, :-1].double(), ids[0, 1:], reduction="sum").item()
-            count += ids.shape[1] - 1
-    return total / count
-
-
-def test_export_after_two_steps_reloads_in_transformers_with_the_final_eval_loss(tmp_path, data):
+def test_export_after_two_steps_reloads_in_transformers_with_the_finalreference_eval_loss(tmp_path, data):
     ckpt = tmp_path / "ckpt"
     make_hf_moe(str(ckpt), "qwen2_moe")
     evalf = tmp_path / "eval.jsonl"
@@ -131,9 +115,9 @@ def test_export_after_two_steps_reloads_in_transformers_with_the_final_eval_loss
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 2]
-    assert abs(evals[0]["eval_loss"] - _eval_loss(str(ckpt))) <= 1e-5 * evals[0]["eval_loss"]
+    assert abs(evals[0]["eval_loss"] - reference_eval_loss(str(ckpt))) <= 1e-5 * evals[0]["eval_loss"]
     exported = str(run / "hf")
-    assert abs(evals[-1]["eval_loss"] - _eval_loss(exported)) <= 1e-5 * evals[-1]["eval_loss"]
+    assert abs(evals[-1]["eval_loss"] - reference_eval_loss(exported)) <= 1e-5 * evals[-1]["eval_loss"]
     written, published = checkpoint_tensors(exported), checkpoint_tensors(str(ckpt))
     assert sorted(written) == sorted(published)  # mlp.experts.E.{gate,up,down}_proj.weight, shared expert
     assert not torch.equal(written["model.layers.0.mlp.experts.3.down_proj.weight"],

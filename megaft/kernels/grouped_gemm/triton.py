@@ -31,6 +31,19 @@ from megaft.kernels.grouped_gemm.offsets import offsets
 
 
 @triton.jit
+def _mma(acc, a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, fp32 accumulation (IEEE products for fp32 inputs; half types upcast when interpreted)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc += tl.dot(a, b, input_precision="ieee")
+    else:
+        acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
 def _grouped_rows_kernel(A, B, C, OFFS, n_cols, k, sam, sak, sbg, sbk, sbn, scm, scn,
                          IEEE: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -53,13 +66,7 @@ def _grouped_rows_kernel(A, B, C, OFFS, n_cols, k, sam, sak, sbg, sbk, sbn, scm,
                         other=0.0)
             b = tl.load(b_base + ks[:, None] * sbk + rn[None, :] * sbn,
                         mask=(ks[:, None] < k) & (rn[None, :] < n_cols), other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
+            acc = _mma(acc, a, b, IEEE, UPCAST)
         cmask = (rm[:, None] < end) & (rn[None, :] < n_cols)
         tl.store(C + rm[:, None] * scm + rn[None, :] * scn, acc.to(C.dtype.element_ty), mask=cmask)
 
@@ -83,13 +90,7 @@ def _grouped_wgrad_kernel(DY, X, DW, OFFS, m, k, sdym, sdyn, sxm, sxk, sdwg, sdw
                     other=0.0)
         b = tl.load(X + rows[:, None] * sxm + rn[None, :] * sxk, mask=(rows[:, None] < end) & (rn[None, :] < k),
                     other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc = _mma(acc, a, b, IEEE, UPCAST)
     dw = DW + g.to(tl.int64) * sdwg + rm[:, None] * sdwn + rn[None, :] * sdwk
     tl.store(dw, acc.to(DW.dtype.element_ty), mask=(rm[:, None] < m) & (rn[None, :] < k))
 
