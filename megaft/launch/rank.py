@@ -108,12 +108,27 @@ def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0, spec=Non
         raise
     if env.rank == 0 and "SLURM_JOB_ID" in os.environ:
         record_restarts(run_dir, restart_count())  # requeues so far, into summary.json when finished
+    if summary.get("stopped_by") and "SLURM_JOB_ID" in os.environ:
+        mark_stopped(run_dir)
     if summary.get("requeue") and env.rank == 0:
         requeue(cfg.launcher.max_requeue)
     elif summary.get("stopped_by") and env.rank == 0:
         print(f"megaft: stopped by {summary['stopped_by']} after saving a checkpoint; not requeued (SIGTERM: "
               "Slurm decides whether the job comes back); run again in the same directory to resume", flush=True)
     return summary
+
+
+STOPPED_MARK = ".stopped"  # in the run directory: a rank stopped after a checkpoint (slurm/train_srun.sbatch)
+
+
+def mark_stopped(run_dir: str) -> None:
+    """Every rank notes that it stopped after saving: under `srun --kill-on-bad-exit` the first
+    rank's exit 75 gets the others terminated (143), and the batch script then still reports 75."""
+    try:
+        with open(os.path.join(run_dir, STOPPED_MARK), "w") as f:
+            f.write(os.environ.get("SLURM_JOB_ID", "") + "\n")
+    except OSError:  # the exit status is then srun's own
+        pass
 
 
 def local_worker(local_rank: int, cfg: Config, run_dir: str, nproc: int, init_file: str, spec=None) -> None:
