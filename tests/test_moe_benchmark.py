@@ -108,7 +108,7 @@ def test_matmul_work_by_hand():
 
 def test_the_cpu_grouped_mm_row_runs_torch_grouped_mm(monkeypatch):
     if not hasattr(torch, "_grouped_mm"):
-        pytest.skip("this torch has no torch._grouped_mm")
+        pytest.skip(reason="this torch has no torch._grouped_mm")
     calls = []
     original = torch._grouped_mm
 
