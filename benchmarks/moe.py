@@ -57,6 +57,7 @@ batch as one rank's micro-batch: each of its tokens' top_k rows leaves the rank 
 expert lives on another rank (dispatch) and comes back (combine), so
 
     formula (uniform routing) = 2 x tokens x top_k x (ep - 1) / ep x dim x bytes per element
+                                (megaft.perf.counts.a2a_bytes, what megaft-plan's ep_comm prices)
     exact (the measured routing, batch on rank r) = 2 x (rows whose expert is not in r's block) x dim x bytes
 
 The exact count depends on which rank holds the batch; the table gives its min and max
@@ -81,6 +82,7 @@ import torch
 
 from benchmarks.kernels.harness import quantile, time_calls
 from benchmarks.train_step.measure import round_orders, split_steps
+from megaft.perf.counts import a2a_bytes
 
 TOL = 1e-5  # relative (to the reference's largest |value|) max-abs difference allowed, fp32
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
@@ -154,9 +156,9 @@ def matmul_rate(device: torch.device, reps: int = 20) -> float:
 # ---------------------------------------------------------------- all-to-all bytes
 
 
-def a2a_formula_bytes(tokens: int, top_k: int, dim: int, elem_bytes: int, ep: int) -> float:
-    """Bytes one rank sends and gets back (dispatch + combine) under uniform routing."""
-    return 2 * tokens * top_k * (ep - 1) / ep * dim * elem_bytes
+# Bytes one rank sends and gets back (dispatch + combine) under uniform routing: the count
+# megaft's cost model prices (megaft.perf.counts.a2a_bytes, the time model's ep_comm).
+a2a_formula_bytes = a2a_bytes
 
 
 def remote_rows(experts: torch.Tensor, n_experts: int, ep: int, rank: int) -> int:

@@ -21,6 +21,7 @@ from megaft.device import resolve_device
 from megaft.kernels.config import KernelsConfig, check_kernels
 from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.models.config import ModelConfig, check_model
+from megaft.models.moe_config import MoEConfig, check_moe
 from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
 from megaft.peft.config import LoraConfig, check_lora, check_lora_model
@@ -59,6 +60,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)  # megaft-plan only
     commbench: CommbenchConfig = field(default_factory=CommbenchConfig)  # megaft-commbench only
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (megaft.peft); rank 0 = off
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts routing (megaft.models.moe_config)
 
 
 class ConfigError(ValueError):
@@ -224,6 +226,25 @@ def _softcap_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def _expert_problems(cfg: Config) -> list[str]:
+    """parallel.ep against the model: experts to split, evenly."""
+    ep, experts = cfg.parallel.ep, cfg.model.n_experts
+    if ep == 1:
+        return []
+    if experts == 0:
+        return [f"parallel.ep={ep} splits the experts of a mixture of experts, and model.arch={cfg.model.arch} is "
+                "dense; fix: parallel.ep=1"]
+    problems = []
+    if experts % ep:
+        problems.append(f"parallel.ep={ep} does not divide model.n_experts={experts}: each ep rank holds "
+                        f"n_experts/ep experts; fix: parallel.ep among the common divisors of {experts} and dp*cp")
+    if cfg.data.path is None:  # the generated task's accuracy: greedy generation stops unevenly per dp rank
+        problems.append(f"parallel.ep={ep} cannot evaluate the generated task data.task={cfg.data.task} (its greedy "
+                        "generation runs a different number of forwards per dp rank, and every MoE layer exchanges "
+                        "tokens across them); fix: train on a file (data.path=...), or parallel.ep=1")
+    return problems
+
+
 def check_resolved(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None = None) -> list[str]:
     """Problems of the architecture and layout once `resolve` filled them in, then of the
     memory estimate when there are none (it needs a consistent config): pure."""
@@ -240,7 +261,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems = check_model(cfg.model, cfg.parallel.tp)
     problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
                                  tp=cfg.parallel.tp)
-    problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg)
+    problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
+    problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
                         "fix: lower data.seq_len or raise model.max_seq_len")

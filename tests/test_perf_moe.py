@@ -2,7 +2,8 @@
 models' (every family's shape, tp 1 and 2, pipeline ranks, LoRA), FLOPs count the active
 weights only, the activation estimate equals the bytes a forward saves, and the memory
 estimate and the planner's compute move with top_k and the expert count as the formulas
-in megaft.perf.counts say."""
+in megaft.perf.counts say. Under expert parallelism (parallel.ep) a rank's routed experts,
+their ZeRO shards (over dp*cp/ep), the dispatch buffers and the all-to-all time, by hand."""
 from __future__ import annotations
 
 import os
@@ -19,19 +20,23 @@ from megaft.models.init import init_params
 from megaft.peft.config import LoraConfig
 from megaft.peft.lora import adapters, apply_lora
 from megaft.perf.counts import (
+    a2a_bytes,
     activation_bytes_per_token,
     adapter_layer_params,
+    expert_params,
     flops_per_token,
     head_forward_flops,
     layer_forward_flops,
     layer_params,
     matmul_params,
+    moe_dispatch_bytes_per_token,
     moe_weight_copy_bytes,
+    rank_expert_params,
     rank_params,
     total_params,
 )
 from megaft.perf.memory import estimate_ranks
-from megaft.perf.time import _stage_costs, step_cost
+from megaft.perf.time import _stage_costs, all_to_all_s, step_cost
 from megaft.pipeline.stage import StageModel
 from megaft.plan.config import ClusterConfig
 
@@ -327,3 +332,152 @@ def test_memory_estimate_grows_with_top_k_and_experts():
     every = activation_bytes_per_token(full.model, tp=1, sequence_parallel=False, precision="bf16", layer=0)
     assert estimate_ranks(full, 1)[0].activations == (layers * tokens * d * 4 + tokens * every + 4 * 3 * d * f * 2
                                                       + 2 * tokens * 50 * 4)
+
+
+# --- expert parallelism (parallel.ep) --------------------------------------------------------
+#
+# mixtral_tiny(2) by hand: per block attention q/o 64x64, k/v 64x32 (12288), two norms (128) and
+# the router 4 x 64 (256), the dense part every rank holds; 4 experts of 3 x 64 x 128 (24576 each).
+# Embedding and untied head 50 x 64 each, the final norm 64.
+BLOCK_DENSE, EXPERT = 12288 + 128 + 256, 3 * 64 * 128
+TINY_DENSE = 2 * BLOCK_DENSE + 2 * 50 * 64 + 64  # 31808: replicated over dp x cp whatever ep
+TINY_EXPERTS = 2 * 4 * EXPERT  # 196608: the routed experts of both blocks, split over ep
+
+
+def test_rank_params_divide_the_routed_experts_by_ep():
+    m = mixtral_tiny(2)
+    assert rank_params(m, tp=1, pp=1, vpp=1) == [TINY_DENSE + TINY_EXPERTS] == [228416]
+    for ep in (2, 4):
+        assert rank_params(m, tp=1, pp=1, vpp=1, ep=ep) == [TINY_DENSE + TINY_EXPERTS // ep]
+        assert rank_expert_params(m, tp=1, pp=1, vpp=1, ep=ep) == [TINY_EXPERTS // ep]
+        assert expert_params(m, 0, 1, ep) == 4 // ep * EXPERT
+        assert layer_params(m, 1, 0, ep) == BLOCK_DENSE + 4 // ep * EXPERT
+    # tp splits each expert's F as before; pp: each rank its block's experts / ep, the ends their vocab
+    assert rank_params(m, tp=2, pp=1, vpp=1, ep=2) == [rank_params(m, tp=2, pp=1, vpp=1)[0] - TINY_EXPERTS // 4]
+    assert rank_params(m, tp=1, pp=2, vpp=1, ep=2) == [BLOCK_DENSE + 3200 + 2 * EXPERT,
+                                                       BLOCK_DENSE + 3200 + 64 + 2 * EXPERT]
+    # Qwen2-MoE-like: the shared expert (48) and its gate stay whole, the dense block too; only the routed halve
+    q2 = moe("qwen2_moe")
+    routed = 2 * 4 * 3 * 64 * 32  # two MoE blocks of 4 experts of F 32
+    assert rank_params(q2, tp=1, pp=1, vpp=1, ep=2) == [total_params(q2) - routed // 2]
+    assert [expert_params(q2, i, 1, 2) for i in range(3)] == [2 * 3 * 64 * 32, 0, 2 * 3 * 64 * 32]
+    # the whole-model counts do not change: FLOPs count the active experts, wherever they live
+    assert total_params(q2) == rank_params(q2, tp=1, pp=1, vpp=1)[0]
+
+
+def test_memory_at_ep2_halves_the_expert_part_only():
+    """fp32, dp=2, ZeRO 0: params/grads/moments of the dense part as at ep=1, of the experts
+    half; activations gain the dispatch buffers (send + receive, top_k rows of dim per token)."""
+    tokens, k, d = 2 * 32, 2, 64
+    one = estimate_ranks(run_config(mixtral_tiny(2), dp=2), 2)[0]
+    two = estimate_ranks(run_config(mixtral_tiny(2), dp=2, ep=2), 2)[0]
+    assert (one.params, one.grads, one.optimizer) == (4 * 228416, 4 * 228416, 8 * 228416)
+    assert two.params == two.grads == 4 * (TINY_DENSE + TINY_EXPERTS // 2) == 4 * 130112
+    assert two.optimizer == 8 * (TINY_DENSE + TINY_EXPERTS // 2)
+    assert one.params - two.params == 4 * TINY_EXPERTS // 2  # the expert part halves, nothing else moves
+    assert two.activations - one.activations == 2 * tokens * (2 * k * d * 4)  # two MoE blocks' buffers, fp32
+    assert two.buffers == one.buffers == 0
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_at_ep2_shards_the_experts_over_their_own_replicas(zero):
+    """dp=4, ep=2: the dense part shards over the 4 replicas, each rank's half of the experts
+    over the 2 ranks holding the same experts (dp*cp/ep); ZeRO-3 gathers blocks of 2 experts."""
+    cfg = run_config(mixtral_tiny(2), dp=4, ep=2, zero=zero)
+    est = estimate_ranks(cfg, 4)[0]
+    mine = TINY_EXPERTS // 2  # this rank's 2 experts of each block
+
+    def sharded(nbytes: int, stage: int) -> int:
+        return (TINY_DENSE * nbytes // 4 + mine * nbytes // 2) if zero >= stage else (TINY_DENSE + mine) * nbytes
+
+    assert est.optimizer == sharded(8, 1)
+    assert est.grads == sharded(4, 2)
+    assert est.params == sharded(4, 3)
+    bucket = int(2 * cfg.parallel.bucket_mb * 2 ** 20)  # ZeRO-2/3's reduce-scatter scratch
+    gathered = 2 * 2 * (BLOCK_DENSE + 2 * EXPERT) * 4  # ZeRO-3: the running and the next block, params and grads
+    assert est.buffers == (0 if zero < 2 else bucket) + (gathered if zero == 3 else 0)
+    # against ep=1 (all 4 experts, every part over the 4 replicas): the dense part is the same
+    base = estimate_ranks(run_config(mixtral_tiny(2), dp=4, zero=zero), 4)[0]
+    if zero == 3:
+        assert base.params == 228416 * 4 // 4 and est.params == TINY_DENSE + 2 * mine
+    assert base.optimizer == 228416 * 8 // 4 and est.optimizer == 2 * TINY_DENSE + 4 * mine
+
+
+def test_dispatch_buffers_per_moe_block_in_flight():
+    """The all-to-all's send and receive buffers: 2 x tokens x top_k x dim in the compute
+    dtype per MoE block, for every micro-batch in flight, only at ep > 1; the bf16 copies of
+    the expert weights the grouped GEMMs keep hold the rank's n_experts/ep experts."""
+    d, k, f, tokens = 64, 2, 128, 2 * 32
+    m = mixtral_tiny(2)
+    assert moe_dispatch_bytes_per_token(m, half=2, ep=2) == 2 * k * d * 2
+    assert moe_dispatch_bytes_per_token(m, half=2, ep=1) == 0
+    assert moe_weight_copy_bytes(m, tp=1, layer=0, copies=True, ep=2) == 3 * 2 * d * f * 2
+    per_token = dict(tp=1, sequence_parallel=False, precision="bf16")
+    assert (activation_bytes_per_token(m, ep=4, **per_token) - activation_bytes_per_token(m, **per_token)
+            == 2 * k * d * 2)
+    q2 = mixtral_tiny(3, **QWEN2_LIKE, mlp_only_layers=[1])  # a dense block gets no buffers
+    assert (activation_bytes_per_token(q2, layer=1, ep=2, **per_token)
+            == activation_bytes_per_token(q2, layer=1, **per_token))
+
+    def acts(ep: int, **kw) -> list[int]:
+        cfg = run_config(mixtral_tiny(2, **kw), precision="bf16", dp=2, ep=ep)
+        return [e.activations for e in estimate_ranks(cfg, 2 * cfg.parallel.pp)]
+
+    buffers, copies = tokens * 2 * k * d * 2, 3 * 2 * d * f * 2  # per block: the buffers, the halved copies
+    assert acts(2)[0] - acts(1)[0] == 2 * (buffers - copies)
+    # full recompute: blocks keep their input only; the one being recomputed holds its buffers again
+    assert acts(2, recompute="full")[0] - acts(1, recompute="full")[0] == buffers - copies
+    # pp=2, 1f1b with 4 micro-batches: rank 0 holds 2 in flight, rank 1 one, of its one MoE block
+    cfg = run_config(mixtral_tiny(2), precision="bf16", dp=2, ep=2, pp=2)
+    cfg.train.global_batch_size = 4 * 2 * 2
+    base = run_config(mixtral_tiny(2), precision="bf16", dp=2, pp=2)
+    base.train.global_batch_size = 4 * 2 * 2
+    diff = [a.activations - b.activations for a, b in zip(estimate_ranks(cfg, 4), estimate_ranks(base, 4))]
+    assert diff == [2 * (buffers - copies), buffers - copies]
+
+
+def test_ep1_figures_are_unchanged():
+    """ep=1 is the layout without expert parallelism: no buffers, every expert on every rank,
+    no ep_comm."""
+    m = mixtral_tiny(2)
+    assert rank_params(m, tp=2, pp=1, vpp=1, ep=1) == rank_params(m, tp=2, pp=1, vpp=1)
+    assert rank_expert_params(m, tp=1, pp=1, vpp=1) == [TINY_EXPERTS]
+    cost = step_cost(run_config(m, dp=4, zero=1), cluster(), 4)
+    assert cost.terms["ep_comm"] == 0.0
+
+
+def test_time_model_prices_the_all_to_alls():
+    """ep_comm: per MoE block and pass (forward, backward; the recomputed forward again under
+    full) the dispatch and combine of the rank's tokens' top_k rows, counts.a2a_bytes at
+    NVLink's rate inside a node; the experts' ZeRO traffic and Adam state over dp*cp/ep."""
+    from benchmarks.moe import a2a_formula_bytes
+
+    assert a2a_formula_bytes is a2a_bytes  # the benchmark checks the count the model prices
+    h100, tokens, k, d, seq = cluster(), 2 * 32, 2, 64, 32
+    link = h100.nvlink_gbps * 1e9 * h100.comm_fraction
+    lat = h100.nvlink_latency_us * 1e-6
+    for ep, precision, act in ((2, "bf16", 2), (4, "fp32", 4)):
+        cfg = run_config(mixtral_tiny(2), dp=4, ep=ep, zero=1, precision=precision, seq=seq)
+        one_pass = a2a_bytes(tokens, k, d, act, ep) / link + 2 * (ep - 1) * lat
+        assert a2a_bytes(tokens, k, d, act, ep) == 2 * tokens * k * (ep - 1) / ep * d * act
+        cost = step_cost(cfg, h100, 4)
+        assert cost.terms["ep_comm"] == pytest.approx(2 * 2 * one_pass, rel=1e-12)  # 2 MoE blocks x (f + b)
+        base = step_cost(run_config(mixtral_tiny(2), dp=4, zero=1, precision=precision, seq=seq), h100, 4)
+        assert cost.terms["compute"] == base.terms["compute"]  # every rank computes top_k rows per token still
+        # the Adam state of the rank's experts is sharded over dp*cp/ep ranks instead of dp*cp
+        owned = TINY_DENSE / 4 + TINY_EXPERTS / ep / (4 // ep)
+        assert cost.terms["optimizer"] == pytest.approx(owned * 32 / (h100.hbm_tbps * 1e12), rel=1e-12)
+        # ZeRO-1's all-gather of the updated params: the dense part over the 4 replicas, then the rank's
+        # experts over the 4/ep holding the same ones (none to gather at ep=4), ring formulas over NVLink
+        experts = 4 // ep
+        gather = (3 / 4 * TINY_DENSE * 4 / link + 3 * lat
+                  + ((experts - 1) / experts * TINY_EXPERTS / ep * 4 / link + (experts - 1) * lat))
+        assert cost.terms["param_gather"] == pytest.approx(gather, rel=1e-12)
+        assert base.terms["param_gather"] == pytest.approx(3 / 4 * 228416 * 4 / link + 3 * lat, rel=1e-12)
+        full = run_config(mixtral_tiny(2, recompute="full"), dp=4, ep=ep, zero=1, precision=precision, seq=seq)
+        assert step_cost(full, h100, 4).terms["ep_comm"] == pytest.approx(3 / 2 * cost.terms["ep_comm"], rel=1e-12)
+    # across nodes: an ep group of 4 ranks tp=4 apart spans two 8-GPU nodes; each rank's rows to the other
+    # node (2 of its 3 peers) leave by its NIC, the rest cross NVLink at the same time
+    ib = h100.ib_gbps * 1e9 * h100.comm_fraction
+    assert all_to_all_s(3e6, 4, h100, 4) == pytest.approx(max(2e6 / ib, 1e6 / link) + 3 * h100.ib_latency_us * 1e-6)
+    assert all_to_all_s(3e6, 1, h100) == 0.0

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megaft.checkpoint import io
-from megaft.parallel.tensor.shard import local_from_full, shard_of
+from megaft.parallel.tensor.shard import expert_slice_of, full_shape, local_from_full, shard_of
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 # The fp32 values of the params: the saved fp32 masters (optim.master_weights, laid out like the
@@ -41,16 +41,20 @@ def _offset(view: torch.Tensor, base: torch.Tensor) -> int:
 
 
 def param_index(model: nn.Module, flat) -> list[list[dict[str, Any]]]:
-    """Per flat group, per parameter: name, shape, offset and tp split (saved with each shard)."""
+    """Per flat group, per parameter: name, shape, offset, tp split and, for routed experts
+    split over ep, the experts held (saved with each shard)."""
     names = {id(p): name for name, p in model.named_parameters()}
     index = []
     for group in flat.groups:
         entries = []
         for p in group.params:
-            spec = shard_of(p)
-            entries.append({"name": names[id(p)], "shape": tuple(p.shape), "offset": _offset(p.data, group.data),
-                            "split": None if spec is None else (spec.dim, spec.full, spec.padded,
-                                                                getattr(spec, "replicas", 1))})
+            spec, experts = shard_of(p), expert_slice_of(p)
+            entry = {"name": names[id(p)], "shape": tuple(p.shape), "offset": _offset(p.data, group.data),
+                     "split": None if spec is None else (spec.dim, spec.full, spec.padded,
+                                                         getattr(spec, "replicas", 1))}
+            if experts is not None:
+                entry["experts"] = (*experts.bounds, experts.experts)
+            entries.append(entry)
         index.append(entries)
     return index
 
@@ -83,14 +87,21 @@ def _load(path: str, rank: int) -> dict[str, Any]:
     return state
 
 
-def _full_moments(shards: list[dict[str, Any]], key: str) -> list[torch.Tensor]:
-    """Whole moment buffers of one tp/pp coordinate, assembled from its dp ranks' ranges."""
+def _full_moments(shards: list[dict[str, Any]], key: str, ep_rank: int) -> list[torch.Tensor]:
+    """Whole moment buffers of one tp/pp coordinate, assembled from its dp×cp ranks' ranges:
+    a buffer of routed experts split over ep from the ranks of ep rank `ep_rank` only."""
     out = [torch.zeros(p.numel(), dtype=torch.float32) for p in shards[0]["params"]]  # fp32 even for bf16 params
     for state in shards:
+        mine = state["ep_rank"] == ep_rank
         for g, ranges in enumerate(_ranges(state)):
-            for lo, hi, at in ranges:
-                out[g][lo:hi] = state[key][g][at:at + hi - lo]
+            if mine or not _is_expert(state["index"][g]):
+                for lo, hi, at in ranges:
+                    out[g][lo:hi] = state[key][g][at:at + hi - lo]
     return out
+
+
+def _is_expert(entries: list[dict[str, Any]]) -> bool:
+    return bool(entries) and "experts" in entries[0]
 
 
 class _Saved:
@@ -98,8 +109,9 @@ class _Saved:
 
     def __init__(self, path: str, manifest: dict[str, Any]):
         lay = manifest["layout"]
-        self.tp = lay["tp"]
-        self.pieces: dict[str, dict[int, dict[str, Any]]] = {}  # name -> saved tp rank -> piece
+        self.tp, ep, replicas = lay["tp"], lay.get("ep", 1), lay["dp"] * lay.get("cp", 1)
+        # name -> (saved tp rank, saved ep rank) -> piece; ep rank 0 alone for all but split experts
+        self.pieces: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
         self.first = _load(path, 0)
         # Rank order: tp fastest, then cp, dp, pp. The dp×cp replicas hold the same parameters;
         # moments sharded over them (ZeRO) need every replica's shard, otherwise replica 0 suffices.
@@ -107,30 +119,46 @@ class _Saved:
         # [0, numel/dp), which starts at 0 and ends at its own moment's length.)
         sharded = any(sum(hi - lo for lo, hi, _ in ranges) != p.numel()
                       for ranges, p in zip(_ranges(self.first), self.first["params"]))
+        # Experts split over ep: the first ep replicas hold one slice each.
         coords: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for rank in range(lay["world_size"]):
-            if not sharded and (rank // lay["tp"]) % (lay["dp"] * lay.get("cp", 1)) != 0:
+            if not sharded and (rank // lay["tp"]) % replicas >= ep:
                 continue
             state = self.first if rank == 0 else _load(path, rank)
             c = state["coords"]
+            state["ep_rank"] = (c["dp_rank"] * lay.get("cp", 1) + c.get("cp_rank", 0)) % ep
             coords.setdefault((c["tp_rank"], c["pp_rank"]), []).append(state)
         for (tp_rank, _), shards in coords.items():
             shards.sort(key=lambda s: (s["coords"]["dp_rank"], s["coords"].get("cp_rank", 0)))  # replica order
-            tensors = {"params": shards[0]["params"]}
-            tensors.update({k: _full_moments(shards, k) for k in _MOMENTS})
-            tensors[_MASTERS] = (_full_moments(shards, _MASTERS) if shards[0].get(_MASTERS)
-                                 else [p.float() for p in shards[0]["params"]])
-            for g, entries in enumerate(shards[0]["index"]):
-                for e in entries:
-                    lo = e["offset"]
-                    hi = lo + int(torch.Size(e["shape"]).numel())
-                    piece = {k: t[g][lo:hi].view(e["shape"]) for k, t in tensors.items()}
-                    piece["split"] = e["split"]
-                    self.pieces.setdefault(e["name"], {})[tp_rank] = piece
+            for ep_rank in range(ep):
+                self._add(tp_rank, ep_rank, shards)
+
+    def _add(self, tp_rank: int, ep_rank: int, shards: list[dict[str, Any]]) -> None:
+        """The pieces of saved tp rank `tp_rank` and ep rank `ep_rank` (its experts; the rest at ep rank 0)."""
+        first = next(s for s in shards if s["ep_rank"] == ep_rank)
+        tensors = {"params": first["params"]}
+        tensors.update({k: _full_moments(shards, k, ep_rank) for k in _MOMENTS})
+        tensors[_MASTERS] = (_full_moments(shards, _MASTERS, ep_rank) if first.get(_MASTERS)
+                             else [p.float() for p in first["params"]])
+        for g, entries in enumerate(first["index"]):
+            if ep_rank > 0 and not _is_expert(entries):
+                continue
+            for e in entries:
+                lo = e["offset"]
+                hi = lo + int(torch.Size(e["shape"]).numel())
+                piece = {k: t[g][lo:hi].view(e["shape"]) for k, t in tensors.items()}
+                piece["split"] = e["split"]
+                self.pieces.setdefault(e["name"], {})[(tp_rank, ep_rank)] = piece
 
     def full(self, name: str, key: str) -> torch.Tensor:
-        """The whole, unpadded tensor `key` (params/exp_avg/exp_avg_sq/masters) of parameter `name`."""
-        by_tp = self.pieces[name]
+        """The whole, unpadded tensor `key` (params/exp_avg/exp_avg_sq/masters) of parameter `name`:
+        routed experts split over ep joined along dim 0 after each slice's tp pieces."""
+        slices = sorted({ep_rank for _, ep_rank in self.pieces[name]})
+        return torch.cat([self._tp_joined(name, key, e) for e in slices]) if len(slices) > 1 else \
+            self._tp_joined(name, key, 0)
+
+    def _tp_joined(self, name: str, key: str, ep_rank: int) -> torch.Tensor:
+        by_tp = {tp: piece for (tp, e), piece in self.pieces[name].items() if e == ep_rank}
         split = by_tp[0]["split"]
         if split is None:
             return by_tp[0][key]  # replicated over tp
@@ -157,16 +185,13 @@ def _fill_group(saved: _Saved, path: str, group, names: dict[int, str], grid) ->
         off, n = _offset(p.data, group.data), p.numel()
         targets = [(_MASTERS, p.data)]  # rounded into bf16 params, as the optimizer's step does
         targets += [(k, whole[k][off:off + n].view_as(p)) for k in _MOMENTS + (_MASTERS,)]
-        spec = shard_of(p)
-        want = list(p.shape)
-        if spec is not None:
-            want[spec.dim] = spec.full
+        want = list(full_shape(p, grid.tp_size))
         for key, dst in targets:
             full = saved.full(name, key)
             if list(full.shape) != want:  # checked whole: cutting a tp piece must not hide a size change
                 raise ValueError(f"parameter {name}: checkpoint holds {tuple(full.shape)}, this model "
                                  f"{tuple(want)}; fix: resume with the model config the checkpoint was saved with")
-            dst.copy_(local_from_full(full, p, grid.tp_rank, grid.tp_size) if spec else full)
+            dst.copy_(local_from_full(full, p, grid.tp_rank, grid.tp_size))
     return whole
 
 

@@ -3,8 +3,8 @@
 A rank's shard holds its flat fp32 parameter buffers (FlatParams groups, i.e. its
 tp shard of every weight), AdamW's exp_avg/exp_avg_sq/step_count, its RNG states
 and the step. The data stream and the LR schedule are pure functions of the
-step, so the step is the whole data position. The layout (tp/dp/pp, world size
-and this rank's coordinates) and an index of the flat buffers (names, offsets, tp
+step, so the step is the whole data position. The layout (tp/dp/pp, cp and ep when > 1,
+world size and this rank's coordinates) and an index of the flat buffers (names, offsets, tp
 splits, the ranges its ZeRO-sharded moments cover) are saved too: loading at another
 layout or ZeRO stage reshards (megaft.checkpoint.reshard) or is refused with a clear error.
 With `optim.master_weights` the parameter buffers are bf16 and the shard adds the fp32
@@ -72,6 +72,8 @@ def layout(grid: ParallelGrid) -> dict[str, int]:
     out = {"tp": grid.tp_size, "dp": grid.dp_size, "pp": grid.pp_size, "world_size": grid.world_size}
     if grid.cp_size > 1:
         out["cp"] = grid.cp_size
+    if grid.ep_size > 1:
+        out["ep"] = grid.ep_size
     return out
 
 
@@ -175,7 +177,8 @@ def check_layout(saved: dict[str, int], grid: ParallelGrid, path: str,
         return
 
     def fmt(d: dict[str, int], sep: str = " ", prefix: str = "") -> str:
-        return sep.join(f"{prefix}{k}={d.get(k, 1)}" for k in ("tp", "cp", "dp", "pp"))
+        axes = ("tp", "cp", "dp", "pp") + (("ep",) if "ep" in saved or "ep" in now else ())
+        return sep.join(f"{prefix}{k}={d.get(k, 1)}" for k in axes)
 
     raise LayoutMismatchError(
         f"checkpoint {path} was saved with {fmt(saved)} (world size {saved['world_size']}), resuming with "
@@ -277,7 +280,8 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
         raise
     moved = ("another parallel.zero or bucket_mb" if same else
              "tp={tp} dp={dp} pp={pp}".format(**manifest["layout"]) + f" cp={manifest['layout'].get('cp', 1)}"
-             + f" to tp={grid.tp_size} dp={grid.dp_size} pp={grid.pp_size} cp={grid.cp_size}")
+             + f" ep={manifest['layout'].get('ep', 1)}"
+             + f" to tp={grid.tp_size} dp={grid.dp_size} pp={grid.pp_size} cp={grid.cp_size} ep={grid.ep_size}")
     restore_compression(reducer, None, step, why=f"resharded from {moved}; the state is per dp rank and per "
                         "bucket layout, it cannot be mapped")
     return step

@@ -49,7 +49,7 @@ def process_group(cfg: Config, env: DistEnv, run_dir: str,
     dist.init_process_group(backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size,
                             timeout=timeout)
     try:
-        grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp,
+        grid = ParallelGrid.build(tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp, ep=cfg.parallel.ep,
                                   dp=resolve_dp(cfg.parallel, env.world_size), device=device, timeout=timeout)
         if env.world_size > 1:
             health.announce(run_dir, env.rank, grid.coords)

@@ -35,7 +35,8 @@ from megaft.models.attention import Attention, op_backend
 from megaft.models.config import ModelConfig
 from megaft.models.docs import Docs
 from megaft.models.mlp import MLP
-from megaft.models.moe import MoE, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
+from megaft.models.moe import GlobalCounts, MoE, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
+from megaft.models.moe_config import MoEConfig
 from megaft.models.rope import rope_init, rope_tables
 from megaft.models.softcap import softcap
 from megaft.parallel.comm import Group, group_rank, group_size
@@ -47,7 +48,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
                  kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none",
-                 log: Optional[RouterLog] = None):
+                 log: Optional[RouterLog] = None, ep_group: Group = None, routing: Optional[MoEConfig] = None):
         super().__init__()
         self.dropout, self.full_recompute = cfg.dropout, recompute == "full"
         selective = recompute == "selective"  # the attention core and the MLP activation
@@ -65,7 +66,7 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         if cfg.is_moe(layer):  # a mixture of experts (megaft.models.moe) records its router statistics in `log`
             self.mlp = MoE(cfg, group=group, sequence_parallel=sequence_parallel, log=log or RouterLog(),
-                           kernels=kernels, selective=selective, layer=layer)
+                           kernels=kernels, selective=selective, layer=layer, ep_group=ep_group, routing=routing)
         else:
             self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                            selective=selective)
@@ -187,12 +188,15 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
                  kernels: Optional[KernelsConfig] = None, layer_ids=None, embedding: bool = True,
-                 head: bool = True, keyed: bool = False, stage_ranges=None):
+                 head: bool = True, keyed: bool = False, stage_ranges=None, ep_group: Group = None,
+                 routing: Optional[MoEConfig] = None):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building")
         self.cfg, self.group, self.sp = cfg, group, sequence_parallel and group_size(group) > 1
         self.kernels = kernels  # KernelsConfig of the fused ops (None = the torch references)
+        self.routing = routing or MoEConfig()  # moe.*: expert capacity, balancing scope (mixtures of experts)
+        self.global_counts: Optional[GlobalCounts] = None  # moe.aux_scope=global_batch: set for each step
         layer_ids = range(cfg.n_layers) if layer_ids is None else layer_ids
         # model.recompute applies to the first recompute_layers blocks of each pipeline stage
         again = recompute.recomputed_layers(stage_ranges or [layer_ids], cfg.recompute_layers)
@@ -202,7 +206,8 @@ class Decoder(nn.Module):
         self.router_log = RouterLog()  # the MoE layers' statistics of the last forward
         self.token_groups: list = []  # the groups a micro-batch's tokens are split over (router statistics)
         blocks = {str(i): Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels, layer=i,
-                                recompute=cfg.recompute if i in again else "none", log=self.router_log)
+                                recompute=cfg.recompute if i in again else "none", log=self.router_log,
+                                ep_group=ep_group, routing=routing)
                   for i in layer_ids}
         self.layers = nn.ModuleDict(blocks) if keyed else nn.ModuleList(blocks.values())
         if head:
@@ -271,7 +276,15 @@ class Decoder(nn.Module):
     def router_losses(self) -> Optional[RouterLosses]:
         """The load-balancing and z-losses of the last forward's micro-batch (megaft.models.moe);
         None without MoE layers. Collective over the groups its tokens are split over."""
-        return router_losses(self.router_log.close(), self.cfg, self.token_groups)
+        return router_losses(self.router_log.close(), self.cfg, self.token_groups, self.global_counts)
+
+    @torch.no_grad()
+    def router_counts(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
+        """Top-k assignments per expert of a micro-batch, summed over the MoE layers and the ranks
+        holding its tokens (fp32): a forward without the head (moe.aux_scope=global_batch)."""
+        self.blocks(input_ids, docs)
+        sums = self.router_sums()
+        return sums.counts.sum(0) if sums is not None else torch.zeros(self.cfg.n_experts, device=input_ids.device)
 
     def router_sums(self) -> Optional[RouterSums]:
         """The last forward's statistics, for a pipeline stage that holds some of the MoE layers."""

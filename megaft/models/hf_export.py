@@ -32,7 +32,7 @@ from megaft.models.config import ModelConfig
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE
 from megaft.models.kv import ReplicatedShard, dedupe_gathered
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
-from megaft.parallel.tensor.shard import full_shape, shard_of
+from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" (decimal, like save_pretrained)
 # Files a tokenizer.json usually travels with; copied when present beside it.
@@ -77,9 +77,17 @@ def _plan(params: list[tuple[str, nn.Parameter]], tp_size: int, dtype: Optional[
 
 def _full(param: torch.Tensor, group: Group, local: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The unsharded tensor of `param` (or of `local`, a tensor shaped and split like it):
-    all-gathered along its shard dim, padding cropped."""
-    spec = shard_of(param)
+    all-gathered along its shard dim, padding cropped; routed experts split over ep then
+    gathered over their ep group too (every rank of it must call)."""
+    experts = expert_slice_of(param)
     local = param.detach() if local is None else local
+    if experts is not None:
+        return all_gather(_full_tp(param, group, local), 0, experts.group)
+    return _full_tp(param, group, local)
+
+
+def _full_tp(param: torch.Tensor, group: Group, local: torch.Tensor) -> torch.Tensor:
+    spec = shard_of(param)
     if spec is None:
         return local
     full = all_gather(local, spec.dim, group)

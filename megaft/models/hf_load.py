@@ -20,7 +20,7 @@ from megaft.models.arch import SPECS, spec_for
 from megaft.models.arch.spec import HFCheckpointError, read_common, screen
 from megaft.models.config import ModelConfig
 from megaft.models.kv import local_rows
-from megaft.parallel.tensor.shard import full_shape, shard_of
+from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -146,24 +146,29 @@ def _sources(model: nn.Module, files: dict[str, str], tp_size: int) -> dict[str,
             else:  # gate rows first, then up rows
                 e, f, d = shape
                 out[name] = [Source(fused, (e, 2 * f, d), offset=f if proj == "up_proj" else 0)]
-        else:
-            out[name] = [Source(hf, shape[1:], expert=i) for i, hf in enumerate(per_expert)]
+        else:  # this rank's experts only (all but under expert parallelism)
+            split = expert_slice_of(param)
+            lo, hi = split.bounds if split is not None else (0, len(per_expert))
+            out[name] = [Source(hf, shape[1:], expert=i - lo) for i, hf in enumerate(per_expert) if lo <= i < hi]
     return out
 
 
 def _read_into(f, src: Source, param: torch.Tensor, tp_rank: int, tp_size: int) -> None:
     """Copy this rank's rows of checkpoint tensor `src` into `param` (cast to its dtype),
     reading only those rows; padding rows become zero."""
-    spec = shard_of(param)
+    spec, split = shard_of(param), expert_slice_of(param)
     sl = f.get_slice(src.hf)
     dst = param if src.expert is None else param[src.expert]
+    # a fused [E, ...] tensor into experts split over ep: this rank's experts only
+    experts = slice(*split.bounds) if split is not None and src.expert is None else slice(None)
     if spec is None:
-        dst.copy_(sl[:])
+        dst.copy_(sl[experts])
         return
     dim = spec.dim - (src.expert is not None)
     start, end = spec.real_bounds(tp_rank, tp_size)
     if end > start:  # a rank may own only padding rows when the vocabulary is tiny
-        index = (slice(None),) * dim + (slice(src.offset + start, src.offset + end),)
+        index = ((experts,) + (slice(None),) * (dim - 1) if dim > 0 else ()) + (slice(src.offset + start,
+                                                                                      src.offset + end),)
         dst.narrow(dim, 0, end - start).copy_(sl[index])
     dst.narrow(dim, end - start, dst.shape[dim] - (end - start)).zero_()
 
@@ -186,6 +191,15 @@ def _check_tp(model: nn.Module, tp_size: int) -> None:
                              f"{local_rows(spec, tp_size)} of tp_size={tp_size}: built for another tp")
 
 
+def _other_experts(model: nn.Module, cfg) -> set[str]:
+    """The per-expert tensors of the experts other ep ranks hold: in the file, not read here."""
+    out = set()
+    for name, param in model.named_parameters():
+        if expert_slice_of(param) is not None:
+            out.update(SPECS[cfg.arch].expert_names(name, cfg.n_experts) or ())
+    return out
+
+
 def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
            strict: bool) -> dict[str, list[Source]]:
     """Map our param names -> their checkpoint tensors after checking names and shapes; every problem at once."""
@@ -199,7 +213,7 @@ def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
         problems.append(f"{_source(path)}: tensors missing from the checkpoint: {_names(missing)}")
     # HF omits lm_head when tied, but some tied checkpoints still carry a copy: ignore it.
     ignored = {"lm_head.weight"} if tied else set()
-    known = set(needed) | ignored
+    known = set(needed) | ignored | _other_experts(model, cfg)
     extra = sorted(n for n in files if n not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra and strict:
         problems.append(f"{_source(path)}: unexpected tensors (not in the model; strict=False ignores them): "

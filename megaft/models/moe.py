@@ -15,7 +15,10 @@ Tensor parallel (what megaft builds, and why): each expert is split like the den
 gate/up by columns and down by rows (Megatron's expert tensor parallelism with etp = tp),
 so every tp rank holds a slice of every expert and sees every token of the micro-batch: no
 token moves between tp ranks beyond the MLP's own all-gather / reduce-scatter, and the
-router, replicated, decides the same experts on every rank. The routing weights enter the
+router, replicated, decides the same experts on every rank. Expert parallelism
+(`parallel.ep`) splits the experts over dp×cp replicas instead, each keeping this tp split:
+the sorted rows go to their experts' ep rank and back by all-to-all
+(megaft.parallel.expert.dispatch), between the ranks of the same tp position. The routing weights enter the
 tp region like the activations (`column_input`), so their gradient, partial per rank, is
 summed there.
 
@@ -46,9 +49,12 @@ from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.config import ModelConfig
 from megaft.models.mlp import MLP  # the shared expert
+from megaft.models.moe_capacity import kept_assignments
+from megaft.models.moe_config import MoEConfig
 from megaft.parallel.comm import Group, all_gather, all_reduce, group_rank, group_size
+from megaft.parallel.expert import dispatch_compute_combine
 from megaft.parallel.tensor.comm import reduce_from_tp, reduce_scatter_to_sp
-from megaft.parallel.tensor.shard import mark_sequence_parallel, mark_sharded
+from megaft.parallel.tensor.shard import mark_expert_slice, mark_sequence_parallel, mark_sharded
 
 
 @dataclass
@@ -61,6 +67,7 @@ class RouterRecord:
     probs: torch.Tensor
     z: torch.Tensor
     tokens: torch.Tensor
+    dropped: torch.Tensor  # assignments past the expert capacity among this rank's tokens (moe.capacity_factor)
 
 
 class RouterLog:
@@ -97,6 +104,7 @@ class RouterLosses:
     z: torch.Tensor
     counts: torch.Tensor
     layers: list[int]  # the MoE layers of `counts`' rows
+    dropped: torch.Tensor  # [MoE layers here] assignments past the capacity (moe.capacity_factor)
 
 
 @dataclass
@@ -110,6 +118,7 @@ class RouterSums:
     whole_probs: torch.Tensor  # [experts], detached
     whole_z: torch.Tensor  # detached
     tokens: torch.Tensor  # the micro-batch's token count
+    dropped: torch.Tensor  # [layers], whole
 
     def wire(self) -> torch.Tensor:
         """[counts summed over layers (E), probs (E), z, tokens]: what a pipeline stage passes on."""
@@ -131,39 +140,61 @@ def sum_records(records: Sequence[RouterRecord], groups: Sequence[Group] = ()) -
     probs = torch.stack([r.probs for r in records]).sum(0)
     z = torch.stack([r.z for r in records]).sum()
     tokens = records[0].tokens.to(torch.float32)
-    stats = torch.cat([counts.reshape(-1), probs.detach(), z.detach().reshape(1), tokens.reshape(1)])
+    dropped = torch.stack([r.dropped for r in records])
+    stats = torch.cat([counts.reshape(-1), probs.detach(), z.detach().reshape(1), tokens.reshape(1), dropped])
     for group in groups:
         if group_size(group) > 1:
             all_reduce(stats, group)
-    whole_counts, whole_probs, whole_z, whole_tokens = stats.split([counts.numel(), probs.numel(), 1, 1])
+    whole_counts, whole_probs, whole_z, whole_tokens, whole_dropped = stats.split(
+        [counts.numel(), probs.numel(), 1, 1, len(records)])
     return RouterSums([r.layer for r in records], whole_counts.view_as(counts), probs, z, whole_probs,
-                      whole_z[0], whole_tokens[0])
+                      whole_z[0], whole_tokens[0], whole_dropped)
 
 
-def router_terms(sums: Optional[RouterSums], total: torch.Tensor, n_layers: int, cfg: ModelConfig) -> RouterLosses:
+@dataclass
+class GlobalCounts:
+    """moe.aux_scope=global_batch: the top-k assignments per expert (summed over the MoE layers)
+    and the token count of the whole global batch (every dp×cp replica and micro-batch), and
+    its number of micro-batches (megaft.training.global_router counts them before the step)."""
+    counts: torch.Tensor  # [experts]
+    tokens: torch.Tensor  # scalar
+    micro_batches: int
+
+
+def router_terms(sums: Optional[RouterSums], total: torch.Tensor, n_layers: int, cfg: ModelConfig,
+                 scope: Optional[GlobalCounts] = None) -> RouterLosses:
     """The router losses of a micro-batch whose statistics over all its `n_layers` MoE layers
     are `total` (RouterSums.wire summed over every part of the model); `sums`: this part's
-    (None: a pipeline stage without MoE layers, whose share is zero)."""
+    (None: a pipeline stage without MoE layers, whose share is zero).
+
+    With a global `scope` the counts and tokens are the global batch's: the micro-batch's
+    `local` terms over the whole batch sum to the global loss, and its `aux`/`z` values are
+    its share × the batch's micro-batches (the step's mean of them is the global value)."""
     n_experts = cfg.n_experts
     counts, probs, z, tokens = total.split([n_experts, n_experts, 1, 1])
+    if scope is not None:
+        counts, tokens = scope.counts, scope.tokens.reshape(1)
     rows = n_layers * tokens[0]
     c = counts / rows
-    aux = n_experts * (c * probs).sum() / rows
+    aux, z_value = n_experts * (c * probs).sum() / rows, z[0] / rows
+    if scope is not None:
+        aux, z_value = aux * scope.micro_batches, z_value * scope.micro_batches
     if sums is None:
-        return RouterLosses(torch.zeros((), device=total.device), aux, z[0] / rows,
-                            torch.zeros((0, n_experts), device=total.device), [])
+        return RouterLosses(torch.zeros((), device=total.device), aux, z_value,
+                            torch.zeros((0, n_experts), device=total.device), [], torch.zeros(0, device=total.device))
     local = (cfg.router_aux_loss_coef * n_experts * (c * sums.probs).sum() / rows
              + cfg.router_z_loss_coef * sums.z / rows)
-    return RouterLosses(local, aux.detach(), (z[0] / rows).detach(), sums.counts, sums.layers)
+    return RouterLosses(local, aux.detach(), z_value.detach(), sums.counts, sums.layers, sums.dropped)
 
 
-def router_losses(records: Sequence[RouterRecord], cfg: ModelConfig,
-                  groups: Sequence[Group] = ()) -> Optional[RouterLosses]:
+def router_losses(records: Sequence[RouterRecord], cfg: ModelConfig, groups: Sequence[Group] = (),
+                  scope: Optional[GlobalCounts] = None) -> Optional[RouterLosses]:
     """The load-balancing loss (transformers' load_balancing_loss_func, pooled over the MoE
     layers of `records`: all of the model's) and the z-loss (mean over tokens and layers of
-    logsumexp(logits)^2) of a micro-batch; `groups` as for `sum_records`."""
+    logsumexp(logits)^2) of a micro-batch; `groups` as for `sum_records`, `scope` as for
+    `router_terms`."""
     sums = sum_records(records, groups)
-    return None if sums is None else router_terms(sums, sums.wire(), len(records), cfg)
+    return None if sums is None else router_terms(sums, sums.wire(), len(records), cfg, scope)
 
 
 class Router(nn.Module):
@@ -189,16 +220,25 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts' stacked weights, each split over tp like the dense MLP
-    (gate/up by their F rows, down by its F columns), and the grouped computation."""
+    (gate/up by their F rows, down by its F columns), and the grouped computation.
+    Under expert parallelism (`ep_group` of ep > 1 ranks) this rank holds experts
+    [ep_rank E/ep, (ep_rank + 1) E/ep) only (an ExpertSlice on each weight)."""
 
-    def __init__(self, cfg: ModelConfig, *, group: Group, kernels: Optional[KernelsConfig], selective: bool):
+    def __init__(self, cfg: ModelConfig, *, group: Group, kernels: Optional[KernelsConfig], selective: bool,
+                 ep_group: Group = None):
         super().__init__()
-        tp, f, e = group_size(group), cfg.expert_ffn, cfg.n_experts
+        tp, f, ep = group_size(group), cfg.expert_ffn, group_size(ep_group)
         if f % tp:
             raise ValueError(f"Experts: the expert inner size {f} is not divisible by tp={tp}")
+        if cfg.n_experts % ep:
+            raise ValueError(f"Experts: {cfg.n_experts} experts are not divisible by ep={ep}")
+        e = cfg.n_experts // ep
         self.gate_proj = mark_sharded(nn.Parameter(torch.empty(e, f // tp, cfg.dim)), 1, f, f)
         self.up_proj = mark_sharded(nn.Parameter(torch.empty(e, f // tp, cfg.dim)), 1, f, f)
         self.down_proj = mark_sharded(nn.Parameter(torch.empty(e, cfg.dim, f // tp)), 2, f, f)
+        if ep > 1:
+            for w in (self.gate_proj, self.up_proj, self.down_proj):
+                mark_expert_slice(w, group_rank(ep_group), ep, cfg.n_experts, ep_group)
         self.backend = _backend(kernels, "grouped_gemm")
         self.swiglu_backend = _backend(kernels, "swiglu")
         self.selective = selective
@@ -225,12 +265,13 @@ class MoE(nn.Module):
     MLP's: [batch, seq, dim], a sequence shard under sequence parallel."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool, log: RouterLog,
-                 kernels: Optional[KernelsConfig] = None, selective: bool = False, layer: int = 0):
+                 kernels: Optional[KernelsConfig] = None, selective: bool = False, layer: int = 0,
+                 ep_group: Group = None, routing: Optional[MoEConfig] = None):
         super().__init__()
         self.group, self.sp, self.log, self.n_experts = group, sequence_parallel, log, cfg.n_experts
-        self.layer = layer
+        self.layer, self.ep_group, self.routing = layer, ep_group, routing or MoEConfig()
         self.gate = Router(cfg, sequence_parallel)
-        self.experts = Experts(cfg, group=group, kernels=kernels, selective=selective)
+        self.experts = Experts(cfg, group=group, kernels=kernels, selective=selective, ep_group=ep_group)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_ffn_dim:
             shared = dataclasses.replace(cfg, ffn_dim=cfg.shared_expert_ffn_dim)
@@ -240,37 +281,70 @@ class MoE(nn.Module):
             if sequence_parallel:
                 mark_sequence_parallel(self.shared_expert_gate.weight)
 
-    def _record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> None:
+    def _mine(self, s: int) -> slice:
+        """The positions of this rank's sequence-parallel slice that are tokens (not padding)."""
+        if not (self.sp and self.log.seq_len is not None):
+            return slice(0, s)
+        start = group_rank(self.group) * s
+        return slice(0, max(0, min(s, self.log.seq_len - start)))
+
+    def _record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
+                dropped: torch.Tensor) -> None:
         """This rank's statistics, over its real tokens (not the sequence-parallel padding)."""
         b, s, e = probs.shape
-        valid = None
-        if self.sp and self.log.seq_len is not None:
-            start = group_rank(self.group) * s
-            n = max(0, min(s, self.log.seq_len - start))
-            if n < s:
-                valid = slice(0, n)
-        if valid is not None:
-            logits, probs, experts = logits[:, valid], probs[:, valid], experts[:, valid]
+        mine = self._mine(s)
+        logits, probs, experts = logits[:, mine], probs[:, mine], experts[:, mine]
         counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
         z = torch.logsumexp(logits, dim=-1).square().sum()
         tokens = torch.tensor(float(probs.shape[0] * probs.shape[1]), device=probs.device)
-        self.log.add(RouterRecord(self.layer, counts, probs.reshape(-1, e).sum(0), z, tokens))
+        self.log.add(RouterRecord(self.layer, counts, probs.reshape(-1, e).sum(0), z, tokens, dropped))
+
+    def _kept(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(the kept assignments [tokens × k] or None: all, the dropped ones of this rank's own
+        positions), for the whole micro-batch's `experts` and `weights` [b, s, k] (moe.capacity_factor)."""
+        factor = self.routing.capacity_factor
+        if factor is None:
+            return None, torch.zeros((), device=experts.device)
+        b, s, k = experts.shape
+        valid = None
+        if self.log.seq_len is not None and s > self.log.seq_len:  # sequence-parallel padding
+            valid = (torch.arange(s, device=experts.device) < self.log.seq_len).repeat(b)
+        keep = kept_assignments(experts.reshape(-1, k), weights.detach().reshape(-1, k), self.n_experts, factor,
+                                self.routing.drop_policy, valid)
+        # this rank's share of the count: its own sequence slice (summed over tp with the other statistics)
+        local = s // group_size(self.group) if self.sp else s
+        start = group_rank(self.group) * local if self.sp else 0
+        mine = keep.view(b, s, k)[:, start:start + local][:, self._mine(local)]
+        return keep, (~mine).sum().to(torch.float32)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits, probs, top, experts = self.gate(x)
-        self._record(logits, probs, experts)
+        logits, probs, top, local_experts = self.gate(x)
         # every tp rank computes its slice of every expert for the whole micro-batch
         xs = column_input(x, self.group, self.sp)
         weights = column_input(top, self.group, self.sp)  # grads of the weights: partial per rank, summed
+        experts = local_experts
         if self.sp and group_size(self.group) > 1:
             experts = all_gather(experts, 1, self.group)
+        keep, dropped = self._kept(experts, weights)
+        self._record(logits, probs, local_experts, dropped)
         b, s, d = xs.shape
         k = experts.shape[-1]
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).cpu()
-        y = self.experts(xs.reshape(b * s, d)[order // k], counts)
-        y = torch.empty_like(y).index_copy(0, order, y)  # back to (token, slot) order
+        if keep is None:
+            order = torch.argsort(flat, stable=True)
+        else:  # the kept assignments only, by expert
+            order = keep.nonzero().squeeze(1)
+            order = order[torch.argsort(flat[order], stable=True)]
+        counts = torch.bincount(flat[order], minlength=self.n_experts)
+        rows = xs.reshape(b * s, d)[order // k]
+        if group_size(self.ep_group) > 1:  # to the experts' ranks and back (megaft.parallel.expert)
+            if torch.is_autocast_enabled(x.device.type):  # send the compute dtype: half the bytes
+                rows = rows.to(torch.get_autocast_dtype(x.device.type))
+            y = dispatch_compute_combine(rows, counts, self.ep_group, self.experts)
+        else:
+            y = self.experts(rows, counts.cpu())
+        # back to (token, slot) order; a dropped assignment's output is zero
+        y = y.new_zeros((b * s * k, y.shape[1])).index_copy(0, order, y)
         out = (y.view(b * s, k, d).float() * weights.reshape(b * s, k, 1)).sum(1).to(x.dtype).view(b, s, d)
         out = reduce_scatter_to_sp(out, self.group) if self.sp else reduce_from_tp(out, self.group)
         if self.shared_expert is not None:

@@ -2,14 +2,15 @@
 
 Sharded parameters contribute their local sum of squares, summed over tp ranks;
 replicated parameters (norms, row biases) hold the same full gradient on every
-tp rank and are counted once, not tp times.
+tp rank and are counted once, not tp times. Routed experts split over ep ranks add
+their squares over the ep group too.
 """
 from __future__ import annotations
 
 import torch
 
 from megaft.parallel.comm import Group, all_reduce
-from megaft.parallel.tensor.shard import shard_of
+from megaft.parallel.tensor.shard import expert_slice_of, shard_of
 
 
 @torch.no_grad()
@@ -21,15 +22,22 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group: Group, pp_group: Group
     device = params[0].device
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros((), dtype=torch.float32, device=device)
+    ep_group = None
     for p in params:
         if p.grad is None:
             continue
         sq = p.grad.detach().float().pow(2).sum()
-        spec = shard_of(p)
-        if spec is None:
+        spec, split = shard_of(p), expert_slice_of(p)
+        if split is not None:  # routed experts split over ep (and tp): summed over both
+            experts += sq
+            ep_group = split.group
+        elif spec is None:
             replicated += sq
         else:  # kv heads copied over tp > n_kv_heads (megaft.models.kv) count once, not once per copy
             sharded += sq / getattr(spec, "replicas", 1)
+    if ep_group is not None:  # every rank of an ep group holds the same layers: all call it
+        sharded += all_reduce(experts, ep_group)
     return all_reduce(all_reduce(sharded, tp_group) + replicated, pp_group).sqrt()
 
 

@@ -37,6 +37,10 @@ class ParallelConfig:
     # context-parallel degree: ranks that split every sequence (load-balanced ring attention,
     # megaft.parallel.context); parameters are replicated over cp like over dp
     cp: int = 1
+    # expert-parallel degree (mixtures of experts): ranks, taken from the dp×cp replicas, that split
+    # the routed experts, tokens sent to their experts' rank by all-to-all (megaft.parallel.expert);
+    # must divide dp*cp and model.n_experts. Dense layers stay replicated over those ranks.
+    ep: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pp rank; > 1 needs schedule=interleaved
     schedule: Schedule = Schedule["1f1b"]  # pipeline schedule: gpipe | 1f1b | interleaved
     pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
@@ -66,7 +70,7 @@ def resolve_dp(cfg: ParallelConfig, world_size: int) -> int:
 def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
     """Every problem with the parallel degrees against `world_size`, each with its fix."""
     errors = []
-    for axis in ("tp", "cp", "pp", "dp"):
+    for axis in ("tp", "cp", "pp", "dp", "ep"):
         value = getattr(cfg, axis)
         if value is not None and value < 1:
             errors.append(f"parallel.{axis}={value} must be >= 1; fix: set parallel.{axis} to a positive integer")
@@ -80,6 +84,14 @@ def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
             f"world size {world_size} != tp*pp*dp{cp} = {cfg.tp}*{cfg.pp}*{dp}{cp_n}{derived}; "
             f"fix: start tp*cp*pp*dp ranks (launcher.nproc or Slurm tasks) or change parallel.tp/cp/pp/dp"
         )
+    replicas = dp * cfg.cp
+    if cfg.ep > 1 and replicas % cfg.ep:
+        errors.append(f"parallel.ep={cfg.ep} must divide dp*cp = {dp}*{cfg.cp} = {replicas}: expert-parallel ranks "
+                      f"are taken from the data-parallel replicas; fix: parallel.ep among the divisors of {replicas}, "
+                      "or more ranks")
+    if cfg.ep > 1 and cfg.grad_compression == "powersgd":
+        errors.append("parallel.grad_compression=powersgd with parallel.ep>1 is not supported (expert gradients "
+                      "reduce over their own group); fix: parallel.grad_compression=none or bf16")
     if cfg.zero not in (0, 1, 2, 3):
         errors.append(f"parallel.zero={cfg.zero} is unknown; fix: 0 (plain dp), 1, 2 or 3")
     if cfg.bucket_mb <= 0:

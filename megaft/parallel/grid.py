@@ -7,6 +7,12 @@ a node and the cp ring's neighbours are next to them.
 Context parallelism splits every sequence over cp, and the parameters are replicated
 over it as over dp: gradients and ZeRO shards span the dp×cp `replica_group` (Megatron's
 data-parallel group with cp), while the data is split over dp alone.
+
+Expert parallelism (`parallel.ep`, mixtures of experts) splits the routed experts over ep
+ranks taken from those replicas (Megatron's rule: ep divides dp·cp): consecutive replica
+ranks form an `ep_group` (they exchange tokens by all-to-all), and the ranks holding the
+same experts form the `expert_replica_group` (dp·cp/ep ranks: expert gradients and their
+ZeRO shards), which is `replica_group` when ep = 1.
 """
 from __future__ import annotations
 
@@ -50,6 +56,10 @@ class ParallelGrid:
     cp_group: Optional[dist.ProcessGroup] = None
     # dp×cp: the ranks holding the same parameters (gradient reduction, ZeRO); dp_group when cp = 1
     replica_group: Optional[dist.ProcessGroup] = None
+    ep_size: int = 1
+    ep_group: Optional[dist.ProcessGroup] = None
+    # the replicas holding this rank's experts (dp·cp/ep ranks); replica_group when ep = 1
+    expert_replica_group: Optional[dist.ProcessGroup] = None
     # Collective timeout of every group (launcher.timeout_s); None = torch's default, 30 min for subgroups.
     timeout: Optional[datetime.timedelta] = None
 
@@ -88,6 +98,16 @@ class ParallelGrid:
         return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
+    def ep_rank(self) -> int:
+        """Rank in `ep_group`: which slice of the routed experts this rank holds."""
+        return self.replica_rank % self.ep_size
+
+    @property
+    def expert_replicas(self) -> int:
+        """Size of `expert_replica_group`."""
+        return self.replica_size // self.ep_size
+
+    @property
     def coords(self) -> dict[str, int]:
         """This rank's coordinates, outermost axis first."""
         return self.coords_of(self.rank)
@@ -108,7 +128,7 @@ class ParallelGrid:
         return cls(tp_size=1, dp_size=1, pp_size=1, rank=0, device=torch.device(device), backend="none")
 
     @classmethod
-    def build(cls, *, tp: int, dp: int, pp: int, device: torch.device | str, cp: int = 1,
+    def build(cls, *, tp: int, dp: int, pp: int, device: torch.device | str, cp: int = 1, ep: int = 1,
               timeout: Optional[datetime.timedelta] = None) -> "ParallelGrid":
         """Create every group of every axis; torch.distributed must be initialized.
 
@@ -133,14 +153,24 @@ class ParallelGrid:
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     groups["replica"] = group
+        if ep > 1:  # consecutive replicas exchange tokens; every ep-th one holds the same experts
+            if (dp * cp) % ep:
+                raise ValueError(f"ep={ep} does not divide dp*cp = {dp * cp}")
+            for row in ranks.permute(0, 3, 1, 2).reshape(-1, dp * cp // ep, ep):
+                for name, members in [("ep", m) for m in row.tolist()] + [("expert", m) for m in row.t().tolist()]:
+                    group = dist.new_group(members, timeout=timeout)
+                    if rank in members:
+                        groups[name] = group
         # Megatron's embedding group: the first and last pp stage of each (dp, cp, tp) position.
         for members in (ranks[[0, -1]].reshape(2, -1).t().tolist() if pp > 1 else []):
             group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 groups["embedding"] = group
+        replicas = groups.get("replica", groups[Axis.DP])
         return cls(
             tp_size=tp, dp_size=dp, pp_size=pp, rank=rank, device=torch.device(device),
             backend=dist.get_backend(), tp_group=groups[Axis.TP], dp_group=groups[Axis.DP],
             pp_group=groups[Axis.PP], embedding_group=groups.get("embedding"), timeout=timeout,
-            cp_size=cp, cp_group=groups.get(Axis.CP), replica_group=groups.get("replica", groups[Axis.DP]),
+            cp_size=cp, cp_group=groups.get(Axis.CP), replica_group=replicas, ep_size=ep, ep_group=groups.get("ep"),
+            expert_replica_group=groups.get("expert", replicas),
         )

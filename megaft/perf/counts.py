@@ -10,7 +10,10 @@ activation recomputation, padding and pipeline bubbles lower MFU instead of infl
 Mixtures of experts (megaft.models.moe): parameter and memory counts hold every expert;
 FLOPs count the weights a token is multiplied by (router, top_k experts, shared expert),
 so idle experts do not inflate MFU (flops_per_token); blocks differ only in whether they
-are a mixture (ModelConfig.is_moe), and each count is per block (`layer`).
+are a mixture (ModelConfig.is_moe), and each count is per block (`layer`). Under expert
+parallelism (parallel.ep > 1) a rank holds n_experts/ep of each block's routed experts:
+the per-rank counts take `ep` (expert_params, layer_params, rank_params), the whole-model
+ones (total_params, matmul_params, FLOPs) do not; a2a_bytes counts the tokens it moves.
 """
 from __future__ import annotations
 
@@ -43,19 +46,32 @@ def per_block(m: ModelConfig, count: Callable[[int], T]) -> list[T]:
 # biases) and its sigmoid gate `shared_expert_gate.weight` [1, dim] (replicated). Other blocks
 # keep the dense MLP of ffn_dim. Counts of all weights (memory, optimizer state) hold every
 # expert; counts of the weights a token multiplies (FLOPs) hold the router, the top_k experts
-# it is sent to, the shared expert and its gate.
+# it is sent to, the shared expert and its gate. Under expert parallelism (`ep` > 1) a rank
+# holds n_experts/ep of the routed experts, [E/ep, F/tp, dim] each; the router, the shared
+# expert and every dense layer stay whole on every rank.
 
 def _dense_mlp_params(m: ModelConfig, ffn: int, tp: int) -> int:
     """One tp rank's gated MLP of inner size `ffn`: gate, up (column) and down (row, bias whole)."""
     return 3 * m.dim * ffn // tp + ((2 * ffn // tp + m.dim) if m.mlp_bias else 0)
 
 
-def mlp_params(m: ModelConfig, layer: int, tp: int) -> int:
-    """Parameters of block `layer`'s MLP on one tp rank: the dense MLP, or the router, every
-    expert's tp slice, the shared expert and its gate."""
+def expert_params(m: ModelConfig, layer: int, tp: int, ep: int = 1) -> int:
+    """Routed expert parameters of block `layer` on one tp rank of one ep rank: gate, up and
+    down of its n_experts/ep experts, [E/ep, F/tp, dim] each (0 for a dense block). The part
+    of a rank's parameters whose gradients reduce, and whose ZeRO shards split, over the
+    expert-data-parallel group (dp*cp/ep ranks) instead of dp*cp."""
+    if not m.is_moe(layer):
+        return 0
+    return 3 * (m.n_experts // ep) * m.dim * m.expert_ffn // tp
+
+
+def mlp_params(m: ModelConfig, layer: int, tp: int, ep: int = 1) -> int:
+    """Parameters of block `layer`'s MLP on one tp rank (of one ep rank): the dense MLP, or
+    the router, the tp slice of every expert (of the rank's n_experts/ep under ep), the
+    shared expert and its gate."""
     if not m.is_moe(layer):
         return _dense_mlp_params(m, m.ffn_dim, tp)
-    out = m.n_experts * m.dim + 3 * m.n_experts * m.dim * m.expert_ffn // tp
+    out = m.n_experts * m.dim + expert_params(m, layer, tp, ep)
     if m.shared_expert_ffn_dim:
         out += _dense_mlp_params(m, m.shared_expert_ffn_dim, tp) + m.dim
     return out
@@ -95,12 +111,12 @@ def total_params(m: ModelConfig) -> int:
             + (0 if m.tie_embeddings else vocab))
 
 
-def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None) -> int:
+def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None, ep: int = 1) -> int:
     """Parameters of decoder block `layer` on one tp rank (row-parallel biases are whole; kv
-    heads copied when tp > n_kv_heads count once per rank); None: the largest block (the
-    same for every block of a dense model)."""
+    heads copied when tp > n_kv_heads count once per rank; n_experts/ep routed experts under
+    expert parallelism); None: the largest block (the same for every block of a dense model)."""
     if layer is None:
-        return max(per_block(m, lambda i: layer_params(m, tp, i)))
+        return max(per_block(m, lambda i: layer_params(m, tp, i, ep)))
     q, kv = m.n_heads * m.hd, m.kv_heads * kv_replicas(m, tp) * m.hd
     attn = (m.dim * (q + 2 * kv) + q * m.dim) // tp
     if m.attention_bias or m.qkv_bias:
@@ -108,7 +124,7 @@ def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None) -> int:
     norms = (4 if m.sandwich_norms else 2) * m.dim  # RMSNorm weights
     if m.qk_norm:  # per head: [hd] each, replicated; full width (OLMoE): [heads * hd] split like q and k
         norms += (m.n_heads + m.kv_heads) * m.hd // tp if m.qk_norm_width == "full" else 2 * m.hd
-    return attn + mlp_params(m, layer, tp) + norms
+    return attn + mlp_params(m, layer, tp, ep) + norms
 
 
 def rank_layer_ids(m: ModelConfig, *, pp: int, vpp: int, pp_layers=None) -> list[list[int]]:
@@ -117,15 +133,23 @@ def rank_layer_ids(m: ModelConfig, *, pp: int, vpp: int, pp_layers=None) -> list
     return [[i for c in range(vpp) for i in stages[r + c * pp]] for r in range(pp)]
 
 
-def rank_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None) -> list[int]:
-    """Parameters held by each pp rank (one tp shard): its stages' layers, the embedding on
-    the first, the final norm and head on the last (a tied head is a copy when pp > 1)."""
+def rank_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None, ep: int = 1) -> list[int]:
+    """Parameters held by each pp rank (one tp shard, one ep rank): its stages' layers (with
+    n_experts/ep routed experts per MoE block), the embedding on the first, the final norm
+    and head on the last (a tied head is a copy when pp > 1)."""
     vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * tp) // tp * m.dim
-    blocks = per_block(m, lambda i: layer_params(m, tp, i))
+    blocks = per_block(m, lambda i: layer_params(m, tp, i, ep))
     out = [sum(blocks[i] for i in ids) for ids in rank_layer_ids(m, pp=pp, vpp=vpp, pp_layers=pp_layers)]
     out[0] += vocab
     out[-1] += m.dim + (vocab if not m.tie_embeddings or pp > 1 else 0)
     return out
+
+
+def rank_expert_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None, ep: int = 1) -> list[int]:
+    """The routed expert parameters (expert_params) among each pp rank's rank_params: the
+    part that reduces and shards over the dp*cp/ep expert-data-parallel ranks."""
+    blocks = per_block(m, lambda i: expert_params(m, i, tp, ep))
+    return [sum(blocks[i] for i in ids) for ids in rank_layer_ids(m, pp=pp, vpp=vpp, pp_layers=pp_layers)]
 
 
 def rank_layers(m: ModelConfig, par) -> list[int]:
@@ -170,9 +194,9 @@ def lora_rank_bytes(m: ModelConfig, lora: LoraConfig, par, r: int, n: int, layer
 
 
 def trainable_rank_params(m: ModelConfig, par, lora: LoraConfig) -> list[int]:
-    """Trainable parameters of each pp rank (one tp shard): rank_params, or under LoRA
-    (lora.rank > 0) the adapters alone (the base is frozen: no grads, no optimizer state)."""
-    full = rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
+    """Trainable parameters of each pp rank (one tp shard, one ep rank): rank_params, or under
+    LoRA (lora.rank > 0) the adapters alone (the base is frozen: no grads, no optimizer state)."""
+    full = rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers, ep=par.ep)
     if lora.rank <= 0:
         return full
     ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
@@ -246,7 +270,7 @@ def mfu(tokens_per_s: float, flops_per_tok: float, ranks: int, peak: float) -> f
 
 def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bool, precision: str,
                                recompute: str = "none", cp: int = 1, seq: int = 0,
-                               layer: Optional[int] = None) -> float:
+                               layer: Optional[int] = None, ep: int = 1) -> float:
     """Bytes saved for backward per token (of this rank) by decoder block `layer` (None: the
     fullest block of the model; every block of a dense model is alike), as megaft's block
     saves them with the torch kernels (tests/test_recompute.py, tests/test_cp_training.py
@@ -258,7 +282,8 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
     tensor shared by q/k/v and by gate/up). Attention (tp-sharded heads): q, k, v, the
     output (o_proj reads it in place) and an fp32 log-sum-exp per head; SDPA's kernels and
     the ring keep no seq x seq scores. The MLP: gate, up, activation and product. A
-    mixture-of-experts block's MLP is moe_activation_bytes_per_token's instead.
+    mixture-of-experts block's MLP is moe_activation_bytes_per_token's instead (with, under
+    expert parallelism `ep` > 1, its all-to-all buffers: moe_dispatch_bytes_per_token).
 
     model.recompute=selective recomputes the attention core (its log-sum-exp is not kept)
     and the MLP activation (one ffn-wide tensor less); full keeps only the block's fp32
@@ -271,7 +296,7 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
     if layer is None:
         return max(per_block(m, lambda i: activation_bytes_per_token(
             m, tp=tp, sequence_parallel=sequence_parallel, precision=precision, recompute=recompute, cp=cp, seq=seq,
-            layer=i)))
+            layer=i, ep=ep)))
     half = 2 if precision in ("bf16", "fp16") else FP32
     norms = 2 * (2 * m.dim + 1) * FP32 / sp + m.dim * half  # the MLP's input is counted with the MLP
     if m.sandwich_norms:  # Gemma 2/3: two more norms, whose outputs feed no linear
@@ -286,12 +311,14 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
         attention += m.n_heads * seq * (2 * FP32 + (half if half != FP32 else 0)) / tp
         attention += (2 * (m.n_heads - m.kv_heads) * m.hd * half - m.n_heads * FP32) / tp
     if m.is_moe(layer):
-        return norms + attention + moe_activation_bytes_per_token(m, tp=tp, sp=sp, half=half, recompute=recompute)
+        return norms + attention + moe_activation_bytes_per_token(m, tp=tp, sp=sp, half=half, recompute=recompute,
+                                                                  ep=ep)
     ffn = (4 if recompute == "none" else 3) * m.ffn_dim * half / tp
     return norms + attention + m.dim * half + ffn
 
 
-def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: int, recompute: str) -> float:
+def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: int, recompute: str,
+                                   ep: int = 1) -> float:
     """Bytes a mixture-of-experts MLP (megaft.models.moe) saves for backward per token of this
     rank (`sp`: tp under sequence parallel, else 1; `half`: the compute dtype's itemsize), with
     k = top_k, E = n_experts, F = expert_ffn, S = shared_expert_ffn_dim:
@@ -308,7 +335,11 @@ def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: in
       (kept by the reorder) and its fp32 copy in token order k * dim * 4;
     - with a shared expert: its input (the gate's and the MLP's casts of the norm output;
       under sequence parallel the MLP's is the gathered whole), its gate/up/activation/product
-      (4 | 3) * S / tp * half, its output and sigmoid gate (dim + 1) * half / sp.
+      (4 | 3) * S / tp * half, its output and sigmoid gate (dim + 1) * half / sp;
+    - under expert parallelism (`ep` > 1), the all-to-all's send and receive buffers of the
+      routed copies, 2 * k * dim * half (moe_dispatch_bytes_per_token). The routed copies
+      above stay k per token: a rank computes, on average, as many rows for its n_experts/ep
+      experts as its own tokens send out (no capacity limit).
 
     The compute-dtype copies of the expert weights the grouped GEMMs keep are per layer, not
     per token: moe_weight_copy_bytes."""
@@ -317,7 +348,7 @@ def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: in
     router = (m.dim * FP32 + (2 * e + 1) * FP32 + k * 8 + ((k + 1) * FP32 if m.norm_topk_prob else 0)) / sp + k * FP32
     dispatch = 2 * k * 8
     routed = k * m.dim * half + wide * k * f * half / tp + k * m.dim * (half + FP32)
-    out = router + dispatch + routed
+    out = router + dispatch + routed + moe_dispatch_bytes_per_token(m, half=half, ep=ep)
     if shared:
         cast = half != FP32
         out += (m.dim * half / sp if cast else 0) + (m.dim * half if cast or sp > 1 else 0)
@@ -325,15 +356,36 @@ def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: in
     return out
 
 
-def moe_weight_copy_bytes(m: ModelConfig, *, tp: int, layer: int, copies: bool) -> int:
+def moe_dispatch_bytes_per_token(m: ModelConfig, *, half: int, ep: int) -> int:
+    """Bytes per token of a mixture-of-experts block's expert-parallel dispatch buffers: the
+    all-to-all's send and receive buffers of the token's top_k routed copies, dim wide in the
+    compute dtype (`half`: its itemsize), 2 * top_k * dim * half; 0 without expert
+    parallelism (ep = 1: no token leaves the rank). Counted with the block's routed
+    activations (moe_activation_bytes_per_token), for every micro-batch in flight."""
+    return 2 * m.top_k * m.dim * half if ep > 1 else 0
+
+
+def a2a_bytes(tokens: int, top_k: int, dim: int, elem_bytes: int, ep: int) -> float:
+    """Bytes one ep rank sends in one mixture-of-experts block's forward under expert
+    parallelism, with uniform routing and the experts in contiguous blocks of E / ep: each of
+    its `tokens` tokens' top_k rows (dim wide, `elem_bytes` each) leaves the rank when its
+    expert lives on another rank, (ep - 1) / ep of them, once to the expert (dispatch) and
+    once back (combine), 2 * tokens * top_k * (ep - 1) / ep * dim * elem_bytes; the backward
+    moves as much again in reverse. 0 at ep = 1 (benchmarks/moe.py checks it against the
+    exact count of a measured routing)."""
+    return 2 * tokens * top_k * (ep - 1) / ep * dim * elem_bytes
+
+
+def moe_weight_copy_bytes(m: ModelConfig, *, tp: int, layer: int, copies: bool, ep: int = 1) -> int:
     """Bytes of the compute-dtype copies of block `layer`'s stacked expert weights that the
     grouped GEMMs keep for backward (Experts.forward casts gate/up/down to the autocast dtype):
-    3 * E * dim * F / tp * 2 per micro-batch whose backward is pending, when `copies` (fp32
-    parameters under bf16/fp16 compute); 0 for a dense block or when the weights already are
-    in the compute dtype (optim.master_weights, fp32 runs)."""
+    3 * E/ep * dim * F / tp * 2 per micro-batch whose backward is pending (the rank's
+    n_experts/ep experts under expert parallelism), when `copies` (fp32 parameters under
+    bf16/fp16 compute); 0 for a dense block or when the weights already are in the compute
+    dtype (optim.master_weights, fp32 runs)."""
     if not copies or not m.is_moe(layer):
         return 0
-    return 3 * m.n_experts * m.dim * m.expert_ffn // tp * BF16
+    return 3 * (m.n_experts // ep) * m.dim * m.expert_ffn // tp * BF16
 
 
 def ring_bytes(rows: int, seq: int, kv_heads: int, head_dim: int, cp: int, *, itemsize: int,

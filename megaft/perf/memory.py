@@ -18,6 +18,15 @@ intermediates), the router's fp32 logits and probabilities and the dispatch indi
 in flight, the compute-dtype copies of its fp32 expert weights that the grouped GEMMs keep
 for backward (counts.moe_weight_copy_bytes; a block under full recompute keeps none until
 it is recomputed).
+
+Expert parallelism (parallel.ep > 1): a rank holds n_experts/ep of each MoE block's routed
+experts, so their params, grads and optimizer state (counts.rank_expert_params) and their
+compute-dtype copies are divided by ep, and ZeRO shards that part over the dp*cp/ep ranks
+holding the same experts, the rest (router, shared expert, dense layers, embeddings) over
+dp*cp as without ep; ZeRO-3's gathered blocks hold the rank's experts only. Each MoE block
+also keeps the all-to-all's send and receive buffers of its routed token copies,
+2 x tokens x top_k x dim in the compute dtype per micro-batch in flight
+(counts.moe_dispatch_bytes_per_token, counted in the activations like the routed copies).
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from megaft.perf.counts import (
     lora_rank_bytes,
     moe_weight_copy_bytes,
     per_block,
+    rank_expert_params,
     rank_layer_ids,
     rank_params,
 )
@@ -94,11 +104,12 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     m, par = cfg.model, cfg.parallel
     dp = resolve_dp(par, world_size)
     micro = max(accumulation_steps(cfg.train, dp), 1)
-    cp = par.cp
+    cp, ep = par.cp, par.ep
     replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
+    expert_replicas = max(replicas // ep, 1)  # ... and the routed experts over the dp×cp/ep ranks holding them
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
     acts = dict(tp=par.tp, sequence_parallel=par.sequence_parallel, precision=cfg.precision, cp=cp,
-                seq=cfg.data.seq_len)
+                seq=cfg.data.seq_len, ep=ep)
     # per block (a mixture of experts' differ from the dense ones): everything it saves, and what
     # it keeps under model.recompute (recomputed blocks hold less, and the one being recomputed
     # holds everything)
@@ -107,15 +118,18 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         m, lambda i: activation_bytes_per_token(m, layer=i, recompute=m.recompute, **acts))
     # the grouped GEMMs' compute-dtype copies of fp32 expert weights, per micro-batch in flight
     copies = cfg.precision in ("bf16", "fp16") and not cfg.optim.master_weights
-    expert_copies = per_block(m, lambda i: moe_weight_copy_bytes(m, tp=par.tp, layer=i, copies=copies))
+    expert_copies = per_block(m, lambda i: moe_weight_copy_bytes(m, tp=par.tp, layer=i, copies=copies, ep=ep))
     stages = stage_layers(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = par.offload == "cpu"  # Adam moments live in host memory
     # optim.master_weights: bf16 params and grads, fp32 masters beside the moments (2 + 2 + 12)
     weight, opt_bytes = (BF16, 3 * FP32) if cfg.optim.master_weights else (FP32, 2 * FP32)
     ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
+    shape = dict(tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers, ep=ep)
+    # the routed experts' share of each rank's parameters, sharded over expert_replicas (none at ep = 1)
+    experts = rank_expert_params(m, **shape) if ep > 1 else [0] * par.pp
     out = []
-    for r, n in enumerate(rank_params(m, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)):
+    for r, n in enumerate(rank_params(m, **shape)):
         live = in_flight(par.schedule, par.pp, par.vpp, r, micro)
         # model.recompute_layers: the first N blocks of each of this rank's virtual stages
         again = set() if m.recompute == "none" else {
@@ -132,15 +146,21 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         if par.zero >= 2:  # reduce-scatter scratch: about two buckets in flight
             buffers += int(2 * par.bucket_mb * 2 ** 20)
         if par.zero == 3:  # the gathered whole params and grads of the running and the next block
-            buffers += 2 * 2 * layer_params(m, par.tp) * weight
-        frozen = 0
-        if cfg.lora.rank > 0:  # LoRA: only the adapters train
+            buffers += 2 * 2 * layer_params(m, par.tp, ep=ep) * weight
+        frozen, x = 0, experts[r]
+        if cfg.lora.rank > 0:  # LoRA: only the adapters train (none on the routed experts)
             frozen, n = lora_rank_bytes(m, cfg.lora, par, r, n, ids[r])
+            x = 0
+        n -= x  # the dense part, sharded over dp×cp; x over dp×cp/ep
+
+        def sharded(nbytes: int, stage: int) -> int:
+            """Bytes per element `nbytes` of the rank's parameters, ZeRO-sharded from `stage` on."""
+            dense = n * nbytes // (replicas if par.zero >= stage else 1)
+            return dense + x * nbytes // (expert_replicas if par.zero >= stage else 1)
+
         out.append(MemoryEstimate(
-            rank=r, params=frozen + n * weight // (replicas if par.zero == 3 else 1),
-            grads=n * weight // (replicas if par.zero >= 2 else 1),
-            optimizer=0 if offloaded else n * opt_bytes // (replicas if par.zero >= 1 else 1),
-            activations=int(activations), buffers=buffers))
+            rank=r, params=frozen + sharded(weight, 3), grads=sharded(weight, 2),
+            optimizer=0 if offloaded else sharded(opt_bytes, 1), activations=int(activations), buffers=buffers))
     return out
 
 
@@ -173,6 +193,14 @@ def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None,
         return []
     par = cfg.parallel
     fixes = [f"raise parallel.tp={par.tp} or parallel.pp={par.pp}"]
+    if cfg.model.n_experts:  # expert parallelism splits the routed experts over the dp×cp replicas
+        from megaft.parallel.config import resolve_dp
+
+        replicas = resolve_dp(par, world_size) * par.cp
+        more = [e for e in range(par.ep + 1, replicas + 1) if replicas % e == 0 and cfg.model.n_experts % e == 0]
+        if more:
+            fixes.append(f"raise parallel.ep={par.ep} (to {' or '.join(map(str, more))}: each rank holds "
+                         "n_experts/ep experts)")
     if est.activations > est.total / 2:  # activations dominate: split the sequence, or recompute
         fixes.append(f"raise parallel.cp={par.cp} (each rank holds seq_len/cp tokens)")
         if cfg.model.recompute != "full":

@@ -18,6 +18,15 @@ to the step (`StepCost.step_s`):
   in hand; only what that compute cannot cover shows. Under cp every rank holds
   seq_len/cp tokens, so compute, tp collectives and pipeline messages shrink with it, and
   gradients and ZeRO shards span dp×cp.
+* **ep_comm**: expert parallelism's all-to-alls (parallel.ep > 1): per MoE block, the
+  dispatch of each of the rank's tokens' top_k rows (dim wide, compute dtype) to its
+  expert's rank and the combine back, in forward and again in backward (and in the
+  recomputed forward under model.recompute=full), `counts.a2a_bytes` per direction pair
+  at uniform routing, over the link of the ep group (ep consecutive dp×cp replicas, tp
+  apart), not overlapped with compute. Under ep the routed experts' gradients reduce, and
+  their ZeRO shards gather, over the dp×cp/ep ranks holding the same experts (a link of
+  ranks tp·ep apart), the rest over dp×cp: zero_comm, dp_comm, param_gather and the
+  optimizer price each part over its own group.
 * **pp_bubble**: what megaft's own simulator (`megaft.pipeline.simulate.replay`) leaves
   idle on the busiest rank when every F/B action costs its stage's compute + tp + ZeRO
   time and every p2p message (fp32 activations, megaft's wire dtype) its transfer time.
@@ -54,8 +63,10 @@ import numpy as np
 
 from megaft.parallel.config import resolve_dp
 from megaft.perf.counts import (
+    a2a_bytes,
     adapter_layer_params,
     attention_core_flops,
+    expert_params,
     flops_per_token,
     head_adapter_params,
     head_forward_flops,
@@ -64,6 +75,7 @@ from megaft.perf.counts import (
     mfu,
     mlp_activation_flops,
     per_block,
+    rank_expert_params,
     trainable_rank_params,
 )
 from megaft.pipeline.partition import stage_layers
@@ -71,7 +83,8 @@ from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
 from megaft.training.config import accumulation_steps
 
-TERMS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer", "offload")
+TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer",
+         "offload")
 P2P_BYTES = 4  # megaft.pipeline.runtime.WIRE_DTYPE: activations travel in fp32
 ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
 MIB = 2 ** 20
@@ -97,6 +110,47 @@ def gather_s(nbytes: float, n: int, link: Link) -> float:
 
 def p2p_s(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth + link.latency
+
+
+def all_to_all_s(sent: float, n: int, cluster, stride: int = 1) -> float:
+    """All-to-all of an n-rank group `stride` apart in megaft's rank order, each rank sending
+    `sent` bytes to the others, as much to each (uniform routing). Within a node: NVLink,
+    sent/bw + (n−1)·α. Across nodes each rank's rows to the other nodes' ranks leave by its
+    own NIC while the rest cross NVLink at the same time: the slower of the two, plus the
+    (n−1) network steps' latency."""
+    if n <= 1:
+        return 0.0
+    nvlink = cluster.nvlink_gbps * 1e9 * cluster.comm_fraction
+    if n * stride <= cluster.gpus_per_node:
+        return sent / nvlink + (n - 1) * cluster.nvlink_latency_us * 1e-6
+    per_node = max(1, min(n, cluster.gpus_per_node // stride))  # the group's ranks in one node
+    remote = sent * (n - per_node) / (n - 1)
+    return (max(remote / (cluster.ib_gbps * 1e9 * cluster.comm_fraction), (sent - remote) / nvlink)
+            + (n - 1) * cluster.ib_latency_us * 1e-6)
+
+
+def _a2a_s(cfg, cluster, tokens: int) -> float:
+    """Seconds of one MoE block's dispatch and combine all-to-alls in one pass (forward, or
+    backward) for this rank's `tokens`: counts.a2a_bytes, half each way, over the ep group
+    (ep consecutive dp×cp replicas, tp apart); 0 without expert parallelism."""
+    m, par = cfg.model, cfg.parallel
+    if par.ep <= 1:
+        return 0.0
+    act = 2 if cfg.precision in ("bf16", "fp16") else 4  # the rows travel in the compute dtype
+    return 2 * all_to_all_s(a2a_bytes(tokens, m.top_k, m.dim, act, par.ep) / 2, par.ep, cluster, par.tp)
+
+
+def _over_replicas(collective, count: float, expert: float, nbytes: int, cluster, par, replicas: int) -> float:
+    """Seconds of `collective` (all_reduce_s, gather_s) over `count` parameters of `nbytes`
+    each held by the dp×cp `replicas`, of which `expert` (the routed experts under ep > 1)
+    go over the replicas/ep ranks holding the same experts instead (every ep-th replica,
+    tp·ep apart), one collective after the other."""
+    link = group_link(cluster, replicas, par.tp)
+    if not expert:
+        return collective(count * nbytes, replicas, link)
+    experts = group_link(cluster, replicas // par.ep, par.tp * par.ep)
+    return (collective((count - expert) * nbytes, replicas, link)
+            + collective(expert * nbytes, replicas // par.ep, experts))
 
 
 def group_link(cluster, size: int, stride: int = 1) -> Link:
@@ -162,9 +216,10 @@ def _block_collectives(m, layer: int) -> int:
 
 
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
-    """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring and ZeRO (exposed)."""
+    """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring, the ep
+    all-to-alls and ZeRO (exposed)."""
     m, par, seq = cfg.model, cfg.parallel, cfg.data.seq_len
-    tp, stages = par.tp, par.pp * par.vpp
+    tp, stages, ep = par.tp, par.pp * par.vpp, par.ep
     tokens = cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
     dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
     rate = cluster.peak_tflops(str(cfg.precision)) * 1e12 * cluster.matmul_fraction
@@ -176,14 +231,15 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     head_f = tokens * head_forward_flops(m) / tp / rate
     attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
+    a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
     lora = cfg.lora if cfg.lora.rank > 0 else None
     # per block (a mixture of experts' differ from the dense ones): forward and backward compute,
     # what model.recompute runs again (the whole block under full, the attention core and the
-    # activation under selective), the parameters ZeRO moves and the trained ones
+    # activation under selective), the parameters ZeRO moves (this ep rank's experts) and the trained ones
     def block(i: int) -> tuple[float, float, float, int, int]:
         layer_f = tokens * layer_forward_flops(m, seq, i) / tp / rate
         core_f = attention_f + tokens * mlp_activation_flops(m, i) / tp / rate
-        lp = layer_params(m, tp, i)
+        lp = layer_params(m, tp, i, ep)
         if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
             adapters = adapter_layer_params(m, lora, tp, i)[0]
             adapter_f = tokens * 2.0 * adapters / rate
@@ -194,6 +250,12 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         return layer_f, layer_b, {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0), lp, adapters
 
     f, b, again, params, trained = zip(*per_block(m, block))
+    # the routed experts' share of `params`, which ZeRO moves over the dp×cp/ep expert replicas
+    experts = per_block(m, lambda i: expert_params(m, i, tp, ep) if ep > 1 and not lora else 0)
+
+    def zero_s(collective, count: float, expert: float, nbytes: int) -> float:
+        return _over_replicas(collective, count, expert, nbytes, cluster, par, dp)
+
     if lora:
         head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
         head_adapter_f = tokens * 2.0 * head_adapters / rate
@@ -213,21 +275,24 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         c["b_tp"] = tp_one * (colls + last) + (tp_one * colls if m.recompute == "full" else 0.0)
         c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
         c["b_cp"] = n * ring_b
+        moe = sum(m.is_moe(i) for i in ids)  # full recompute: the forward's all-to-alls run again in backward
+        c["f_ep"], c["b_ep"] = moe * a2a, moe * a2a * (2 if m.recompute == "full" else 1)
         c["f_zero"] = c["b_zero"] = 0.0
         if par.zero == 3 and dp > 1:  # prefetch hides a block's gather behind the previous block's compute
             ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
-            ag = [gather_s(params[i] * wbytes, dp, dp_link) for i in ids]
-            agrs = [a + gather_s(params[i] * gbytes, dp, dp_link) for a, i in zip(ag, ids)]
+            ag = [zero_s(gather_s, params[i], experts[i], wbytes) for i in ids]
+            agrs = [a + zero_s(gather_s, params[i], experts[i], gbytes) for a, i in zip(ag, ids)]
             c["f_zero"] = ag[0] + sum(max(0.0, ag[j] - f[ids[j - 1]]) for j in range(1, n)) + ends
             # backward runs the blocks last to first: each hides behind the one after it
             c["b_zero"] = agrs[-1] + sum(max(0.0, agrs[j] - 2 * f[ids[j + 1]]) for j in range(n - 1)) + 2 * ends
         elif par.zero == 2 and dp > 1:  # every micro-batch reduce-scatters its grads during backward
             if lora:
-                grads = (sum(trained[i] for i in ids) + (head_adapters if last else 0)) * gbytes
+                count = sum(trained[i] for i in ids) + (head_adapters if last else 0)
             else:
-                grads = (sum(params[i] for i in ids) + (m.vocab_size * m.dim / tp if first or last else 0)) * gbytes
+                count = sum(params[i] for i in ids) + (m.vocab_size * m.dim / tp if first or last else 0)
+            grads = count * gbytes
             bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
-            c["b_zero"] = max(bucket, gather_s(grads, dp, dp_link) - c["b_compute"])
+            c["b_zero"] = max(bucket, zero_s(gather_s, count, sum(experts[i] for i in ids), gbytes) - c["b_compute"])
         out.append(c)
     return out
 
@@ -251,8 +316,8 @@ def _layout(cfg, cluster, world_size: int) -> _Layout:
     dp = resolve_dp(par, world_size)
     micro = max(accumulation_steps(cfg.train, dp), 1)
     stages = _stage_costs(cfg, cluster, dp)
-    f = tuple(c["f_compute"] + c["f_tp"] + c["f_cp"] + c["f_zero"] for c in stages)
-    b = tuple(c["b_compute"] + c["b_tp"] + c["b_cp"] + c["b_zero"] for c in stages)
+    f = tuple(c["f_compute"] + c["f_tp"] + c["f_cp"] + c["f_ep"] + c["f_zero"] for c in stages)
+    b = tuple(c["b_compute"] + c["b_tp"] + c["b_cp"] + c["b_ep"] + c["b_zero"] for c in stages)
     out = _Layout(cfg, dp, micro, stages, f, b)
     if par.pp > 1:
         tokens = cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
@@ -302,6 +367,7 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
     terms["compute"] = micro * sum(c["f_compute"] + c["b_compute"] for c in mine)
     terms["tp_comm"] = micro * sum(c["f_tp"] + c["b_tp"] for c in mine)
     terms["cp_comm"] = micro * sum(c["f_cp"] + c["b_cp"] for c in mine)
+    terms["ep_comm"] = micro * sum(c["f_ep"] + c["b_ep"] for c in mine)
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
     _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay.b[0])  # gradients reduce over dp×cp
@@ -314,17 +380,24 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
 def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
     """dp_comm, param_gather, optimizer and offload of the fullest pp rank (`dp`: the dp×cp replicas)."""
     par = cfg.parallel
-    params = max(trainable_rank_params(cfg.model, par, cfg.lora))  # under LoRA: the adapters
+    ranks = trainable_rank_params(cfg.model, par, cfg.lora)  # under LoRA: the adapters
+    r = max(range(par.pp), key=lambda i: ranks[i])  # the fullest pp rank
+    params = ranks[r]
+    # its routed experts (ep > 1), whose grads reduce and shards span the dp×cp/ep expert replicas
+    expert = 0 if par.ep == 1 or cfg.lora.rank > 0 else rank_expert_params(
+        cfg.model, tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers, ep=par.ep)[r]
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
     link = group_link(cluster, dp, par.tp)
     if dp > 1 and par.zero in (0, 1):
-        reduce = (all_reduce_s if par.zero == 0 else gather_s)(params * gbytes, dp, link)
+        reduce = _over_replicas(all_reduce_s if par.zero == 0 else gather_s, params, expert, gbytes, cluster, par, dp)
         bucket = (all_reduce_s if par.zero == 0 else gather_s)(min(par.bucket_mb * MIB, params * gbytes), dp, link)
         terms["dp_comm"] = reduce if par.pp > 1 else max(bucket, reduce - last_backward)
     if dp > 1 and par.zero in (1, 2):
-        terms["param_gather"] = gather_s(params * wbytes, dp, link)
+        terms["param_gather"] = _over_replicas(gather_s, params, expert, wbytes, cluster, par, dp)
     owned = params / (dp if par.zero >= 1 else 1)
+    if expert and par.zero >= 1:  # the experts' Adam state is sharded over their own replicas
+        owned = (params - expert) / dp + expert / max(dp // par.ep, 1)
     if par.offload == "cpu":
         pcie = owned * 4 / (cluster.pcie_gbps * 1e9)  # grads down and masters up, one direction each
         host = owned * ADAM_BYTES / (cluster.host_memory_gbps * 1e9 / cluster.gpus_per_node)

@@ -106,7 +106,7 @@ class PipelineRuntime:
         self.wait_s = 0.0  # seconds the last train_step spent blocked on peers (benchmarks/pipeline)
         self.extra = wire_size(model.cfg)  # router statistics appended to every message (0: dense)
         self.moe_layers = sum(model.cfg.is_moe(i) for i in range(model.cfg.n_layers))
-        self.router_stats = StepRouterStats(model.cfg)  # the last train_step's (megaft.training.moe_metrics)
+        self.router_stats = StepRouterStats.of(model)  # the last train_step's (megaft.training.moe_metrics)
         # The action (or batch of sends/receives) train_step is executing, None between steps: the
         # hang report's "pipeline action" (megaft.launch.trace.CollectiveTrace.action_of).
         self.current_action: Optional[Action | list[Action]] = None
@@ -205,10 +205,12 @@ class PipelineRuntime:
             total[-1] = sums.tokens  # the micro-batch's tokens: every MoE layer routes the same
         state.router[(s, mb)] = sums
         if sums is not None:  # its counts for the metrics
-            self.router_stats.add(router_terms(sums, total, self.moe_layers, self.model.cfg), values=False)
+            self.router_stats.add(router_terms(sums, total, self.moe_layers, self.model.cfg, self.model.global_counts),
+                                  values=False)
         if s == self.last:
             state.totals[(s, mb)] = total
-            self.router_stats.add(router_terms(None, total, self.moe_layers, self.model.cfg))  # the values
+            self.router_stats.add(router_terms(None, total, self.moe_layers, self.model.cfg,  # the values
+                                               self.model.global_counts))
         else:
             state.tails[("F", s, mb)] = total
 
@@ -217,7 +219,8 @@ class PipelineRuntime:
         sums = state.router.pop((s, mb))
         if sums is None:
             return None
-        return router_terms(sums, total, self.moe_layers, self.model.cfg).local * state.router_weight
+        return router_terms(sums, total, self.moe_layers, self.model.cfg,
+                            self.model.global_counts).local * state.router_weight
 
     def _backward(self, s: int, mb: int, state: _StepState) -> None:
         out, x = state.stage_out.pop((s, mb)), state.stage_in.pop((s, mb))
@@ -250,7 +253,7 @@ class PipelineRuntime:
         (n_targets / the global batch's micro-batches: megaft.training.moe_metrics)."""
         state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
                            self.grid.device, docs, router_weight)
-        self.router_stats = StepRouterStats(self.model.cfg)
+        self.router_stats = StepRouterStats.of(self.model)
         for item in self.program:
             self.current_action = item
             if isinstance(item, list):
@@ -266,9 +269,11 @@ class PipelineRuntime:
 
     # -- forward only (evaluation, generation) ------------------------------------------
 
-    def _through_stages(self, ids: torch.Tensor, labels: Optional[torch.Tensor], autocast: Callable):
+    def _through_stages(self, ids: torch.Tensor, labels: Optional[torch.Tensor], autocast: Callable,
+                        docs=None, after: Optional[Callable[[], None]] = None):
         """Run `ids` through every stage, one after the other; the last stage's output
-        (loss sum with labels, else local logits) on its rank, None elsewhere."""
+        (loss sum with labels, else local logits) on its rank, None elsewhere. `docs`: the
+        batch's packed documents; `after()` runs after each of this rank's stages."""
         dev, model = self.grid.device, self.model
         shape = model.activation_shape(*ids.shape)
         result = None
@@ -279,7 +284,10 @@ class PipelineRuntime:
                 x = torch.empty(shape, dtype=WIRE_DTYPE, device=dev)
                 dist.recv(x, self._peer(s - 1), self.grid.pp_group, tag=_tag("F", s - 1, 0))
             with autocast():
-                out = model(s, x, labels.to(dev) if s == self.last and labels is not None else None)
+                out = model(s, x, labels.to(dev) if s == self.last and labels is not None else None, docs,
+                            seq_len=ids.shape[1])
+            if after is not None:
+                after()
             if s == self.last:
                 result = out
             else:
@@ -288,6 +296,21 @@ class PipelineRuntime:
                                                 tag=_tag("F", s, 0))], [buf]))
         self._drain()
         return result
+
+    @torch.no_grad()
+    def router_counts(self, ids: torch.Tensor, autocast: Callable, docs=None) -> torch.Tensor:
+        """Top-k assignments per expert of a micro-batch over this rank's MoE layers (summed over
+        them and the ranks holding its tokens): a forward through every stage, no schedule
+        (moe.aux_scope=global_batch; the stages' counts add up over pp)."""
+        counts = torch.zeros(self.model.cfg.n_experts, device=self.grid.device)
+
+        def collect() -> None:
+            sums = self.model.router_sums()
+            if sums is not None:
+                counts.add_(sums.counts.sum(0))
+
+        self._through_stages(ids, None, autocast, docs, after=collect)
+        return counts
 
     @torch.no_grad()
     def forward_loss(self, ids: torch.Tensor, labels: torch.Tensor, autocast: Callable) -> torch.Tensor:

@@ -32,7 +32,7 @@ GROUP = "plan_probe"
 PROBE_KEYS = ("train.max_steps", "train.save_every", "train.export_hf", "train.progress", "train.tensorboard",
               "launcher.nodes")
 TERM_GROUPS = (  # (name, the cost model's terms, the measured phase keys)
-    ("forward+backward", ("compute", "tp_comm", "cp_comm", "zero_comm"), ("forward_s", "backward_s")),
+    ("forward+backward", ("compute", "tp_comm", "cp_comm", "ep_comm", "zero_comm"), ("forward_s", "backward_s")),
     ("optimizer", ("optimizer", "param_gather", "offload"), ("optimizer_s",)),
     ("exposed comm", ("dp_comm", "pp_bubble"), ("comm_s",)),
 )

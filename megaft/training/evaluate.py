@@ -1,7 +1,9 @@
 """Evaluation: token-weighted eval loss on whole lines, and a task's exact-match accuracy.
 
 Eval batches are split round-robin over dp ranks; sums are all-reduced, so the
-result does not depend on the parallel config.
+result does not depend on the parallel config. Under expert parallelism every MoE layer
+exchanges tokens over ranks of several dp replicas, so each dp rank runs the same number
+of forwards: a rank short of a batch runs the first one again and counts nothing.
 """
 from __future__ import annotations
 
@@ -17,6 +19,14 @@ from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 
 
+def _share(batches: list, grid: ParallelGrid) -> list[tuple[tuple[torch.Tensor, torch.Tensor], bool]]:
+    """This dp rank's (batch, counted) pairs: round-robin, padded under ep > 1 (see the module doc)."""
+    mine = [(b, True) for b in batches[grid.dp_rank::grid.dp_size]]
+    if grid.ep_size > 1:
+        mine += [(batches[0], False)] * (-(-len(batches) // grid.dp_size) - len(mine))
+    return mine
+
+
 @torch.no_grad()
 def eval_loss(model: Decoder, batches: list[tuple[torch.Tensor, torch.Tensor]], grid: ParallelGrid,
               autocast) -> Optional[float]:
@@ -26,11 +36,12 @@ def eval_loss(model: Decoder, batches: list[tuple[torch.Tensor, torch.Tensor]], 
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, targets
-    for inputs, labels in batches[grid.dp_rank::grid.dp_size]:
+    for (inputs, labels), counted in _share(batches, grid):
         with autocast():
             loss = model.loss_sum(inputs.to(grid.device), labels.to(grid.device))
-        totals[0] += loss.double()
-        totals[1] += count_targets(labels)
+        if counted:
+            totals[0] += loss.double()
+            totals[1] += count_targets(labels)
     model.train(was_training)
     all_reduce(totals, grid.dp_group)
     return (totals[0] / totals[1]).item() if totals[1] > 0 else None
@@ -47,9 +58,11 @@ def pipeline_eval_loss(runtime, batches: list[tuple[torch.Tensor, torch.Tensor]]
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, targets
-    for inputs, labels in batches[grid.dp_rank::grid.dp_size]:
-        totals[0] += runtime.forward_loss(inputs, labels, autocast)
-        totals[1] += count_targets(labels)
+    for (inputs, labels), counted in _share(batches, grid):
+        loss = runtime.forward_loss(inputs, labels, autocast)
+        if counted:
+            totals[0] += loss
+            totals[1] += count_targets(labels)
     model.train(was_training)
     all_reduce(totals[:1], grid.pp_group)
     all_reduce(totals, grid.dp_group)

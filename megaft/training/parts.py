@@ -203,9 +203,11 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
     kernels = (parts.kernels or choose_kernels(parts)).config
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
-                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
+                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
+                           ep_group=grid.ep_group, routing=cfg.moe)
     else:
-        model = Decoder(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels)
+        model = Decoder(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
+                        ep_group=grid.ep_group, routing=cfg.moe)
     if cfg.model.init_from:
         from megaft.models.hf import load_hf_weights
 

@@ -13,13 +13,15 @@ import torch
 
 from megaft.config import Config
 from megaft.models.decoder import Decoder
+from megaft.models.moe_stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
 from megaft.training.config import accumulation_steps
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
-from megaft.training.moe_metrics import StepRouterStats
+from megaft.training.global_router import global_counts
+from megaft.training.moe_metrics import router_weight
 from megaft.training.phases import PhaseTimer
 from megaft.training.protocols import Autocast, Batches, OptimPart, RunParts, StepBatch
 
@@ -52,7 +54,7 @@ class PlainStep(_Step):
     def __init__(self, model: Decoder, optim: OptimPart, grid: ParallelGrid, phases: PhaseTimer, autocast: Autocast):
         super().__init__(grid, phases, autocast)
         self.model, self.optim = model, optim
-        self.router_stats = StepRouterStats(model.cfg)
+        self.router_stats = StepRouterStats.of(model)
 
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(loss) / divisor over the micro-batches (plus, for a mixture of
@@ -60,9 +62,12 @@ class PlainStep(_Step):
         megaft.training.moe_metrics); returns the loss sum (fp64)."""
         device, phase = self.grid.device, self.phases.phase
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.router_stats = StepRouterStats(self.model.cfg)
-        # divisor is n_targets (/ the fp16 loss scale): the router terms' weight 1 / micro-batches, as a loss sum
-        router_weight = batch.n_targets / (len(batch.inputs) * self.grid.dp_size)
+        self.router_stats = StepRouterStats.of(self.model)
+        weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
+        if self.model.routing.aux_scope == "global_batch" and self.model.cfg.n_experts > 0:
+            with phase("forward"):
+                self.model.global_counts = global_counts(self.model.router_counts, batch, self.grid,
+                                                         self.model.cfg.n_experts, self.autocast)
         for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
@@ -72,7 +77,7 @@ class PlainStep(_Step):
                 router = self.model.router_losses()
             objective = loss
             if router is not None:
-                objective = loss + router.local * router_weight
+                objective = loss + router.local * weight
                 self.router_stats.add(router)
             with phase("backward"):
                 (objective / divisor).backward()
@@ -109,9 +114,14 @@ class PipelineStep(_Step):
                                        wrap_compute=phases.timed_handler)
 
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
-        router_weight = batch.n_targets / (len(batch.inputs) * self.grid.dp_size)  # as PlainStep's
+        weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
+        if self.model.routing.aux_scope == "global_batch" and self.model.cfg.n_experts > 0:
+            with self.phases.phase("forward"):
+                self.model.global_counts = global_counts(
+                    lambda ids, docs: self.runtime.router_counts(ids, self.autocast, docs), batch, self.grid,
+                    self.model.cfg.n_experts, self.autocast)
         loss_sum = self.runtime.train_step(list(batch.inputs), list(batch.labels), divisor, self.autocast,
-                                           batch.docs, router_weight=router_weight)
+                                           batch.docs, router_weight=weight)
         self.phases.add("comm", self.runtime.wait_s)
         with self.phases.phase("comm"):
             sync_tied_grads(self.model, self.grid.embedding_group)

@@ -28,6 +28,9 @@ bf16 gradients (`optim.master_weights`) are reduced in fp32: each bucket is upca
 its collective (zero 2's scratch is fp32 already) and the sum is rounded to bf16 once
 where it lands, so no rounding per partial sum (Megatron reduces bf16 grads in fp32 too).
 
+Routed experts split over ep (`FlatGroup.expert`) are reduced over `expert_group`, the
+ranks holding the same experts, in the same bucket order as the rest.
+
 Compression (`parallel.grad_compression`, megaft.parallel.data.compress): bf16 casts each
 bucket for its collective (any mode); powersgd (zero 0/1) all-reduces each bucket's P
 factors from the hook and its Q factors in `finish()`, then writes P Q^T back (zero 1
@@ -73,14 +76,18 @@ class GradReducer:
     def __init__(self, flat: FlatParams, dp_group: Group, *, zero: int = 0,
                  chunk_grads: Optional[list[torch.Tensor]] = None, overlap: bool = True,
                  compression: str = "none", powersgd_rank: int = 2, powersgd_warmup_steps: int = 0,
-                 clock: Optional[Callable[[], int]] = None):
+                 clock: Optional[Callable[[], int]] = None, expert_group: Group = None):
         self.flat, self.group, self.zero = flat, dp_group, zero
         self.dp, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.buckets = flat.buckets
+        # each bucket's reduction group: the expert replicas for routed experts split over ep
+        self.groups = [expert_group if flat.groups[b.group].expert else dp_group for b in self.buckets]
+        self.sizes = [group_size(g) for g in self.groups]
         self.chunk_grads = chunk_grads
-        if compression not in COMPRESSIONS or (compression == "powersgd" and zero > 1):
+        if compression not in COMPRESSIONS or (compression == "powersgd" and (zero > 1 or self.groups != [dp_group]
+                                                                               * len(self.groups))):
             raise ValueError(f"grad_compression={compression!r} with zero={zero}: "
-                             "use none|bf16, or powersgd at zero 0/1")
+                             "use none|bf16, or powersgd at zero 0/1 without expert parallelism")
         self.compression, self.warmup = compression, powersgd_warmup_steps
         self.steps = 0  # finish() calls
         self.warmup_from = 0  # the step PowerSGD's warm-up counts from (moved by restart_compression)
@@ -143,8 +150,8 @@ class GradReducer:
             return scratch
         return self.flat.groups[b.group].grad[b.start:b.stop]
 
-    def _mode(self) -> str:
-        if self.dp == 1:
+    def _mode(self, i: int) -> str:
+        if self.sizes[i] == 1:
             return "none"  # nothing is sent
         if self.compression == "powersgd" and self.clock() - self.warmup_from < self.warmup:
             return "none"
@@ -154,7 +161,7 @@ class GradReducer:
         grad = self._bucket_grad(i)
         self._seen[i].clear()
         self._scratch[i] = None
-        mode = self._mode()
+        mode, n, group = self._mode(i), self.sizes[i], self.groups[i]
         if mode == "powersgd":  # all-reduce the P's now, the Q's in finish()
             # bf16 grads: P, Q and the error feedback run on an fp32 copy of the bucket (fp32: in place)
             fp32 = grad.float()
@@ -164,18 +171,18 @@ class GradReducer:
             return
         # bf16 grads (optim.master_weights) are summed over dp in fp32 and rounded to bf16 once
         # when they land: no rounding per partial sum, so the result does not depend on dp
-        wire = grad.to(torch.bfloat16) if mode == "bf16" else grad.float() if self.dp > 1 else grad
-        if self.dp > 1:
+        wire = grad.to(torch.bfloat16) if mode == "bf16" else grad.float() if n > 1 else grad
+        if n > 1:
             self.sent_bytes += wire.nbytes
         if self.zero == 0:
-            work = dist.all_reduce(wire, group=self.group, async_op=True) if self.dp > 1 else None
+            work = dist.all_reduce(wire, group=group, async_op=True) if n > 1 else None
             self._pending.append((work, i, None, wire, grad))
             return
-        if self.dp == 1:
+        if n == 1:
             self._pending.append((None, i, grad, grad, grad))
             return
-        out = torch.empty(wire.numel() // self.dp, dtype=wire.dtype, device=wire.device)
-        work = reduce_scatter_single(out, wire, group=self.group, async_op=True)
+        out = torch.empty(wire.numel() // n, dtype=wire.dtype, device=wire.device)
+        work = reduce_scatter_single(out, wire, group=group, async_op=True)
         self._pending.append((work, i, out, wire, grad))
 
     @torch.no_grad()

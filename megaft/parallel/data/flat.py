@@ -12,6 +12,11 @@ last layers' gradients first: the first bucket of a buffer is the first to be
 ready. Every bucket is padded with zeros to a multiple of dp, so ZeRO shards a
 bucket into dp equal chunks (Megatron's distributed optimizer layout); a rank's
 shard of a buffer is its chunk of every bucket.
+
+Routed expert weights split over ep ranks (an ExpertSlice, megaft.parallel.tensor.shard)
+get buffers of their own (`FlatGroup.expert`): they are reduced and ZeRO-sharded over the
+expert replicas, not over every dp×cp replica, so their buckets are padded to a multiple
+of that group's size (`expert_multiple`).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from megaft.parallel.tensor.shard import expert_slice_of
 
 
 @dataclass
@@ -43,6 +50,7 @@ class FlatGroup:
     grad: torch.Tensor | None  # flat gradients, data's dtype (views in .grad); None when not kept (ZeRO-2)
     weight_decay: float
     buckets: list[Bucket] = field(default_factory=list)
+    expert: bool = False  # routed experts split over ep: reduced over the expert replicas
 
 
 def plan_buckets(sizes: list[int], cap: int, multiple: int) -> list[tuple[int, int, list[int], list[int]]]:
@@ -63,13 +71,13 @@ def plan_buckets(sizes: list[int], cap: int, multiple: int) -> list[tuple[int, i
 
 
 def _flatten(index: int, params: list[nn.Parameter], weight_decay: float, device: torch.device, *, cap: int,
-             multiple: int, keep_grads: bool, dtype: torch.dtype) -> FlatGroup:
+             multiple: int, keep_grads: bool, dtype: torch.dtype, expert: bool = False) -> FlatGroup:
     params = params[::-1]  # backward order: the first-ready grads form the first bucket
     plan = plan_buckets([p.numel() for p in params], cap, multiple)
     total = plan[-1][1] if plan else 0
     data = torch.zeros(total, dtype=dtype, device=device)
     grad = torch.zeros(total, dtype=dtype, device=device) if keep_grads else None
-    group = FlatGroup(params, data, grad, weight_decay)
+    group = FlatGroup(params, data, grad, weight_decay, expert=expert)
     for start, stop, idx, offs in plan:
         group.buckets.append(Bucket(index, start, stop, [params[i] for i in idx], offs))
         for i, off in zip(idx, offs):
@@ -86,23 +94,28 @@ class FlatParams:
     `bucket_numel` (0: one bucket per group) and `multiple` (dp under ZeRO, else 1)
     shape the buckets; `keep_grads=False` leaves `.grad` unset (ZeRO-2 keeps only
     the reduced shard, see megaft.parallel.data.buckets). `dtype`: of params and grads
-    (bf16 under optim.master_weights: the params are rounded into the buffers)."""
+    (bf16 under optim.master_weights: the params are rounded into the buffers).
+    `expert_multiple`: the bucket multiple of the expert groups (their replicas under ZeRO)."""
 
     def __init__(self, model: nn.Module, *, weight_decay: float, device: torch.device, bucket_numel: int = 0,
                  multiple: int = 1, keep_grads: bool = True, units: list[list[nn.Parameter]] | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, expert_multiple: int = 1):
         params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
         # ZeRO-3 passes `units` (a layer's params each): one buffer per unit and decay class,
         # so a layer's parameters can be gathered and freed on their own.
         split = [params] if units is None else units
         groups = []
         for ps in split:
-            decay = [p for p in ps if p.dim() >= 2]
-            no_decay = [p for p in ps if p.dim() < 2]
-            groups += [(g, wd) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
-        self.groups = [_flatten(i, ps, wd, device, cap=bucket_numel, multiple=multiple, keep_grads=keep_grads,
-                                dtype=dtype)
-                       for i, (ps, wd) in enumerate(groups)]
+            experts = [p for p in ps if expert_slice_of(p) is not None]
+            dense = [p for p in ps if expert_slice_of(p) is None]
+            decay = [p for p in dense if p.dim() >= 2]
+            no_decay = [p for p in dense if p.dim() < 2]
+            groups += [(g, wd, False) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
+            if experts:  # stacked [E/ep, ...] matrices: decayed
+                groups.append((experts, weight_decay, True))
+        self.groups = [_flatten(i, ps, wd, device, cap=bucket_numel, multiple=expert_multiple if ex else multiple,
+                                keep_grads=keep_grads, dtype=dtype, expert=ex)
+                       for i, (ps, wd, ex) in enumerate(groups)]
         self._backward_rank = {id(p): i for i, p in enumerate(reversed(params))}
 
     @property

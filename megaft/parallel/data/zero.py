@@ -51,16 +51,18 @@ class ShardedAdamW:
     """AdamW over this rank's chunks of every bucket (ZeRO stage 1 or 2)."""
 
     def __init__(self, flat: FlatParams, cfg: OptimConfig, dp_group: Group, *, stage: int,
-                 norm_params: Optional[list] = None, offload: bool = False):
+                 norm_params: Optional[list] = None, offload: bool = False, expert_group: Group = None):
         self.flat, self.cfg, self.stage, self.group, self.step_count = flat, cfg, stage, dp_group, 0
         self.offload = offload  # masters and moments on the host (megaft.optim.offload)
         self.dp, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.buckets = flat.buckets
+        # each bucket's sharding group: routed experts split over ep are sharded over their replicas
+        self.groups = [expert_group if flat.groups[b.group].expert else dp_group for b in self.buckets]
         self.scaler = None
         self.gatherer = None  # stage 3: megaft.parallel.data.zero3.ParamGatherer (set by build_optimizer)
         counted = {id(p) for p in (flat.params if norm_params is None else norm_params)}
         # One flat moment (and, stage 2, grad) tensor per group; per-bucket chunk views into them.
-        self.ranges = [chunk_range(b, self.dp, self.dp_rank) for b in self.buckets]
+        self.ranges = [chunk_range(b, group_size(g), group_rank(g)) for b, g in zip(self.buckets, self.groups)]
         sizes = [sum(hi - lo for (lo, hi), b in zip(self.ranges, self.buckets) if b.group == gi)
                  for gi in range(len(flat.groups))]
         device = self.device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
@@ -135,7 +137,8 @@ class ShardedAdamW:
     @torch.no_grad()
     def grad_norm(self, tp_group: Group, pp_group: Group) -> torch.Tensor:
         """Global L2 norm: tp-sharded squares summed over tp, replicated ones once, then
-        every chunk summed over dp (each element is owned by one dp rank) and pp."""
+        every chunk summed over dp×cp (each element is owned by one of those ranks: an expert
+        split over ep by one of its replicas on one ep rank) and pp."""
         device = self.device  # the grads' (the moments may be on the host: offload)
         sq = {SHARDED: torch.zeros((), device=device), REPLICATED: torch.zeros((), device=device)}
         for c, segs in zip(self.chunks, self.segments):
@@ -200,12 +203,12 @@ class ShardedAdamW:
             adamw_update_([(param, grad, m, v, self.flat.groups[b.group].weight_decay)
                            for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr,
                           masters=self.master_chunks or None)
-        if self.dp == 1 or self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.parallel.data.zero3)
+        if self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.parallel.data.zero3)
             return
-        sends = [param.clone() for _, param, *_ in self.chunks]  # the output overlaps the input: copy it
-        works = [all_gather_single(self.flat.groups[b.group].data[b.start:b.stop], send, group=self.group,
-                                   async_op=True)
-                 for (b, *_), send in zip(self.chunks, sends)]
+        gathers = [(c, g) for c, g in zip(self.chunks, self.groups) if group_size(g) > 1]
+        sends = [param.clone() for (_, param, *_), _ in gathers]  # the output overlaps the input: copy it
+        works = [all_gather_single(self.flat.groups[b.group].data[b.start:b.stop], send, group=g, async_op=True)
+                 for ((b, *_), g), send in zip(gathers, sends)]
         for w in works:
             w.wait()
 
@@ -224,7 +227,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     from megaft.parallel.data.buckets import GradReducer
     from megaft.parallel.data.zero3 import ParamGatherer, model_units, unit_params
 
-    # Gradients and ZeRO shards span the ranks holding the same parameters: dp×cp (cp replicates them).
+    # Gradients and ZeRO shards span the ranks holding the same parameters: dp×cp (cp replicates them),
+    # for routed experts split over ep the dp×cp/ep ranks holding the same experts.
+    experts = dict(expert_group=grid.expert_replica_group)
     numel = int(bucket_mb * 2 ** 20) // 4  # fp32 gradients (bf16 ones are reduced in fp32 too)
     options = {} if compression is None else dict(
         compression=compression.grad_compression, powersgd_rank=compression.powersgd_rank,
@@ -233,17 +238,19 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     flat = FlatParams(model, weight_decay=cfg.weight_decay, device=grid.device, bucket_numel=0 if units else numel,
                       multiple=grid.replica_size if zero else 1, keep_grads=zero < 2,
                       units=unit_params(units) if units else None,
-                      dtype=torch.bfloat16 if cfg.master_weights else torch.float32)
+                      dtype=torch.bfloat16 if cfg.master_weights else torch.float32,
+                      expert_multiple=grid.expert_replicas if zero else 1)
     if zero == 0:
         optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
         optimizer.scaler = scaler
-        return flat, optimizer, GradReducer(flat, grid.replica_group, clock=lambda: optimizer.step_count, **options)
+        return flat, optimizer, GradReducer(flat, grid.replica_group, clock=lambda: optimizer.step_count,
+                                            **options, **experts)
     optimizer = ShardedAdamW(flat, cfg, grid.replica_group, stage=zero, norm_params=norm_params,
-                             offload=offload == "cpu")
+                             offload=offload == "cpu", **experts)
     optimizer.scaler = scaler
     reducer = GradReducer(flat, grid.replica_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads,
-                          clock=lambda: optimizer.step_count, **options)
+                          clock=lambda: optimizer.step_count, **options, **experts)
     if units:
-        optimizer.gatherer = ParamGatherer(flat, units, optimizer.param_shards, grid.replica_group)
+        optimizer.gatherer = ParamGatherer(flat, units, optimizer.param_shards, grid.replica_group, **experts)
         reducer.after_finish = optimizer.gatherer.end_backward
     return flat, optimizer, reducer

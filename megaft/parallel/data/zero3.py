@@ -60,8 +60,11 @@ class ParamGatherer:
 
     `shards[i]` is this rank's chunk of bucket i (the optimizer's master copy)."""
 
-    def __init__(self, flat: FlatParams, units: list[nn.Module], shards: list[torch.Tensor], dp_group: Group):
-        self.flat, self.units, self.group = flat, units, dp_group
+    def __init__(self, flat: FlatParams, units: list[nn.Module], shards: list[torch.Tensor], dp_group: Group,
+                 expert_group: Group = None):
+        self.flat, self.units = flat, units
+        # each buffer's owners: routed experts split over ep are sharded over their replicas
+        self.groups = [expert_group if g.expert else dp_group for g in flat.groups]
         buckets = flat.buckets
         self.shard_of = {b.group: s for b, s in zip(buckets, shards)}  # one bucket per group under ZeRO-3
         group_of = {id(p): g_i for g_i, g in enumerate(flat.groups) for p in g.params}
@@ -91,11 +94,11 @@ class ParamGatherer:
     def _gather(self, gi: int) -> None:
         data = self.flat.groups[gi].data
         data.untyped_storage().resize_(data.numel() * data.element_size())
-        shard = self.shard_of[gi]
-        if group_size(self.group) == 1:
+        shard, group = self.shard_of[gi], self.groups[gi]
+        if group_size(group) == 1:
             data.copy_(shard)
         else:
-            self._inflight[gi] = all_gather_single(data, shard, group=self.group, async_op=True)
+            self._inflight[gi] = all_gather_single(data, shard, group=group, async_op=True)
 
     def acquire(self, i: int) -> None:
         for gi in self.unit_groups[i]:

@@ -4,10 +4,14 @@ Each sharded parameter carries a TPShard: the dim it is split on, its true size
 there and the padded size (a multiple of tp; the vocabulary may need padding).
 Initialization, Hugging Face import/export and grad-norm clipping all read it, so
 the full tensor <-> local shard mapping lives in one place.
+
+A routed expert weight under expert parallelism (`parallel.ep`) also carries an
+ExpertSlice: the experts (dim 0 of the stacked [E, ...] weight) its ep rank holds.
+`full_shape` and `local_from_full` apply both splits, experts first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -28,6 +32,31 @@ class TPShard:
         """[start, end) of this rank's rows that exist in the full tensor (no padding)."""
         start, end = self.bounds(tp_rank, tp_size)
         return min(start, self.full), min(end, self.full)
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Experts [rank * local, (rank + 1) * local) of `experts`, held by ep rank `rank` of `size`;
+    `group`: the ep group (to gather the whole weight)."""
+    rank: int
+    size: int
+    experts: int
+    group: object = field(default=None, compare=False)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        local = self.experts // self.size
+        return self.rank * local, (self.rank + 1) * local
+
+
+def mark_expert_slice(param: torch.nn.Parameter, rank: int, size: int, experts: int, group) -> torch.nn.Parameter:
+    param._expert_slice = ExpertSlice(rank, size, experts, group)
+    return param
+
+
+def expert_slice_of(param: torch.Tensor) -> Optional[ExpertSlice]:
+    """The ExpertSlice of a routed expert weight split over ep > 1 ranks, else None."""
+    return getattr(param, "_expert_slice", None)
 
 
 def padded_size(size: int, multiple: int) -> int:
@@ -60,11 +89,18 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     shape = list(param.shape)
     if spec is not None:
         shape[spec.dim] = spec.full
+    experts = expert_slice_of(param)
+    if experts is not None:
+        shape[0] = experts.experts
     return tuple(shape)
 
 
 def local_from_full(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Cut this rank's shard out of `full`, zero-filling padding rows."""
+    """Cut this rank's shard out of `full` (its experts, then its tp rows), zero-filling padding rows."""
+    experts = expert_slice_of(param)
+    if experts is not None:
+        lo, hi = experts.bounds
+        full = full[lo:hi]
     spec = shard_of(param)
     if spec is None:
         return full
