@@ -23,7 +23,7 @@ import megaft
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("megaft.fileio", "megaft.signals", "megaft.checks", "megaft.device")),
     # the grid and plain collectives, then one folder per parallel concept that the layers use
-    ("parallel", ("megaft.parallel", "megaft.parallel.tensor", "megaft.parallel.context")),
+    ("parallel", ("megaft.parallel", "megaft.parallel.tensor", "megaft.parallel.context", "megaft.parallel.expert")),
     ("kernels", ("megaft.kernels",)),
     ("layers", ("megaft.layers",)),
     ("models", ("megaft.models",)),
@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("megaft.pipeline",)),
     ("checkpoint", ("megaft.checkpoint",)),
     ("data", ("megaft.data",)),
+    ("pref", ("megaft.pref",)),  # preference tuning: pairs (megaft.data's formats), log-probs, losses
     ("config", ("megaft.training.config", "megaft.launch.config", "megaft.verify.config", "megaft.commbench.config",
                 "megaft.perf", "megaft.plan.config", "megaft.config")),
     ("training", ("megaft.training",)),

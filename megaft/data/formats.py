@@ -59,10 +59,10 @@ def parse_record(obj: Any) -> dict:
                         f"'conversations' (keys: {keys}); {_FIX_FORM}")
     form = forms.pop()
     if form == "messages":
-        turns = _turns(obj["messages"], "messages", "role", "content")
-        return _chat([_message(t, f"'messages'[{i}]") for i, t in enumerate(turns)], obj.get("tools"))
+        turns = checked_turns(obj["messages"], "messages", "role", "content")
+        return _chat([checked_message(t, f"'messages'[{i}]") for i, t in enumerate(turns)], obj.get("tools"))
     if form == "conversations":
-        turns = _turns(obj["conversations"], "conversations", "from", "value")
+        turns = checked_turns(obj["conversations"], "conversations", "from", "value")
         messages = [_sharegpt_turn(t, f"'conversations'[{i}]") for i, t in enumerate(turns)]
         return _chat(_with_system(messages, obj.get("system")), obj.get("tools"))
     keys = ("text",) if form == "text" else ("prompt", "completion")
@@ -81,7 +81,7 @@ def _chat(messages: list[dict], tools: Any) -> dict:
     return {"messages": messages, "tools": tools} if tools else {"messages": messages}
 
 
-def _turns(turns: Any, key: str, role_key: str, text_key: str) -> list[dict]:
+def checked_turns(turns: Any, key: str, role_key: str, text_key: str) -> list[dict]:
     """The turns of a chat, checked to be a non-empty list of objects, nulls dropped."""
     example = f'[{{"{role_key}": "user", "{text_key}": "..."}}, ...]'
     if not isinstance(turns, list):
@@ -106,7 +106,7 @@ def _string(turn: dict, key: str, where: str, what: str = "every turn") -> str:
     return turn[key]
 
 
-def _message(turn: dict, where: str) -> dict:
+def checked_message(turn: dict, where: str) -> dict:
     """One turn of the messages form: role and content, an assistant's tool_calls, a tool
     result's tool_call_id and name; other keys dropped."""
     role = _string(turn, "role", where)

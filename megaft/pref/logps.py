@@ -1,0 +1,89 @@
+"""Per-sequence log-probabilities of completion tokens, from megaft's vocab-parallel
+cross-entropy: the quantities every preference objective (megaft.pref.losses) reads.
+
+log p(y_t | y_<t) is minus the per-token cross-entropy that the SFT loss already computes
+(megaft.kernels.cross_entropy: Megatron's vocab-parallel scheme, three per-token
+all-reduces over tp), so this never gathers the vocabulary nor builds a full softmax of
+gathered logits: it works on each tp rank's slice of the logits as Decoder.loss_sum does,
+and with `kernels.fused_linear_cross_entropy` without the logits of the whole batch.
+
+Labels follow megaft's convention: `labels[:, t]` is the target of position t (already
+shifted; -100 = not a target). TRL's batches hold unshifted ids and a completion mask;
+`next_token_labels` turns them into megaft's labels.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
+from megaft.kernels.cross_entropy.reference import IGNORE_INDEX
+from megaft.layers.linear import column_input
+from megaft.models.attention import op_backend
+from megaft.models.decoder import Decoder
+from megaft.models.docs import Docs
+from megaft.parallel.comm import Group, group_rank
+
+
+class SequenceLogps(NamedTuple):
+    """Summed log-probabilities of each row's target tokens [rows] (fp32) and their
+    number [rows]. Objectives that average (IPO, SimPO, ORPO) divide the two, so the
+    mean is exact however the tokens were split."""
+    sum: torch.Tensor
+    count: torch.Tensor
+
+    def mean(self) -> torch.Tensor:
+        """Per-token average; a row without targets counts as one token (TRL's IPO clamp)."""
+        return self.sum / self.count.clamp(min=1)
+
+    def split(self, n: int) -> tuple["SequenceLogps", "SequenceLogps"]:
+        """(first n rows, the rest): TRL's concatenated batches put the chosen rows first."""
+        return SequenceLogps(self.sum[:n], self.count[:n]), SequenceLogps(self.sum[n:], self.count[n:])
+
+
+def next_token_labels(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """megaft labels [batch, seq] of `input_ids`: position t targets token t + 1 where
+    `mask[:, t + 1]` is set (a completion token), -100 elsewhere and at the last position."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:].masked_fill(~mask[:, 1:].bool(), IGNORE_INDEX)
+    return labels
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, group: Group = None,
+                vocab_size: Optional[int] = None, backend: str = "torch") -> torch.Tensor:
+    """log p(label) at every position [batch, seq] (fp32, 0 where labels == -100) from this
+    tp rank's vocabulary slice of `logits` [batch, seq, V/tp]; `vocab_size` is the true
+    vocabulary (padded columns are never predicted)."""
+    local = logits.shape[-1]
+    losses = cross_entropy(logits.reshape(-1, local), labels.reshape(-1), group=group,
+                           vocab_start=group_rank(group) * local, vocab_size=vocab_size, backend=backend)
+    return -losses.view(labels.shape)
+
+
+def decoder_token_logps(model: Decoder, input_ids: torch.Tensor, labels: torch.Tensor,
+                        docs: Optional[Docs] = None) -> torch.Tensor:
+    """`token_logps` of a whole Decoder (embedding to head) on `input_ids`: the per-token
+    terms of Decoder.loss_sum, negated and not summed, through the same kernels (the fused
+    linear cross-entropy when the model's KernelsConfig asks for it)."""
+    kernels, vocab = model.kernels, model.cfg.vocab_size
+    backend = op_backend(kernels, "cross_entropy")
+    if kernels is not None and kernels.fused_linear_cross_entropy:
+        head = model.lm_head
+        if head.bias is not None:
+            raise ValueError("the fused linear cross-entropy supports a head without bias only")
+        # as megaft.models.decoder.fused_head_loss_sum, per token: the final norm, gathered as the head would
+        h = column_input(model.norm(model.blocks(input_ids, docs)), head.group, head.sequence_parallel)
+        h = h[:, :labels.shape[1]]
+        losses = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, labels.reshape(-1), group=head.group,
+                                      vocab_start=group_rank(head.group) * head.weight.shape[0], vocab_size=vocab,
+                                      backend=backend, chunk=kernels.ce_chunk_tokens)
+        return -losses.view(labels.shape)
+    logits = model(input_ids, docs)[:, :labels.shape[1]]
+    return token_logps(logits, labels, group=model.group, vocab_size=vocab, backend=backend)
+
+
+def sequence_logps(logps: torch.Tensor, labels: torch.Tensor) -> SequenceLogps:
+    """Sum per row of the per-token log-probs [batch, seq] over the targets of `labels`."""
+    targets = labels != IGNORE_INDEX
+    return SequenceLogps(logps.masked_fill(~targets, 0.0).sum(-1), targets.sum(-1))
