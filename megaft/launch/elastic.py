@@ -6,7 +6,9 @@ is overridden): dp = world / (tp * cp * pp). Gradient accumulation, global_batch
 old layout would have had (up to fp32 summation order), and the newest checkpoint is
 resharded to the new dp on load (megaft.checkpoint.reshard). A world that tp * cp * pp no
 longer divides is re-planned when the run names a cluster (megaft.plan.replan), else an
-error naming both. Without elastic, an unset parallel.dp already
+error naming both. Expert parallelism follows: an ep that no longer divides dp*cp becomes
+the largest divisor of it that does (the experts' checkpoint slices reshard too). Without
+elastic, an unset parallel.dp already
 follows the world; a set one must match it (validation says so). The restarted run's
 config.yaml records the new dp and accumulation (megaft.training.run_config); the restart
 message takes the old accumulation from the config.yaml the previous attempt left.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 from typing import Optional
@@ -62,8 +65,12 @@ def adapt(cfg: Config, world: int, run_dir: str) -> Optional[str]:
     dp = world // fixed
     was = newest_layout(os.path.join(run_dir, "checkpoints"))
     par.dp = dp
+    ep_note = _replan_ep(par, dp)
     if was is None or was[1].get("dp") == dp:
-        return None
+        if ep_note:
+            log.warning("megaft: elastic restart: %s", ep_note)
+            print(f"megaft: elastic restart: {ep_note}", flush=True)
+        return ep_note
     step, layout = was
     old_acc = train.global_batch_size // max(train.micro_batch_size * layout["dp"], 1)
     before = read_run_config(run_dir)  # the attempt that ran before this one (config.yaml)
@@ -73,10 +80,22 @@ def adapt(cfg: Config, world: int, run_dir: str) -> Optional[str]:
     msg = (f"megaft: elastic restart: checkpoint step {step} was written by {layout['world_size']} rank(s) "
            f"(tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}); this run has {world}: tp={par.tp} pp={par.pp} "
            f"dp={dp}, gradient accumulation {old_acc} -> {new_acc} micro-batches per rank, global batch "
-           f"{train.global_batch_size} kept; the checkpoint is resharded")
+           f"{train.global_batch_size} kept; the checkpoint is resharded" + (f"; {ep_note}" if ep_note else ""))
     log.warning(msg)
     print(msg, flush=True)
     return msg
+
+
+def _replan_ep(par, dp: int) -> Optional[str]:
+    """Expert parallelism after dp changed: ep must still divide dp*cp; the largest divisor of
+    the old ep that does (it still divides the experts) keeps the most of the split."""
+    ep = math.gcd(par.ep, dp * par.cp)
+    if ep == par.ep:
+        return None
+    note = (f"parallel.ep {par.ep} -> {ep} (ep must divide dp*cp = {dp * par.cp}; the experts' checkpoint slices "
+            "are resharded)")
+    par.ep = ep
+    return note
 
 
 def requeue_after_loss(max_requeue: int, run_dir: str, world: int, since: float) -> None:

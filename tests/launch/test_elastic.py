@@ -231,3 +231,17 @@ def test_requeued_elastic_job_asks_for_the_nodes_that_remain():
     assert calls == [["scontrol", "update", "JobId=9", "NumNodes=2", "NumTasks=4", "NumCPUs=16", "ExcNodeList=mn2"]]
     assert msg == "megaft: job 9 asks for the 2 node(s) that remain (mn1, mn3; 4 tasks), without mn2"
     assert shrink_requeued([], env, run=scontrol) is None and len(calls) == 1  # nothing lost: untouched
+
+
+def test_elastic_replans_ep_when_dp_no_longer_divides_it(tmp_path, capfd):
+    """dp 8 -> 6 ranks: ep=4 no longer divides dp*cp, so it becomes gcd(4, 6) = 2 (still dividing
+    the experts); a world where it still divides keeps it."""
+    cfg = config(elastic=True, nproc=6)
+    cfg.parallel.ep = 4
+    note = adapt(cfg, 6, str(tmp_path))
+    assert (cfg.parallel.dp, cfg.parallel.ep) == (6, 2)
+    assert note == "parallel.ep 4 -> 2 (ep must divide dp*cp = 6; the experts' checkpoint slices are resharded)"
+    assert note in capfd.readouterr().out
+    kept = config(elastic=True, nproc=8)
+    kept.parallel.ep = 4
+    assert adapt(kept, 8, str(tmp_path)) is None and (kept.parallel.dp, kept.parallel.ep) == (8, 4)

@@ -1,8 +1,9 @@
 """Expert parallelism (`parallel.ep`) on local ranks equals the single process (megaft-verify's
 machinery: loss, grad norm and aux_loss per step, every parameter's step-1 gradient, the experts'
 joined over the ep ranks) with dp, ZeRO 1-3, accumulation, cp, tp with sequence parallel, pp and
-full recompute; an ep rank whose experts get no token still takes part; a checkpoint taken at
-ep=2 resumes at ep=1 (and one taken at ep=1 at ep=2 with ZeRO-3) with the uninterrupted losses;
+full recompute, bf16 and verify.shrink=auto; an ep rank whose experts get no token still takes
+part; a checkpoint taken at ep=2 resumes at ep=1 and at ep=4 (and one taken at ep=1 at ep=2 with
+ZeRO-3) with the uninterrupted losses;
 and a run at ep=2 loads its HF checkpoint per ep slice and exports the published layout."""
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ EP_LAYOUTS = [
     ("qwen3_moe", dict(pp=2, dp=2, ep=2)),  # the last stage has no MoE layer
     ("mixtral", dict(dp=2, ep=2, recompute="full")),  # the replay dispatches again in backward
     ("mixtral", dict(dp=2, ep=2, precision="bf16")),  # rows travel in bf16; verify's bf16 tolerances
+    ("qwen3_moe", dict(dp=2, ep=2, shrink="auto")),  # megaft-verify's shrunk model keeps every expert
 ]
 
 
@@ -87,16 +89,18 @@ def _resume_copy(saved_run: str, run: str, step: int) -> None:
 
 
 def _train(ckpt: str, data: str, run: str, **layout) -> None:  # noqa: F811
-    cfg = moe_config(ckpt, data, **layout)
+    # 16 rows in micro-batches of 4 at every dp: the same micro-batches, so the same router losses
+    cfg = moe_config(ckpt, data, global_batch_size=16, **layout)
     cfg.train.max_steps, cfg.train.save_every, cfg.train.keep_last, cfg.train.progress = 4, 2, 2, False
     assert validate(cfg, cfg.launcher.nproc) == []  # and resolves the vocabulary from the checkpoint
     launch_local(cfg, run)
 
 
 def test_checkpoints_reshard_across_ep(tmp_path, data):  # noqa: F811
-    """Saved at ep=2 (dp=2), resumed at ep=1 (dp=2); saved at ep=1, resumed at ep=2 with ZeRO-3:
-    steps 3-4 equal the uninterrupted run (each expert's weights and Adam moments move between
-    ranks by name and expert index, megaft.checkpoint.reshard)."""
+    """Saved at ep=2 (dp=2), resumed at ep=1 (dp=2) and at ep=4 (dp=4, one expert per rank);
+    saved at ep=1, resumed at ep=2 with ZeRO-3: steps 3-4 equal the uninterrupted run (each
+    expert's weights and Adam moments move between ranks by name and expert index,
+    megaft.checkpoint.reshard)."""
     ckpt = str(tmp_path / "ckpt")
     make_hf_moe(ckpt, "qwen2_moe")
     ep2, ep1 = str(tmp_path / "ep2"), str(tmp_path / "ep1")
@@ -104,7 +108,8 @@ def test_checkpoints_reshard_across_ep(tmp_path, data):  # noqa: F811
     _train(ckpt, data, ep1, dp=2)
     straight = _losses(ep2)
     assert sorted(straight) == [1, 2, 3, 4]
-    for saved, run, layout in ((ep2, "to_ep1", dict(dp=2)), (ep1, "to_ep2_zero3", dict(dp=2, ep=2, zero=3))):
+    for saved, run, layout in ((ep2, "to_ep1", dict(dp=2)), (ep2, "to_ep4", dict(dp=4, ep=4)),
+                               (ep1, "to_ep2_zero3", dict(dp=2, ep=2, zero=3))):
         resumed = str(tmp_path / run)
         _resume_copy(saved, resumed, 2)
         _train(ckpt, data, resumed, **layout)
