@@ -238,7 +238,7 @@ def _expert_problems(cfg: Config) -> list[str]:
     if experts % ep:
         problems.append(f"parallel.ep={ep} does not divide model.n_experts={experts}: each ep rank holds "
                         f"n_experts/ep experts; fix: parallel.ep among the common divisors of {experts} and dp*cp")
-    if cfg.data.path is None:  # the generated task's accuracy: greedy generation stops unevenly per dp rank
+    if cfg.data.path is None and not cfg.data.sources:  # the generated task's accuracy: uneven generation
         problems.append(f"parallel.ep={ep} cannot evaluate the generated task data.task={cfg.data.task} (its greedy "
                         "generation runs a different number of forwards per dp rank, and every MoE layer exchanges "
                         "tokens across them); fix: train on a file (data.path=...), or parallel.ep=1")

@@ -261,7 +261,10 @@ def test_four_ranks_measure_every_scope_with_nccl_tests_arithmetic(tmp_path, cap
     assert run(cfg, str(tmp_path), worker=four_rank_worker) == 0, capsys.readouterr().out
     doc = json.loads((tmp_path / "commbench.json").read_text())
     scopes = {s["name"]: s for s in doc["scopes"]}
-    assert doc["grid"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 1}
+    assert doc["grid"] == {"tp": 2, "cp": 1, "dp": 2, "pp": 1, "ep": 1}
+    assert scopes["ep"] == {"name": "ep", "groups": [], "group_size": 0, "spans": "", "same_as": None,
+                            "note": "parallel.ep=1: no ep group to measure"}
+    assert doc["ep"] == {"note": "parallel.ep=1: no expert all-to-all to measure"}
     assert scopes["intra_node"]["groups"] == [[0, 1, 2, 3]] and scopes["inter_node"]["groups"] == []
     assert (scopes["tp"]["groups"], scopes["dp"]["groups"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert scopes["tp"]["same_as"] is None and scopes["dp"]["same_as"] is None

@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from megaft.commbench.config import check_commbench
+from megaft.commbench.ep import ep_problems
 from megaft.commbench.report import format_table
 from megaft.commbench.verdict import verdict
 from megaft.config import Config, ConfigError, check_local_launch, conf_dir, register_configs
@@ -27,11 +28,13 @@ register_configs()
 
 
 def check(cfg: Config, world_size: int, *, local: bool) -> list[str]:
-    """The problems commbench can have: its own keys, the grid over `world_size` ranks, the launcher.
-    The model, data and memory checks of megaft-train do not apply: nothing is trained."""
+    """The problems commbench can have: its own keys, the grid over `world_size` ranks, the launcher,
+    and under parallel.ep > 1 the mixture of experts whose all-to-all it sizes. The rest of
+    megaft-train's model, data and memory checks do not apply: nothing is trained."""
     import torch
 
     problems = check_commbench(cfg.commbench, resolve_device(cfg.device)) + check_parallel(cfg.parallel, world_size)
+    problems += ep_problems(cfg)
     problems += check_launcher(cfg.launcher) + (check_local_launch(cfg) if local else [])
     if cfg.device == "cuda" and not torch.cuda.is_available():
         problems.append("device=cuda but torch sees no CUDA GPU; fix: device=cpu (gloo) or a CUDA build of torch")

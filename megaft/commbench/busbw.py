@@ -6,11 +6,13 @@ all-to-all's send buffer, and one message of send/recv. algbw = S / t. busbw = a
 factor that makes the figure comparable to the hardware's link bandwidth whatever n is:
 a ring all-reduce moves 2(n-1)/n x S through every rank's link, reduce-scatter,
 all-gather and all-to-all (n-1)/n x S, broadcast and send/recv S. Bandwidths are in
-GB/s = 1e9 bytes per second, nccl-tests' unit.
+GB/s = 1e9 bytes per second, nccl-tests' unit. The expert-parallel all-to-alls
+(EpCollective) follow the all-to-all's rule: S is one rank's send buffer, of which it sends
+(n-1)/n to the others at balanced splits.
 """
 from __future__ import annotations
 
-from megaft.commbench.config import Collective
+from megaft.commbench.config import Collective, EpCollective
 
 GB = 1e9
 ELEMENT_BYTES = 4  # every buffer is float32: the sums stay exact, so every result can be checked
@@ -19,7 +21,9 @@ CHUNKED = (Collective.reduce_scatter, Collective.all_gather, Collective.all_to_a
 
 
 def bus_factor(collective: str, n: int) -> float:
-    """busbw / algbw of `collective` over `n` ranks."""
+    """busbw / algbw of `collective` (a Collective or an EpCollective) over `n` ranks."""
+    if collective in set(EpCollective):
+        return (n - 1) / n
     c = Collective(collective)
     if c == Collective.all_reduce:
         return 2 * (n - 1) / n

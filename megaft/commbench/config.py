@@ -26,6 +26,13 @@ class Collective(StrEnum):
     send_recv = "send_recv"  # every rank sends to the next of its group and receives from the previous
 
 
+class EpCollective(StrEnum):
+    """Expert parallelism's all-to-all over the ep groups at the model's size (megaft.commbench.ep):
+    measured when parallel.ep > 1 and all_to_all is among commbench.collectives, never swept."""
+    balanced = "ep_all_to_all"  # as many rows to every rank: the routing the cost model prices
+    routed = "ep_all_to_all_routed"  # split sizes of a seeded, skewed routing: some ranks send and get more
+
+
 @dataclass
 class CommbenchConfig:
     collectives: List[str] = field(default_factory=lambda: [c.value for c in Collective])  # which to time

@@ -5,7 +5,9 @@ training (every tp group reduces at once). Scopes, in order:
 
 - intra_node: the ranks of each host;
 - inter_node: the i-th rank of every host, for each i (one rank per node, every NIC busy);
-- tp, cp, dp, pp: the grid's real process groups (megaft.parallel.grid, tp fastest).
+- tp, cp, dp, pp: the grid's real process groups (megaft.parallel.grid, tp fastest);
+- ep: the grid's expert-parallel groups (parallel.ep consecutive dp x cp replicas, tp apart),
+  where a mixture of experts' tokens go all-to-all (megaft.commbench.ep).
 
 A scope whose groups equal an earlier scope's is not measured again (`same_as`): with
 8 ranks a node and tp=8, tp is intra_node. `spans` says whether a scope's groups stay
@@ -77,6 +79,15 @@ def grid_groups(grid: ParallelGrid) -> dict[str, list[list[int]]]:
             for axis, dim in (("tp", 3), ("cp", 2), ("dp", 1), ("pp", 0))}
 
 
+def ep_groups(grid: ParallelGrid) -> list[list[int]]:
+    """The ep groups as global ranks, as ParallelGrid.build makes them: the dp x cp replicas of
+    each (pp, tp) position (dp major), cut into runs of ep; [] when parallel.ep = 1."""
+    if grid.ep_size <= 1:
+        return []
+    ranks = torch.arange(grid.world_size).view(grid.pp_size, grid.dp_size, grid.cp_size, grid.tp_size)
+    return ranks.permute(0, 3, 1, 2).reshape(-1, grid.ep_size).tolist()
+
+
 def _new_groups(groups: list[list[int]], rank: int, timeout) -> tuple[Optional[dist.ProcessGroup], list[int]]:
     """Create every group on every rank, in the same order (new_group is collective); keep ours."""
     mine, members = None, []
@@ -107,6 +118,12 @@ def build_scopes(grid: ParallelGrid, hosts: list[str]) -> list[Scope]:
             continue
         members = next(g for g in groups if rank in g)
         scopes.append(Scope(axis, groups, axis_group[axis], members, spans(groups, hosts)))
+    groups = ep_groups(grid)
+    if groups:
+        members = next(g for g in groups if rank in g)
+        scopes.append(Scope("ep", groups, grid.ep_group, members, spans(groups, hosts)))
+    else:
+        scopes.append(Scope("ep", [], note="parallel.ep=1: no ep group to measure"))
     for i, scope in enumerate(scopes):  # identical groups: measured once, under the first name
         key = sorted(map(sorted, scope.groups))
         scope.same_as = next((s.name for s in scopes[:i] if s.groups and sorted(map(sorted, s.groups)) == key), None)

@@ -10,6 +10,10 @@ Values: element j of a routed buffer (all-gather, all-to-all, broadcast, send/re
 add (j mod 61) + 1 + ((rank + iteration) mod 8) over the ranks. Both stay below 2^24, where
 float32 holds every integer, for any world up to 2^17 ranks.
 
+The expert-parallel all-to-all (EpCase) moves rows of a fixed width with split sizes
+per destination; group rank i's send buffer is (j mod 61) + 64 x tag, and what a rank
+receives from each source is that source's rows for it, checked the same way.
+
 Timing of one iteration: a 1-element all-reduce over the group (all ranks start together),
 then the collective, then torch.cuda.synchronize on GPU; perf_counter around the last two.
 """
@@ -123,6 +127,46 @@ class Case:
         return mismatch(self.out, self.expected(k))
 
 
+class EpCase:
+    """The ep all-to-all of one routing: `splits[i][j]` rows of `row_elems` float32 words from
+    group rank i to group rank j, one all_to_all_single with split sizes (as
+    megaft.parallel.expert.dispatch calls it)."""
+
+    def __init__(self, collective: str, splits: list[list[int]], row_elems: int, group: dist.ProcessGroup,
+                 members: list[int], device: torch.device, hooks: Hooks):
+        self.op, self.group, self.hooks = collective, group, hooks
+        self.n, self.rank = len(members), dist.get_rank()
+        self.me = me = members.index(self.rank)
+        self.send = list(splits[me])
+        self.recv = [splits[i][me] for i in range(self.n)]
+        self.base = pattern(sum(self.send) * row_elems, device).view(-1, row_elems)
+        self.inp = torch.empty_like(self.base)
+        self.out = torch.empty(sum(self.recv), row_elems, device=device)
+        self.nbytes = self.inp.numel() * 4
+        self.pieces = []  # (source i, the words i sends this rank, before i's tag): past its rows for ranks < me
+        for i in range(self.n):
+            first = sum(splits[i][:me]) * row_elems
+            words = torch.arange(first, first + self.recv[i] * row_elems, dtype=torch.int64, device=device)
+            self.pieces.append((i, words.remainder_(61).float()))
+        self.sent_bytes = (sum(self.send) - self.send[me]) * row_elems * 4
+        self.recv_bytes = (sum(self.recv) - self.recv[me]) * row_elems * 4
+
+    def prepare(self, k: int) -> None:
+        self.inp.copy_(self.base).add_(64 * _tag(self.me, k, self.n))
+        self.out.fill_(SENTINEL)
+
+    def run(self) -> None:
+        dist.all_to_all_single(self.out, self.inp, self.recv, self.send, group=self.group)
+
+    def expected(self, k: int) -> torch.Tensor:
+        return torch.cat([piece + 64 * _tag(i, k, self.n) for i, piece in self.pieces])
+
+    def check(self, k: int) -> Optional[str]:
+        if self.hooks.corrupt:
+            self.hooks.corrupt(self.op, self.rank, self.out)
+        return mismatch(self.out.view(-1), self.expected(k))
+
+
 def sync(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
     """All ranks of `group` (None: the world) leave together: a 1-element all-reduce."""
     dist.all_reduce(torch.zeros(1, device=device), group=group)
@@ -158,3 +202,14 @@ def measure_collective(collective: str, nbytes: int, group, members: list[int], 
     times, error = time_iterations(lambda k: case.run(), before=case.prepare, after=case.check, group=group,
                                    device=device, warmup=warmup, repeats=repeats)
     return {"collective": collective, "bytes": case.nbytes, "times": times, "error": error}
+
+
+def measure_ep(collective: str, splits: list[list[int]], row_elems: int, group, members: list[int],
+               device: torch.device, hooks: Hooks, *, warmup: int, repeats: int) -> dict:
+    """This rank's record of one ep all-to-all: its send buffer's bytes, times, first error, the
+    group's splits and the bytes this rank sent to and received from the others."""
+    case = EpCase(collective, splits, row_elems, group, members, device, hooks)
+    times, error = time_iterations(lambda k: case.run(), before=case.prepare, after=case.check, group=group,
+                                   device=device, warmup=warmup, repeats=repeats)
+    return {"collective": collective, "bytes": case.nbytes, "times": times, "error": error, "splits": splits,
+            "sent_bytes": case.sent_bytes, "recv_bytes": case.recv_bytes}

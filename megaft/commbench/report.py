@@ -8,16 +8,17 @@ from megaft.commbench.verdict import human_bytes
 from megaft.fileio import write_json_atomic
 
 CSV_FIELDS = ["scope", "group", "collective", "bytes", "ranks", "groups", "time_s", "time_p20_s", "time_p80_s",
-              "algbw_gbps", "busbw_gbps", "correct", "error"]
+              "algbw_gbps", "busbw_gbps", "correct", "error", "sent_bytes", "recv_bytes", "model_time_s"]
 
 
 def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _scope_header(s: dict) -> str:
+def _scope_header(s: dict, measured: bool = False) -> str:
     if s["same_as"]:
-        return f"{s['name']}: the same groups as {s['same_as']} ({s['spans']}), measured there"
+        return (f"{s['name']}: the same groups as {s['same_as']} ({s['spans']}), measured there"
+                + ("; its own rows below" if measured else ""))
     if not s["groups"]:
         return f"{s['name']}: none ({s['note']})"
     n = len(s["groups"])
@@ -47,19 +48,40 @@ def format_table(doc: dict) -> str:
     hosts = doc["hosts"]
     g = doc["grid"]
     lines = [f"megaft-commbench: {doc['world_size']} ranks on {len(hosts)} host(s), {doc['backend']} on "
-             f"{doc['device_name']}, {doc['dtype']}; grid tp={g['tp']} cp={g.get('cp', 1)} dp={g['dp']} pp={g['pp']}"]
+             f"{doc['device_name']}, {doc['dtype']}; grid tp={g['tp']} cp={g.get('cp', 1)} dp={g['dp']} pp={g['pp']}"
+             + (f" ep={g['ep']}" if g.get("ep", 1) > 1 else "")]
     for s in doc["scopes"]:
-        lines.append(_scope_header(s))
         rows = [r for r in doc["results"] if r["scope"] == s["name"]]
+        lines.append(_scope_header(s, bool(rows)))
+        width = max([15] + [len(r["collective"]) + 2 for r in rows])
         if rows:
-            lines.append(f"  {'collective':<15}{'size':>10}{'time us':>11}{'p20-p80 us':>17}{'algbw':>9}"
+            lines.append(f"  {'collective':<{width}}{'size':>10}{'time us':>11}{'p20-p80 us':>17}{'algbw':>9}"
                          f"{'busbw GB/s':>12}")
         for r in rows:
             spread = f"{r['time_p20_s'] * 1e6:.0f}-{r['time_p80_s'] * 1e6:.0f}"
             tail = "" if r["correct"] else f"   WRONG: {r['error']}"
-            lines.append(f"  {r['collective']:<15}{human_bytes(r['bytes']):>10}{r['time_s'] * 1e6:>11.1f}"
+            lines.append(f"  {r['collective']:<{width}}{human_bytes(r['bytes']):>10}{r['time_s'] * 1e6:>11.1f}"
                          f"{spread:>17}{_num(r['algbw_gbps'], '.3f'):>9}{_num(r['busbw_gbps'], '.3f'):>12}{tail}")
+        if s["name"] == "ep" and "splits" in doc.get("ep", {}):
+            lines += format_ep(doc["ep"], rows)
     return "\n".join(lines + format_pairs(doc["pairs"]))
+
+
+def format_ep(ep: dict, rows: list[dict]) -> list[str]:
+    """The ep all-to-all's sizes, each routing's splits and heaviest rank, and the cost model's price."""
+    lines = [f"  ep all-to-all: {ep['tokens']} tokens x top_k {ep['top_k']} rows of {ep['row_bytes']} B "
+             f"(dim {ep['dim']} x {ep['elem_bytes']} B) per rank, {ep['n_experts']} experts over ep={ep['ep']}; "
+             f"a2a_bytes {human_bytes(int(ep['a2a_bytes']))} per block and pass"]
+    for r in rows:
+        if "splits" not in r:
+            continue
+        ratio = "" if r.get("model_ratio") is None else f", measured / model {r['model_ratio']:.2f}x"
+        lines.append(f"    {r['collective']}: rows [source][destination] {r['splits']}; most sent to others "
+                     f"{human_bytes(r['sent_bytes'])}, received {human_bytes(r['recv_bytes'])}{ratio}")
+    model = ep["model"]
+    lines.append("  cost model: " + (f"{model['time_s'] * 1e6:.1f} us per all-to-all ({model['note']})"
+                                     if model["time_s"] is not None else f"none ({model['note']})"))
+    return lines
 
 
 def write_csv(doc: dict, path: str) -> None:
@@ -85,7 +107,7 @@ def write_png(doc: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scopes = [s["name"] for s in doc["scopes"] if s["groups"] and not s["same_as"]]
+    scopes = [s["name"] for s in doc["scopes"] if any(r["scope"] == s["name"] for r in doc["results"])]
     pairs = doc["pairs"]
     panels = len(scopes) + (1 if pairs["matrix"] else 0)
     fig, axes = plt.subplots(1, max(panels, 1), figsize=(5.5 * max(panels, 1), 4), squeeze=False)

@@ -3,7 +3,7 @@
 Schema `megaft.commbench/1` (the planner's `cluster.measured=<run dir>` reads it, megaft.plan.measured):
 
 - `world_size`, `backend`, `device`, `device_name`, `dtype` ("float32"), `torch`, `created`;
-- `hosts`: {host: [ranks]}; `grid`: {"tp", "dp", "pp"};
+- `hosts`: {host: [ranks]}; `grid`: {"tp", "cp", "dp", "pp", "ep"};
 - `config`: the commbench.* values, with `max_bytes` and `pair_bytes` resolved for the device;
 - `scopes`: [{name, groups, group_size, spans, same_as, note}] (megaft.commbench.groups);
 - `results`: one row per measured scope, collective and size: `scope`, `collective`,
@@ -12,6 +12,15 @@ Schema `megaft.commbench/1` (the planner's `cluster.measured=<run dir>` reads it
   nccl-tests' definitions, from the median time), `slowest_group` (the row's numbers are
   that group's: the slowest bounds a training step), `correct`, `error` (bandwidths are
   null when a result was wrong);
+- the expert-parallel all-to-alls (scope `ep`, collectives `ep_all_to_all` and
+  `ep_all_to_all_routed`, megaft.commbench.ep), one row each at the model's size, add
+  `splits` ([source][destination] rows of the group), `sent_bytes` and `recv_bytes` (the
+  most any rank of the slowest group sent to and received from the others), `a2a_bytes`
+  (megaft.perf.counts.a2a_bytes), `model_time_s` (the cost model's price of one, null
+  without a cluster preset) and `model_ratio` (time_s / model_time_s);
+- `ep`: the ep all-to-all's sizes (EpPlan.describe: tokens, top_k, dim, elem_bytes,
+  row_bytes, send_bytes, a2a_bytes, the routing's seed and skew, both splits) and `model`:
+  {time_s, note}; or {note} when nothing was measured;
 - `pairs`: {`bytes`, `hosts`, `matrix`: [{src, dst, gbps, time_s, correct, error}],
   `median_gbps`, `slow_fraction`, `slow`: [{src, dst, gbps, ratio}], `note`}.
 
@@ -25,7 +34,7 @@ from collections import defaultdict
 from typing import Optional
 
 from megaft.commbench.busbw import GB, algbw_gbps, busbw_gbps
-from megaft.commbench.config import Collective
+from megaft.commbench.config import Collective, EpCollective
 from megaft.commbench.pairs import slow_pairs
 
 SCHEMA = "megaft.commbench/1"
@@ -50,6 +59,9 @@ def _group_row(collective: str, nbytes: int, members: list[int], per_rank: list[
     if not errors:  # a wrong result is a failure, not a number
         row["algbw_gbps"] = algbw_gbps(nbytes, median)
         row["busbw_gbps"] = busbw_gbps(collective, nbytes, median, len(members))
+    if "splits" in per_rank[0]:  # an ep all-to-all: the group's routing and its heaviest senders and receivers
+        row.update(splits=per_rank[0]["splits"], sent_bytes=max(r["sent_bytes"] for r in per_rank),
+                   recv_bytes=max(r["recv_bytes"] for r in per_rank))
     return row
 
 
@@ -70,7 +82,7 @@ def collective_rows(records: list[dict], scopes: list[dict]) -> list[dict]:
         if wrong:
             worst = dict(worst, error="; ".join(g["error"] for g in wrong))
         rows.append({"scope": scope, "collective": collective, "size": size, "groups": len(per_group), **worst})
-    order, ops = {s["name"]: i for i, s in enumerate(scopes)}, list(Collective)
+    order, ops = {s["name"]: i for i, s in enumerate(scopes)}, list(Collective) + list(EpCollective)
     rows.sort(key=lambda r: (order[r["scope"]], ops.index(r["collective"]), r["size"]))
     return rows
 

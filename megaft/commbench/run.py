@@ -11,10 +11,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megaft.commbench.config import max_bytes_for, message_sizes, pair_bytes_for
+from megaft.commbench.config import EpCollective, max_bytes_for, message_sizes, pair_bytes_for
+from megaft.commbench.ep import annotate, ep_plan, measures_ep, model_time
 from megaft.commbench.groups import build_scopes, gather_hosts, ranks_by_host
 from megaft.commbench.hooks import Hooks
-from megaft.commbench.measure import measure_collective, sync
+from megaft.commbench.measure import measure_collective, measure_ep, sync
 from megaft.commbench.pairs import measure_pairs
 from megaft.commbench.report import write_report
 from megaft.commbench.results import SCHEMA, collective_rows, pair_table
@@ -40,30 +41,43 @@ def bench(cfg: Config, grid: ParallelGrid, hooks: Hooks = Hooks()) -> dict:
     cb, device, rank = cfg.commbench, grid.device, grid.rank
     hosts = gather_hosts(hooks)
     scopes = build_scopes(grid, hosts)
+    plan = ep_plan(cfg) if measures_ep(cfg) else None
     records = []
     for scope in scopes:
         sync(None, device)  # one scope at a time: the others' traffic would share the links
-        if scope.same_as or scope.group is None:
+        if scope.group is None:
             continue
         index = scope.groups.index(scope.members)
-        for collective in cb.collectives:
+        for collective in [] if scope.same_as else cb.collectives:
             for size in message_sizes(cb, device.type):
                 rec = measure_collective(collective, size, scope.group, scope.members, device, hooks,
                                          warmup=cb.warmup, repeats=cb.repeats)
                 records.append(dict(rec, scope=scope.name, group=index, size=size, rank=rank))
+        if scope.name == "ep" and plan is not None:  # at the model's size, even when another scope has its groups
+            for collective in EpCollective:
+                rec = measure_ep(collective.value, plan.splits(collective), plan.row_elems, scope.group,
+                                 scope.members, device, hooks, warmup=cb.warmup, repeats=cb.repeats)
+                records.append(dict(rec, scope=scope.name, group=index, size=rec["bytes"], rank=rank))
     pair_records = []
     if cb.pairs and len(ranks_by_host(hosts)) > 1:
         pair_records = measure_pairs(hosts, pair_bytes_for(cb, device.type), device, hooks, warmup=cb.warmup,
                                      repeats=cb.repeats)
     described = [s.describe() for s in scopes]
+    rows = collective_rows(_gather(records), described)
+    ep = {"note": f"parallel.ep={grid.ep_size}: no expert all-to-all to measure" if grid.ep_size == 1 else
+          "all_to_all is not in commbench.collectives"}
+    if plan is not None:
+        model_s, note = model_time(cfg, plan)
+        annotate(rows, plan, model_s)
+        ep = dict(plan.describe(), model={"time_s": model_s, "note": note})
     config = dict(dataclasses.asdict(cb), max_bytes=max_bytes_for(cb, device.type),
                   pair_bytes=pair_bytes_for(cb, device.type))
     return {
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": grid.world_size,
         "backend": grid.backend, "device": device.type, "device_name": _device_name(device), "dtype": "float32",
         "torch": torch.__version__, "hosts": ranks_by_host(hosts),
-        "grid": {"tp": grid.tp_size, "cp": grid.cp_size, "dp": grid.dp_size, "pp": grid.pp_size}, "config": config,
-        "scopes": described, "results": collective_rows(_gather(records), described),
+        "grid": {"tp": grid.tp_size, "cp": grid.cp_size, "dp": grid.dp_size, "pp": grid.pp_size, "ep": grid.ep_size},
+        "config": config, "scopes": described, "results": rows, "ep": ep,
         "pairs": pair_table(_gather(pair_records), hosts, pair_bytes_for(cb, device.type), cb.slow_fraction),
     }
 

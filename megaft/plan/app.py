@@ -29,7 +29,10 @@ from megaft.config import Config, ConfigError, conf_dir, register_configs
 from megaft.fileio import write_json_atomic
 from megaft.plan.measured import apply_measured
 from megaft.plan.report import (
+    columns,
+    explain_experts,
     explain_rule,
+    format_experts,
     format_explanation,
     format_rejections,
     format_table,
@@ -43,9 +46,9 @@ register_configs()
 # megaft-train's root config with a cluster preset (conf/train.yaml's `cluster` default is null).
 ConfigStore.instance().store(name="megaft_plan", node={"defaults": ["train", {"override cluster": "h100"}, "_self_"]})
 
-LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.schedule",
-               "parallel.sequence_parallel", "parallel.zero", "parallel.offload", "parallel.pp_layers",
-               "train.micro_batch_size", "launcher.nproc", "launcher.world_size")
+LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp", "parallel.ep", "parallel.vpp",
+               "parallel.schedule", "parallel.sequence_parallel", "parallel.zero", "parallel.offload",
+               "parallel.pp_layers", "train.micro_batch_size", "launcher.nproc", "launcher.world_size")
 
 
 def user_overrides(overrides: list[str]) -> list[str]:
@@ -77,16 +80,19 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     result = search(shaped, cluster, plan)
     rule = rule_of_thumb(shaped, cluster)
     explanation = explain_rule(result, rule, shaped, cluster)
+    experts = explain_experts(result, shaped, cluster)  # None for a dense model
     searched_s = time.perf_counter() - start
     out = plan_json(result, shaped, cluster, user_overrides=user_overrides(overrides), top_k=plan.top_k,
-                    explanation=explanation)
+                    explanation=explanation, experts=experts)
     m = shaped.model
     print(f"megaft-plan: {m.name} ({out['model']['params'] / 1e9:.2f}B params) on {cluster.name}: "
           f"{cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} GPUs, seq_len {shaped.data.seq_len}, "
           f"global batch {shaped.train.global_batch_size}, {shaped.precision}, "
           f"budget {out['memory_budget_gib']:.1f} GiB/GPU")
     if result.ranked:
-        print(format_table([layout_row(i + 1, c) for i, c in enumerate(result.ranked[:plan.top_k])]))
+        moe = m.n_experts > 0  # the table gains an ep column
+        print(format_table([layout_row(i + 1, c, moe) for i, c in enumerate(result.ranked[:plan.top_k])],
+                           header=columns(moe)))
         print("best: megaft-train " + " ".join(out["layouts"][0]["overrides"]))
     else:
         print("no layout fits; see the reasons below")
@@ -94,6 +100,8 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     print(f"megaft-plan: searched {result.considered} layouts in {searched_s:.2f} s")
     if plan.explain:
         print(format_explanation(explanation))
+        if experts is not None:
+            print(format_experts(experts))
     os.makedirs(run_dir, exist_ok=True)
     write_json_atomic(os.path.join(run_dir, "plan.json"), out)
     print(f"megaft-plan: {json.dumps(os.path.join(run_dir, 'plan.json'))}", flush=True)

@@ -6,9 +6,10 @@ gets. When they no longer divide it (4 ranks of tp=4 restarted on 2, or 3 ranks 
 of the world it got, when the run names a cluster (`cluster=<preset>`, as megaft-plan
 does; the planner's costs and memory budget come from it). Without a cluster there is
 no planner to ask and the restart stops with ElasticError's message. The new layout's
-tp, cp, pp, dp, vpp, ZeRO stage, offload, micro-batch size and recompute replace the run's;
-train.global_batch_size stays, and the newest checkpoint reshards to the new layout on
-load (megaft.checkpoint.reshard), as on any resume with another layout.
+tp, cp, pp, dp, ep (a mixture of experts': searched as megaft-plan does), vpp, ZeRO stage,
+offload, micro-batch size and recompute replace the run's; train.global_batch_size stays,
+and the newest checkpoint reshards to the new layout on load (megaft.checkpoint.reshard),
+as on any resume with another layout.
 """
 from __future__ import annotations
 

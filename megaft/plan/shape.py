@@ -43,7 +43,9 @@ def planning_config(cfg: Config) -> tuple[Config, list[str]]:
 
     It keeps the user's settings but the model's shapes are resolved (no init_from), the
     cluster's links are the measured ones with cluster.measured (megaft.plan.measured), and
-    the data is only its sequence length: the data files are megaft-train's to check.
+    the data is only its sequence length and data.path (never read: the data files are
+    megaft-train's to check; megaft-train refuses parallel.ep > 1 on the generated task, a
+    run without data.path, and so does every layout the planner checks).
     """
     problems = check_cluster(cfg.cluster, str(cfg.precision))
     cluster = cfg.cluster
@@ -52,11 +54,12 @@ def planning_config(cfg: Config) -> tuple[Config, list[str]]:
     problems += check_plan(cfg.plan)
     model, model_problems = planning_model(cfg)
     problems += model_problems
-    shaped = dataclasses.replace(cfg, cluster=cluster, model=model, data=DataConfig(seq_len=cfg.data.seq_len))
-    if not model_problems:  # the layout-free half: a single rank, the whole batch at once
+    data = DataConfig(seq_len=cfg.data.seq_len)
+    shaped = dataclasses.replace(cfg, cluster=cluster, model=model, data=dataclasses.replace(data, path=cfg.data.path))
+    if not model_problems:  # the layout-free half: a single rank, the whole batch at once (no file read)
         single = dataclasses.replace(
-            shaped, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=1, vpp=1, zero=0,
-                                                 pp_layers=None),
+            shaped, data=data, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, dp=1, cp=1, vpp=1, ep=1,
+                                                            zero=0, pp_layers=None),
             train=dataclasses.replace(cfg.train, micro_batch_size=cfg.train.global_batch_size))
         problems += check_settings(single, 1) + check_model(model, 1)
         if cfg.data.seq_len > model.max_seq_len:

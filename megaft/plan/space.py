@@ -1,6 +1,6 @@
 """The layouts `megaft-plan` considers, checked by megaft's own validation.
 
-A layout is tp, cp, pp, vpp, dp, the ZeRO stage, the micro-batch size, optimizer offload
+A layout is tp, cp, pp, vpp, dp, ep, the ZeRO stage, the micro-batch size, optimizer offload
 and recompute, on all `cluster.nodes * cluster.gpus_per_node` ranks:
 
 * tp: divisors of gpus_per_node (tp stays within a node), at most `plan.max_tp`; with
@@ -14,6 +14,9 @@ and recompute, on all `cluster.nodes * cluster.gpus_per_node` ranks:
 * dp = world / (tp·cp·pp); zero: `plan.zero_stages` (with dp = 1 only the lowest: the
   stages are the same then); micro-batch: divisors of train.global_batch_size up to
   `plan.max_micro_batch_size`; offload: none, or also cpu (`plan.offload`);
+* ep (mixtures of experts, model.n_experts > 0): the divisors of dp·cp that divide
+  model.n_experts (each ep rank holds n_experts/ep of every MoE block's routed experts,
+  tokens reach them by all-to-all); 1 alone for a dense model, whose layouts are unchanged;
 * recompute: none, selective, full (model.recompute, all blocks).
 
 Every layout goes through `check_settings` and `check_resolved` (the two halves of
@@ -44,6 +47,7 @@ REASONS = (
     ("parallel.zero=3 does not support", "zero=3 with an unsupported feature"),
     ("lora with parallel.zero=3", "zero=3 with LoRA"),
     ("than the model's", "LoRA on k/v with tp wider than the kv heads"),
+    ("cannot evaluate the generated task", "ep>1 with the generated task (no data.path)"),
 )
 NOOP_ZERO = "zero stage > 0 with dp=1 (the same as the lowest stage)"
 
@@ -64,6 +68,7 @@ class Layout:
     offload: str = "none"
     cp: int = 1  # parallel.cp: every sequence split over cp ranks (ring attention)
     recompute: str = "none"  # model.recompute: none | selective | full
+    ep: int = 1  # parallel.ep: the routed experts split over ep of the dp×cp replicas (1 for dense models)
 
     @property
     def schedule(self) -> str:
@@ -78,10 +83,12 @@ class Layout:
                 f"parallel.vpp={self.vpp}", f"parallel.schedule={self.schedule}",
                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
                 f"parallel.zero={self.zero}", f"parallel.offload={self.offload}",
-                f"train.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}"]
+                f"train.micro_batch_size={self.micro_batch_size}", f"model.recompute={self.recompute}",
+                *([f"parallel.ep={self.ep}"] if self.ep > 1 else [])]  # ep=1: megaft-train's default
 
     def short(self) -> str:
-        return (f"tp={self.tp} cp={self.cp} pp={self.pp} vpp={self.vpp} dp={self.dp} zero={self.zero} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"tp={self.tp} cp={self.cp} pp={self.pp} vpp={self.vpp} dp={self.dp}{ep} zero={self.zero} "
                 f"mbs={self.micro_batch_size} offload={self.offload} recompute={self.recompute}")
 
 
@@ -123,6 +130,13 @@ def memory_target(cluster) -> tuple[int, str]:
     return int(cluster.hbm_gb * 1e9), f"cluster={cluster.name}: {cluster.hbm_gb:g} GB"
 
 
+def expert_degrees(cfg, replicas: int) -> list[int]:
+    """The ep values tried with `replicas` = dp·cp ranks: its divisors that divide
+    model.n_experts; [1] for a dense model."""
+    experts = cfg.model.n_experts
+    return [e for e in divisors(replicas) if experts % e == 0] if experts else [1]
+
+
 def layouts(cfg, cluster, plan) -> Iterator[Layout]:
     """Every layout of the search space (module docstring), including invalid ones."""
     world, gpn = cluster.world_size, cluster.gpus_per_node
@@ -135,19 +149,20 @@ def layouts(cfg, cluster, plan) -> Iterator[Layout]:
     for tp in [d for d in divisors(gpn) if d <= max_tp and world % d == 0]:
         for pp, cp in ((p, c) for p in divisors(world // tp) for c in cps if world // (tp * p) % c == 0):
             dp = world // (tp * pp * cp)
-            for vpp in vpps if pp > 1 else [1]:
-                for zero in sorted(set(plan.zero_stages)):
-                    for mb in mbs:
-                        for offload in offloads:
-                            for recompute in RECOMPUTE:
-                                yield Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, micro_batch_size=mb,
-                                             offload=offload, cp=cp, recompute=recompute)
+            for ep in expert_degrees(cfg, dp * cp):
+                for vpp in vpps if pp > 1 else [1]:
+                    for zero in sorted(set(plan.zero_stages)):
+                        for mb in mbs:
+                            for offload in offloads:
+                                for recompute in RECOMPUTE:
+                                    yield Layout(tp=tp, pp=pp, dp=dp, vpp=vpp, zero=zero, micro_batch_size=mb,
+                                                 offload=offload, cp=cp, recompute=recompute, ep=ep)
 
 
 def apply_layout(cfg, layout: Layout):
     """A copy of `cfg` (megaft.config.Config) running `layout`; `cfg` is not changed."""
     par = _replace(cfg.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, vpp=layout.vpp, cp=layout.cp,
-                   schedule=layout.schedule if layout.pp > 1 else cfg.parallel.schedule,
+                   ep=layout.ep, schedule=layout.schedule if layout.pp > 1 else cfg.parallel.schedule,
                    sequence_parallel=layout.sequence_parallel, zero=layout.zero, offload=layout.offload,
                    pp_layers=None)
     train = _replace(cfg.train, micro_batch_size=layout.micro_batch_size)
@@ -192,7 +207,7 @@ def reason_of(problem: str) -> str:
 
 def search(cfg, cluster, plan) -> SearchResult:
     """Every layout of the space checked and costed; valid ones ranked by predicted step
-    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, no cp, less memory)."""
+    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, no cp, smaller ep, less memory)."""
     world, budget = cluster.world_size, memory_target(cluster)
     result = SearchResult(ranked=[], budget=budget)
     lowest_zero = min(plan.zero_stages)
@@ -216,7 +231,8 @@ def search(cfg, cluster, plan) -> SearchResult:
     costs = step_costs([cand for _, cand, _ in valid], cluster, world)
     result.ranked = [Candidate(layout, cand, memory, cost) for (layout, cand, memory), cost in zip(valid, costs)]
     result.ranked.sort(key=lambda c: (round(c.cost.step_s, 6), c.layout.zero, c.layout.offload != "none",
-                                      c.layout.pp * c.layout.vpp, c.layout.tp, c.layout.cp, c.memory.total))
+                                      c.layout.pp * c.layout.vpp, c.layout.tp, c.layout.cp, c.layout.ep,
+                                      c.memory.total))
     return result
 
 
@@ -224,7 +240,8 @@ def rule_of_thumb(cfg, cluster) -> Layout:
     """The usual advice: under 10B parameters data parallel; under 100B tensor parallel
     within a node plus data parallel; above, tensor + pipeline + data parallel with the
     fewest stages whose weights, grads and Adam state (16 bytes/param) take at most half
-    of a GPU. ZeRO-1 (Megatron's distributed optimizer), micro-batch 1, no offload."""
+    of a GPU. ZeRO-1 (Megatron's distributed optimizer), micro-batch 1, no offload; ep=1
+    (a dense model's advice; megaft.plan.report.explain_experts explains a mixture's ep)."""
     world, gpn = cluster.world_size, cluster.gpus_per_node
     params = total_params(cfg.model)
     tp = 1 if params < 10e9 else min(gpn, world)
