@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 from megaft.data.errors import DataError
 from megaft.data.formats import FORMS, parse_record
 
-__all__ = ["FORMS", "parse_example", "scan_jsonl", "read_jsonl", "jsonl_problems"]
+T = TypeVar("T")
+
+__all__ = ["FORMS", "parse_example", "scan_json_lines", "scan_jsonl", "read_jsonl", "jsonl_problems",
+           "listed_problems", "where"]
 
 
 def parse_example(line: str) -> dict:
@@ -33,10 +36,11 @@ def parse_example(line: str) -> dict:
     return parse_record(obj)
 
 
-def scan_jsonl(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
-    """Yield `(line_number, example, None)` or `(line_number, None, problem)` for
-    every non-blank line. A missing file or a file without examples is one
-    problem with line number 0."""
+def scan_json_lines(path: str, parse: Callable[[object], T], what: str = "examples",
+                    ) -> Iterator[tuple[int, Optional[T], Optional[str]]]:
+    """Yield `(line_number, parse(obj), None)` or `(line_number, None, problem)` for every
+    non-blank line of a JSONL file, `parse` raising DataError for a bad object. A missing file
+    or a file without lines is one problem with line number 0 (`what` names what it lacks)."""
     if not os.path.isfile(path):
         yield 0, None, "file not found; fix: check the path (relative paths are resolved " \
                        "from the directory the run starts in)"
@@ -53,14 +57,27 @@ def scan_jsonl(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]
                 continue
             found = True
             try:
-                yield lineno, parse_example(line), None
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, None, (f"invalid JSON ({e}); "
+                                     "fix: write one complete JSON object per line")
+                continue
+            try:
+                yield lineno, parse(obj), None
             except DataError as e:
                 yield lineno, None, str(e)
     if not found:
-        yield 0, None, "no examples (the file is empty or blank); fix: add at least one line"
+        yield 0, None, f"no {what} (the file is empty or blank); fix: add at least one line"
 
 
-def _where(path: str, lineno: int) -> str:
+def scan_jsonl(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
+    """Yield `(line_number, example, None)` or `(line_number, None, problem)` for
+    every non-blank line. A missing file or a file without examples is one
+    problem with line number 0."""
+    return scan_json_lines(path, parse_record)
+
+
+def where(path: str, lineno: int) -> str:
     return f"{path}:{lineno}" if lineno else path
 
 
@@ -73,7 +90,7 @@ def read_jsonl(path: str, max_lines: Optional[int] = None) -> list[dict]:
     examples = []
     for lineno, ex, problem in scan_jsonl(path):
         if problem is not None:
-            raise DataError(f"{_where(path, lineno)}: {problem}")
+            raise DataError(f"{where(path, lineno)}: {problem}")
         examples.append(ex)
         if max_lines is not None and len(examples) >= max_lines:
             break
@@ -86,7 +103,13 @@ def jsonl_problems(path: str, limit: int = 20) -> list[str]:
     Reports the first `limit` and then one line counting the rest, so a file
     with a systematic error does not drown the other problems.
     """
-    problems = [f"{_where(path, n)}: {p}" for n, _, p in scan_jsonl(path) if p is not None]
+    return listed_problems(path, scan_jsonl(path), limit)
+
+
+def listed_problems(path: str, scanned, limit: int = 20) -> list[str]:
+    """The problems of a scan (scan_json_lines' triples) as "FILE:LINE: problem; fix: ...",
+    the first `limit` and then one line counting the rest."""
+    problems = [f"{where(path, n)}: {p}" for n, _, p in scanned if p is not None]
     if len(problems) > limit:
         rest = len(problems) - limit
         problems = problems[:limit] + [f"{path}: {rest} more malformed lines not shown"]

@@ -270,6 +270,7 @@ class MoE(nn.Module):
         super().__init__()
         self.group, self.sp, self.log, self.n_experts = group, sequence_parallel, log, cfg.n_experts
         self.layer, self.ep_group, self.routing = layer, ep_group, routing or MoEConfig()
+        self._no_drops: Optional[torch.Tensor] = None  # the `dropped` count when nothing can drop
         self.gate = Router(cfg, sequence_parallel)
         self.experts = Experts(cfg, group=group, kernels=kernels, selective=selective, ep_group=ep_group)
         self.shared_expert = self.shared_expert_gate = None
@@ -303,8 +304,11 @@ class MoE(nn.Module):
         """(the kept assignments [tokens × k] or None: all, the dropped ones of this rank's own
         positions), for the whole micro-batch's `experts` and `weights` [b, s, k] (moe.capacity_factor)."""
         factor = self.routing.capacity_factor
-        if factor is None:
-            return None, torch.zeros((), device=experts.device)
+        if factor is None:  # nothing drops: one zero per device, reused (read, never written)
+            zero = self._no_drops
+            if zero is None or zero.device != experts.device:
+                zero = self._no_drops = torch.zeros((), device=experts.device)
+            return None, zero
         b, s, k = experts.shape
         valid = None
         if self.log.seq_len is not None and s > self.log.seq_len:  # sequence-parallel padding
@@ -343,8 +347,10 @@ class MoE(nn.Module):
             y = dispatch_compute_combine(rows, counts, self.ep_group, self.experts)
         else:
             y = self.experts(rows, counts.cpu())
-        # back to (token, slot) order; a dropped assignment's output is zero
-        y = y.new_zeros((b * s * k, y.shape[1])).index_copy(0, order, y)
+        # back to (token, slot) order; a dropped assignment's output is zero (without a
+        # capacity `order` covers every row: no memset needed)
+        back = y.new_empty if keep is None else y.new_zeros
+        y = back((b * s * k, y.shape[1])).index_copy(0, order, y)
         out = (y.view(b * s, k, d).float() * weights.reshape(b * s, k, 1)).sum(1).to(x.dtype).view(b, s, d)
         out = reduce_scatter_to_sp(out, self.group) if self.sp else reduce_from_tp(out, self.group)
         if self.shared_expert is not None:

@@ -47,9 +47,7 @@ so a file mixing forms gets what each record would get in a dataset of its own f
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
@@ -60,6 +58,7 @@ from megaft.data.errors import DataError
 
 # The turn checks of the SFT chat forms, reused so both kinds of data read turns alike.
 from megaft.data.formats import checked_message, checked_turns
+from megaft.data.jsonl import listed_problems, scan_json_lines, where
 from megaft.data.templates import ChatTemplate
 from megaft.data.tools import parse_tools, present
 
@@ -296,36 +295,7 @@ def scan_pairs(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]
     """Yield `(line_number, record, None)` or `(line_number, None, problem)` for every
     non-blank line (megaft.data.jsonl's rules: UTF-8, one JSON object a line). A missing
     file or one without pairs is one problem with line number 0."""
-    if not os.path.isfile(path):
-        yield 0, None, "file not found; fix: check the path (relative paths are resolved from the directory " \
-                       "the run starts in)"
-        return
-    found = False
-    with open(path, "rb") as f:  # bytes, so a bad byte is reported with its line
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, None, f"not valid UTF-8 ({e}); fix: re-encode the file as UTF-8"
-                continue
-            if not line.strip():
-                continue
-            found = True
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, None, f"invalid JSON ({e}); fix: write one complete JSON object per line"
-                continue
-            try:
-                yield lineno, parse_pair(obj), None
-            except DataError as e:
-                yield lineno, None, str(e)
-    if not found:
-        yield 0, None, "no pairs (the file is empty or blank); fix: add at least one line"
-
-
-def _where(path: str, lineno: int) -> str:
-    return f"{path}:{lineno}" if lineno else path
+    return scan_json_lines(path, parse_pair, "pairs")
 
 
 def read_pairs(path: str, tok: Tokenizer, template: Optional[ChatTemplate] = None,
@@ -346,7 +316,7 @@ def read_pairs(path: str, tok: Tokenizer, template: Optional[ChatTemplate] = Non
             except DataError as e:
                 problem = str(e)
         if problem is not None:
-            raise DataError(f"{_where(path, lineno)}: {problem}")
+            raise DataError(f"{where(path, lineno)}: {problem}")
         if prompt_cut:
             cut.append(lineno)
         pairs.append(pair)
@@ -362,8 +332,4 @@ def pair_problems(path: str, limit: int = 20) -> list[str]:
     """Every malformed record of a preference file as "FILE:LINE: problem; fix: ..." (the
     record checks only: rendering and tokens need the tokenizer); the first `limit`, then a
     line counting the rest."""
-    problems = [f"{_where(path, n)}: {p}" for n, _, p in scan_pairs(path) if p is not None]
-    if len(problems) > limit:
-        rest = len(problems) - limit
-        problems = problems[:limit] + [f"{path}: {rest} more malformed lines not shown"]
-    return problems
+    return listed_problems(path, scan_pairs(path), limit)
