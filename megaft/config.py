@@ -26,6 +26,7 @@ from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
 from megaft.peft.config import LoraConfig, check_lora, check_lora_model
 from megaft.plan.config import ClusterConfig, PlanConfig
+from megaft.pref.config import PrefConfig, check_pref, check_pref_run, is_preference
 from megaft.training.config import TrainConfig, accumulation_steps, check_train
 from megaft.verify.config import VerifyConfig
 
@@ -61,6 +62,7 @@ class Config:
     commbench: CommbenchConfig = field(default_factory=CommbenchConfig)  # megaft-commbench only
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (megaft.peft); rank 0 = off
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts routing (megaft.models.moe_config)
+    pref: PrefConfig = field(default_factory=PrefConfig)  # preference objectives (train.objective; megaft.pref)
 
 
 class ConfigError(ValueError):
@@ -203,7 +205,11 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     line of the JSONL files), launcher, precision, device and kernels."""
     problems = check_optim(cfg.optim, device=cfg.device)
     problems += check_master_weights(cfg.optim, precision=cfg.precision)
-    problems += check_data(cfg.data, init_from=cfg.model.init_from)
+    pairs = None
+    if is_preference(cfg.train.objective):
+        from megaft.pref.data import pair_source_problems as pairs
+    problems += check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
+    problems += check_pref(cfg.pref, cfg.train.objective)
     problems += check_launcher(cfg.launcher)
     if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
         problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
@@ -262,6 +268,9 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
                                  tp=cfg.parallel.tp)
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
+    problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
+                               sources=bool(cfg.data.sources), packing=cfg.data.packing, pp=cfg.parallel.pp,
+                               n_experts=cfg.model.n_experts, eval_path=cfg.data.eval_path is not None)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from tokenizers import Tokenizer
 
@@ -52,13 +52,15 @@ def data_sources(cfg: DataConfig) -> list[SourceConfig]:
     return [SourceConfig(cfg.path, 1.0)] if cfg.path is not None else []
 
 
-def check_data(cfg: DataConfig, *, init_from: Optional[str] = None) -> list[str]:
+def check_data(cfg: DataConfig, *, init_from: Optional[str] = None,
+               pairs: Optional[Callable[[str, int], tuple[list[str], bool]]] = None) -> list[str]:
     """Every problem of a DataConfig, each with its fix; [] when usable.
 
     Runs once in the launcher before any rank starts: it parses every line of
     the JSONL files, so a malformed line is reported as "FILE:LINE: what is
     wrong; fix: ..." here rather than as a crash on all ranks. `init_from` (the
-    model's HF checkpoint, if any) tells which tokenizer the run will use.
+    model's HF checkpoint, if any) tells which tokenizer the run will use. `pairs`: the
+    files hold preference pairs, checked by this (megaft.pref.data.pair_source_problems).
     """
     problems = []
     if cfg.seq_len < 2:
@@ -76,9 +78,10 @@ def check_data(cfg: DataConfig, *, init_from: Optional[str] = None) -> list[str]
     budget = MAX_PROBLEMS
     for key, path in _scanned(cfg):
         untrained = UntrainedConversations(cfg.train_on)
-        found, has_chat = source_problems(path, limit=budget, tally=untrained)
+        found, has_chat = (pairs(path, budget) if pairs is not None
+                           else source_problems(path, limit=budget, tally=untrained))
         problems += [f"{key}: {p}" for p in found]
-        if not found:  # a source of conversations that all train nothing
+        if not found and pairs is None:  # a source of conversations that all train nothing
             problems += [f"{key}: {p}" for p in untrained.problems(path, list(untrained.records))]
         budget, chat = max(budget - len(found), 0), chat or has_chat
     tokenizer_problems = []

@@ -29,7 +29,7 @@ import numpy as np
 
 from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
-from megaft.data.jsonl import scan_jsonl
+from megaft.data.jsonl import scan_jsonl, where
 
 EXTENSIONS = (".jsonl", ".parquet")
 PARQUET_BATCH = 1024  # rows decoded at a time: bounds memory on large row groups
@@ -152,11 +152,6 @@ def source_problems(path: str, limit: int = 20, tally=None) -> tuple[list[str], 
     if more:
         problems.append(f"{path}: {more} more malformed lines not shown")
     return problems, chat
-
-
-def where(path: str, line: int) -> str:
-    """FILE:LINE, or FILE for a problem of the whole file (line 0)."""
-    return f"{path}:{line}" if line else path
 
 
 def fingerprint(path: str, block: int = 1 << 20) -> dict:

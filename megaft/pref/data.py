@@ -333,3 +333,15 @@ def pair_problems(path: str, limit: int = 20) -> list[str]:
     record checks only: rendering and tokens need the tokenizer); the first `limit`, then a
     line counting the rest."""
     return listed_problems(path, scan_pairs(path), limit)
+
+
+def pair_source_problems(path: str, limit: int = 20) -> tuple[list[str], bool]:
+    """pair_problems, and whether any pair is conversational (its template must exist): the
+    shape of megaft.data.sources.source_problems, for megaft.data.config.check_data."""
+    problems, chat = [], False
+    for lineno, rec, problem in scan_pairs(path):
+        if problem is None:
+            chat = chat or not isinstance(rec["chosen"], str)
+        else:
+            problems.append((lineno, problem))
+    return listed_problems(path, ((n, None, p) for n, p in problems), limit), chat

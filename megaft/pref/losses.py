@@ -39,6 +39,10 @@ from megaft.pref.logps import SequenceLogps
 OBJECTIVES = ("dpo", "robust", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
 SMOOTHED = ("dpo", "robust", "simpo")  # the objectives that read label_smoothing
+# the metrics every objective returns (TRL's names), and ORPO's three more
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,8 @@ def check_preference(objective: str, *, beta: float, label_smoothing: float) -> 
 def preference_loss(objective: str, policy_chosen: SequenceLogps, policy_rejected: SequenceLogps,
                     ref_chosen: Optional[SequenceLogps] = None, ref_rejected: Optional[SequenceLogps] = None, *,
                     beta: float, label_smoothing: float = 0.0, gamma: float = 0.5,
-                    chosen_nll: Optional[SequenceLogps] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    chosen_nll: Optional[SequenceLogps] = None, nll_tokens: Optional[float] = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(per-pair losses [pairs], metrics) of `objective` (see the module's table); the
     training loss is `losses.mean()`, as TRL's.
 
@@ -82,7 +87,8 @@ def preference_loss(objective: str, policy_chosen: SequenceLogps, policy_rejecte
     AND answer (TRL's ORPO labels every non-pad token there): its NLL, summed over the
     rows and divided by their total count (the batch's token mean, as nn.CrossEntropyLoss
     in TRL), is added to every pair's loss with weight 1; beta weights the odds-ratio term
-    (the paper's lambda)."""
+    (the paper's lambda). `nll_tokens`: what that sum is divided by instead of the rows' own
+    count (a training step's micro-batch: its share of the global batch's mean)."""
     problems = check_preference(objective, beta=beta, label_smoothing=label_smoothing)
     reference = ref_chosen is not None and ref_rejected is not None
     if objective in REFERENCE_FREE and (ref_chosen is not None or ref_rejected is not None):
@@ -95,7 +101,8 @@ def preference_loss(objective: str, policy_chosen: SequenceLogps, policy_rejecte
         raise ValueError("; ".join(problems))
     if objective in REFERENCE_FREE:
         return _reference_free(objective, policy_chosen, policy_rejected, beta=beta,
-                               label_smoothing=label_smoothing, gamma=gamma, chosen_nll=chosen_nll)
+                               label_smoothing=label_smoothing, gamma=gamma, chosen_nll=chosen_nll,
+                               nll_tokens=nll_tokens)
     chosen_ratio = policy_chosen.sum - ref_chosen.sum
     rejected_ratio = policy_rejected.sum - ref_rejected.sum
     if objective == "ipo":
@@ -115,8 +122,8 @@ def preference_loss(objective: str, policy_chosen: SequenceLogps, policy_rejecte
 
 
 def _reference_free(objective: str, policy_chosen: SequenceLogps, policy_rejected: SequenceLogps, *, beta: float,
-                    label_smoothing: float, gamma: float, chosen_nll: Optional[SequenceLogps]
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    label_smoothing: float, gamma: float, chosen_nll: Optional[SequenceLogps],
+                    nll_tokens: Optional[float] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SimPO (Meng et al. 2024) and ORPO (Hong et al. 2024) on per-token averaged log-probs."""
     chosen, rejected = policy_chosen.mean().float(), policy_rejected.mean().float()
     extra = {}
@@ -126,7 +133,7 @@ def _reference_free(objective: str, policy_chosen: SequenceLogps, policy_rejecte
         # log odds(p) = log p - log(1 - p), on the averaged log-probs (eqs. 4 and 7 of the paper)
         log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
         ratio = F.logsigmoid(log_odds)
-        nll = -chosen_nll.sum.sum() / chosen_nll.count.sum()
+        nll = -chosen_nll.sum.sum() / (chosen_nll.count.sum() if nll_tokens is None else nll_tokens)
         losses = nll - beta * ratio
         pairs = losses.shape
         extra = {"nll_loss": nll.detach().expand(pairs), "log_odds_ratio": ratio.detach(),

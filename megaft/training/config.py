@@ -30,6 +30,9 @@ class TrainConfig:
     max_bad_steps: int = 10
     straggler_every: int = 0  # gather every rank's step time every N steps (one small all-gather); 0 = off
     straggler_factor: float = 1.5  # warn about a rank slower than the median step time times this
+    # what a step minimizes: sft (next-token cross-entropy) | dpo | robust | ipo | simpo | orpo (preference
+    # pairs, settings in pref.*: docs/preference.md); under a preference objective the batch sizes count pairs
+    objective: str = "sft"
 
 
 def accumulation_steps(cfg: TrainConfig, dp: int) -> int:

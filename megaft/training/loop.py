@@ -74,7 +74,7 @@ class Trainer:
         loss_sum = fwd_bwd.total_loss(loss_sum)
         out = {"loss": (loss_sum / batch.n_targets).item(), "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
                "tokens": batch.tokens}
-        out.update(fwd_bwd.router_record())
+        out.update(fwd_bwd.step_metrics())
         out.update(stats.scaler_record())
         out.update(phases.result())
         return out

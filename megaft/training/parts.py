@@ -52,6 +52,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.shard import full_shape
 from megaft.peft import apply_lora
 from megaft.pipeline.stage import StageModel
+from megaft.pref.config import is_preference
 from megaft.training.export import build_export
 from megaft.training.optimizer import build_optim
 from megaft.training.protocols import (
@@ -156,8 +157,13 @@ def build_data(parts: RunParts) -> DataParts:
     """Tokenizer, training stream and eval batches of cfg.data. Conversations are rendered
     with the chat template; packing=docs|none packs whole documents (megaft.data.packed),
     from the prepared, memory-mapped store for files (megaft.data.prepare: prepared once,
-    usually by the launcher before any rank starts), in memory for a generated task."""
+    usually by the launcher before any rank starts), in memory for a generated task. Under a
+    preference objective: the pairs (megaft.training.pref_step.build_pref_data)."""
     cfg, grid = parts.cfg, parts.grid
+    if is_preference(cfg.train.objective):  # pairs (megaft.training.pref_step)
+        from megaft.training.pref_step import build_pref_data
+
+        return build_pref_data(parts)
     data, init_from = cfg.data, cfg.model.init_from
     tok = build_tokenizer(data, init_from=init_from)
     eos_token = cfg.model.extra.get("eos_token_id")

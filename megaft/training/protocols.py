@@ -117,7 +117,7 @@ class StepPart(Protocol):
 
     def total_loss(self, loss_sum: torch.Tensor) -> torch.Tensor: ...
 
-    def router_record(self) -> dict[str, float]: ...  # a mixture of experts' step metrics ({} when dense)
+    def step_metrics(self) -> dict[str, float]: ...  # the objective's own step metrics (MoE router, rewards/*)
 
     def eval_loss(self, batches: Batches) -> Optional[float]: ...
 

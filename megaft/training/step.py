@@ -18,6 +18,7 @@ from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
+from megaft.pref.config import is_preference
 from megaft.training.config import accumulation_steps
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
 from megaft.training.global_router import global_counts
@@ -84,7 +85,7 @@ class PlainStep(_Step):
             loss_sum += loss.detach().double()
         return loss_sum
 
-    def router_record(self) -> dict[str, float]:
+    def step_metrics(self) -> dict[str, float]:
         """aux_loss, z_loss and the expert loads of the last step (collective over dp); {} when dense."""
         return self.router_stats.record(self.grid.dp_group)
 
@@ -139,14 +140,19 @@ class PipelineStep(_Step):
     def current_action(self):
         return self.runtime.current_action
 
-    def router_record(self) -> dict[str, float]:
+    def step_metrics(self) -> dict[str, float]:
         """As PlainStep's: each stage's counts and the last stage's values, summed over pp."""
         return self.runtime.router_stats.record(self.grid.dp_group, self.grid.pp_group)
 
 
 def build_step(parts: RunParts) -> PlainStep | PipelineStep:
-    """The pipeline step when pp > 1, else the plain one."""
+    """The pipeline step when pp > 1, else the plain one; a preference objective's step
+    (megaft.training.pref_step) under train.objective != sft."""
     cfg, grid = parts.cfg, parts.grid
+    if is_preference(cfg.train.objective):  # pp = 1 (validated)
+        from megaft.training.pref_step import PreferenceStep
+
+        return PreferenceStep(parts)
     autocast = precision_autocast(cfg.precision, grid.device)
     if grid.pp_size > 1:
         return PipelineStep(parts.model, grid, cfg, parts.phases, autocast)

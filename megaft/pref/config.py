@@ -1,0 +1,78 @@
+"""`pref.*` and `train.objective`: preference tuning's settings and their validation.
+
+`train.objective` picks what a step minimizes: `sft` (next-token cross-entropy, the
+default) or a preference objective of megaft.pref.losses (dpo, robust, ipo, simpo, orpo).
+Under a preference objective `data.path` holds pairs (megaft.pref.data's three forms), a
+micro-batch and the global batch count pairs (each pair is two rows, chosen and rejected,
+in the same micro-batch), and the loss is the mean over the global batch's pairs.
+
+The reference model of dpo, robust and ipo is the model the run starts from
+(model.init_from, or the seeded init; with LoRA the base, since the adapters start at
+zero): its completion log-probs are computed once, before the first step, at the run's
+own layout, and held per pair (megaft.training.pref_step). simpo and orpo have none.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaft.pref.losses import OBJECTIVES, REFERENCE_FREE, check_preference
+
+OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES
+
+
+@dataclass
+class PrefConfig:
+    # dpo/robust/ipo: the KL weight (IPO's tau); simpo: the reward scale; orpo: the odds-ratio
+    # weight (the paper's lambda, TRL's ORPOConfig.beta)
+    beta: float = 0.1
+    # dpo (cDPO), robust, simpo: the probability that a pair's labels are flipped
+    label_smoothing: float = 0.0
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's CPOConfig.simpo_gamma)
+
+
+def is_preference(objective: str) -> bool:
+    """Whether `objective` trains on pairs (anything but sft)."""
+    return objective != "sft"
+
+
+def needs_reference(objective: str) -> bool:
+    """Whether `objective` reads a reference model's log-probs (dpo, robust, ipo)."""
+    return is_preference(objective) and objective not in REFERENCE_FREE
+
+
+def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
+    """Problems of train.objective and pref.* on their own, each with its fix."""
+    if objective not in OBJECTIVE_CHOICES:
+        return [f"train.objective={objective!r} is unknown; fix: one of {', '.join(OBJECTIVE_CHOICES)}"]
+    if not is_preference(objective):
+        return []
+    return [f"pref.{p}" if p.startswith(("beta", "label_smoothing")) else p
+            for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
+
+
+def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, pp: int, n_experts: int,
+                   eval_path: bool) -> list[str]:
+    """What a preference run cannot do yet in this layout or with this data, each with its fix."""
+    if not is_preference(objective):
+        return []
+    problems = []
+    what = f"train.objective={objective}"
+    if not has_file:
+        problems.append(f"{what} trains on preference pairs and the run has none; fix: data.path=PAIRS.jsonl "
+                        '(one {"prompt", "chosen", "rejected"} record a line, docs/preference.md)')
+    if sources:
+        problems.append(f"{what} reads its pairs from data.path; a mixture of data.sources is not built for "
+                        "pairs yet; fix: data.path=PAIRS.jsonl and data.sources=[]")
+    if packing == "docs":  # stream (the default) and none both mean rows of their own for pairs
+        problems.append(f"{what} puts each pair's chosen and rejected answers in rows of their own; packing "
+                        "pairs is not built yet; fix: data.packing=none")
+    if pp > 1:
+        problems.append(f"{what} with parallel.pp={pp}: the pipeline schedule computes the token loss only, not "
+                        "per-sequence log-probs yet; fix: parallel.pp=1 (tp, sp, cp, dp with ZeRO 1-3 and LoRA work)")
+    if n_experts:
+        problems.append(f"{what} with a mixture of experts (model.n_experts={n_experts}) is not built yet (its "
+                        "router terms are weighted per target token); fix: a dense model, or train.objective=sft")
+    if eval_path:
+        problems.append(f"{what} evaluates no held-out pairs yet; fix: data.eval_path=null (the metrics.jsonl "
+                        "rewards/* are the training batch's)")
+    return problems

@@ -1,0 +1,85 @@
+"""Configs and rank functions of the preference training tests (tests/pref/test_pref_training.py),
+in a module without TRL's imports: the spawned ranks import only this."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from megaft.config import Config, resolve
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.loop import Trainer
+
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# what each step's metrics line must repeat of the single process: the loss, the norm and TRL's metrics
+COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected")
+
+
+def write_pairs(path: str, n: int = 12, seed: int = 0) -> None:
+    """`n` text pairs of different lengths (letters only: the fixture's character vocabulary
+    has no space), chosen and rejected always different."""
+    rng = random.Random(seed)
+
+    def word(lo: int, hi: int) -> str:
+        return "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
+
+    with open(path, "w") as f:
+        for _ in range(n):
+            chosen, rejected = word(1, 7), word(1, 7)
+            f.write(json.dumps({"prompt": word(2, 6), "chosen": chosen, "rejected": rejected + "q"}) + "\n")
+
+
+def pref_config(ckpt: str, pairs: str, objective: str = "dpo", steps: int = 3, micro: int = 2) -> Config:
+    """A preference run on the tiny checkpoint: 4 pairs a step, constant LR, no weight decay
+    (TRL's Trainer exempts other parameters from it than megaft does), seq_len 16."""
+    cfg = Config()
+    cfg.model.init_from, cfg.data.path, cfg.data.seq_len = ckpt, pairs, 16
+    cfg.device = "cpu"
+    t = cfg.train
+    t.objective, t.max_steps, t.global_batch_size, t.micro_batch_size = objective, steps, 4, micro
+    t.progress, t.eval_every, t.tensorboard, t.log_phases = False, 1000, "false", False
+    o = cfg.optim
+    o.lr = o.min_lr = 1e-2
+    o.warmup_steps, o.weight_decay = 0, 0.0
+    cfg.pref.beta = 0.5
+    return cfg
+
+
+# name -> (objective, parallel settings, LoRA rank), every one on 2 ranks in one spawn
+LAYOUTS = {
+    "dpo_tp2_sp": ("dpo", dict(tp=2, sequence_parallel=True), 0),
+    "dpo_cp2": ("dpo", dict(cp=2), 0),
+    "dpo_dp2_zero3": ("dpo", dict(dp=2, zero=3), 0),  # micro 1: each dp rank accumulates 2
+    "dpo_lora_tp2": ("dpo", dict(tp=2), 4),
+    "orpo_dp2": ("orpo", dict(dp=2, zero=1), 0),
+    "orpo_cp2": ("orpo", dict(cp=2), 0),
+    "ipo_tp2": ("ipo", dict(tp=2), 0),
+    "simpo_dp2": ("simpo", dict(dp=2), 0),
+}
+
+
+def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
+    """The config of LAYOUTS[name], or (`single`) its single-process reference."""
+    objective, par, lora = LAYOUTS[name]
+    cfg = pref_config(ckpt, pairs, objective, micro=1 if par.get("dp") else 2)
+    if lora:
+        cfg.lora.rank, cfg.lora.alpha = lora, 8.0
+    if not single:
+        for k, v in par.items():
+            setattr(cfg.parallel, k, v)
+    if objective == "simpo":
+        cfg.pref.gamma = 0.3
+    return resolve(cfg)
+
+
+def run(cfg: Config, grid: ParallelGrid, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    Trainer(cfg, grid, run_dir).fit()
+
+
+def layouts_rank(rank: int, world: int, ckpt: str, pairs: str, root: str) -> None:
+    for name, (_, par, _) in LAYOUTS.items():
+        cfg = layout_config(ckpt, pairs, name, single=False)
+        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, cp=par.get("cp", 1), device="cpu")
+        run(cfg, grid, os.path.join(root, name))

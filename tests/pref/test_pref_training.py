@@ -1,0 +1,155 @@
+"""Preference training end to end (train.objective): megaft-train's Trainer on pairs.
+
+- every layout of LAYOUTS (tp with sp, cp, dp with ZeRO-3 and accumulation, LoRA under tp,
+  for dpo, orpo, ipo, simpo) repeats the single process's loss, grad norm and TRL metrics
+  at every step (one spawn of 2 ranks runs them all);
+- 10 DPO steps equal TRL's DPOTrainer fed the same pairs in the same order (loss, rewards,
+  log-probs, grad norm per step);
+- validation names what a preference run cannot do and the fix.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from models.hf_fixture import load_reference, make_hf_llama
+from multirank import spawn
+from train_cases import read_rows
+
+from megaft.config import resolve, validate
+from megaft.parallel.grid import ParallelGrid
+from pref.pref_train_cases import COMPARED, LAYOUTS, layout_config, layouts_rank, pref_config, run, write_pairs
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pref_train")
+    ckpt, pairs = str(root / "ckpt"), str(root / "pairs.jsonl")
+    make_hf_llama(ckpt, seed=1)
+    write_pairs(pairs)
+    return ckpt, pairs, root
+
+
+def _compare(got: list[dict], want: list[dict], rtol: float, what: str) -> list[str]:
+    got, want = [r for r in got if "loss" in r], [r for r in want if "loss" in r]
+    if len(got) != len(want):
+        return [f"{what}: {len(got)} steps against {len(want)}"]
+    bad = []
+    for g, w in zip(got, want):
+        for key in COMPARED + tuple(k for k in w if k.startswith(("nll_", "log_odds"))):
+            # a DPO reward is beta times a difference of two log-probs of ~-40: it carries their rounding
+            scale = max(abs(w[key]), 0.5 * abs(w["logps/chosen"]) if key.startswith("rewards/") else 0, 1e-3)
+            if abs(g[key] - w[key]) > rtol * scale:
+                bad.append(f"{what} step {w['step']} {key}: {g[key]} against {w[key]}")
+    return bad
+
+
+def test_every_layout_equals_the_single_process(inputs):
+    ckpt, pairs, root = inputs
+    spawn(2, layouts_rank, ckpt, pairs, str(root / "layouts"))
+    failures = []
+    for name in LAYOUTS:
+        single = root / "single" / name
+        run(layout_config(ckpt, pairs, name, single=True), ParallelGrid.single(), str(single))
+        want = read_rows(str(single))
+        failures += _compare(read_rows(str(root / "layouts" / name)), want, 1e-5, name)
+        # the runs learn something: the loss moves, and dpo's rewards leave zero after step 1
+        losses = [r["loss"] for r in want if "loss" in r]
+        assert len(set(losses)) == len(losses), name
+    assert not failures, "\n".join(failures)
+
+
+def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str, cfg) -> list[dict]:
+    """TRL's DPOTrainer on the pairs in `order` (no shuffling), the optimizer settings of `cfg`."""
+    import json
+
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import PreTrainedTokenizerFast
+    from trl import DPOConfig, DPOTrainer
+
+    class InOrder(DPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    records = [json.loads(line) for line in open(pairs)]
+    data = Dataset.from_list([records[i] for i in order])
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(ckpt, "tokenizer.json"), pad_token="<pad>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    o = cfg.optim
+    args = DPOConfig(output_dir=out, report_to="none", use_cpu=True, bf16=False, seed=0, beta=cfg.pref.beta,
+                     loss_type="sigmoid", per_device_train_batch_size=cfg.train.global_batch_size,
+                     gradient_accumulation_steps=1, max_steps=steps, learning_rate=o.lr,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=o.beta1,
+                     adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.clip_grad, logging_steps=1,
+                     save_strategy="no", max_length=None, dataloader_drop_last=False)
+    trainer = InOrder(model=load_reference(ckpt).train(), ref_model=load_reference(ckpt), args=args,
+                      train_dataset=data, processing_class=tok)
+    trainer.train()
+    return [r for r in trainer.state.log_history if "loss" in r]
+
+
+def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
+    """The same pairs in the same order through TRL's DPOTrainer and megaft-train: each step's
+    loss, TRL's reward and log-prob metrics and the grad norm (before clipping) agree."""
+    from megaft.pref.batches import PairRows
+
+    ckpt, pairs, _ = inputs
+    cfg = resolve(pref_config(ckpt, pairs, "dpo", steps=10, micro=2))
+    run(cfg, ParallelGrid.single(), str(tmp_path / "megaft"))
+    got = [r for r in read_rows(str(tmp_path / "megaft")) if "loss" in r]
+    n = sum(1 for _ in open(pairs))
+    rows = PairRows.__new__(PairRows)  # only the order: a pure function of (seed, step, pair count)
+    rows.pairs, rows.seed, rows._orders = [None] * n, cfg.data.seed, {}
+    order = [int(i) for s in range(10) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
+    want = _trl_dpo_curve(ckpt, pairs, order, 10, str(tmp_path / "trl"), cfg)
+    assert len(got) == len(want) == 10
+    bad = []
+    for g, w in zip(got, want):
+        for ours, theirs in (("loss", "loss"), ("grad_norm", "grad_norm"), ("rewards/chosen", "rewards/chosen"),
+                             ("rewards/rejected", "rewards/rejected"), ("rewards/margins", "rewards/margins"),
+                             ("rewards/accuracies", "rewards/accuracies"), ("logps/chosen", "logps/chosen"),
+                             ("logps/rejected", "logps/rejected")):
+            if abs(g[ours] - w[theirs]) > 1e-4 * max(abs(w[theirs]), 1e-2):
+                bad.append(f"step {g['step']} {ours}: megaft {g[ours]} TRL {w[theirs]}")
+    assert not bad, "\n".join(bad)
+    assert got[-1]["loss"] < got[0]["loss"]  # it learned
+    # step 1: the policy is its own reference, every log-ratio 0, the loss ln 2
+    assert abs(got[0]["loss"] - torch.log(torch.tensor(2.0)).item()) < 1e-6
+    assert got[0]["rewards/chosen"] == got[0]["rewards/rejected"] == 0.0
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(objective="kto"), "train.objective='kto' is unknown"),
+    (dict(beta=0.0), "pref.beta=0.0 must be > 0"),
+    (dict(objective="ipo", label_smoothing=0.1), "pref.label_smoothing=0.1 has no meaning for ipo"),
+    (dict(pp=2), "parallel.pp=2"),
+    (dict(eval_path=True), "fix: data.eval_path=null"),
+    (dict(packing="docs"), "fix: data.packing=none"),
+    (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
+])
+def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
+    ckpt, pairs, _ = inputs
+    cfg = pref_config(ckpt, pairs, change.get("objective", "dpo"))
+    if "beta" in change:
+        cfg.pref.beta = change["beta"]
+    cfg.pref.label_smoothing = change.get("label_smoothing", 0.0)
+    if "pp" in change:
+        cfg.parallel.pp, cfg.launcher.nproc, cfg.train.micro_batch_size = 2, 2, 1
+    if change.get("eval_path"):
+        cfg.data.eval_path = pairs
+    if "packing" in change:
+        cfg.data.packing = change["packing"]
+    if change.get("no_file"):
+        cfg.data.path = None
+    problems = validate(cfg, cfg.launcher.nproc)
+    assert any(problem in p for p in problems), problems
+
+
+def test_a_bad_pair_is_named_with_its_line_before_any_rank_starts(inputs, tmp_path):
+    ckpt, pairs, _ = inputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(open(pairs).read() + '{"prompt": "ab", "chosen": "cd"}\n')
+    problems = validate(pref_config(ckpt, str(bad), "dpo"), 1)
+    assert any(p.startswith(f"data.path: {bad}:13: ") and "rejected" in p for p in problems), problems
