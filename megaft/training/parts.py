@@ -10,7 +10,8 @@ builder has one signature, `builder(parts: RunParts) -> part`:
     kernels  choose_kernels  -> Kernels: the decided KernelsConfig and its summary.json record
     model    build_model     -> Decoder | StageModel (this rank's shard)
     optim    build_optim     -> OptimParts (megaft.training.optimizer): the optimizer step's sequence
-    step     build_step      -> PlainStep | PipelineStep (megaft.training.step), picked once
+    step     build_step_part -> PlainStep | PipelineStep (megaft.training.step) | PreferenceStep
+                                (megaft.training.pref_step), picked once
     records  build_records   -> Records (megaft.training.records): config.yaml, metrics, checkpoints
     export   build_export    -> HFExport (megaft.training.export): the model for other tools
 """
@@ -55,6 +56,7 @@ from megaft.pipeline.stage import StageModel
 from megaft.pref.config import is_preference
 from megaft.training.export import build_export
 from megaft.training.optimizer import build_optim
+from megaft.training.pref_step import PreferenceStep, build_pref_data
 from megaft.training.protocols import (
     Batches,
     Builder,
@@ -71,7 +73,7 @@ from megaft.training.records import build_records
 from megaft.training.step import build_step
 
 __all__ = ["DataParts", "RunParts", "TrainSpec", "build_data", "build_export", "build_model", "build_optim",
-           "build_records", "build_step", "choose_kernels", "micro_batches", "model_params"]
+           "build_records", "build_step", "build_step_part", "choose_kernels", "micro_batches", "model_params"]
 
 
 def micro_batches(inputs: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs], grid: ParallelGrid,
@@ -161,8 +163,6 @@ def build_data(parts: RunParts) -> DataParts:
     preference objective: the pairs (megaft.training.pref_step.build_pref_data)."""
     cfg, grid = parts.cfg, parts.grid
     if is_preference(cfg.train.objective):  # pairs (megaft.training.pref_step)
-        from megaft.training.pref_step import build_pref_data
-
         return build_pref_data(parts)
     data, init_from = cfg.data, cfg.model.init_from
     tok = build_tokenizer(data, init_from=init_from)
@@ -240,6 +240,14 @@ def model_params(model: torch.nn.Module, grid: ParallelGrid, *, trainable: bool 
     return int(all_reduce(total, grid.pp_group).item())
 
 
+def build_step_part(parts: RunParts) -> StepPart:
+    """The step of train.objective: a preference objective's (megaft.training.pref_step, pp = 1),
+    else next-token cross-entropy's, plain or pipelined (megaft.training.step.build_step)."""
+    if is_preference(parts.cfg.train.objective):
+        return PreferenceStep(parts)
+    return build_step(parts)
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """The builders a Trainer composes a run from, in build order; replace one to change that part."""
@@ -248,7 +256,7 @@ class TrainSpec:
     kernels: Builder[Kernels] = choose_kernels
     model: Builder[torch.nn.Module] = build_model
     optim: Builder[OptimPart] = build_optim
-    step: Builder[StepPart] = build_step
+    step: Builder[StepPart] = build_step_part
     records: Builder[RecordsPart] = build_records
     export: Builder[ExportPart] = build_export
 

@@ -18,7 +18,6 @@ from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
-from megaft.pref.config import is_preference
 from megaft.training.config import accumulation_steps
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
 from megaft.training.global_router import global_counts
@@ -146,13 +145,9 @@ class PipelineStep(_Step):
 
 
 def build_step(parts: RunParts) -> PlainStep | PipelineStep:
-    """The pipeline step when pp > 1, else the plain one; a preference objective's step
-    (megaft.training.pref_step) under train.objective != sft."""
+    """The pipeline step when pp > 1, else the plain one (a preference objective's:
+    megaft.training.parts.build_step_part)."""
     cfg, grid = parts.cfg, parts.grid
-    if is_preference(cfg.train.objective):  # pp = 1 (validated)
-        from megaft.training.pref_step import PreferenceStep
-
-        return PreferenceStep(parts)
     autocast = precision_autocast(cfg.precision, grid.device)
     if grid.pp_size > 1:
         return PipelineStep(parts.model, grid, cfg, parts.phases, autocast)
