@@ -271,7 +271,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
                                sources=bool(cfg.data.sources), packing=cfg.data.packing, pp=cfg.parallel.pp,
                                n_experts=cfg.model.n_experts, eval_path=cfg.data.eval_path is not None)
-    problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout)
+    problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
+                          correction_bias=cfg.model.router_scoring == "sigmoid")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         problems.append(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={cfg.model.max_seq_len}; "
                         "fix: lower data.seq_len or raise model.max_seq_len")

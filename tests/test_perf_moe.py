@@ -50,6 +50,11 @@ FAMILIES = {  # each family's shape, as tests/models/moe_fixture.py builds them 
                       decoder_sparse_step=2, n_layers=4),  # blocks 1 and 3 are mixtures
     "olmoe": dict(arch="olmoe", n_experts=4, top_k=2, ffn_dim=32, qk_norm=True, qk_norm_width="full",
                   norm_topk_prob=False, tie_embeddings=True),
+    # latent attention (with a query latent), ungated shared experts, a dense first block
+    "deepseek_v3": dict(arch="deepseek_v3", n_experts=8, top_k=2, moe_ffn_dim=32, shared_expert_ffn_dim=64,
+                        shared_expert_gate=False, mlp_only_layers=[0], router_scoring="sigmoid", n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5, n_kv_heads=4, head_dim=8, kv_lora_rank=16,
+                        q_lora_rank=24, qk_nope_head_dim=16, v_head_dim=12, rope_interleave=True),
 }
 
 
@@ -85,7 +90,7 @@ def test_param_counts_equal_the_built_model(family, tp, tp_group):
     model = Decoder(cfg, group=group)
     kinds = [cfg.is_moe(i) for i in range(cfg.n_layers)]
     assert kinds == {"mixtral": [True] * 3, "qwen2_moe": [True, False, True], "qwen3_moe": [False, True] * 2,
-                     "olmoe": [True] * 3}[family]
+                     "olmoe": [True] * 3, "deepseek_v3": [False, True, True]}[family]
     for i, block in enumerate(model.layers):  # per block: dense or MoE, norms, biases, tp slices
         assert layer_params(cfg, tp, i) == numel(block), (family, tp, i)
     assert rank_params(cfg, tp=tp, pp=1, vpp=1) == [numel(model)]

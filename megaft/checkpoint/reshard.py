@@ -113,6 +113,7 @@ class _Saved:
         # name -> (saved tp rank, saved ep rank) -> piece; ep rank 0 alone for all but split experts
         self.pieces: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
         self.first = _load(path, 0)
+        self.shards = [self.first]  # the shards read (their persistent buffers: load_resharded)
         # Rank order: tp fastest, then cp, dp, pp. The dp×cp replicas hold the same parameters;
         # moments sharded over them (ZeRO) need every replica's shard, otherwise replica 0 suffices.
         # (Compared with the whole buffer: a group of one bucket gives rank 0 the single range
@@ -125,6 +126,8 @@ class _Saved:
             if not sharded and (rank // lay["tp"]) % replicas >= ep:
                 continue
             state = self.first if rank == 0 else _load(path, rank)
+            if rank:
+                self.shards.append(state)
             c = state["coords"]
             state["ep_rank"] = (c["dp_rank"] * lay.get("cp", 1) + c.get("cp_rank", 0)) % ep
             coords.setdefault((c["tp_rank"], c["pp_rank"]), []).append(state)
@@ -195,6 +198,16 @@ def _fill_group(saved: _Saved, path: str, group, names: dict[int, str], grid) ->
     return whole
 
 
+@torch.no_grad()
+def restore_buffers(flat, states: list[dict[str, Any]]) -> None:
+    """Copy the saved persistent buffers into the model's, by name, from whichever of `states`
+    (rank shards) holds each; a checkpoint from before buffers were saved leaves them as loaded."""
+    for name, t in getattr(flat, "buffers", {}).items():
+        saved = next((s["buffers"][name] for s in states if name in (s.get("buffers") or {})), None)
+        if saved is not None:
+            t.copy_(saved)
+
+
 def load_resharded(path: str, manifest: dict[str, Any], model: nn.Module, flat, optimizer, grid) -> int:
     """Fill this rank's buffers (any ZeRO stage) from a checkpoint of another layout; returns its step."""
     saved = _Saved(path, manifest)
@@ -217,6 +230,7 @@ def load_resharded(path: str, manifest: dict[str, Any], model: nn.Module, flat, 
         if gatherer is not None:
             gatherer.release_all()
     first = saved.first
+    restore_buffers(flat, saved.shards)
     optimizer.step_count = first["step_count"]
     if getattr(optimizer, "scaler", None) and first.get("scaler"):
         optimizer.scaler.load_state_dict(first["scaler"])

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megaft.checkpoint import io
 from megaft.checkpoint.adapters import check_lora_base
 from megaft.checkpoint.io import CheckpointWarning
-from megaft.checkpoint.reshard import load_resharded, moment_ranges
+from megaft.checkpoint.reshard import load_resharded, moment_ranges, restore_buffers
 from megaft.optim import AdamW
 from megaft.parallel.data import FlatParams
 from megaft.parallel.grid import ParallelGrid
@@ -105,6 +105,8 @@ def capture(flat: FlatParams, optimizer: AdamW, grid: ParallelGrid, step: int, r
         "scaler": optimizer.scaler.state_dict() if getattr(optimizer, "scaler", None) else None,  # fp16
         "rng": rng,
         "compression": reducer.compression_state() if reducer is not None else None,  # PowerSGD
+        # persistent buffers (DeepSeek-V3's correction biases), by name: identical on every rank holding them
+        "buffers": {name: t.detach().to("cpu", copy=True) for name, t in getattr(flat, "buffers", {}).items()},
     }
 
 
@@ -139,6 +141,7 @@ def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: Par
     if gatherer is not None:
         gatherer.release_all()
     optimizer.step_count = state["step_count"]
+    restore_buffers(flat, [state])
     if getattr(optimizer, "scaler", None) and state.get("scaler"):
         optimizer.scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["cpu"])

@@ -13,8 +13,12 @@ from megaft.models.arch import SPECS
 from megaft.models.rope import ROPE_TYPES
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP (SwiGLU, GeGLU)
+ROUTER_SCORING = ("softmax", "sigmoid")  # router scores: softmax over the experts, or each expert's sigmoid
 QK_NORM_WIDTHS = ("head", "full")  # what model.qk_norm normalizes: each head, or all heads at once (OLMoE)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values megaft runs
+# Fields at their value in every family but DeepSeek-V3 (latent attention, its routing, ungated shared experts)
+DEEPSEEK_ONLY = {"kv_lora_rank": 0, "router_scoring": "softmax", "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.0, "shared_expert_gate": True, "rope_interleave": False}
 
 
 class Recompute(StrEnum):  # activation checkpointing (megaft.models.recompute)
@@ -75,6 +79,20 @@ class ModelConfig:
     mlp_only_layers: List[int] = field(default_factory=list)  # layers kept dense (HF mlp_only_layers)
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the training loss
     router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2); 0 = off
+    # DeepSeek-V3 routing (megaft.models.moe.Router): sigmoid scores, a choice among the topk_group best of
+    # n_group expert groups, a correction bias added for the choice only, weights scaled after normalizing
+    router_scoring: str = "softmax"  # softmax (Mixtral, Qwen, OLMoE) | sigmoid (DeepSeek-V3, with a correction bias)
+    n_group: int = 1  # expert groups (HF n_group); a token's experts come from its topk_group best groups
+    topk_group: int = 1  # groups a token may use (HF topk_group)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (HF routed_scaling_factor)
+    shared_expert_gate: bool = True  # scale the shared expert by sigmoid(gate(x)) (Qwen2-MoE); false: DeepSeek
+    # Multi-head latent attention (DeepSeek-V3, megaft.models.mla); 0 = grouped-query attention. head_dim is
+    # then the rotary part's width (qk_rope_head_dim, as transformers sets it)
+    kv_lora_rank: int = 0  # width of the compressed key/value latent (HF kv_lora_rank)
+    q_lora_rank: Optional[int] = None  # width of the query latent; None = one q_proj (HF q_lora_rank)
+    qk_nope_head_dim: int = 0  # per-head query/key width without rotary embedding
+    v_head_dim: int = 0  # per-head value width
+    rope_interleave: bool = False  # the rotary dims come in interleaved pairs (HF rope_interleave)
     make_vocab_size_divisible_by: int = 1  # pad the vocabulary to a multiple of this * tp (Megatron uses 128)
     extra: Dict[str, Any] = field(default_factory=dict)  # HF config fields kept for export (bos/eos ids)
 
@@ -85,6 +103,21 @@ class ModelConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: head_dim, or under MLA its unrotated plus rotary parts."""
+        return self.qk_nope_head_dim + self.hd if self.mla else self.hd
+
+    @property
+    def v_dim(self) -> int:
+        """Per-head value width."""
+        return self.v_head_dim if self.mla else self.hd
 
     @property
     def expert_ffn(self) -> int:
@@ -152,7 +185,7 @@ def _variant_problems(cfg: ModelConfig) -> list[str]:
             errors.append(f"model.{name}={getattr(cfg, name)} must be > 0 (or null: no soft-capping)")
     if cfg.rope_local is not None and "rope_theta" not in cfg.rope_local:
         errors.append("model.rope_local needs rope_theta; fix: e.g. model.rope_local={rope_theta: 10000.0}")
-    errors += _moe_problems(cfg)
+    errors += _moe_problems(cfg) + _mla_problems(cfg)
     if cfg.arch not in SPECS:
         errors.append(f"model.arch={cfg.arch!r} is not supported; fix: one of {', '.join(SPECS)}")
     else:  # what the family's HF class fixes: a model it cannot express would export wrong
@@ -163,6 +196,9 @@ def _variant_problems(cfg: ModelConfig) -> list[str]:
                           + ("is a mixture of experts); fix: model.n_experts >= 1" if spec.moe else
                              f"has dense MLPs); fix: model.arch among the mixtures of experts ({moe})"))
         errors += [p + "; fix: set model.arch to a family that has it" for p in spec.refuse(cfg)]
+        if cfg.arch != "deepseek_v3":  # what only DeepSeek-V3's HF class expresses
+            errors += [f"model.{k}={getattr(cfg, k)!r} cannot be exported as {cfg.arch}; fix: model.arch=deepseek_v3 "
+                       f"or model.{k}={v!r}" for k, v in DEEPSEEK_ONLY.items() if getattr(cfg, k) != v]
     return errors
 
 
@@ -193,6 +229,44 @@ def _moe_problems(cfg: ModelConfig) -> list[str]:
     for name in ("router_aux_loss_coef", "router_z_loss_coef"):
         if getattr(cfg, name) < 0:
             errors.append(f"model.{name}={getattr(cfg, name)} must be >= 0")
+    return errors + _routing_problems(cfg)
+
+
+def _routing_problems(cfg: ModelConfig) -> list[str]:
+    errors = []
+    if cfg.router_scoring not in ROUTER_SCORING:
+        errors.append(f"model.router_scoring={cfg.router_scoring!r} is unknown; fix: one of "
+                      f"{', '.join(ROUTER_SCORING)}")
+    if cfg.n_group < 1 or cfg.n_experts % cfg.n_group:
+        errors.append(f"model.n_group={cfg.n_group} must be >= 1 and divide model.n_experts={cfg.n_experts}")
+    elif cfg.n_group > 1 and cfg.n_experts // cfg.n_group < 2:
+        errors.append(f"model.n_group={cfg.n_group} leaves fewer than 2 experts per group (a group scores by its "
+                      "2 best experts, as DeepSeek-V3); fix: fewer groups")
+    elif not 1 <= cfg.topk_group <= cfg.n_group:
+        errors.append(f"model.topk_group={cfg.topk_group} must be between 1 and model.n_group={cfg.n_group}")
+    elif cfg.top_k > cfg.topk_group * (cfg.n_experts // cfg.n_group):
+        errors.append(f"model.top_k={cfg.top_k} exceeds the experts of model.topk_group={cfg.topk_group} groups; "
+                      "fix: a larger topk_group")
+    if cfg.routed_scaling_factor <= 0:
+        errors.append(f"model.routed_scaling_factor={cfg.routed_scaling_factor} must be > 0")
+    return errors
+
+
+def _mla_problems(cfg: ModelConfig) -> list[str]:
+    """Multi-head latent attention's sizes (megaft.models.mla)."""
+    if cfg.kv_lora_rank == 0:
+        return []
+    errors = [f"model.{name}={getattr(cfg, name)} must be >= 1 under multi-head latent attention"
+              for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim") if getattr(cfg, name) < 1]
+    if cfg.q_lora_rank is not None and cfg.q_lora_rank < 1:
+        errors.append(f"model.q_lora_rank={cfg.q_lora_rank} must be >= 1 (or null: one q_proj)")
+    if cfg.kv_heads != cfg.n_heads:
+        errors.append(f"model.n_kv_heads={cfg.kv_heads} must equal model.n_heads={cfg.n_heads} under multi-head "
+                      "latent attention (every head has its own keys from the latent); fix: model.n_kv_heads=null")
+    for name in ("qk_norm", "attention_bias", "qkv_bias", "sliding_window", "attn_softcap", "query_pre_attn_scalar"):
+        if getattr(cfg, name) not in (False, None):
+            errors.append(f"model.{name}={getattr(cfg, name)!r} is not supported with multi-head latent attention; "
+                          f"fix: model.{name}={'false' if isinstance(getattr(cfg, name), bool) else 'null'}")
     return errors
 
 
@@ -229,6 +303,12 @@ def check_model(cfg: ModelConfig, tp: int) -> list[str]:
         errors.append(f"parallel.tp={tp} exceeds model.n_kv_heads={cfg.kv_heads} with a full-width qk-norm "
                       "(OLMoE): replicated kv heads would count twice in k's norm; fix: parallel.tp <= "
                       f"{cfg.kv_heads}")
+    quant = cfg.extra.get("quantization_config")
+    if cfg.init_from and quant:
+        errors.append(f"model.init_from={cfg.init_from} holds quantized weights (quantization_config quant_method="
+                      f"{quant.get('quant_method')!r}), which megaft cannot train; its config.json is readable for "
+                      "planning only; fix: dequantize the checkpoint to bf16 first (for DeepSeek-V3/R1's FP8 "
+                      "blocks, DeepSeek's inference/fp8_cast_bf16.py) and point model.init_from at that copy")
     if not 0.0 <= cfg.dropout < 1.0:
         errors.append(f"model.dropout={cfg.dropout} must be in [0, 1)")
     if cfg.recompute not in set(Recompute):  # a config built in Python

@@ -34,6 +34,7 @@ from megaft.models import recompute
 from megaft.models.attention import Attention, op_backend
 from megaft.models.config import ModelConfig
 from megaft.models.docs import Docs
+from megaft.models.mla import MLAttention
 from megaft.models.mlp import MLP
 from megaft.models.moe import GlobalCounts, MoE, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
 from megaft.models.moe_config import MoEConfig
@@ -55,7 +56,8 @@ class Block(nn.Module):
         # Under sequence parallel this rank holds the tp_rank-th slice of the sequence (dim 1).
         self.seq_split = (group_rank(group), group_size(group)) if sequence_parallel else (0, 1)
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
-        self.self_attn = Attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
+        attention = MLAttention if cfg.mla else Attention  # multi-head latent attention (DeepSeek-V3)
+        self.self_attn = attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                                    layer=layer, selective=selective)
         # post_attention_layernorm: the MLP's input norm, or with sandwich norms (Gemma 2/3, HF's names) the
         # attention output's, pre_feedforward_layernorm then being the MLP's input norm

@@ -30,6 +30,7 @@ from megaft.models.arch import spec_for
 from megaft.models.arch.spec import write_common
 from megaft.models.config import ModelConfig
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE
+from megaft.models.hf_load import tensors as model_tensors
 from megaft.models.kv import ReplicatedShard, dedupe_gathered
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
 from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of
@@ -165,7 +166,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
                               pp_group=pp_group, is_writer=is_writer, max_shard_bytes=max_shard_bytes, dtype=dtype,
                               skip=skip, transform=transform)
     out_dir = os.path.abspath(out_dir)
-    params = [(n, p) for n, p in model.named_parameters() if skip is None or not skip(n)]
+    params = [(n, p) for n, p in model_tensors(model) if skip is None or not skip(n)]  # persistent buffers too
     tp_size = group_size(tp_group)
     shards = _plan(params, tp_size, dtype, max_shard_bytes)
     tmp = None
@@ -230,7 +231,7 @@ def _export_stages(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenize
     """`export_hf` under pp: each stage writes its own files, the first stage publishes."""
     out_dir = os.path.abspath(out_dir)
     tied = "embed_tokens.weight" if getattr(model, "tied_copy", False) else None  # the first stage writes it
-    params = [(n, p) for n, p in model.named_parameters() if n != tied and (skip is None or not skip(n))]
+    params = [(n, p) for n, p in model_tensors(model) if n != tied and (skip is None or not skip(n))]
     shards = _plan(params, group_size(tp_group), dtype, max_shard_bytes)
     first_stage = group_rank(pp_group) == 0
     publisher = first_stage and is_writer

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from megaft.models.arch import SPECS, spec_for
-from megaft.models.arch.spec import HFCheckpointError, read_common, screen
+from megaft.models.arch.spec import HFCheckpointError, read_common, readable_quantized, screen
 from megaft.models.config import ModelConfig
 from megaft.models.kv import local_rows
 from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of
@@ -31,7 +33,10 @@ FAMILY_FIELDS = ("attention_bias", "mlp_bias", "qkv_bias", "qk_norm", "qk_norm_w
                  "norm_offset", "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar", "rope_local",
                  "attn_softcap", "final_softcap", "n_experts", "top_k", "moe_ffn_dim", "norm_topk_prob",
                  "shared_expert_ffn_dim", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
-                 "router_z_loss_coef")  # names listed in an error before "... and N more"
+                 "router_z_loss_coef", "router_scoring", "n_group", "topk_group", "routed_scaling_factor",
+                 "shared_expert_gate", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                 "rope_interleave")  # names listed in an error before "... and N more"
+log = logging.getLogger(__name__)
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
@@ -72,11 +77,16 @@ def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfi
     """
     base = base or ModelConfig()
     raw, file = read_hf_config(path), os.path.join(path, CONFIG)
+    quant = raw.get("quantization_config") if readable_quantized(raw) else None
     raw = screen(raw, file, base.hf_ignore_keys)
     spec = spec_for(raw.get("model_type"), file)
     raw = spec.normalize(raw, file)
     family = spec.read(raw, file)
     common = read_common(raw, spec, file, base, act=family.pop("activation", None))
+    # a family's own extra fields (DeepSeek-V3's num_nextn_predict_layers) join the common ones; a
+    # readable quantized config (for planning) is marked, so check_model refuses to train it
+    common["extra"] = {**common["extra"], **family.pop("extra", {}),
+                       **({"quantization_config": quant} if quant is not None else {})}
     # The family's fields win over the common ones they refine; the Llama-only
     # defaults a family does not set fall back to ModelConfig's (Llama behaviour).
     fields = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -132,7 +142,7 @@ def _sources(model: nn.Module, files: dict[str, str], tp_size: int) -> dict[str,
     arch = getattr(cfg, "arch", "llama")
     spec = SPECS[arch]
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in tensors(model):
         shape = full_shape(param, tp_size)
         per_expert = spec.expert_names(name, cfg.n_experts) if cfg is not None else None
         if per_expert is None:
@@ -151,6 +161,22 @@ def _sources(model: nn.Module, files: dict[str, str], tp_size: int) -> dict[str,
             lo, hi = split.bounds if split is not None else (0, len(per_expert))
             out[name] = [Source(hf, shape[1:], expert=i - lo) for i, hf in enumerate(per_expert) if lo <= i < hi]
     return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (DeepSeek-V3's routing correction bias), by name; the
+    non-persistent ones (RoPE tables) are derived, never saved."""
+    out = []
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
+
+
+def tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor an HF checkpoint fills: the parameters, then the persistent buffers."""
+    return list(model.named_parameters()) + persistent_buffers(model)
 
 
 def _read_into(f, src: Source, param: torch.Tensor, tp_rank: int, tp_size: int) -> None:
@@ -200,6 +226,16 @@ def _other_experts(model: nn.Module, cfg) -> set[str]:
     return out
 
 
+def _prediction_layers(files: dict[str, str], cfg) -> set[str]:
+    """DeepSeek-V3's multi-token-prediction layers, `model.layers.{n_layers + i}.*` for i below
+    num_nextn_predict_layers: megaft trains next-token prediction only, so they stay unread."""
+    mtp = getattr(cfg, "extra", {}).get("num_nextn_predict_layers", 0) if cfg is not None else 0
+    if not mtp:
+        return set()
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    return {n for n in files if (m := layer.match(n)) and cfg.n_layers <= int(m.group(1)) < cfg.n_layers + mtp}
+
+
 def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
            strict: bool) -> dict[str, list[Source]]:
     """Map our param names -> their checkpoint tensors after checking names and shapes; every problem at once."""
@@ -213,7 +249,7 @@ def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
         problems.append(f"{_source(path)}: tensors missing from the checkpoint: {_names(missing)}")
     # HF omits lm_head when tied, but some tied checkpoints still carry a copy: ignore it.
     ignored = {"lm_head.weight"} if tied else set()
-    known = set(needed) | ignored | _other_experts(model, cfg)
+    known = set(needed) | ignored | _other_experts(model, cfg) | _prediction_layers(files, cfg)
     extra = sorted(n for n in files if n not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra and strict:
         problems.append(f"{_source(path)}: unexpected tensors (not in the model; strict=False ignores them): "
@@ -241,8 +277,29 @@ def load_hf_weights(model: nn.Module, path: str, *, tp_rank: int, tp_size: int, 
     """
     _check_tp(model, tp_size)
     files = checkpoint_files(path)
+    _refuse_quantized(path, files)
     wanted = _check(model, files, path, tp_size, strict)
+    skipped = _prediction_layers(files, getattr(model, "cfg", None))
+    if skipped:
+        log.warning("%s: skipped %d tensors of the %d multi-token-prediction layer(s) (model.layers.%d and up): "
+                    "megaft trains next-token prediction only", path, len(skipped),
+                    model.cfg.extra["num_nextn_predict_layers"], model.cfg.n_layers)
+    by_name = dict(tensors(model))
     for file, entries in _by_file(wanted, files):
         with safe_open(file, "pt") as f:  # each file opened once
             for name, src in entries:
-                _read_into(f, src, model.get_parameter(name), tp_rank, tp_size)
+                _read_into(f, src, by_name[name], tp_rank, tp_size)
+
+
+def _refuse_quantized(path: str, files: dict[str, str]) -> None:
+    """Quantized weights (DeepSeek-V3/R1's FP8 blocks with their weight_scale_inv), whose config.json
+    megaft reads for planning only: an error naming the fix."""
+    scales = [n for n in files if n.endswith("weight_scale_inv")]
+    quant = read_hf_config(path).get("quantization_config") if os.path.isfile(os.path.join(path, CONFIG)) else None
+    if quant or scales:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "fp8"
+        raise HFCheckpointError(
+            f"{path}: the weights are quantized (quantization_config quant_method={method!r}"
+            + (f", {len(scales)} weight_scale_inv tensors" if scales else "") + "); megaft trains full-precision "
+            "weights; fix: dequantize the checkpoint to bf16 first (DeepSeek-V3/R1: DeepSeek's "
+            "inference/fp8_cast_bf16.py) and point model.init_from at that copy")

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and its router statistics.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) and its router statistics.
 
 `MoE` replaces a block's MLP where `ModelConfig.is_moe(layer)`:
 
@@ -9,7 +9,9 @@
   kernel is `kernels.grouped_gemm`, megaft.kernels.grouped_gemm); each token's k outputs
   are put back in token order and summed with their weights in fp32 (no atomics: the
   sum is the same on every layout);
-- Qwen2-MoE's shared expert: an MLP every token passes, scaled by sigmoid(shared_expert_gate).
+- Qwen2-MoE's shared expert: an MLP every token passes, scaled by sigmoid(shared_expert_gate);
+  DeepSeek-V3's shared experts: the same MLP, added as is;
+- DeepSeek-V3's router: sigmoid scores, group-limited choice with a correction bias (Router).
 
 Tensor parallel (what megaft builds, and why): each expert is split like the dense MLP,
 gate/up by columns and down by rows (Megatron's expert tensor parallelism with etp = tp),
@@ -198,24 +200,57 @@ def router_losses(records: Sequence[RouterRecord], cfg: ModelConfig, groups: Seq
 
 
 class Router(nn.Module):
-    """`weight` [experts, dim] (HF `mlp.gate.weight`); fp32 logits, softmax, top-k."""
+    """`weight` [experts, dim] (HF `mlp.gate.weight`); fp32 logits, scores, top-k.
+
+    softmax scoring (Mixtral, Qwen, OLMoE): softmax over the experts, top-k, renormalized with
+    norm_topk_prob. sigmoid scoring (DeepSeek-V3, transformers' DeepseekV3TopkRouter): each
+    expert's sigmoid; the choice adds `e_score_correction_bias` (a buffer: DeepSeek's
+    auxiliary-loss-free balancing moves it, megaft.models.moe_balance, never the optimizer)
+    and keeps the topk_group of n_group groups whose two best biased scores sum highest; the
+    weights are the unbiased scores of the chosen experts, renormalized with norm_topk_prob,
+    times routed_scaling_factor."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool):
         super().__init__()
         self.top_k, self.norm_topk = cfg.top_k, cfg.norm_topk_prob
+        self.sigmoid = cfg.router_scoring == "sigmoid"
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
+        if self.sigmoid:  # saved (HF export, checkpoints), identical on every rank
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
         if sequence_parallel:  # applied to sequence shards: grads summed over tp
             mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits, probs, top-k weights, top-k experts), all fp32 but the indices."""
+        """(logits, scores, top-k weights, top-k experts), all fp32 but the indices."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
+        if self.sigmoid:
+            return (logits, *self._grouped(logits))
         probs = torch.softmax(logits, dim=-1)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, probs, top, experts
+
+    def _grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's choice, in transformers' order of operations (so its ties break alike)."""
+        scores = logits.sigmoid()
+        shape, e = scores.shape[:-1], scores.shape[-1]
+        flat = scores.reshape(-1, e)
+        choice = flat.detach() + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, e // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            best = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(-1, e), float("-inf"))
+        experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        top = flat.gather(1, experts)
+        if self.norm_topk:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        top = top * self.scaling
+        return scores, top.view(*shape, self.top_k), experts.view(*shape, self.top_k)
 
 
 class Experts(nn.Module):
@@ -273,14 +308,17 @@ class MoE(nn.Module):
         self._no_drops: Optional[torch.Tensor] = None  # the `dropped` count when nothing can drop
         self.gate = Router(cfg, sequence_parallel)
         self.experts = Experts(cfg, group=group, kernels=kernels, selective=selective, ep_group=ep_group)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert = self.shared_expert_gate = self.shared_experts = None
         if cfg.shared_expert_ffn_dim:
-            shared = dataclasses.replace(cfg, ffn_dim=cfg.shared_expert_ffn_dim)
-            self.shared_expert = MLP(shared, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
-                                     selective=selective)
-            self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
-            if sequence_parallel:
-                mark_sequence_parallel(self.shared_expert_gate.weight)
+            shared = MLP(dataclasses.replace(cfg, ffn_dim=cfg.shared_expert_ffn_dim), group=group,
+                         sequence_parallel=sequence_parallel, kernels=kernels, selective=selective)
+            if cfg.shared_expert_gate:  # Qwen2-MoE: HF mlp.shared_expert, scaled by sigmoid(shared_expert_gate)
+                self.shared_expert = shared
+                self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
+                if sequence_parallel:
+                    mark_sequence_parallel(self.shared_expert_gate.weight)
+            else:  # DeepSeek-V3: HF mlp.shared_experts (n_shared_experts of them as one MLP), no gate
+                self.shared_experts = shared
 
     def _mine(self, s: int) -> slice:
         """The positions of this rank's sequence-parallel slice that are tokens (not padding)."""
@@ -355,4 +393,6 @@ class MoE(nn.Module):
         out = reduce_scatter_to_sp(out, self.group) if self.sp else reduce_from_tp(out, self.group)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out if residual is None else residual + out

@@ -13,6 +13,8 @@ which is `model.*`: a checkpoint may resume under other values).
   micro-batch) or `global_batch` (counts summed over the whole global batch, every dp×cp
   replica and accumulation step, before the product: global-batch balancing, Qiu et al.
   2025), see megaft.training.global_router.
+- `bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing step (megaft.models.moe_balance);
+  0 keeps the correction bias as loaded.
 """
 from __future__ import annotations
 
@@ -40,12 +42,26 @@ class MoEConfig:
     drop_policy: DropPolicy = DropPolicy.probs
     # load-balancing statistics: micro_batch (transformers) | global_batch (summed over the global batch)
     aux_scope: AuxScope = AuxScope.micro_batch
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every router's correction bias moves
+    # by this * sign(mean load - expert's load) (megaft.models.moe_balance); 0 = frozen (fine-tuning)
+    bias_update_rate: float = 0.0
 
 
-def check_moe(cfg: MoEConfig, *, n_experts: int, cp: int, dropout: float = 0.0) -> list[str]:
+def check_moe(cfg: MoEConfig, *, n_experts: int, cp: int, dropout: float = 0.0,
+              correction_bias: Optional[bool] = None) -> list[str]:
     """Every problem of `moe.*` for a model of `n_experts` (0: dense, with `dropout`) at
-    context-parallel degree `cp`."""
+    context-parallel degree `cp`; `correction_bias`: whether its routers have one (sigmoid
+    scoring; None: not known here)."""
     errors = []
+    if cfg.bias_update_rate < 0 or cfg.bias_update_rate != cfg.bias_update_rate:
+        errors.append(f"moe.bias_update_rate={cfg.bias_update_rate} must be >= 0 (0 keeps the routing correction "
+                      "bias frozen); fix: e.g. moe.bias_update_rate=0.001, DeepSeek-V3's pre-training value")
+    elif cfg.bias_update_rate > 0 and n_experts > 0 and correction_bias is False:
+        errors.append(f"moe.bias_update_rate={cfg.bias_update_rate} moves the routers' correction bias, and this "
+                      "model's routers have none (softmax scoring); fix: moe.bias_update_rate=0")
+    elif cfg.bias_update_rate > 0:  # megaft.models.moe_balance holds the rule; the trainer does not call it yet
+        errors.append(f"moe.bias_update_rate={cfg.bias_update_rate}: updating the correction bias during training is "
+                      "not wired into the trainer yet (fine-tuning keeps it frozen); fix: moe.bias_update_rate=0")
     if cfg.aux_scope == "global_batch" and n_experts > 0 and dropout > 0:
         errors.append(f"moe.aux_scope=global_batch counts the batch's routing in a pass before the step, which "
                       f"routes as training does only without dropout (model.dropout={dropout}); fix: "

@@ -73,7 +73,7 @@ def mlp_params(m: ModelConfig, layer: int, tp: int, ep: int = 1) -> int:
         return _dense_mlp_params(m, m.ffn_dim, tp)
     out = m.n_experts * m.dim + expert_params(m, layer, tp, ep)
     if m.shared_expert_ffn_dim:
-        out += _dense_mlp_params(m, m.shared_expert_ffn_dim, tp) + m.dim
+        out += _dense_mlp_params(m, m.shared_expert_ffn_dim, tp) + (m.dim if m.shared_expert_gate else 0)
     return out
 
 
@@ -85,13 +85,48 @@ def mlp_matmul_params(m: ModelConfig, layer: int) -> int:
         return 3 * m.dim * m.ffn_dim
     out = m.n_experts * m.dim + m.top_k * 3 * m.dim * m.expert_ffn
     if m.shared_expert_ffn_dim:
-        out += 3 * m.dim * m.shared_expert_ffn_dim + m.dim
+        out += 3 * m.dim * m.shared_expert_ffn_dim + (m.dim if m.shared_expert_gate else 0)
     return out
 
 
 def _attention_matmul_params(m: ModelConfig) -> int:
+    if m.mla:
+        replicated, split = _mla_params(m)
+        return replicated + split
     q, kv = m.n_heads * m.hd, m.kv_heads * m.hd  # GQA: k and v project to kv heads only
     return m.dim * q + 2 * m.dim * kv + q * m.dim
+
+
+# Multi-head latent attention (DeepSeek-V3, megaft.models.mla): the down projections q_a_proj
+# [q_lora, dim] and kv_a_proj_with_mqa [kv_lora + rope, dim] are replicated over tp; q_b_proj
+# [heads * qk, q_lora] (or q_proj [heads * qk, dim]), kv_b_proj [heads * (nope + v), kv_lora] and
+# o_proj [dim, heads * v] are split by heads; the latent norms [q_lora], [kv_lora] are replicated.
+
+def _mla_params(m: ModelConfig) -> tuple[int, int]:
+    """(replicated, tp-split) linear weights of one latent attention."""
+    h, qk = m.n_heads, m.qk_head_dim
+    replicated = m.dim * (m.kv_lora_rank + m.hd)
+    split = m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * m.dim
+    if m.q_lora_rank is None:
+        split += m.dim * h * qk
+    else:
+        replicated += m.dim * m.q_lora_rank
+        split += m.q_lora_rank * h * qk
+    return replicated, split
+
+
+def _attention_params(m: ModelConfig, tp: int) -> int:
+    """One tp rank's attention weights, biases and qk-norms."""
+    if m.mla:
+        replicated, split = _mla_params(m)
+        return replicated + split // tp + m.kv_lora_rank + (m.q_lora_rank or 0)
+    q, kv = m.n_heads * m.hd, m.kv_heads * kv_replicas(m, tp) * m.hd
+    attn = (m.dim * (q + 2 * kv) + q * m.dim) // tp
+    if m.attention_bias or m.qkv_bias:
+        attn += (q + 2 * kv) // tp + (m.dim if m.attention_bias else 0)
+    if m.qk_norm:  # per head: [hd] each, replicated; full width (OLMoE): [heads * hd] split like q and k
+        attn += (m.n_heads + m.kv_heads) * m.hd // tp if m.qk_norm_width == "full" else 2 * m.hd
+    return attn
 
 
 def matmul_params(m: ModelConfig) -> int:
@@ -117,14 +152,8 @@ def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None, ep: int =
     expert parallelism); None: the largest block (the same for every block of a dense model)."""
     if layer is None:
         return max(per_block(m, lambda i: layer_params(m, tp, i, ep)))
-    q, kv = m.n_heads * m.hd, m.kv_heads * kv_replicas(m, tp) * m.hd
-    attn = (m.dim * (q + 2 * kv) + q * m.dim) // tp
-    if m.attention_bias or m.qkv_bias:
-        attn += (q + 2 * kv) // tp + (m.dim if m.attention_bias else 0)
     norms = (4 if m.sandwich_norms else 2) * m.dim  # RMSNorm weights
-    if m.qk_norm:  # per head: [hd] each, replicated; full width (OLMoE): [heads * hd] split like q and k
-        norms += (m.n_heads + m.kv_heads) * m.hd // tp if m.qk_norm_width == "full" else 2 * m.hd
-    return attn + mlp_params(m, layer, tp, ep) + norms
+    return _attention_params(m, tp) + mlp_params(m, layer, tp, ep) + norms
 
 
 def rank_layer_ids(m: ModelConfig, *, pp: int, vpp: int, pp_layers=None) -> list[list[int]]:
@@ -209,7 +238,9 @@ def flops_per_token(m: ModelConfig, seq_len: int, lora: Optional[LoraConfig] = N
     """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus attention
     scores and values, 2 matmuls of n_heads * head_dim * seq_len each, times 2 FLOPs and 3
     passes = 12 * layers * n_heads * head_dim * seq_len (PaLM counts the full square, not
-    the causal half; query heads count, GQA shares only the k/v projections).
+    the causal half; query heads count, GQA shares only the k/v projections); under latent
+    attention 6 * layers * n_heads * (qk_head_dim + v_head_dim) * seq_len, and its matmul
+    weights are the down and up projections (the latents are never expanded into weights).
 
     A mixture-of-experts block counts the weights a token is multiplied by, not the ones it
     holds (matmul_params): 6 * (E * dim + top_k * 3 * dim * F + 3 * dim * S + dim) per MoE
@@ -220,7 +251,7 @@ def flops_per_token(m: ModelConfig, seq_len: int, lora: Optional[LoraConfig] = N
 
     Under LoRA (`lora.rank` > 0) the frozen weights need no weight gradient: 4 per base
     weight (forward and input gradient), and 6 per adapter parameter."""
-    attention = 12.0 * m.n_layers * m.n_heads * m.hd * seq_len
+    attention = m.n_layers * 3 * attention_core_flops(m, seq_len)
     if lora is None or lora.rank <= 0:
         return 6.0 * matmul_params(m) + attention
     adapters = (sum(a for a, _ in per_block(m, lambda i: adapter_layer_params(m, lora, 1, i)))
@@ -252,8 +283,9 @@ def mlp_activation_flops(m: ModelConfig, layer: int) -> float:
 
 
 def attention_core_flops(m: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one block's attention core (scores and values) over whole rows."""
-    return 4.0 * m.n_heads * m.hd * seq_len
+    """Forward FLOPs per token of one block's attention core (scores and values) over whole rows:
+    2 * heads * (qk width + value width) * seq_len (4 * heads * head_dim but under latent attention)."""
+    return 2.0 * m.n_heads * (m.qk_head_dim + m.v_dim) * seq_len
 
 
 def head_forward_flops(m: ModelConfig) -> float:
@@ -302,6 +334,11 @@ def activation_bytes_per_token(m: ModelConfig, *, tp: int, sequence_parallel: bo
     if m.sandwich_norms:  # Gemma 2/3: two more norms, whose outputs feed no linear
         norms += 2 * (2 * m.dim + 1) * FP32 / sp
     attention = (2 * m.n_heads * m.hd + 2 * m.kv_heads * m.hd) * half / tp
+    if m.mla:  # q, k (qk wide), v and out (v wide) per head; the gathered latents, their fp32 norms
+        # (input and normalized rows); not yet checked against the bytes a forward saves
+        latents = (m.q_lora_rank or 0) + m.kv_lora_rank
+        attention = ((2 * m.n_heads * m.qk_head_dim + 2 * m.n_heads * m.v_head_dim) * half / tp
+                     + (latents + m.hd) * half + 2 * latents * FP32)
     if recompute == "none" or cp > 1:
         attention += m.n_heads * FP32 / tp
     if recompute == "none" and m.attn_softcap is not None:

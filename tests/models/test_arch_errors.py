@@ -13,7 +13,7 @@ from megaft.models.hf import HFCheckpointError, hf_config_dict, hf_model_config
 from models.arch_fixture import hf_config
 
 SUPPORTED = ("megaft imports llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe, "
-             "olmoe checkpoints")
+             "olmoe, deepseek_v3 checkpoints")
 
 
 def _write(tmp_path, raw: dict) -> str:
@@ -33,7 +33,7 @@ def _refused(tmp_path, raw: dict, match: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v3", "phimoe", "gemma3", "recurrent_gemma", None])
+@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v2", "phimoe", "gemma3", "recurrent_gemma", None])
 def test_unsupported_model_type(tmp_path, model_type):
     _refused(tmp_path, {**_raw(), "model_type": model_type}, f"model_type {model_type!r} is not supported; "
              + SUPPORTED)
@@ -218,9 +218,9 @@ def test_validate_reports_unsupported_architecture_before_launch(tmp_path):
 
     make_hf_llama(str(tmp_path))
     raw = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "deepseek_v3"}))
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "deepseek_v2"}))
     cfg = Config()
     cfg.model.init_from = str(tmp_path)
     problems = validate(cfg, 1)
-    assert any(f"{os.path.join(str(tmp_path), 'config.json')}: model_type 'deepseek_v3' is not supported; "
+    assert any(f"{os.path.join(str(tmp_path), 'config.json')}: model_type 'deepseek_v2' is not supported; "
                + SUPPORTED in p for p in problems), problems

@@ -19,12 +19,14 @@ from megaft.models.multimodal import MULTIMODAL, text_config
 HERE = os.path.join(os.path.dirname(__file__), "real_configs")
 FILES = sorted(f[:-len(".json")] for f in os.listdir(HERE) if f.endswith(".json"))
 MODEL_TYPE = ("megaft imports llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe, "
-              "olmoe checkpoints")
+              "olmoe, deepseek_v3 checkpoints")
 
 # Supported: name -> (arch, layers, heads, kv heads, head_dim, window of layer 0, of the last layer, tied),
 # read by hand from each file (Gemma 3 multimodal: from its text model).
 SUPPORTED = {
     "allam-7b-instruct-preview": ("llama", 32, 32, 32, 128, None, None, False),
+    # head_dim: the rotary part's width (qk_rope_head_dim), as transformers sets it
+    "deepseek-r1": ("deepseek_v3", 61, 128, 128, 64, None, None, False),
     "dolphin-2.5-mixtral-8x7b": ("mixtral", 32, 32, 8, 128, None, None, False),
     "wizardlm-2-8x22b": ("mixtral", 56, 48, 8, 128, None, None, False),
     "gemma-2-9b-it": ("gemma2", 42, 16, 8, 256, 4096, None, True),
@@ -54,6 +56,8 @@ MOE = {
     "dolphin-2.5-mixtral-8x7b": (8, 2, 14336, 0, 32, True, 0.02),
     "wizardlm-2-8x22b": (8, 2, 16384, 0, 56, True, 0.001),
     "qwen3-30b-a3b": (128, 8, 768, 0, 48, True, 0.001),
+    # one shared expert of 2048, the first 3 layers dense; transformers has no aux loss for it
+    "deepseek-r1": (256, 8, 2048, 2048, 58, True, 0.0),
     "qwen3-235b-a22b": (128, 8, 1536, 0, 94, True, 0.001),
     # writes qkv_bias false, use_qk_norm true, shared_expert_intermediate_size 0, keys its class never reads
     "qwen3-coder-30b-a3b-instruct": (128, 8, 768, 0, 48, True, 0.0),
@@ -65,8 +69,6 @@ REFUSED = {
     "smollm3-3b": "model_type 'smollm3' is not supported; " + MODEL_TYPE,
     # dropout on the attention probabilities: training math megaft does not compute
     "granite-3b-code-instruct-128k": "attention_dropout=0.1 is not supported",
-    # DeepSeek's FP8 release: the quantization is named before the architecture (deepseek_v3, not yet read)
-    "deepseek-r1": "the checkpoint is quantized (quantization_config quant_method='fp8')",
 }
 LLAMA3 = [n for n in SUPPORTED if n.startswith("llama-3.")]
 GEMMA3 = ["gemma-3-4b-it", "gemma-3-27b-it", "medgemma-27b-it"]
@@ -121,7 +123,7 @@ def test_shapes_are_the_files_own_fields(tmp_path, name):
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.ffn_dim, cfg.vocab_size) == (
         raw["hidden_size"], raw["num_hidden_layers"], heads, raw["intermediate_size"], raw["vocab_size"])
     assert cfg.kv_heads == raw.get("num_key_value_heads", heads)
-    assert cfg.hd == raw.get("head_dim", raw["hidden_size"] // heads)
+    assert cfg.hd == raw.get("head_dim", raw.get("qk_rope_head_dim", raw["hidden_size"] // heads))
     assert cfg.max_seq_len == raw["max_position_embeddings"] and cfg.norm_eps == raw["rms_norm_eps"]
     if "tie_word_embeddings" in raw:
         assert cfg.tie_embeddings == raw["tie_word_embeddings"]
@@ -158,7 +160,27 @@ def test_published_mixtures_of_experts_read_their_experts(tmp_path, name):
     moe_layers = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
     assert (cfg.n_experts, cfg.top_k, cfg.expert_ffn, cfg.shared_expert_ffn_dim, moe_layers, cfg.norm_topk_prob,
             cfg.router_aux_loss_coef) == MOE[name]
-    assert name in SUPPORTED and cfg.arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+    assert name in SUPPORTED and cfg.arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+
+
+def test_deepseek_r1_is_read_for_planning_and_refused_for_training(tmp_path):
+    """The FP8 release: its shapes, latent attention, routing and YaRN come through for megaft-plan and
+    the performance model (671B parameters, about 37B of them multiplied per token, as DeepSeek-V3's
+    report counts), and check_model refuses to train from it."""
+    import dataclasses
+
+    from megaft.models.config import check_model
+    from megaft.perf.counts import matmul_params, total_params
+
+    cfg = hf_model_config(_folder(tmp_path, _file("deepseek-r1")))
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim) == (
+        512, 1536, 128, 128, 192)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.router_scoring, cfg.rope_interleave) == (
+        8, 4, 2.5, "sigmoid", True)
+    assert cfg.rope_scaling["mscale_all_dim"] == 1.0 and cfg.extra["num_nextn_predict_layers"] == 1
+    assert round(total_params(cfg) / 1e9) == 671 and round(matmul_params(cfg) / 1e9) == 37
+    assert check_model(dataclasses.replace(cfg, init_from=None), 8) == []
+    assert any("quant_method='fp8'" in p and "dequantize" in p for p in check_model(cfg, 8))
 
 
 def test_qwen3_coder_unread_keys_are_checked_not_ignored(tmp_path):

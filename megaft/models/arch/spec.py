@@ -120,6 +120,8 @@ def screen(raw: dict, file: str, ignore: Sequence[str] = ()) -> dict:
     """config.json without the keys the user declared harmless (model.hf_ignore_keys);
     a quantized checkpoint is refused here, before any family reads its shapes."""
     quant = raw.get("quantization_config")
+    if readable_quantized(raw):  # kept for planning; check_model and the weight loader refuse it
+        return {k: v for k, v in raw.items() if k not in set(ignore) and k != "quantization_config"}
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
         raise HFConfigError(
@@ -127,6 +129,15 @@ def screen(raw: dict, file: str, ignore: Sequence[str] = ()) -> dict:
             "full-precision weights and cannot read bitsandbytes, GPTQ, AWQ or FP8 tensors; fix: point "
             "model.init_from at the unquantized (bf16/fp32) checkpoint it was made from")
     return {k: v for k, v in raw.items() if k not in set(ignore)}
+
+
+def readable_quantized(raw: dict) -> bool:
+    """DeepSeek-V3/R1's FP8 release: block-quantized weights (weight_scale_inv beside each) of the
+    shapes config.json describes, so the config is read for planning (megaft-plan, the
+    performance model) while training and weight loading refuse it."""
+    quant = raw.get("quantization_config")
+    return (raw.get("model_type") == "deepseek_v3" and isinstance(quant, dict)
+            and quant.get("quant_method") == "fp8")
 
 
 def get(raw: dict, spec: ArchSpec, key: str) -> Any:

@@ -117,6 +117,10 @@ class FlatParams:
                                 keep_grads=keep_grads, dtype=dtype, expert=ex)
                        for i, (ps, wd, ex) in enumerate(groups)]
         self._backward_rank = {id(p): i for i, p in enumerate(reversed(params))}
+        # The model's persistent buffers (DeepSeek-V3's routing correction bias: state no optimizer
+        # moves), by name, so checkpoints save and restore them with the parameters.
+        self.buffers = {name: t for name, t in model.state_dict(keep_vars=True).items()
+                        if not isinstance(t, nn.Parameter)}
 
     @property
     def params(self) -> list[nn.Parameter]:
