@@ -59,9 +59,7 @@ def check_moe(cfg: MoEConfig, *, n_experts: int, cp: int, dropout: float = 0.0,
     elif cfg.bias_update_rate > 0 and n_experts > 0 and correction_bias is False:
         errors.append(f"moe.bias_update_rate={cfg.bias_update_rate} moves the routers' correction bias, and this "
                       "model's routers have none (softmax scoring); fix: moe.bias_update_rate=0")
-    elif cfg.bias_update_rate > 0:  # megaft.models.moe_balance holds the rule; the trainer does not call it yet
-        errors.append(f"moe.bias_update_rate={cfg.bias_update_rate}: updating the correction bias during training is "
-                      "not wired into the trainer yet (fine-tuning keeps it frozen); fix: moe.bias_update_rate=0")
+
     if cfg.aux_scope == "global_batch" and n_experts > 0 and dropout > 0:
         errors.append(f"moe.aux_scope=global_batch counts the batch's routing in a pass before the step, which "
                       f"routes as training does only without dropout (model.dropout={dropout}); fix: "

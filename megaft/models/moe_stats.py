@@ -24,6 +24,8 @@ class StepRouterStats:
         # [aux, z, micro-batches, counts..., dropped per layer] (fp64), on the routers' device from the
         # first `add`: summing there spares a host sync per micro-batch; `record` reads it once.
         self.sums: Optional[torch.Tensor] = None
+        # layer -> [experts] assignments over the whole global batch, once `record` summed them
+        self.step_counts: dict[int, torch.Tensor] = {}
 
     @classmethod
     def of(cls, model) -> "StepRouterStats":
@@ -66,6 +68,8 @@ class StepRouterStats:
                 values = values.to(_device(group))
                 all_reduce(values, group)
         values = values.cpu()
+        counts, _ = self._split(values)
+        self.step_counts = dict(zip(self.layers, counts))  # the global batch's, for the correction-bias update
         mean_aux, mean_z = (values[:2] / values[2]).tolist()
         out = {"aux_loss": mean_aux, "z_loss": mean_z}
         counts, dropped = self._split(values)

@@ -75,6 +75,7 @@ class Trainer:
         out = {"loss": (loss_sum / batch.n_targets).item(), "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
                "tokens": batch.tokens}
         out.update(fwd_bwd.step_metrics())
+        fwd_bwd.finish_step()
         out.update(stats.scaler_record())
         out.update(phases.result())
         return out

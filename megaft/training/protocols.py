@@ -119,6 +119,8 @@ class StepPart(Protocol):
 
     def step_metrics(self) -> dict[str, float]: ...  # the objective's own step metrics (MoE router, rewards/*)
 
+    def finish_step(self) -> None: ...  # after the optimizer step and step_metrics (MoE correction biases)
+
     def eval_loss(self, batches: Batches) -> Optional[float]: ...
 
     @property

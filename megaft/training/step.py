@@ -13,6 +13,7 @@ import torch
 
 from megaft.config import Config
 from megaft.models.decoder import Decoder
+from megaft.models.moe_balance import update_correction_biases
 from megaft.models.moe_stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
@@ -39,6 +40,19 @@ class _Step:
 
     def __init__(self, grid: ParallelGrid, phases: PhaseTimer, autocast: Autocast):
         self.grid, self.phases, self.autocast = grid, phases, autocast
+
+    def finish_step(self) -> None:
+        """After the optimizer step and `step_metrics`: DeepSeek-V3's routing correction biases move by
+        moe.bias_update_rate from the step's expert loads over the global batch (the same on every
+        rank; a pipeline stage moves its own layers'), megaft.models.moe_balance."""
+        rate = getattr(self.model.routing, "bias_update_rate", 0.0)
+        counts = self.stats.step_counts if rate else None
+        if counts:
+            update_correction_biases(self.model, counts, rate)
+
+    @property
+    def stats(self) -> StepRouterStats:
+        return self.router_stats
 
     def total_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The global batch's loss sum on every rank, from this rank's (in place)."""
@@ -138,6 +152,10 @@ class PipelineStep(_Step):
     @property
     def current_action(self):
         return self.runtime.current_action
+
+    @property
+    def stats(self) -> StepRouterStats:
+        return self.runtime.router_stats
 
     def step_metrics(self) -> dict[str, float]:
         """As PlainStep's: each stage's counts and the last stage's values, summed over pp."""

@@ -118,3 +118,33 @@ def two_rank_fn(rank: int, world: int, dirs: dict[str, str], out_root: str) -> N
     dist.barrier()
     if failures:
         raise AssertionError(f"rank {rank}: {len(failures)} failures:\n" + "\n".join(failures[:20]))
+
+
+def bias_config(ckpt: str, data: str, **parallel):
+    """3 steps of DeepSeek-V3 training with the correction biases moving (moe.bias_update_rate),
+    exported, so the final biases can be read back."""
+    from megaft.config import Config, resolve
+
+    cfg = Config()
+    cfg.model.init_from, cfg.data.path, cfg.data.seq_len, cfg.device = ckpt, data, 16, "cpu"
+    t = cfg.train
+    t.max_steps, t.micro_batch_size, t.global_batch_size, t.progress, t.export_hf = 3, 2, 8, False, True
+    t.eval_every, t.tensorboard, t.log_phases = 1000, "false", False
+    cfg.moe.bias_update_rate = 0.05  # large: a few steps move the biases past the scores' gaps
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return resolve(cfg)
+
+
+BIAS_LAYOUTS = {"dp2": dict(dp=2), "pp2": dict(pp=2)}
+
+
+def bias_update_rank(rank: int, world: int, ckpt: str, data: str, root: str) -> None:
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.loop import Trainer
+
+    for name, par in BIAS_LAYOUTS.items():
+        run_dir = os.path.join(root, name)
+        os.makedirs(run_dir, exist_ok=True)
+        grid = ParallelGrid.build(tp=1, dp=par.get("dp", 1), pp=par.get("pp", 1), device="cpu")
+        Trainer(bias_config(ckpt, data, **par), grid, run_dir).fit()

@@ -154,9 +154,7 @@ def test_bias_update_rule_and_its_setting():
     assert any("must be >= 0" in p for p in check_moe(MoEConfig(bias_update_rate=-1.0), n_experts=8, cp=1))
     assert any("have none" in p for p in check_moe(MoEConfig(bias_update_rate=1e-3), n_experts=8, cp=1,
                                                   correction_bias=False))
-    # the rule is tested above; the trainer does not apply it yet, so a rate is refused rather than ignored
-    assert any("not wired into the trainer yet" in p
-               for p in check_moe(MoEConfig(bias_update_rate=1e-3), n_experts=8, cp=1, correction_bias=True))
+    assert check_moe(MoEConfig(bias_update_rate=1e-3), n_experts=8, cp=1, correction_bias=True) == []
 
 
 def test_bias_update_moves_the_model_routers(ckpts):
@@ -175,3 +173,38 @@ def test_two_ranks_tp_sequence_parallel_ep_and_cp_equal_the_single_process(ckpts
     from models.deepseek_cases import two_rank_fn
 
     spawn(2, two_rank_fn, ckpts, str(tmp_path))
+
+
+def test_bias_update_in_training_equals_the_single_process_at_dp2_and_pp2(ckpts, tmp_path):
+    """moe.bias_update_rate moves each router's correction bias after every step from the global
+    batch's loads: at dp=2 (loads summed over replicas and accumulation) and pp=2 (each stage its
+    own layers) the losses and the exported biases equal the single process's, and they moved."""
+    import json
+
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.loop import Trainer
+    from models.deepseek_cases import BIAS_LAYOUTS, bias_config, bias_update_rank
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i} ", "completion": f"abc{i % 7}"}) + "\n" for i in range(32)))
+    ckpt = ckpts["latent_q"]
+    (tmp_path / "single").mkdir()
+    Trainer(bias_config(ckpt, str(data)), ParallelGrid.single(), str(tmp_path / "single")).fit()
+    spawn(2, bias_update_rank, ckpt, str(data), str(tmp_path))
+
+    def run_of(name):
+        lines = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]
+        biases = {k: v for k, v in checkpoint_tensors(str(tmp_path / name / "hf")).items()
+                  if k.endswith("e_score_correction_bias")}
+        return [x["loss"] for x in lines if "loss" in x], biases
+
+    want_losses, want_biases = run_of("single")
+    start = {k: v for k, v in checkpoint_tensors(ckpt).items() if k.endswith("e_score_correction_bias")}
+    assert sorted(want_biases) == sorted(start) and len(start) == 2
+    assert all((want_biases[k] - start[k]).abs().max() > 0.04 for k in start)  # they moved (0.05 a step)
+    for name in BIAS_LAYOUTS:
+        losses, biases = run_of(name)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name} losses: {m}")
+        for k, b in biases.items():
+            torch.testing.assert_close(b, want_biases[k], rtol=0, atol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
