@@ -54,6 +54,7 @@ class PairRows:
         self.seq_len, self.seed, self.pad_id = seq_len, seed, pad_id
         self.pairs = pairs
         rows = [row_of(p.prompt_ids, c, seq_len, pad_id) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+        self.lengths = torch.tensor([len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)])
         self.inputs = torch.tensor([r[0] for r in rows], dtype=torch.long)  # [2 * pairs, seq_len], pair order
         self.labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
         self.whole_labels = torch.tensor([row_of(p.prompt_ids, p.chosen_ids, seq_len, pad_id, whole=True)[1]
@@ -78,8 +79,16 @@ class PairRows:
 
     def rows(self, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of these pairs, [2 * len(pair_ids), seq_len] in pair order."""
-        index = torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).reshape(-1)
+        index = self._index(pair_ids)
         return self.inputs[index], self.labels[index]
+
+    def tokens(self, pair_ids: torch.Tensor) -> int:
+        """The real (unpadded) tokens of these pairs' rows."""
+        return int(self.lengths[self._index(pair_ids)].sum())
+
+    @staticmethod
+    def _index(pair_ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).reshape(-1)
 
     def whole_rows(self, pair_ids: torch.Tensor) -> torch.Tensor:
         """ORPO's labels of these pairs' rows, as `rows` lays them out: every next token of

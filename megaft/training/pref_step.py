@@ -57,6 +57,14 @@ class PairBatch(StepBatch):
     nll_tokens: int = 0  # orpo: target tokens of the global batch's chosen rows, prompt included
 
 
+def _length(labels: torch.Tensor, multiple: int) -> int:
+    """The tokens of the longest row of `labels` [rows, seq_len] (its last target is at its
+    length - 2), rounded up to `multiple` and capped at seq_len (a multiple of it: validated)."""
+    targets = (labels != -100).any(0).nonzero()
+    n = int(targets[-1]) + 2 if len(targets) else 1
+    return min(-(-n // multiple) * multiple, labels.shape[1])
+
+
 def _shard(rows: torch.Tensor, grid: ParallelGrid, size: int) -> list[torch.Tensor]:
     """This dp rank's micro-batches of `rows` (whole pairs: an even number of rows each)."""
     share = rows.shape[0] // grid.dp_size
@@ -83,6 +91,7 @@ class PrefData:
     global_batch_size: int  # pairs
     micro_batch_size: int  # pairs
     orpo: bool
+    multiple: int = 1  # a micro-batch's length is a multiple of this (sequence parallel: tp; cp: 2 cp tp)
     task = None  # no generated task
     eval_batches = []  # no held-out pairs yet (validation refuses data.eval_path)
     packing = "none"  # each row one sequence
@@ -98,6 +107,13 @@ class PrefData:
         if self.orpo:
             whole_rows = self.rows.whole_rows(ids)
             whole, nll_tokens = _shard(whole_rows, self.grid, size), int((whole_rows != -100).sum())
+        # each micro-batch only as long as its longest row, as TRL pads (the padding is after every
+        # real token: causal attention never reads it), in multiples the sequence splits need
+        ends = [_length(lab, self.multiple) for lab in micro_lab]
+        micro_in = [x[:, :n] for x, n in zip(micro_in, ends)]
+        micro_lab = [x[:, :n] for x, n in zip(micro_lab, ends)]
+        if whole:
+            whole = [x[:, :n] for x, n in zip(whole, ends)]
         docs = None
         if self.grid.cp_size > 1:
             docs, sharded_in, sharded_lab, sharded_whole = [], [], [], []
@@ -110,7 +126,7 @@ class PrefData:
                 if whole:
                     sharded_whole.append(labs[1])
             micro_in, micro_lab, whole = sharded_in, sharded_lab, sharded_whole or None
-        return PairBatch(micro_in, micro_lab, docs, self.global_batch_size, int(inputs.numel()),
+        return PairBatch(micro_in, micro_lab, docs, self.global_batch_size, self.rows.tokens(ids),
                          pair_ids=micro_ids, whole_labels=whole, nll_tokens=nll_tokens)
 
 
@@ -133,8 +149,10 @@ def build_pref_data(parts: RunParts) -> PrefData:
                     "max_length drops them); raise data.seq_len to keep them", data.path, len(pairs) - len(kept),
                     len(pairs), data.seq_len)
     rows = PairRows(kept, data.seq_len, data.seed, pad_id)
+    par = cfg.parallel
+    multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
     return PrefData(tok, eos_id, rows, grid, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                    cfg.train.objective == "orpo")
+                    cfg.train.objective == "orpo", multiple)
 
 
 def _row_logps(model: Decoder, inputs: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs],
@@ -153,7 +171,7 @@ def _row_logps(model: Decoder, inputs: torch.Tensor, labels: torch.Tensor, docs:
 
 @torch.no_grad()
 def reference_logps(model: Decoder, rows: PairRows, grid: ParallelGrid, micro_batch_size: int, autocast,
-                    ) -> torch.Tensor:
+                    multiple: int = 1) -> torch.Tensor:
     """[pairs, 4] (chosen sum, chosen count, rejected sum, rejected count) of the model as it
     is, over every pair: chunks of `micro_batch_size` pairs round-robin over dp, one sum."""
     out = torch.zeros(len(rows), 4, dtype=torch.float32, device=grid.device)
@@ -162,7 +180,8 @@ def reference_logps(model: Decoder, rows: PairRows, grid: ParallelGrid, micro_ba
     ids = torch.arange(len(rows))
     for chunk in list(ids.split(micro_batch_size))[grid.dp_rank::grid.dp_size]:
         inputs, labels = rows.rows(chunk)
-        inputs, (labels,), docs = _context(inputs, [labels], grid)
+        n = _length(labels, multiple)
+        inputs, (labels,), docs = _context(inputs[:, :n], [labels[:, :n]], grid)
         with autocast():
             seq, _ = _row_logps(model, inputs.to(grid.device), labels.to(grid.device), docs, grid)
         out[chunk.to(grid.device)] = torch.stack([chosen_rows(seq.sum), chosen_rows(seq.count).float(),
@@ -184,7 +203,7 @@ class PreferenceStep(PlainStep):
         if needs_reference(self.objective):
             with parts.optim.whole_params():  # ZeRO-3: whole layers for the scoring pass
                 self.reference = reference_logps(self.model, parts.data.rows, grid, cfg.train.micro_batch_size,
-                                                 self.autocast)
+                                                 self.autocast, parts.data.multiple)
 
     def _loss(self, batch: PairBatch, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair losses and metrics of micro-batch `i`."""

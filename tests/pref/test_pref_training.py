@@ -115,9 +115,9 @@ def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
                 bad.append(f"step {g['step']} {ours}: megaft {g[ours]} TRL {w[theirs]}")
     assert not bad, "\n".join(bad)
     assert got[-1]["loss"] < got[0]["loss"]  # it learned
-    # step 1: the policy is its own reference, every log-ratio 0, the loss ln 2
+    # step 1: the policy is its own reference (scored in other batches: rounding only), the loss ln 2
     assert abs(got[0]["loss"] - torch.log(torch.tensor(2.0)).item()) < 1e-6
-    assert got[0]["rewards/chosen"] == got[0]["rewards/rejected"] == 0.0
+    assert abs(got[0]["rewards/chosen"]) < 1e-5 and abs(got[0]["rewards/rejected"]) < 1e-5
 
 
 @pytest.mark.parametrize("change, problem", [
