@@ -269,7 +269,7 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                                  tp=cfg.parallel.tp)
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
-                               sources=bool(cfg.data.sources), packing=cfg.data.packing, pp=cfg.parallel.pp,
+                               sources=bool(cfg.data.sources), packing=cfg.data.packing,
                                n_experts=cfg.model.n_experts, eval_path=cfg.data.eval_path is not None)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")

@@ -56,12 +56,13 @@ class _StepState:
     """What one step keeps between actions, keyed by (stage, micro-batch)."""
 
     def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device, docs=None,
-                 router_weight: float = 0.0):
+                 router_weight: float = 0.0, head: Optional[Callable] = None):
         self.inputs, self.labels, self.n_targets, self.docs = inputs, labels, n_targets, docs
         self.shape, self.autocast, self.device = shape, autocast, device
         # Mixtures of experts: each message also carries the micro-batch's router statistics (RouterSums.wire)
         # summed over the stages so far, forward; the totals come back with the gradients (megaft.models.moe).
         self.router_weight = router_weight
+        self.head = head  # head(mb, logits) -> the micro-batch's loss sum, instead of the token loss
         self.router: dict[tuple, Optional[RouterSums]] = {}  # this stage's statistics, for its backward
         self.tails: dict[tuple, torch.Tensor] = {}  # (direction, stage, mb) -> the statistics a send carries
         self.totals: dict[tuple, torch.Tensor] = {}  # the last stage's totals, for its backward
@@ -186,9 +187,12 @@ class PipelineRuntime:
             x, incoming = self._split(state.take(("F", s - 1, mb)), state.shape)
             x = x.requires_grad_()
             state.stage_in[(s, mb)] = x
+        last_labels = state.labels[mb].to(state.device) if s == self.last and state.head is None else None
         with state.autocast():
-            out = self.model(s, x, state.labels[mb].to(state.device) if s == self.last else None,
-                             state.docs[mb] if state.docs else None, seq_len=state.inputs[mb].shape[1])
+            out = self.model(s, x, last_labels, state.docs[mb] if state.docs else None,
+                             seq_len=state.inputs[mb].shape[1])
+            if s == self.last and state.head is not None:  # the logits' own objective (preference pairs)
+                out = state.head(mb, out)
         state.stage_out[(s, mb)] = out
         if self.extra:
             self._forward_router(s, mb, incoming, state)
@@ -245,14 +249,17 @@ class PipelineRuntime:
         del out, x  # the graph and saved activations of (s, mb) go now
 
     def train_step(self, inputs: list[torch.Tensor], labels: list[torch.Tensor], n_targets: int,
-                   autocast: Callable, docs: Optional[list] = None, router_weight: float = 0.0) -> torch.Tensor:
+                   autocast: Callable, docs: Optional[list] = None, router_weight: float = 0.0,
+                   head: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in the params.
         Returns this rank's summed token loss (fp64; zero unless it holds the last stage).
         `docs`: each micro-batch's packed-document layout (megaft.models.docs.Docs), or None.
         `router_weight`: a mixture of experts' router losses' weight, in token-loss units
-        (n_targets / the global batch's micro-batches: megaft.training.moe_metrics)."""
+        (n_targets / the global batch's micro-batches: megaft.training.moe_metrics). `head(mb, logits)`:
+        the last stage's loss sum of micro-batch `mb` from this tp rank's vocabulary slice of its
+        logits, instead of the token loss against `labels` (a preference objective's)."""
         state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
-                           self.grid.device, docs, router_weight)
+                           self.grid.device, docs, router_weight, head)
         self.router_stats = StepRouterStats.of(self.model)
         for item in self.program:
             self.current_action = item
@@ -321,8 +328,8 @@ class PipelineRuntime:
         return loss + out.double() if out is not None else loss
 
     @torch.no_grad()
-    def forward_logits(self, ids: torch.Tensor, autocast: Callable) -> Optional[torch.Tensor]:
+    def forward_logits(self, ids: torch.Tensor, autocast: Callable, docs=None) -> Optional[torch.Tensor]:
         """This tp rank's vocabulary slice of the logits of `ids` [batch, seq, V/tp] on
-        the rank of the last stage (None on the other pp ranks)."""
-        out = self._through_stages(ids, None, autocast)
+        the rank of the last stage (None on the other pp ranks); `docs` as in train_step."""
+        out = self._through_stages(ids, None, autocast, docs)
         return None if out is None else out[:, :ids.shape[1]]

@@ -50,7 +50,7 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
             for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
 
 
-def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, pp: int, n_experts: int,
+def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,
                    eval_path: bool) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
     if not is_preference(objective):
@@ -66,9 +66,6 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
     if packing == "docs":  # stream (the default) and none both mean rows of their own for pairs
         problems.append(f"{what} puts each pair's chosen and rejected answers in rows of their own; packing "
                         "pairs is not built yet; fix: data.packing=none")
-    if pp > 1:
-        problems.append(f"{what} with parallel.pp={pp}: the pipeline schedule computes the token loss only, not "
-                        "per-sequence log-probs yet; fix: parallel.pp=1 (tp, sp, cp, dp with ZeRO 1-3 and LoRA work)")
     if n_experts:
         problems.append(f"{what} with a mixture of experts (model.n_experts={n_experts}) is not built yet (its "
                         "router terms are weighted per target token); fix: a dense model, or train.objective=sft")

@@ -56,7 +56,8 @@ from megaft.pipeline.stage import StageModel
 from megaft.pref.config import is_preference
 from megaft.training.export import build_export
 from megaft.training.optimizer import build_optim
-from megaft.training.pref_step import PreferenceStep, build_pref_data
+from megaft.training.pref_data import build_pref_data
+from megaft.training.pref_step import PipelinePreferenceStep, PreferenceStep
 from megaft.training.protocols import (
     Batches,
     Builder,
@@ -160,9 +161,9 @@ def build_data(parts: RunParts) -> DataParts:
     with the chat template; packing=docs|none packs whole documents (megaft.data.packed),
     from the prepared, memory-mapped store for files (megaft.data.prepare: prepared once,
     usually by the launcher before any rank starts), in memory for a generated task. Under a
-    preference objective: the pairs (megaft.training.pref_step.build_pref_data)."""
+    preference objective: the pairs (megaft.training.pref_data.build_pref_data)."""
     cfg, grid = parts.cfg, parts.grid
-    if is_preference(cfg.train.objective):  # pairs (megaft.training.pref_step)
+    if is_preference(cfg.train.objective):  # pairs (megaft.training.pref_data)
         return build_pref_data(parts)
     data, init_from = cfg.data, cfg.model.init_from
     tok = build_tokenizer(data, init_from=init_from)
@@ -241,10 +242,10 @@ def model_params(model: torch.nn.Module, grid: ParallelGrid, *, trainable: bool 
 
 
 def build_step_part(parts: RunParts) -> StepPart:
-    """The step of train.objective: a preference objective's (megaft.training.pref_step, pp = 1),
+    """The step of train.objective: a preference objective's (megaft.training.pref_step),
     else next-token cross-entropy's, plain or pipelined (megaft.training.step.build_step)."""
     if is_preference(parts.cfg.train.objective):
-        return PreferenceStep(parts)
+        return PipelinePreferenceStep(parts) if parts.grid.pp_size > 1 else PreferenceStep(parts)
     return build_step(parts)
 
 

@@ -56,6 +56,8 @@ LAYOUTS = {
     "orpo_cp2": ("orpo", dict(cp=2), 0),
     "ipo_tp2": ("ipo", dict(tp=2), 0),
     "simpo_dp2": ("simpo", dict(dp=2), 0),
+    "dpo_pp2": ("dpo", dict(pp=2), 0),  # 2 micro-batches through the 1f1b schedule
+    "orpo_pp2": ("orpo", dict(pp=2), 0),
 }
 
 
@@ -81,5 +83,6 @@ def run(cfg: Config, grid: ParallelGrid, run_dir: str) -> None:
 def layouts_rank(rank: int, world: int, ckpt: str, pairs: str, root: str) -> None:
     for name, (_, par, _) in LAYOUTS.items():
         cfg = layout_config(ckpt, pairs, name, single=False)
-        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, cp=par.get("cp", 1), device="cpu")
+        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
+                                  device="cpu")
         run(cfg, grid, os.path.join(root, name))

@@ -1,7 +1,7 @@
 """Preference training end to end (train.objective): megaft-train's Trainer on pairs.
 
 - every layout of LAYOUTS (tp with sp, cp, dp with ZeRO-3 and accumulation, LoRA under tp,
-  for dpo, orpo, ipo, simpo) repeats the single process's loss, grad norm and TRL metrics
+  pp, for dpo, orpo, ipo, simpo) repeats the single process's loss, grad norm and TRL metrics
   at every step (one spawn of 2 ranks runs them all);
 - 10 DPO steps equal TRL's DPOTrainer fed the same pairs in the same order (loss, rewards,
   log-probs, grad norm per step);
@@ -124,7 +124,6 @@ def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
     (dict(objective="kto"), "train.objective='kto' is unknown"),
     (dict(beta=0.0), "pref.beta=0.0 must be > 0"),
     (dict(objective="ipo", label_smoothing=0.1), "pref.label_smoothing=0.1 has no meaning for ipo"),
-    (dict(pp=2), "parallel.pp=2"),
     (dict(eval_path=True), "fix: data.eval_path=null"),
     (dict(packing="docs"), "fix: data.packing=none"),
     (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
@@ -135,8 +134,6 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     if "beta" in change:
         cfg.pref.beta = change["beta"]
     cfg.pref.label_smoothing = change.get("label_smoothing", 0.0)
-    if "pp" in change:
-        cfg.parallel.pp, cfg.launcher.nproc, cfg.train.micro_batch_size = 2, 2, 1
     if change.get("eval_path"):
         cfg.data.eval_path = pairs
     if "packing" in change:

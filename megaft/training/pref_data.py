@@ -1,0 +1,138 @@
+"""The data part of a preference run (train.objective = dpo | robust | ipo | simpo | orpo).
+
+The pairs of data.path tokenized as TRL's DPOTrainer does (megaft.pref.data), cut to
+data.seq_len as TRL's max_length cuts them, as rows (megaft.pref.batches); a step's global
+batch is `train.global_batch_size` pairs, a micro-batch `train.micro_batch_size` pairs (2
+rows each, chosen and rejected together), each micro-batch as long as its longest row (all
+of a step's alike under pp: the stages exchange one activation shape).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from tokenizers import Tokenizer
+
+from megaft.data import build_tokenizer, special_ids
+from megaft.data.templates import load_chat_template, tokenizer_dir_of
+from megaft.models.docs import Docs
+from megaft.parallel.context import context_shard
+from megaft.parallel.grid import ParallelGrid
+from megaft.pref.batches import PairRows
+from megaft.pref.data import read_pairs, truncate
+from megaft.training.protocols import RunParts, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PairBatch(StepBatch):
+    """A step's pairs on this rank: StepBatch's rows (n_targets = the global batch's pairs)
+    plus, per micro-batch, its pairs' indices and ORPO's labels of every chosen token."""
+
+    pair_ids: Optional[list[torch.Tensor]] = None
+    whole_labels: Optional[list[torch.Tensor]] = None  # orpo only
+    nll_tokens: int = 0  # orpo: target tokens of the global batch's chosen rows, prompt included
+
+
+def row_length(labels: torch.Tensor, multiple: int) -> int:
+    """The tokens of the longest row of `labels` [rows, seq_len] (its last target is at its
+    length - 2), rounded up to `multiple` and capped at seq_len (a multiple of it: validated)."""
+    targets = (labels != -100).any(0).nonzero()
+    n = int(targets[-1]) + 2 if len(targets) else 1
+    return min(-(-n // multiple) * multiple, labels.shape[1])
+
+
+def _shard(rows: torch.Tensor, grid: ParallelGrid, size: int) -> list[torch.Tensor]:
+    """This dp rank's micro-batches of `rows` (whole pairs: an even number of rows each)."""
+    share = rows.shape[0] // grid.dp_size
+    return list(rows[grid.dp_rank * share:(grid.dp_rank + 1) * share].split(size))
+
+
+def context_chunks(inputs: torch.Tensor, labels: list[torch.Tensor], grid: ParallelGrid):
+    """Under cp: this rank's chunks of the rows and of each label tensor, and the Docs
+    (positions and ContextShard) the ring reads; else the rows as they are and no Docs."""
+    if grid.cp_size == 1:
+        return inputs, labels, None
+    parts = [context_shard(inputs, lab, None, grid.cp_group) for lab in labels]
+    return parts[0][0], [p[1] for p in parts], Docs(*parts[0][2:])
+
+
+@dataclass
+class PrefData:
+    """The data part of a preference run (megaft.training.protocols.DataPart)."""
+
+    tokenizer: Tokenizer
+    eos_id: Optional[int]
+    rows: PairRows
+    grid: ParallelGrid
+    global_batch_size: int  # pairs
+    micro_batch_size: int  # pairs
+    orpo: bool
+    multiple: int = 1  # a micro-batch's length is a multiple of this (sequence parallel: tp; cp: 2 cp tp)
+    same_length: bool = False  # pp > 1: every micro-batch of a step as long as the longest
+    task = None  # no generated task
+    eval_batches = []  # no held-out pairs yet (validation refuses data.eval_path)
+    packing = "none"  # each row one sequence
+    untrained = None
+
+    def batch(self, step: int) -> PairBatch:
+        ids = self.rows.pair_ids(step, self.global_batch_size)
+        inputs, labels = self.rows.rows(ids)
+        size = 2 * self.micro_batch_size
+        micro_in, micro_lab = _shard(inputs, self.grid, size), _shard(labels, self.grid, size)
+        micro_ids = _shard(ids, self.grid, self.micro_batch_size)
+        whole, nll_tokens = None, 0
+        if self.orpo:
+            whole_rows = self.rows.whole_rows(ids)
+            whole, nll_tokens = _shard(whole_rows, self.grid, size), int((whole_rows != -100).sum())
+        # each micro-batch only as long as its longest row, as TRL pads (the padding is after every
+        # real token: causal attention never reads it), in multiples the sequence splits need
+        ends = [row_length(lab, self.multiple) for lab in micro_lab]
+        if self.same_length:
+            ends = [max(ends)] * len(ends)
+        micro_in = [x[:, :n] for x, n in zip(micro_in, ends)]
+        micro_lab = [x[:, :n] for x, n in zip(micro_lab, ends)]
+        if whole:
+            whole = [x[:, :n] for x, n in zip(whole, ends)]
+        docs = None
+        if self.grid.cp_size > 1:
+            docs, sharded_in, sharded_lab, sharded_whole = [], [], [], []
+            for i, mb in enumerate(micro_in):
+                lab = [micro_lab[i]] + ([whole[i]] if whole else [])
+                x, labs, d = context_chunks(mb, lab, self.grid)
+                sharded_in.append(x)
+                sharded_lab.append(labs[0])
+                docs.append(d)
+                if whole:
+                    sharded_whole.append(labs[1])
+            micro_in, micro_lab, whole = sharded_in, sharded_lab, sharded_whole or None
+        return PairBatch(micro_in, micro_lab, docs, self.global_batch_size, self.rows.tokens(ids),
+                         pair_ids=micro_ids, whole_labels=whole, nll_tokens=nll_tokens)
+
+
+def build_pref_data(parts: RunParts) -> PrefData:
+    """The pairs of data.path as TRL's DPOTrainer tokenizes them, cut to data.seq_len."""
+    cfg, grid = parts.cfg, parts.grid
+    data, init_from = cfg.data, cfg.model.init_from
+    tok = build_tokenizer(data, init_from=init_from)
+    eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
+    template = load_chat_template(data.chat_template, tokenizer_dir_of(data.tokenizer, init_from))
+    eos_token = tok.id_to_token(eos_id) if eos_id is not None else None
+    if eos_token is not None and tok.encode(eos_token, add_special_tokens=False).ids != [eos_id]:
+        # TRL appends the eos text to each answer; transformers' tokenizer always reads its eos_token as
+        # that one token (a special added token), a bare tokenizer.json may not: make it so here too
+        tok.add_special_tokens([eos_token])
+    pairs = read_pairs(data.path, tok, template, eos_token=eos_token)
+    kept = [p for p in (truncate(p, data.seq_len) for p in pairs) if p is not None]
+    if len(kept) < len(pairs) and grid.rank == 0:
+        log.warning("%s: %d of %d pairs dropped: their prompt alone has data.seq_len=%d tokens or more (as TRL's "
+                    "max_length drops them); raise data.seq_len to keep them", data.path, len(pairs) - len(kept),
+                    len(pairs), data.seq_len)
+    rows = PairRows(kept, data.seq_len, data.seed, pad_id)
+    par = cfg.parallel
+    multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
+    return PrefData(tok, eos_id, rows, grid, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                    cfg.train.objective == "orpo", multiple, same_length=par.pp > 1)
