@@ -26,7 +26,7 @@ from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
 from megaft.peft.config import LoraConfig, check_lora, check_lora_model
 from megaft.plan.config import ClusterConfig, PlanConfig
-from megaft.pref.config import PrefConfig, check_pref, check_pref_run, is_preference
+from megaft.pref.config import PrefConfig, check_pref, check_pref_run, check_reference, is_preference
 from megaft.training.config import TrainConfig, accumulation_steps, check_train
 from megaft.verify.config import VerifyConfig
 
@@ -271,6 +271,7 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
                                sources=bool(cfg.data.sources), packing=cfg.data.packing,
                                n_experts=cfg.model.n_experts, eval_path=cfg.data.eval_path is not None)
+    problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")
     if cfg.data.seq_len > cfg.model.max_seq_len:

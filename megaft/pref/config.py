@@ -6,14 +6,18 @@ Under a preference objective `data.path` holds pairs (megaft.pref.data's three f
 micro-batch and the global batch count pairs (each pair is two rows, chosen and rejected,
 in the same micro-batch), and the loss is the mean over the global batch's pairs.
 
-The reference model of dpo, robust and ipo is the model the run starts from
-(model.init_from, or the seeded init; with LoRA the base, since the adapters start at
-zero): its completion log-probs are computed once, before the first step, at the run's
-own layout, and held per pair (megaft.training.pref_step). simpo and orpo have none.
+The reference model of dpo, robust and ipo is `pref.reference` (a Hugging Face checkpoint
+of the same architecture), by default the model the run starts from (model.init_from, or the
+seeded init; with LoRA the base, since the adapters start at zero): its completion log-probs
+are computed once, before the first step, at the run's own layout, and held per pair
+(megaft.training.pref_step). simpo and orpo have none.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 from megaft.pref.losses import OBJECTIVES, REFERENCE_FREE, check_preference
 
@@ -28,6 +32,9 @@ class PrefConfig:
     # dpo (cDPO), robust, simpo: the probability that a pair's labels are flipped
     label_smoothing: float = 0.0
     gamma: float = 0.5  # simpo: the target reward margin (TRL's CPOConfig.simpo_gamma)
+    # dpo/robust/ipo: a Hugging Face checkpoint of the same architecture to compare with; null = the
+    # model the run starts from (model.init_from, or with LoRA the base)
+    reference: Optional[str] = None
 
 
 def is_preference(objective: str) -> bool:
@@ -73,3 +80,29 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
         problems.append(f"{what} evaluates no held-out pairs yet; fix: data.eval_path=null (the metrics.jsonl "
                         "rewards/* are the training batch's)")
     return problems
+
+
+def check_reference(cfg: PrefConfig, objective: str, model) -> list[str]:
+    """pref.reference against the resolved model config `model`: a checkpoint of the same
+    architecture, for an objective that has a reference."""
+    if cfg.reference is None:
+        return []
+    if not needs_reference(objective):
+        return [f"pref.reference={cfg.reference}: train.objective={objective} has no reference model; fix: "
+                "pref.reference=null"]
+    if not os.path.isfile(os.path.join(cfg.reference, "config.json")):
+        return [f"pref.reference={cfg.reference} is not a Hugging Face checkpoint directory (no config.json); fix: "
+                "point it at one of the same architecture as model.init_from, or null for the starting model"]
+    from megaft.models.hf_load import hf_model_config
+
+    try:
+        ref = hf_model_config(cfg.reference, base=model)
+    except (OSError, ValueError) as exc:
+        return [f"pref.reference: {exc}"]
+    differ = [f.name for f in dataclasses.fields(model) if f.name not in ("init_from", "name", "extra")
+              and getattr(ref, f.name) != getattr(model, f.name)]
+    if differ:
+        return [f"pref.reference={cfg.reference} has another architecture than the policy ("
+                + ", ".join(f"{k}: {getattr(ref, k)} against {getattr(model, k)}" for k in differ[:4])
+                + "); fix: a reference of the policy's architecture (e.g. the SFT checkpoint it starts from)"]
+    return []

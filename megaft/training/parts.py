@@ -245,7 +245,8 @@ def build_step_part(parts: RunParts) -> StepPart:
     """The step of train.objective: a preference objective's (megaft.training.pref_step),
     else next-token cross-entropy's, plain or pipelined (megaft.training.step.build_step)."""
     if is_preference(parts.cfg.train.objective):
-        return PipelinePreferenceStep(parts) if parts.grid.pp_size > 1 else PreferenceStep(parts)
+        step = PipelinePreferenceStep if parts.grid.pp_size > 1 else PreferenceStep
+        return step(parts, build_model)
     return build_step(parts)
 
 

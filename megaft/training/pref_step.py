@@ -10,21 +10,26 @@ for any split. ORPO's SFT term is a token mean over the global batch's chosen ro
 micro-batch divides its share by that global count. Under pp the last stage computes the
 objective from its logits (PipelineRuntime.train_step's `head`); the other stages relay.
 
-The reference (dpo, robust, ipo): the model as built, before the first update (the initial
-checkpoint; with LoRA the base, the adapters starting at zero), scored over every pair
-once, in eval mode, at this layout, each dp rank a share and one all-reduce; a resumed run
-scores it again from the same initial weights before loading its checkpoint.
+The reference (dpo, robust, ipo): pref.reference's checkpoint, built at this layout for the
+scoring pass and dropped after it, or by default the model as built, before the first update
+(the initial checkpoint; with LoRA the base, the adapters starting at zero); scored over
+every pair once, in eval mode, each dp rank a share and one all-reduce. A resumed run scores
+it again (from the same initial weights: before loading its checkpoint).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Callable, Optional
 
 import torch
 
 from megaft.models.attention import op_backend
+from megaft.models.hf_load import hf_model_config
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
+from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import sync_tied_grads
 from megaft.pref.batches import PairRows, chosen_rows, rejected_rows
 from megaft.pref.config import needs_reference
@@ -142,17 +147,30 @@ def _reference(parts: RunParts, score: Scorer, model) -> Optional[torch.Tensor]:
     return out
 
 
+def reference_model(parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """pref.reference's checkpoint at this rank's layout (tp/pp shards, whole under ZeRO: it is
+    only read), without adapters; None when the reference is the starting model itself."""
+    cfg = parts.cfg
+    if cfg.pref.reference is None or not needs_reference(cfg.train.objective):
+        return None
+    ref = copy.deepcopy(cfg)
+    ref.model = hf_model_config(cfg.pref.reference, base=cfg.model)  # validated: the policy's architecture
+    ref.lora.rank = 0
+    return build_model(dataclasses.replace(parts, cfg=ref))
+
+
 class PreferenceStep(PlainStep):
     """Forward and backward of a step's pairs under a preference objective (pp = 1)."""
 
-    def __init__(self, parts: RunParts):
+    def __init__(self, parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
+        scorer = reference_model(parts, build_model) or self.model
 
         def score(inputs, scored, docs):
             with self.autocast():
-                return decoder_token_logps(self.model, inputs, scored, docs)
-        self.pairs = PairObjective(cfg, grid, _reference(parts, score, self.model))
+                return decoder_token_logps(scorer, inputs, scored, docs)
+        self.pairs = PairObjective(cfg, grid, _reference(parts, score, scorer))
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(pair losses) / divisor over the micro-batches; the loss sum (fp64)."""
@@ -190,15 +208,18 @@ class PipelinePreferenceStep(PipelineStep):
     """A preference objective through the rank's pipeline schedule (pp > 1): the last stage
     turns each micro-batch's logits into its pairs' losses."""
 
-    def __init__(self, parts: RunParts):
+    def __init__(self, parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.score = logits_scorer(self.model, grid)
+        other = reference_model(parts, build_model)
+        runtime = self.runtime if other is None else PipelineRuntime(other, grid, cfg.parallel.schedule,
+                                                                     self.runtime.m, cfg.parallel.vpp)
 
         def score(inputs, scored, docs):
-            logits = self.runtime.forward_logits(inputs, self.autocast, docs)
+            logits = runtime.forward_logits(inputs, self.autocast, docs)
             return None if logits is None else self.score(logits, scored)
-        self.pairs = PairObjective(cfg, grid, _reference(parts, score, self.model))
+        self.pairs = PairObjective(cfg, grid, _reference(parts, score, runtime.model))
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
         device = self.grid.device

@@ -58,7 +58,15 @@ LAYOUTS = {
     "simpo_dp2": ("simpo", dict(dp=2), 0),
     "dpo_pp2": ("dpo", dict(pp=2), 0),  # 2 micro-batches through the 1f1b schedule
     "orpo_pp2": ("orpo", dict(pp=2), 0),
+    # pref.reference: another checkpoint, built at the layout for the scoring pass
+    "dpo_ref_pp2": ("dpo", dict(pp=2), 0),
+    "dpo_ref_tp2_zero3": ("dpo", dict(tp=2, zero=3), 0),
 }
+
+
+def reference_of(ckpt: str) -> str:
+    """The other checkpoint the fixture saves beside `ckpt` (pref.reference's tests)."""
+    return os.path.join(os.path.dirname(ckpt), "ref")
 
 
 def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
@@ -72,6 +80,8 @@ def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
             setattr(cfg.parallel, k, v)
     if objective == "simpo":
         cfg.pref.gamma = 0.3
+    if "_ref" in name:
+        cfg.pref.reference = reference_of(ckpt)
     return resolve(cfg)
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -19,7 +20,16 @@ from train_cases import read_rows
 
 from megaft.config import resolve, validate
 from megaft.parallel.grid import ParallelGrid
-from pref.pref_train_cases import COMPARED, LAYOUTS, layout_config, layouts_rank, pref_config, run, write_pairs
+from pref.pref_train_cases import (
+    COMPARED,
+    LAYOUTS,
+    layout_config,
+    layouts_rank,
+    pref_config,
+    reference_of,
+    run,
+    write_pairs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +37,7 @@ def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pref_train")
     ckpt, pairs = str(root / "ckpt"), str(root / "pairs.jsonl")
     make_hf_llama(ckpt, seed=1)
+    make_hf_llama(reference_of(ckpt), seed=4)
     write_pairs(pairs)
     return ckpt, pairs, root
 
@@ -60,8 +71,10 @@ def test_every_layout_equals_the_single_process(inputs):
     assert not failures, "\n".join(failures)
 
 
-def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str, cfg) -> list[dict]:
-    """TRL's DPOTrainer on the pairs in `order` (no shuffling), the optimizer settings of `cfg`."""
+def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str, cfg,
+                   ref: Optional[str] = None) -> list[dict]:
+    """TRL's DPOTrainer on the pairs in `order` (no shuffling), the optimizer settings of `cfg`,
+    against the reference checkpoint `ref` (default: a copy of `ckpt`)."""
     import json
 
     from datasets import Dataset
@@ -84,27 +97,29 @@ def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=o.beta1,
                      adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.clip_grad, logging_steps=1,
                      save_strategy="no", max_length=None, dataloader_drop_last=False)
-    trainer = InOrder(model=load_reference(ckpt).train(), ref_model=load_reference(ckpt), args=args,
+    trainer = InOrder(model=load_reference(ckpt).train(), ref_model=load_reference(ref or ckpt), args=args,
                       train_dataset=data, processing_class=tok)
     trainer.train()
     return [r for r in trainer.state.log_history if "loss" in r]
 
 
-def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
-    """The same pairs in the same order through TRL's DPOTrainer and megaft-train: each step's
-    loss, TRL's reward and log-prob metrics and the grad norm (before clipping) agree."""
+def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = None) -> tuple[list[dict], list[dict]]:
+    """(megaft's, TRL's) metrics lines of `steps` DPO steps on the same pairs in the same order."""
     from megaft.pref.batches import PairRows
 
-    ckpt, pairs, _ = inputs
-    cfg = resolve(pref_config(ckpt, pairs, "dpo", steps=10, micro=2))
-    run(cfg, ParallelGrid.single(), str(tmp_path / "megaft"))
-    got = [r for r in read_rows(str(tmp_path / "megaft")) if "loss" in r]
+    cfg = pref_config(ckpt, pairs, "dpo", steps=steps, micro=2)
+    cfg.pref.reference = ref
+    cfg = resolve(cfg)
+    run(cfg, ParallelGrid.single(), str(out / "megaft"))
+    got = [r for r in read_rows(str(out / "megaft")) if "loss" in r]
     n = sum(1 for _ in open(pairs))
     rows = PairRows.__new__(PairRows)  # only the order: a pure function of (seed, step, pair count)
     rows.pairs, rows.seed, rows._orders = [None] * n, cfg.data.seed, {}
-    order = [int(i) for s in range(10) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
-    want = _trl_dpo_curve(ckpt, pairs, order, 10, str(tmp_path / "trl"), cfg)
-    assert len(got) == len(want) == 10
+    order = [int(i) for s in range(steps) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
+    return got, _trl_dpo_curve(ckpt, pairs, order, steps, str(out / "trl"), cfg, ref)
+
+
+def _trl_mismatches(got: list[dict], want: list[dict]) -> list[str]:
     bad = []
     for g, w in zip(got, want):
         for ours, theirs in (("loss", "loss"), ("grad_norm", "grad_norm"), ("rewards/chosen", "rewards/chosen"),
@@ -113,11 +128,32 @@ def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
                              ("logps/rejected", "logps/rejected")):
             if abs(g[ours] - w[theirs]) > 1e-4 * max(abs(w[theirs]), 1e-2):
                 bad.append(f"step {g['step']} {ours}: megaft {g[ours]} TRL {w[theirs]}")
+    return bad
+
+
+def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
+    """The same pairs in the same order through TRL's DPOTrainer and megaft-train: each step's
+    loss, TRL's reward and log-prob metrics and the grad norm (before clipping) agree."""
+    ckpt, pairs, _ = inputs
+    got, want = _against_trl(ckpt, pairs, 10, tmp_path)
+    assert len(got) == len(want) == 10
+    bad = _trl_mismatches(got, want)
     assert not bad, "\n".join(bad)
     assert got[-1]["loss"] < got[0]["loss"]  # it learned
     # step 1: the policy is its own reference (scored in other batches: rounding only), the loss ln 2
     assert abs(got[0]["loss"] - torch.log(torch.tensor(2.0)).item()) < 1e-6
     assert abs(got[0]["rewards/chosen"]) < 1e-5 and abs(got[0]["rewards/rejected"]) < 1e-5
+
+
+def test_another_reference_checkpoint_equals_trl_with_that_ref_model(inputs, tmp_path):
+    """pref.reference=DIR: TRL's DPOTrainer with ref_model=DIR gives the same 3 steps (the
+    log-ratios start away from zero, so step 1 is not ln 2)."""
+    ckpt, pairs, _ = inputs
+    got, want = _against_trl(ckpt, pairs, 3, tmp_path, ref=reference_of(ckpt))
+    assert len(got) == len(want) == 3
+    bad = _trl_mismatches(got, want)
+    assert not bad, "\n".join(bad)
+    assert abs(got[0]["rewards/margins"]) > 1e-2
 
 
 @pytest.mark.parametrize("change, problem", [
@@ -127,6 +163,8 @@ def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
     (dict(eval_path=True), "fix: data.eval_path=null"),
     (dict(packing="docs"), "fix: data.packing=none"),
     (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
+    (dict(reference="/nonexistent"), "is not a Hugging Face checkpoint directory"),
+    (dict(objective="simpo", reference="ref"), "has no reference model; fix: pref.reference=null"),
 ])
 def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     ckpt, pairs, _ = inputs
@@ -140,6 +178,8 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
         cfg.data.packing = change["packing"]
     if change.get("no_file"):
         cfg.data.path = None
+    if "reference" in change:
+        cfg.pref.reference = reference_of(ckpt) if change["reference"] == "ref" else change["reference"]
     problems = validate(cfg, cfg.launcher.nproc)
     assert any(problem in p for p in problems), problems
 
