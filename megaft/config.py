@@ -270,7 +270,7 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
                                sources=bool(cfg.data.sources), packing=cfg.data.packing,
-                               n_experts=cfg.model.n_experts, eval_path=cfg.data.eval_path is not None)
+                               n_experts=cfg.model.n_experts)
     problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")

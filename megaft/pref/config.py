@@ -57,8 +57,7 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
             for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
 
 
-def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,
-                   eval_path: bool) -> list[str]:
+def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
     if not is_preference(objective):
         return []
@@ -76,9 +75,6 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
     if n_experts:
         problems.append(f"{what} with a mixture of experts (model.n_experts={n_experts}) is not built yet (its "
                         "router terms are weighted per target token); fix: a dense model, or train.objective=sft")
-    if eval_path:
-        problems.append(f"{what} evaluates no held-out pairs yet; fix: data.eval_path=null (the metrics.jsonl "
-                        "rewards/* are the training batch's)")
     return problems
 
 

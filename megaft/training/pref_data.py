@@ -73,48 +73,67 @@ class PrefData:
     orpo: bool
     multiple: int = 1  # a micro-batch's length is a multiple of this (sequence parallel: tp; cp: 2 cp tp)
     same_length: bool = False  # pp > 1: every micro-batch of a step as long as the longest
+    eval_rows: Optional[PairRows] = None  # data.eval_path's pairs
     task = None  # no generated task
-    eval_batches = []  # no held-out pairs yet (validation refuses data.eval_path)
+    eval_batches = []  # SFT's eval lines: none (the held-out pairs are `eval_batch()`)
     packing = "none"  # each row one sequence
     untrained = None
 
     def batch(self, step: int) -> PairBatch:
         ids = self.rows.pair_ids(step, self.global_batch_size)
-        inputs, labels = self.rows.rows(ids)
-        size = 2 * self.micro_batch_size
-        micro_in, micro_lab = _shard(inputs, self.grid, size), _shard(labels, self.grid, size)
-        micro_ids = _shard(ids, self.grid, self.micro_batch_size)
-        whole, nll_tokens = None, 0
-        if self.orpo:
-            whole_rows = self.rows.whole_rows(ids)
-            whole, nll_tokens = _shard(whole_rows, self.grid, size), int((whole_rows != -100).sum())
+        chunks = _shard(ids, self.grid, self.micro_batch_size)
+        return self._pairs(self.rows, ids, chunks, self.global_batch_size)
+
+    def eval_batch(self) -> Optional[PairBatch]:
+        """Every held-out pair once: chunks of micro_batch_size pairs, round-robin over dp."""
+        if self.eval_rows is None:
+            return None
+        ids = torch.arange(len(self.eval_rows))
+        chunks = list(ids.split(self.micro_batch_size))[self.grid.dp_rank::self.grid.dp_size]
+        return self._pairs(self.eval_rows, ids, chunks, len(ids))
+
+    def _pairs(self, rows: PairRows, ids: torch.Tensor, chunks: list[torch.Tensor], n_pairs: int) -> PairBatch:
+        """The micro-batches of `chunks` (this rank's pairs of `ids`, the batch's `n_pairs`)."""
+        micro_in, micro_lab, whole = [], [], [] if self.orpo else None
+        for chunk in chunks:
+            inputs, labels = rows.rows(chunk)
+            micro_in.append(inputs)
+            micro_lab.append(labels)
+            if self.orpo:
+                whole.append(rows.whole_rows(chunk))
+        # ORPO's SFT term: a token mean over the batch's chosen rows
+        nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
         # each micro-batch only as long as its longest row, as TRL pads (the padding is after every
         # real token: causal attention never reads it), in multiples the sequence splits need
         ends = [row_length(lab, self.multiple) for lab in micro_lab]
-        if self.same_length:
+        if self.same_length and ends:
             ends = [max(ends)] * len(ends)
-        micro_in = [x[:, :n] for x, n in zip(micro_in, ends)]
-        micro_lab = [x[:, :n] for x, n in zip(micro_lab, ends)]
-        if whole:
-            whole = [x[:, :n] for x, n in zip(whole, ends)]
-        docs = None
-        if self.grid.cp_size > 1:
-            docs, sharded_in, sharded_lab, sharded_whole = [], [], [], []
-            for i, mb in enumerate(micro_in):
-                lab = [micro_lab[i]] + ([whole[i]] if whole else [])
-                x, labs, d = context_chunks(mb, lab, self.grid)
-                sharded_in.append(x)
-                sharded_lab.append(labs[0])
+        docs = [] if self.grid.cp_size > 1 else None
+        for i, n in enumerate(ends):
+            labels = [micro_lab[i][:, :n]] + ([whole[i][:, :n]] if self.orpo else [])
+            micro_in[i], labels, d = context_chunks(micro_in[i][:, :n], labels, self.grid)
+            micro_lab[i] = labels[0]
+            if self.orpo:
+                whole[i] = labels[1]
+            if docs is not None:
                 docs.append(d)
-                if whole:
-                    sharded_whole.append(labs[1])
-            micro_in, micro_lab, whole = sharded_in, sharded_lab, sharded_whole or None
-        return PairBatch(micro_in, micro_lab, docs, self.global_batch_size, self.rows.tokens(ids),
-                         pair_ids=micro_ids, whole_labels=whole, nll_tokens=nll_tokens)
+        return PairBatch(micro_in, micro_lab, docs, n_pairs, rows.tokens(ids), pair_ids=chunks, whole_labels=whole,
+                         nll_tokens=nll_tokens)
+
+
+def _rows(path: str, tok: Tokenizer, template, eos_token: Optional[str], data, rank: int, pad_id: int) -> PairRows:
+    """The pairs of `path` as TRL's DPOTrainer tokenizes them, cut to data.seq_len, as rows."""
+    pairs = read_pairs(path, tok, template, eos_token=eos_token)
+    kept = [p for p in (truncate(p, data.seq_len) for p in pairs) if p is not None]
+    if len(kept) < len(pairs) and rank == 0:
+        log.warning("%s: %d of %d pairs dropped: their prompt alone has data.seq_len=%d tokens or more (as TRL's "
+                    "max_length drops them); raise data.seq_len to keep them", path, len(pairs) - len(kept),
+                    len(pairs), data.seq_len)
+    return PairRows(kept, data.seq_len, data.seed, pad_id)
 
 
 def build_pref_data(parts: RunParts) -> PrefData:
-    """The pairs of data.path as TRL's DPOTrainer tokenizes them, cut to data.seq_len."""
+    """The pairs of data.path (and data.eval_path) as TRL's DPOTrainer tokenizes them."""
     cfg, grid = parts.cfg, parts.grid
     data, init_from = cfg.data, cfg.model.init_from
     tok = build_tokenizer(data, init_from=init_from)
@@ -125,14 +144,9 @@ def build_pref_data(parts: RunParts) -> PrefData:
         # TRL appends the eos text to each answer; transformers' tokenizer always reads its eos_token as
         # that one token (a special added token), a bare tokenizer.json may not: make it so here too
         tok.add_special_tokens([eos_token])
-    pairs = read_pairs(data.path, tok, template, eos_token=eos_token)
-    kept = [p for p in (truncate(p, data.seq_len) for p in pairs) if p is not None]
-    if len(kept) < len(pairs) and grid.rank == 0:
-        log.warning("%s: %d of %d pairs dropped: their prompt alone has data.seq_len=%d tokens or more (as TRL's "
-                    "max_length drops them); raise data.seq_len to keep them", data.path, len(pairs) - len(kept),
-                    len(pairs), data.seq_len)
-    rows = PairRows(kept, data.seq_len, data.seed, pad_id)
+    rows = _rows(data.path, tok, template, eos_token, data, grid.rank, pad_id)
+    evals = _rows(data.eval_path, tok, template, eos_token, data, grid.rank, pad_id) if data.eval_path else None
     par = cfg.parallel
     multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
     return PrefData(tok, eos_id, rows, grid, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                    cfg.train.objective == "orpo", multiple, same_length=par.pp > 1)
+                    cfg.train.objective == "orpo", multiple, same_length=par.pp > 1, eval_rows=evals)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -134,17 +135,44 @@ class PairObjective:
         return dict(zip(self.names, values.tolist()))
 
 
-def _reference(parts: RunParts, score: Scorer, model) -> Optional[torch.Tensor]:
-    """The reference log-probs of every pair when the objective has a reference (eval mode, whole params)."""
-    cfg = parts.cfg
-    if not needs_reference(cfg.train.objective):
+def _objectives(parts: RunParts, score: Scorer, model) -> tuple[PairObjective, Optional[PairObjective]]:
+    """The objective on the training pairs and on the held-out ones (None without), each with
+    its pairs' reference log-probs when the objective has a reference (scored in eval mode,
+    whole params)."""
+    cfg, data, grid = parts.cfg, parts.data, parts.grid
+    refs = [None, None]
+    if needs_reference(cfg.train.objective):
+        was_training = model.training
+        model.eval()  # TRL's reference model runs in eval mode (no dropout)
+        with parts.optim.whole_params():  # ZeRO-3: whole layers for the scoring pass
+            refs = [reference_logps(score, rows, grid, cfg.train.micro_batch_size, data.multiple)
+                    if rows is not None else None for rows in (data.rows, data.eval_rows)]
+        model.train(was_training)
+    held_out = PairObjective(cfg, grid, refs[1]) if data.eval_rows is not None else None
+    return PairObjective(cfg, grid, refs[0]), held_out
+
+
+@torch.no_grad()
+def eval_pairs_loss(objective: Optional[PairObjective], batch: Optional[PairBatch], score: Scorer, model,
+                    grid: ParallelGrid) -> Optional[float]:
+    """The mean pair loss over the held-out pairs (every one once: `batch` holds this rank's),
+    the model in eval mode; under pp the last stage's, shared."""
+    if objective is None or batch is None:
         return None
     was_training = model.training
-    model.eval()  # TRL's reference model runs in eval mode (no dropout)
-    with parts.optim.whole_params():  # ZeRO-3: whole layers for the scoring pass
-        out = reference_logps(score, parts.data.rows, parts.grid, cfg.train.micro_batch_size, parts.data.multiple)
+    model.eval()
+    objective.start(batch)
+    total = torch.zeros((), dtype=torch.float64, device=grid.device)
+    for i, (inputs, labels) in enumerate(zip(batch.inputs, batch.labels)):
+        whole = batch.whole_labels[i].to(grid.device) if batch.whole_labels else None
+        logps = score(inputs.to(grid.device), _scored(labels.to(grid.device), whole),
+                      batch.docs[i] if batch.docs else None)
+        if logps is not None:
+            total += objective.losses(logps, batch, i).double().sum()
     model.train(was_training)
-    return out
+    if grid.pp_size > 1:
+        all_reduce(total, grid.pp_group)
+    return (all_reduce(total, grid.dp_group) / batch.n_targets).item()
 
 
 def reference_model(parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]) -> Optional[torch.nn.Module]:
@@ -165,12 +193,13 @@ class PreferenceStep(PlainStep):
     def __init__(self, parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
-        scorer = reference_model(parts, build_model) or self.model
+        scorer, self.data = reference_model(parts, build_model) or self.model, parts.data
 
-        def score(inputs, scored, docs):
+        def score(inputs, scored, docs, model=scorer):
             with self.autocast():
-                return decoder_token_logps(scorer, inputs, scored, docs)
-        self.pairs = PairObjective(cfg, grid, _reference(parts, score, scorer))
+                return decoder_token_logps(model, inputs, scored, docs)
+        self.pairs, self.held_out = _objectives(parts, score, scorer)
+        self.score = functools.partial(score, model=self.model)
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(pair losses) / divisor over the micro-batches; the loss sum (fp64)."""
@@ -201,7 +230,8 @@ class PreferenceStep(PlainStep):
         return self.pairs.record()
 
     def eval_loss(self, batches) -> Optional[float]:
-        return None  # no held-out pairs yet (validation refuses data.eval_path)
+        """The mean pair loss of data.eval_path's pairs (SFT's eval lines, `batches`, are none)."""
+        return eval_pairs_loss(self.held_out, self.data.eval_batch(), self.score, self.model, self.grid)
 
 
 class PipelinePreferenceStep(PipelineStep):
@@ -211,15 +241,18 @@ class PipelinePreferenceStep(PipelineStep):
     def __init__(self, parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
-        self.score = logits_scorer(self.model, grid)
+        self.logps = logits_scorer(self.model, grid)
         other = reference_model(parts, build_model)
         runtime = self.runtime if other is None else PipelineRuntime(other, grid, cfg.parallel.schedule,
                                                                      self.runtime.m, cfg.parallel.vpp)
 
-        def score(inputs, scored, docs):
+        self.data = parts.data
+
+        def score(inputs, scored, docs, runtime=runtime):
             logits = runtime.forward_logits(inputs, self.autocast, docs)
-            return None if logits is None else self.score(logits, scored)
-        self.pairs = PairObjective(cfg, grid, _reference(parts, score, runtime.model))
+            return None if logits is None else self.logps(logits, scored)
+        self.pairs, self.held_out = _objectives(parts, score, runtime.model)
+        self.score = functools.partial(score, runtime=self.runtime)
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
         device = self.grid.device
@@ -227,7 +260,7 @@ class PipelinePreferenceStep(PipelineStep):
 
         def head(i: int, logits: torch.Tensor) -> torch.Tensor:
             whole = batch.whole_labels[i].to(device) if batch.whole_labels else None
-            return self.pairs.losses(self.score(logits, _scored(batch.labels[i].to(device), whole)), batch, i).sum()
+            return self.pairs.losses(self.logps(logits, _scored(batch.labels[i].to(device), whole)), batch, i).sum()
 
         loss_sum = self.runtime.train_step(list(batch.inputs), list(batch.labels), divisor, self.autocast,
                                            batch.docs, head=head)
@@ -243,4 +276,4 @@ class PipelinePreferenceStep(PipelineStep):
         return self.pairs.record()
 
     def eval_loss(self, batches) -> Optional[float]:
-        return None
+        return eval_pairs_loss(self.held_out, self.data.eval_batch(), self.score, self.model, self.grid)

@@ -12,7 +12,7 @@ from megaft.training.loop import Trainer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # what each step's metrics line must repeat of the single process: the loss, the norm and TRL's metrics
-COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+COMPARED = ("loss", "grad_norm", "eval_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
             "logps/rejected")
 
 
@@ -69,10 +69,20 @@ def reference_of(ckpt: str) -> str:
     return os.path.join(os.path.dirname(ckpt), "ref")
 
 
+# layouts that also evaluate held-out pairs (data.eval_path: 5 pairs, beside the training file)
+EVALUATED = ("dpo_tp2_sp", "dpo_dp2_zero3", "orpo_cp2", "orpo_pp2", "dpo_ref_pp2")
+
+
+def eval_pairs_of(pairs: str) -> str:
+    return pairs.replace(".jsonl", ".eval.jsonl")
+
+
 def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
     """The config of LAYOUTS[name], or (`single`) its single-process reference."""
     objective, par, lora = LAYOUTS[name]
     cfg = pref_config(ckpt, pairs, objective, micro=1 if par.get("dp") else 2)
+    if name in EVALUATED:
+        cfg.data.eval_path, cfg.train.eval_every = eval_pairs_of(pairs), 2
     if lora:
         cfg.lora.rank, cfg.lora.alpha = lora, 8.0
     if not single:

@@ -22,7 +22,9 @@ from megaft.config import resolve, validate
 from megaft.parallel.grid import ParallelGrid
 from pref.pref_train_cases import (
     COMPARED,
+    EVALUATED,
     LAYOUTS,
+    eval_pairs_of,
     layout_config,
     layouts_rank,
     pref_config,
@@ -39,18 +41,18 @@ def inputs(tmp_path_factory):
     make_hf_llama(ckpt, seed=1)
     make_hf_llama(reference_of(ckpt), seed=4)
     write_pairs(pairs)
+    write_pairs(eval_pairs_of(pairs), n=5, seed=7)
     return ckpt, pairs, root
 
 
 def _compare(got: list[dict], want: list[dict], rtol: float, what: str) -> list[str]:
-    got, want = [r for r in got if "loss" in r], [r for r in want if "loss" in r]
-    if len(got) != len(want):
-        return [f"{what}: {len(got)} steps against {len(want)}"]
+    if [sorted(r) for r in got] != [sorted(r) for r in want]:
+        return [f"{what}: lines {[sorted(r) for r in got]} against {[sorted(r) for r in want]}"]
     bad = []
     for g, w in zip(got, want):
-        for key in COMPARED + tuple(k for k in w if k.startswith(("nll_", "log_odds"))):
+        for key in [k for k in COMPARED if k in w] + [k for k in w if k.startswith(("nll_", "log_odds"))]:
             # a DPO reward is beta times a difference of two log-probs of ~-40: it carries their rounding
-            scale = max(abs(w[key]), 0.5 * abs(w["logps/chosen"]) if key.startswith("rewards/") else 0, 1e-3)
+            scale = max(abs(w[key]), 0.5 * abs(w.get("logps/chosen", 0)) if key.startswith("rewards/") else 0, 1e-3)
             if abs(g[key] - w[key]) > rtol * scale:
                 bad.append(f"{what} step {w['step']} {key}: {g[key]} against {w[key]}")
     return bad
@@ -68,11 +70,14 @@ def test_every_layout_equals_the_single_process(inputs):
         # the runs learn something: the loss moves, and dpo's rewards leave zero after step 1
         losses = [r["loss"] for r in want if "loss" in r]
         assert len(set(losses)) == len(losses), name
+        if name in EVALUATED:  # evaluated at steps 0, 2 and 3 (the last), and the held-out loss moved
+            evals = [r["eval_loss"] for r in want if "eval_loss" in r]
+            assert len(evals) == 3 and len(set(evals)) == 3, (name, want)
     assert not failures, "\n".join(failures)
 
 
 def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str, cfg,
-                   ref: Optional[str] = None) -> list[dict]:
+                   ref: Optional[str] = None, evals: Optional[str] = None) -> list[dict]:
     """TRL's DPOTrainer on the pairs in `order` (no shuffling), the optimizer settings of `cfg`,
     against the reference checkpoint `ref` (default: a copy of `ckpt`)."""
     import json
@@ -100,23 +105,31 @@ def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str
     trainer = InOrder(model=load_reference(ckpt).train(), ref_model=load_reference(ref or ckpt), args=args,
                       train_dataset=data, processing_class=tok)
     trainer.train()
-    return [r for r in trainer.state.log_history if "loss" in r]
+    held_out = Dataset.from_list([json.loads(line) for line in open(evals)])
+    return [r for r in trainer.state.log_history if "loss" in r] + [trainer.evaluate(held_out)]
 
 
 def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = None) -> tuple[list[dict], list[dict]]:
-    """(megaft's, TRL's) metrics lines of `steps` DPO steps on the same pairs in the same order."""
+    """(megaft's, TRL's) metrics lines of `steps` DPO steps on the same pairs in the same order;
+    the held-out pairs' loss after them must agree (megaft's eval at the last step, TRL's evaluate)."""
     from megaft.pref.batches import PairRows
 
     cfg = pref_config(ckpt, pairs, "dpo", steps=steps, micro=2)
-    cfg.pref.reference = ref
+    cfg.pref.reference, cfg.data.eval_path, cfg.train.eval_every = ref, eval_pairs_of(pairs), steps
     cfg = resolve(cfg)
     run(cfg, ParallelGrid.single(), str(out / "megaft"))
-    got = [r for r in read_rows(str(out / "megaft")) if "loss" in r]
+    lines = read_rows(str(out / "megaft"))
+    got = [r for r in lines if "loss" in r]
+    got_eval = [r["eval_loss"] for r in lines if "eval_loss" in r]
     n = sum(1 for _ in open(pairs))
     rows = PairRows.__new__(PairRows)  # only the order: a pure function of (seed, step, pair count)
     rows.pairs, rows.seed, rows._orders = [None] * n, cfg.data.seed, {}
     order = [int(i) for s in range(steps) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
-    return got, _trl_dpo_curve(ckpt, pairs, order, steps, str(out / "trl"), cfg, ref)
+    want = _trl_dpo_curve(ckpt, pairs, order, steps, str(out / "trl"), cfg, ref, eval_pairs_of(pairs))
+    # the held-out pairs' loss after the last step: megaft's line at that step, TRL's evaluate()
+    assert len(got_eval) == 2 and abs(got_eval[-1] - want[-1]["eval_loss"]) < 1e-4 * abs(want[-1]["eval_loss"]), \
+        (got_eval, want[-1])
+    return got, want[:-1]
 
 
 def _trl_mismatches(got: list[dict], want: list[dict]) -> list[str]:
@@ -160,7 +173,6 @@ def test_another_reference_checkpoint_equals_trl_with_that_ref_model(inputs, tmp
     (dict(objective="kto"), "train.objective='kto' is unknown"),
     (dict(beta=0.0), "pref.beta=0.0 must be > 0"),
     (dict(objective="ipo", label_smoothing=0.1), "pref.label_smoothing=0.1 has no meaning for ipo"),
-    (dict(eval_path=True), "fix: data.eval_path=null"),
     (dict(packing="docs"), "fix: data.packing=none"),
     (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
     (dict(reference="/nonexistent"), "is not a Hugging Face checkpoint directory"),
@@ -172,8 +184,6 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     if "beta" in change:
         cfg.pref.beta = change["beta"]
     cfg.pref.label_smoothing = change.get("label_smoothing", 0.0)
-    if change.get("eval_path"):
-        cfg.data.eval_path = pairs
     if "packing" in change:
         cfg.data.packing = change["packing"]
     if change.get("no_file"):
