@@ -18,7 +18,7 @@ from megaft.models.config import ModelConfig, check_model
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from megaft.peft.config import LoraConfig
-from megaft.peft.lora import adapters, apply_lora
+from megaft.peft.lora import apply_lora
 from megaft.perf.counts import (
     a2a_bytes,
     activation_bytes_per_token,
@@ -120,20 +120,24 @@ def test_param_counts_hold_every_expert():
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_lora_counts_equal_the_adapters_built(family, tp, tp_group):
-    """Adapters go on the parallel linears: attention, dense MLPs and the shared expert; the
-    stacked experts and the router get none."""
+@pytest.mark.parametrize("targets", [None, ["q", "gate", "experts", "shared_expert", "router"]])
+def test_lora_counts_equal_the_adapters_built(family, tp, tp_group, targets):
+    """Adapters on attention and the dense MLPs by default; with `experts`, `shared_expert` and
+    `router` (megaft.peft.experts) also per-expert pairs, the shared expert's and the router's."""
     cfg = moe(family)
-    lora = LoraConfig(rank=4)
+    lora = LoraConfig(rank=4) if targets is None else LoraConfig(rank=4, targets=targets)
+    if "shared_expert" in lora.targets and not cfg.shared_expert_ffn_dim:
+        lora.targets.remove("shared_expert")
     group = tp_group(tp)
     model = apply_lora(Decoder(cfg, group=group), lora, seed=0, tp_rank=0, tp_size=tp, group=group)
     found = {}
-    for name, adapter in adapters(model):
-        i = int(name.split(".")[1])
-        found[i] = found.get(i, 0) + adapter.A.numel() + adapter.B.numel()
+    for name, p in model.named_parameters():
+        if ".adapter." in name:
+            i = int(name.split(".")[1])
+            found[i] = found.get(i, 0) + p.numel()
     for i in range(cfg.n_layers):
-        assert adapter_layer_params(cfg, lora, tp, i)[0] == found[i], (family, tp, i)
-    if family == "mixtral":  # no shared expert: attention's four adapters only
+        assert adapter_layer_params(cfg, lora, tp, i)[0] == found.get(i, 0), (family, tp, i)
+    if family == "mixtral" and targets is None:  # no shared expert: attention's four adapters only
         assert adapter_layer_params(cfg, lora, 1, 0)[0] == 4 * (4 * 64 + 4 * 64) - 2 * 4 * 32
 
 

@@ -220,11 +220,14 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
         if sequence_parallel:  # applied to sequence shards: grads summed over tp
             mark_sequence_parallel(self.weight)
+        self.adapter: Optional[nn.Module] = None  # LoRA on the router (megaft.peft.experts): added to the logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, scores, top-k weights, top-k experts), all fp32 but the indices."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
+            if self.adapter is not None:
+                logits = logits + self.adapter(x)
         if self.sigmoid:
             return (logits, *self._grouped(logits))
         probs = torch.softmax(logits, dim=-1)
@@ -277,6 +280,7 @@ class Experts(nn.Module):
         self.backend = _backend(kernels, "grouped_gemm")
         self.swiglu_backend = _backend(kernels, "swiglu")
         self.selective = selective
+        self.adapter: Optional[nn.Module] = None  # per-expert LoRA (megaft.peft.experts.ExpertLora)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """[rows sorted by expert, dim] -> this rank's partial outputs (summed over tp later);
@@ -285,10 +289,17 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # the grouped kernels take one dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), tuple(w.to(dtype) for w in weights)
-        gate = grouped_mm(x, weights[0], counts, backend=self.backend)
-        up = grouped_mm(x, weights[1], counts, backend=self.backend)
+        gate = self._project(0, x, weights, counts)
+        up = self._project(1, x, weights, counts)
         h = recompute.run(swiglu, gate, up, self.swiglu_backend, enabled=self.selective)
-        return grouped_mm(h, weights[2], counts, backend=self.backend)
+        return self._project(2, h, weights, counts)
+
+    def _project(self, i: int, x: torch.Tensor, weights: tuple, counts: torch.Tensor) -> torch.Tensor:
+        """W_e x for each expert's rows, + s B_e A_e x with adapters (the same rows and counts)."""
+        y = grouped_mm(x, weights[i], counts, backend=self.backend)
+        if self.adapter is not None:  # the row-parallel down's partial sum is reduced with y's
+            y = y + self.adapter.project(("gate_proj", "up_proj", "down_proj")[i], x, counts, self.backend)
+        return y
 
 
 def _backend(kernels: Optional[KernelsConfig], op: str) -> str:

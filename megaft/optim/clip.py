@@ -22,22 +22,23 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group: Group, pp_group: Group
     device = params[0].device
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
-    experts = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros(2, dtype=torch.float32, device=device)  # [split over tp, replicated over tp]
     ep_group = None
     for p in params:
         if p.grad is None:
             continue
         sq = p.grad.detach().float().pow(2).sum()
         spec, split = shard_of(p), expert_slice_of(p)
-        if split is not None:  # routed experts split over ep (and tp): summed over both
-            experts += sq
+        if split is not None:  # routed experts split over ep: summed over ep, and over tp when split there
+            experts[int(spec is None)] += sq  # (LoRA's expert A of gate/up, B of down: whole on every tp rank)
             ep_group = split.group
         elif spec is None:
             replicated += sq
         else:  # kv heads copied over tp > n_kv_heads (megaft.models.kv) count once, not once per copy
             sharded += sq / getattr(spec, "replicas", 1)
     if ep_group is not None:  # every rank of an ep group holds the same layers: all call it
-        sharded += all_reduce(experts, ep_group)
+        split_tp, whole_tp = all_reduce(experts, ep_group).unbind()
+        sharded, replicated = sharded + split_tp, replicated + whole_tp
     return all_reduce(all_reduce(sharded, tp_group) + replicated, pp_group).sqrt()
 
 

@@ -9,6 +9,10 @@ from typing import List
 # Target name -> the module it adapts (HF's names, which are also megaft's: megaft.models.decoder).
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
                   "up": "up_proj", "down": "down_proj", "lm_head": "lm_head"}
+# Mixture-of-experts targets (megaft.peft.experts): every routed expert's gate/up/down (per-expert
+# adapters), the shared expert(s)' gate/up/down (Qwen2-MoE, DeepSeek-V3), the router's weight.
+MOE_TARGETS = ("experts", "shared_expert", "router")
+TARGETS = (*TARGET_MODULES, *MOE_TARGETS)
 
 
 class BaseDtype(StrEnum):
@@ -26,7 +30,8 @@ class LoraConfig:
     rank: int = 0  # r of the adapters B (out x r) A (r x in); 0 = LoRA off (full fine-tuning)
     alpha: float = 16.0  # the update is (alpha / rank) * B A x (alpha / sqrt(rank) with rslora)
     dropout: float = 0.0  # dropout probability on the adapter input (training only)
-    # which linears get an adapter: q, k, v, o, gate, up, down, lm_head (one adapter per target)
+    # what gets adapters: q, k, v, o, gate, up, down (dense MLPs), lm_head; on a mixture of experts also
+    # experts (one adapter per routed expert and projection), shared_expert, router (docs/lora.md)
     targets: List[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023)
     base_dtype: BaseDtype = BaseDtype.fp32  # storage of the frozen base linears: fp32 | bf16
@@ -51,9 +56,16 @@ def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: b
         problems.append(f"lora.alpha={cfg.alpha} must be > 0; fix: e.g. lora.alpha=2*lora.rank")
     if not 0.0 <= cfg.dropout < 1.0:
         problems.append(f"lora.dropout={cfg.dropout} must be in [0, 1); fix: e.g. lora.dropout=0.05")
-    unknown = [t for t in cfg.targets if t not in TARGET_MODULES]
+    unknown = [t for t in cfg.targets if t not in TARGETS]
     if unknown:
-        problems.append(f"lora.targets has unknown {unknown}; fix: choose from {list(TARGET_MODULES)}")
+        problems.append(f"lora.targets has unknown {unknown}; fix: choose from {list(TARGETS)}")
+    if "router" in cfg.targets and "experts" not in cfg.targets:
+        problems.append("lora.targets has router without experts: a router adapter alone reroutes tokens to "
+                        "experts that cannot adapt; fix: add experts to lora.targets or drop router")
+    moe = [t for t in ("experts", "router") if t in cfg.targets]
+    if moe and cfg.dropout > 0:
+        problems.append(f"lora.targets has {moe} with lora.dropout={cfg.dropout}: their adapters have no dropout "
+                        "(peft's adapters on expert parameters refuse it too); fix: lora.dropout=0")
     if not cfg.targets:
         problems.append("lora.targets is empty: nothing would train; fix: e.g. lora.targets=[q,k,v,o,gate,up,down]")
     if len(set(cfg.targets)) != len(cfg.targets):
@@ -90,4 +102,20 @@ def check_lora_model(cfg: LoraConfig, *, tie_embeddings: bool, kv_heads: int, tp
         problems.append(f"lora.targets has {kv} but parallel.tp={tp} is larger than the model's {kv_heads} kv heads "
                         "(copied kv heads read the weight directly); fix: drop k and v from lora.targets or "
                         f"parallel.tp<={kv_heads}")
+    return problems
+
+
+def check_lora_moe(cfg: LoraConfig, *, n_experts: int, shared_expert: bool) -> list[str]:
+    """The `lora.targets` problems of a model's mixture of experts (`n_experts` routed experts,
+    0 for a dense model; `shared_expert`: its MoE blocks have a shared expert MLP)."""
+    if cfg.rank <= 0:
+        return []
+    problems = []
+    moe = [t for t in ("experts", "router") if t in cfg.targets]
+    if moe and n_experts == 0:
+        problems.append(f"lora.targets has {moe} but the model is dense (no routed experts); fix: drop "
+                        f"{' and '.join(moe)} from lora.targets (gate, up, down adapt its MLP)")
+    if "shared_expert" in cfg.targets and not shared_expert:
+        problems.append("lora.targets has shared_expert but the model has no shared expert (Qwen2-MoE's "
+                        "shared_expert, DeepSeek-V3's shared_experts); fix: drop shared_expert from lora.targets")
     return problems

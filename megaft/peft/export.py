@@ -26,7 +26,9 @@ from megaft.models.hf_export import copy_tokenizer, export_hf, gather_full
 from megaft.models.hf_load import hf_name
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.peft.config import TARGET_MODULES, LoraConfig
+from megaft.peft.experts import RouterAdapter, expert_adapters
 from megaft.peft.lora import adapters, merged_weight
+from megaft.peft.moe_export import expert_tensors, moe_targets, router_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -39,24 +41,42 @@ def peft_name(name: str, arch: str) -> str:
     return "base_model.model." + hf_name(module + ".weight", arch).removesuffix(".weight") + f".lora_{which}.weight"
 
 
-def adapter_config(cfg: LoraConfig, base: Optional[str]) -> dict:
-    """peft's adapter_config.json of `cfg` (a LoraConfig of peft's, serialized)."""
-    return {
+def adapter_config(cfg: LoraConfig, base: Optional[str], tensors: Optional[dict] = None,
+                   moe: bool = False) -> dict:
+    """peft's adapter_config.json of `cfg` (a LoraConfig of peft's, serialized). For a mixture of
+    experts (`moe`), the MLP, router and expert adapters are `target_parameters` read from the
+    exported `tensors`' names (megaft.peft.moe_export)."""
+    modules = sorted(TARGET_MODULES[t] for t in cfg.targets if t in TARGET_MODULES)
+    parameters, rank_pattern, alpha_pattern = [], {}, {}
+    if moe:
+        modules = [m for m in modules if m not in ("gate_proj", "up_proj", "down_proj")]
+        parameters, rank_pattern, alpha_pattern = moe_targets(tensors or {}, cfg)
+    out = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "inference_mode": True,
-        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora,
-        "target_modules": sorted(TARGET_MODULES[t] for t in cfg.targets), "bias": "none",
+        # peft refuses dropout on parameter targets; dropout does nothing at inference
+        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": 0.0 if parameters else cfg.dropout,
+        "use_rslora": cfg.rslora, "target_modules": modules or None, "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None, "use_dora": False,
-        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
     }
+    if parameters:
+        out["target_parameters"] = parameters
+    return out
 
 
 @torch.no_grad()
 def adapter_tensors(model: nn.Module, arch: str, tp_group: Group) -> dict[str, torch.Tensor]:
-    """Every adapter tensor of this rank's model, whole, by peft name (collective over tp)."""
+    """Every adapter tensor of this rank's model, whole, by peft name (collective over tp, and over
+    ep for the experts')."""
     out = {}
     for module, adapter in adapters(model):
         for which, p in (("A", adapter.A), ("B", adapter.B)):
-            out[peft_name(f"{module}.adapter.{which}", arch)] = gather_full(p, tp_group).float().cpu().contiguous()
+            name = (router_name(module, which) if isinstance(adapter, RouterAdapter)
+                    else peft_name(f"{module}.adapter.{which}", arch))
+            out[name] = gather_full(p, tp_group).float().cpu().contiguous()
+    for module, adapter in expert_adapters(model):
+        out.update(expert_tensors(module, adapter, tp_group))
     return out
 
 
@@ -77,7 +97,7 @@ def export_adapter(model: nn.Module, model_cfg: ModelConfig, cfg: LoraConfig, ou
         try:
             save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
             with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-                json.dump(adapter_config(cfg, model_cfg.init_from), f, indent=2)
+                json.dump(adapter_config(cfg, model_cfg.init_from, tensors, moe=model_cfg.n_experts > 0), f, indent=2)
             if tokenizer_json:  # with its chat template and config, as the full export (a chat LoRA keeps both)
                 copy_tokenizer(tokenizer_json, tmp)
             if os.path.exists(out_dir):

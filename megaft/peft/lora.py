@@ -27,7 +27,6 @@ parameters only), so checkpoints hold the adapters and their AdamW state.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Iterator, Optional
 
@@ -39,7 +38,17 @@ from megaft.layers import ColumnParallelLinear, RowParallelLinear
 from megaft.layers.dropout import sliced_dropout
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.parallel.tensor.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
-from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model
+from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model, check_lora_moe
+from megaft.peft.experts import (
+    RouterAdapter,
+    attach_moe_adapters,
+    expert_adapter_parameters,
+    init_expert_adapters,
+    merged_expert_weight,
+    seed_for,
+)
+
+SHARED_EXPERTS = ("shared_expert", "shared_experts")  # Qwen2-MoE's and DeepSeek-V3's MLP names in a MoE block
 
 
 class LoraAdapter(nn.Module):
@@ -73,23 +82,24 @@ class LoraAdapter(nn.Module):
         return (self.B.float() @ self.A.float()) * self.scale
 
 
-def _seed_for(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def target_linears(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Module]]:
-    """(module name, linear) of every targeted linear in `model`, in model order."""
-    wanted = {TARGET_MODULES[t] for t in targets}
+    """(module name, linear) of every targeted linear in `model`, in model order. gate/up/down
+    are the dense MLPs'; a MoE block's shared expert(s) take target `shared_expert`."""
+    wanted = {TARGET_MODULES[t] for t in targets if t in TARGET_MODULES}
+    shared = {"gate_proj", "up_proj", "down_proj"} if "shared_expert" in targets else set()
     for name, module in model.named_modules():
-        if name.rpartition(".")[2] in wanted and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if leaf in (shared if parent.rpartition(".")[2] in SHARED_EXPERTS else wanted):
             yield name, module
 
 
-def adapters(model: nn.Module) -> Iterator[tuple[str, LoraAdapter]]:
-    """(linear's module name, adapter) of every adapter in `model`."""
+def adapters(model: nn.Module) -> Iterator[tuple[str, LoraAdapter | RouterAdapter]]:
+    """(adapted module's name, adapter) of every linear's and router's adapter in `model`
+    (the experts': megaft.peft.experts.expert_adapters)."""
     for name, module in model.named_modules():
-        if isinstance(module, LoraAdapter):
+        if isinstance(module, (LoraAdapter, RouterAdapter)):
             yield name.removesuffix(".adapter"), module
 
 
@@ -101,7 +111,7 @@ def init_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int,
         if not name.endswith(".adapter.A"):
             continue
         shape = full_shape(param, tp_size)
-        gen = torch.Generator().manual_seed(_seed_for(seed, name))
+        gen = torch.Generator().manual_seed(seed_for(seed, name))
         if cfg.init == LoraInit.gaussian:
             full = torch.randn(shape, generator=gen) / cfg.rank
         else:  # kaiming_uniform_(a=sqrt(5)) as nn.Linear and peft: bound = 1 / sqrt(fan_in)
@@ -118,6 +128,8 @@ def _check_targets(model: nn.Module, cfg: LoraConfig, tp_size: int) -> None:
         return
     problems = check_lora_model(cfg, tie_embeddings=model_cfg.tie_embeddings, kv_heads=model_cfg.kv_heads,
                                 tp=tp_size)
+    problems += check_lora_moe(cfg, n_experts=model_cfg.n_experts,
+                               shared_expert=bool(model_cfg.shared_expert_ffn_dim))
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -136,7 +148,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int, tp
         to_bf16(model)
     for _, linear in found:
         linear.adapter = LoraAdapter(linear, cfg, group=group)
+    attach_moe_adapters(model, cfg)
     init_adapters(model, cfg, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
+    init_expert_adapters(model, cfg, seed=seed, tp_rank=tp_rank, tp_size=tp_size)
     return model
 
 
@@ -152,17 +166,17 @@ def to_bf16(model: nn.Module) -> None:
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for _, a in adapters(model) for p in (a.A, a.B)]
+    return [p for _, a in adapters(model) for p in (a.A, a.B)] + expert_adapter_parameters(model)
 
 
 def merged_weight(model: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
     """`local` (this rank's piece of parameter `name`) with its adapter's s * B A added (fp32),
     or unchanged when `name` is no adapted linear's weight: megaft.peft.export's merge."""
-    if not name.endswith(".weight"):
-        return local
+    if not name.endswith(".weight"):  # a stacked expert weight (`...mlp.experts.gate_proj`) or none
+        return merged_expert_weight(model, name, local)
     module = _get(model, name.removesuffix(".weight"))
     adapter: Optional[LoraAdapter] = getattr(module, "adapter", None)
-    if not isinstance(adapter, LoraAdapter):
+    if not isinstance(adapter, (LoraAdapter, RouterAdapter)):
         return local
     return local.float() + adapter.delta()
 

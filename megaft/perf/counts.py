@@ -187,19 +187,32 @@ def rank_layers(m: ModelConfig, par) -> list[int]:
     return [sum(counts[r + c * par.pp] for c in range(par.vpp)) for r in range(par.pp)]
 
 
-def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int) -> tuple[int, int]:
+def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int, ep: int = 1) -> tuple[int, int]:
     """(adapter parameters, base linear weight elements) of decoder block `layer` on one tp rank
-    (megaft.peft.lora's splits: column A [r, in] whole, B [out/tp, r]; row A [r, in/tp],
-    B [out, r] whole). Adapters go on the parallel linears only: in a mixture-of-experts
-    block gate/up/down are the shared expert's (none without one); the stacked experts, the
-    router and the shared expert's gate get none and stay fp32 under lora.base_dtype=bf16."""
+    and ep rank (megaft.peft.lora's splits: column A [r, in] whole, B [out/tp, r]; row A [r, in/tp],
+    B [out, r] whole). gate/up/down adapt the dense MLP; in a mixture-of-experts block
+    `shared_expert` adapts the shared expert's three, `experts` each of this ep rank's E/ep
+    experts' three (split over tp alike, megaft.peft.experts), `router` the router [E, dim].
+    The stacked experts, the router and the shared expert's gate stay fp32 under lora.base_dtype=bf16."""
     q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
     shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True)}
-    ffn = m.shared_expert_ffn_dim if m.is_moe(layer) else m.ffn_dim
+    moe = m.is_moe(layer)
+    ffn = m.shared_expert_ffn_dim if moe else m.ffn_dim
     if ffn:
         shapes.update({"gate": (m.dim, ffn, False), "up": (m.dim, ffn, False), "down": (ffn, m.dim, True)})
-    adapters = sum(r * (i // tp + o) if row else r * (i + o // tp)
-                   for t, (i, o, row) in shapes.items() if t in lora.targets)
+    mlp = "shared_expert" if moe else "gate"  # a MoE block's gate/up/down linears are its shared expert's
+    wanted = {t for t in lora.targets if t not in ("gate", "up", "down")}
+    wanted |= {t for t in ("gate", "up", "down") if (t if mlp == "gate" else "shared_expert") in lora.targets}
+
+    def pair(i: int, o: int, row: bool) -> int:
+        return r * (i // tp + o) if row else r * (i + o // tp)
+
+    adapters = sum(pair(i, o, row) for t, (i, o, row) in shapes.items() if t in wanted)
+    if moe and "experts" in lora.targets:
+        f = m.expert_ffn
+        adapters += m.n_experts // ep * (2 * pair(m.dim, f, False) + pair(f, m.dim, True))
+    if moe and "router" in lora.targets:
+        adapters += r * (m.dim + m.n_experts)
     return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
 
 
@@ -212,7 +225,7 @@ def lora_rank_bytes(m: ModelConfig, lora: LoraConfig, par, r: int, n: int, layer
     """(frozen base bytes, trainable adapter parameters) of pp rank `r` holding `n` base params
     and the blocks `layers` (global indices): base linears in lora.base_dtype, embedding,
     norms and experts fp32."""
-    blocks = per_block(m, lambda i: adapter_layer_params(m, lora, par.tp, i))
+    blocks = per_block(m, lambda i: adapter_layer_params(m, lora, par.tp, i, par.ep))
     adapters, linear = sum(blocks[i][0] for i in layers), sum(blocks[i][1] for i in layers)
     if r == par.pp - 1 and not m.tie_embeddings:  # the untied head is a linear too
         vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp)

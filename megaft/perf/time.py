@@ -241,7 +241,7 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         core_f = attention_f + tokens * mlp_activation_flops(m, i) / tp / rate
         lp = layer_params(m, tp, i, ep)
         if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
-            adapters = adapter_layer_params(m, lora, tp, i)[0]
+            adapters = adapter_layer_params(m, lora, tp, i, ep)[0]
             adapter_f = tokens * 2.0 * adapters / rate
             layer_b = layer_f + attention_f + 2 * adapter_f  # input grads of every matmul, the core's second
             layer_f += adapter_f
