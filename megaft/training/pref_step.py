@@ -31,7 +31,6 @@ from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
-from megaft.pipeline.stage import sync_tied_grads
 from megaft.pref.batches import PairRows, chosen_rows, rejected_rows
 from megaft.pref.config import needs_reference
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, sequence_logps, token_logps
@@ -262,13 +261,7 @@ class PipelinePreferenceStep(PipelineStep):
             whole = batch.whole_labels[i].to(device) if batch.whole_labels else None
             return self.pairs.losses(self.logps(logits, _scored(batch.labels[i].to(device), whole)), batch, i).sum()
 
-        loss_sum = self.runtime.train_step(list(batch.inputs), list(batch.labels), divisor, self.autocast,
-                                           batch.docs, head=head)
-        self.phases.add("comm", self.runtime.wait_s)
-        with self.phases.phase("comm"):
-            sync_tied_grads(self.model, self.grid.embedding_group)
-            all_reduce(loss_sum, self.grid.pp_group)  # the last stage's loss, on every pp rank
-        return loss_sum
+        return self.run_schedule(batch, divisor, head=head)
 
     total_loss = PreferenceStep.total_loss
 

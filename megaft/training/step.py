@@ -134,8 +134,13 @@ class PipelineStep(_Step):
                 self.model.global_counts = global_counts(
                     lambda ids, docs: self.runtime.router_counts(ids, self.autocast, docs), batch, self.grid,
                     self.model.cfg.n_experts, self.autocast)
+        return self.run_schedule(batch, divisor, router_weight=weight)
+
+    def run_schedule(self, batch: StepBatch, divisor: float, **kwargs) -> torch.Tensor:
+        """The schedule over the batch's micro-batches (`kwargs`: PipelineRuntime.train_step's), the
+        tied embedding's grads summed, the last stage's loss sum on every pp rank."""
         loss_sum = self.runtime.train_step(list(batch.inputs), list(batch.labels), divisor, self.autocast,
-                                           batch.docs, router_weight=weight)
+                                           batch.docs, **kwargs)
         self.phases.add("comm", self.runtime.wait_s)
         with self.phases.phase("comm"):
             sync_tied_grads(self.model, self.grid.embedding_group)

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from models.hf_fixture import VOCAB, write_char_tokenizer
+from models.moe_fixture import load_reference, sample_ids  # noqa: F401 (the same helpers serve both)
 
-SEQ = 17
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
              routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
@@ -45,25 +45,5 @@ def make_hf_deepseek(path: str, variant: str = "latent_q", *, seed: int = 0) -> 
     write_char_tokenizer(path)
 
 
-def load_reference(path: str):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
-def sample_ids(seed: int = 0, batch: int = 2) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 def labels_of(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], 1)
-
-
-def hf_grad_of(hf_grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """transformers' gradient of our parameter `name` (experts fused as gate_up_proj in memory)."""
-    hf = name if name == "lm_head.weight" else "model." + name
-    prefix, sep, proj = hf.rpartition(".mlp.experts.")
-    if sep and proj in ("gate_proj", "up_proj"):
-        fused = hf_grads[f"{prefix}.mlp.experts.gate_up_proj"]
-        half = fused.shape[1] // 2
-        return fused[:, :half] if proj == "gate_proj" else fused[:, half:]
-    return hf_grads[hf]

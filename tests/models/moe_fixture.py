@@ -54,7 +54,7 @@ def sample_ids(seed: int = 0, batch: int = 2) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_grad_of(hf_grads: dict[str, torch.Tensor], name: str, arch: str) -> torch.Tensor:
+def hf_grad_of(hf_grads: dict[str, torch.Tensor], name: str, arch: str = "") -> torch.Tensor:
     """The gradient transformers computed for our parameter `name` (its in-memory layout:
     experts fused as gate_up_proj [E, 2F, dim] and down_proj, the router at mlp.gate)."""
     hf = name if name == "lm_head.weight" else "model." + name

@@ -22,8 +22,9 @@ from megaft.models.docs import Docs
 from megaft.models.hf import HFCheckpointError, export_hf, hf_model_config, load_hf_weights
 from megaft.models.moe_balance import correction_biases, update_correction_bias, update_correction_biases
 from megaft.models.moe_config import MoEConfig, check_moe
-from models.deepseek_fixture import VARIANTS, hf_grad_of, labels_of, load_reference, make_hf_deepseek, sample_ids
+from models.deepseek_fixture import VARIANTS, labels_of, load_reference, make_hf_deepseek, sample_ids
 from models.hf_fixture import checkpoint_tensors
+from models.moe_fixture import hf_grad_of
 
 
 @pytest.fixture(scope="module")
