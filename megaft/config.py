@@ -24,7 +24,7 @@ from megaft.models.config import ModelConfig, check_model
 from megaft.models.moe_config import MoEConfig, check_moe
 from megaft.optim.config import OptimConfig, check_master_weights, check_optim
 from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
-from megaft.peft.config import LoraConfig, check_lora, check_lora_model
+from megaft.peft.config import LoraConfig, check_lora, check_lora_model, check_lora_moe
 from megaft.plan.config import ClusterConfig, PlanConfig
 from megaft.pref.config import PrefConfig, check_pref, check_pref_run, check_reference, is_preference
 from megaft.training.config import TrainConfig, accumulation_steps, check_train
@@ -267,6 +267,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems = check_model(cfg.model, cfg.parallel.tp)
     problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
                                  tp=cfg.parallel.tp)
+    problems += check_lora_moe(cfg.lora, n_experts=cfg.model.n_experts,
+                               shared_expert=bool(cfg.model.shared_expert_ffn_dim))
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
                                sources=bool(cfg.data.sources), packing=cfg.data.packing,
