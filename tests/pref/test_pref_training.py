@@ -219,3 +219,18 @@ def test_resume_equals_no_interruption(inputs, tmp_path):
     cut = [r for r in read_rows(str(tmp_path / "cut")) if "loss" in r]
     assert [r["step"] for r in cut] == [1, 2, 3]
     assert _compare(cut, whole, 1e-6, "resumed") == []
+
+
+def test_lora_reference_is_the_base_with_adapters_off(inputs, tmp_path):
+    """With LoRA the default reference is the starting model, the base with its adapters at
+    zero: the same run as with pref.reference naming the base checkpoint, a separate copy
+    built without adapters."""
+    ckpt, pairs, _ = inputs
+    rows = {}
+    for name, reference in (("default", None), ("copy", ckpt)):
+        cfg = pref_config(ckpt, pairs, "dpo", steps=3)
+        cfg.lora.rank, cfg.lora.alpha, cfg.pref.reference = 4, 8.0, reference
+        run(resolve(cfg), ParallelGrid.single(), str(tmp_path / name))
+        rows[name] = [r for r in read_rows(str(tmp_path / name)) if "loss" in r]
+    assert _compare(rows["default"], rows["copy"], 1e-6, "lora reference") == []
+    assert len({r["loss"] for r in rows["copy"]}) == 3  # the adapters train
