@@ -67,9 +67,11 @@ class Turn:
     trainable: int
 
 
-def build(variant: str, cfg: ModelConfig, lora: LoraConfig, device: torch.device, seed: int):
-    """(model, FlatParams, AdamW) of `variant` from the seeded weights."""
-    model = Decoder(cfg, kernels=KernelsConfig(backend="torch"))
+def build(variant: str, cfg: ModelConfig, lora: LoraConfig, device: torch.device, seed: int,
+          kernels: Optional[KernelsConfig] = None):
+    """(model, FlatParams, AdamW) of `variant` from the seeded weights (`kernels`: default the
+    torch kernels)."""
+    model = Decoder(cfg, kernels=kernels or KernelsConfig(backend="torch"))
     init_params(model, cfg, seed=seed, tp_rank=0, tp_size=1)
     if variant == "lora":
         apply_lora(model, lora, seed=seed, tp_rank=0, tp_size=1)
@@ -85,8 +87,8 @@ def measured_state(model, opt) -> dict[str, int]:
 
 
 def turn(variant: str, cfg: ModelConfig, lora: LoraConfig, *, device: torch.device, batch: int, seq: int,
-         precision: str, warmup: int, steps: int, seed: int = 0) -> Turn:
-    model, flat, opt = build(variant, cfg, lora, device, seed)
+         precision: str, warmup: int, steps: int, seed: int = 0, kernels: Optional[KernelsConfig] = None) -> Turn:
+    model, flat, opt = build(variant, cfg, lora, device, seed, kernels)
     state = measured_state(model, opt)
     times, first = timed_steps(model, flat, opt, vocab=cfg.vocab_size, device=device, batch=batch, seq=seq,
                                precision=precision, warmup=warmup, steps=steps, seed=seed)
@@ -94,23 +96,24 @@ def turn(variant: str, cfg: ModelConfig, lora: LoraConfig, *, device: torch.devi
     return Turn(times, first, state, trainable)
 
 
-def formula(cfg: ModelConfig, lora: Optional[LoraConfig], *, precision: str, dp: int, zero: int) -> dict[str, int]:
+def formula(cfg: ModelConfig, lora: Optional[LoraConfig], *, precision: str, dp: int, zero: int,
+            ep: int = 1) -> dict[str, int]:
     """The fullest rank's params/grads/optimizer bytes by megaft.perf.memory (validate()'s check)."""
     run = Config()
     run.model, run.precision = cfg, precision
-    run.parallel.dp, run.parallel.zero = dp, zero
+    run.parallel.dp, run.parallel.zero, run.parallel.ep = dp, zero, ep
     run.lora = lora if lora is not None else LoraConfig(rank=0)
     est = max(estimate_ranks(run, dp), key=lambda e: e.params + e.grads + e.optimizer)
     return {k: getattr(est, k) for k in STATE}
 
 
 def run(cfg: ModelConfig, lora: LoraConfig, *, device: torch.device, batch: int, seq: int, precision: str,
-        warmup: int, steps: int, rounds: int) -> dict[str, list[Turn]]:
+        warmup: int, steps: int, rounds: int, kernels: Optional[KernelsConfig] = None) -> dict[str, list[Turn]]:
     turns: dict[str, list[Turn]] = {v: [] for v in VARIANTS}
     for order, n in zip(round_orders(list(VARIANTS), rounds), split_steps(steps, rounds)):
         for variant in order:
             turns[variant].append(turn(variant, cfg, lora, device=device, batch=batch, seq=seq,
-                                       precision=precision, warmup=warmup, steps=n))
+                                       precision=precision, warmup=warmup, steps=n, kernels=kernels))
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

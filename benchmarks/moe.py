@@ -64,6 +64,9 @@ The exact count depends on which rank holds the batch; the table gives its min a
 over r (their mean is the formula exactly: each row's expert is in exactly one block). A
 token whose top-k holds two experts of the same remote rank counts twice, as a row
 dispatcher without de-duplication sends it.
+
+A whole MoE decoder's training step with LoRA on the experts against its full fine-tune
+(step time, state bytes against megaft.perf.memory): the companion `python -m benchmarks.moe_lora`.
 """
 from __future__ import annotations
 

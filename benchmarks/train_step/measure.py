@@ -110,7 +110,10 @@ def block(provider: str, cfg: ModelConfig, *, device: torch.device, batch: int, 
 def timed_steps(model, flat, opt, *, vocab: int, device: torch.device, batch: int, seq: int, precision: str,
                 warmup: int, steps: int, seed: int = 0) -> tuple[list[float], float]:
     """(seconds of each timed step, first-step loss): ``warmup`` untimed then ``steps`` timed
-    train steps (forward, backward, AdamW) on a seeded batch of ``batch`` x ``seq`` tokens."""
+    train steps (forward, backward, AdamW) on a seeded batch of ``batch`` x ``seq`` tokens.
+    A mixture-of-experts model's objective adds its router terms (load balancing, z-loss) as
+    training's does for one micro-batch (megaft.training.step); the loss returned is the
+    token loss alone."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -122,7 +125,8 @@ def timed_steps(model, flat, opt, *, vocab: int, device: torch.device, batch: in
         flat.zero_grad()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = model.loss_sum(inputs, labels) / labels.numel()
-        loss.backward()
+            router = model.router_losses() if model.cfg.n_experts > 0 else None
+        (loss if router is None else loss + router.local).backward()
         opt.step(1e-4)
         _sync(device)
         if i >= warmup:

@@ -208,12 +208,20 @@ def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int, 
         return r * (i // tp + o) if row else r * (i + o // tp)
 
     adapters = sum(pair(i, o, row) for t, (i, o, row) in shapes.items() if t in wanted)
-    if moe and "experts" in lora.targets:
-        f = m.expert_ffn
-        adapters += m.n_experts // ep * (2 * pair(m.dim, f, False) + pair(f, m.dim, True))
+    adapters += expert_adapter_params(m, lora, tp, layer, ep)
     if moe and "router" in lora.targets:
         adapters += r * (m.dim + m.n_experts)
     return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
+
+
+def expert_adapter_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int, ep: int = 1) -> int:
+    """The per-expert adapters (target `experts`) of block `layer` on one tp and ep rank: gate/up
+    A [E/ep, r, dim], B [E/ep, F/tp, r]; down A [E/ep, r, F/tp], B [E/ep, dim, r]. The part of
+    adapter_layer_params that, like the experts, reduces and shards over the dp*cp/ep ranks."""
+    if not (m.is_moe(layer) and "experts" in lora.targets):
+        return 0
+    f = m.expert_ffn // tp
+    return m.n_experts // ep * lora.rank * (2 * (m.dim + f) + (f + m.dim))
 
 
 def head_adapter_params(m: ModelConfig, lora: LoraConfig, vocab_local: int) -> int:

@@ -39,6 +39,7 @@ from megaft.perf.counts import (
     BF16,
     FP32,
     activation_bytes_per_token,
+    expert_adapter_params,
     layer_params,
     lora_rank_bytes,
     moe_weight_copy_bytes,
@@ -148,9 +149,9 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         if par.zero == 3:  # the gathered whole params and grads of the running and the next block
             buffers += 2 * 2 * layer_params(m, par.tp, ep=ep) * weight
         frozen, x = 0, experts[r]
-        if cfg.lora.rank > 0:  # LoRA: only the adapters train (none on the routed experts)
+        if cfg.lora.rank > 0:  # LoRA: only the adapters train; the per-expert ones shard like the experts
             frozen, n = lora_rank_bytes(m, cfg.lora, par, r, n, ids[r])
-            x = 0
+            x = sum(expert_adapter_params(m, cfg.lora, par.tp, i, ep) for i in ids[r]) if ep > 1 else 0
         n -= x  # the dense part, sharded over dp×cp; x over dp×cp/ep
 
         def sharded(nbytes: int, stage: int) -> int:

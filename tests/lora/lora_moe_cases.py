@@ -19,7 +19,7 @@ STEPS = 3
 
 def lora_moe_config(ckpt: str, data: str, *, export_merged: bool = False, **parallel) -> Config:
     """3 steps of 8 sequences (micro-batches of 4), a checkpoint each step (verify reads step 1's
-    first moments as the gradients), the peft export at the end."""
+    first moments as the gradients; the ep=1 resume starts from it), the peft export at the end."""
     cfg = Config()
     cfg.model.init_from, cfg.device = ckpt, "cpu"
     cfg.data.path, cfg.data.seq_len = data, 16

@@ -6,12 +6,15 @@ router adapted, plus attention and the dense layer's MLP): dp=2·ep=2 with ZeRO-
 sequence parallel. Each equals the single process (loss, grad norm and aux_loss per step, every
 adapter's step-1 gradient, the experts' joined over ep) and exports the same adapters: the
 peer bugs Megatron-Bridge#5634 (adapters on experts split over tp) and #5484 (the adapter
-layout changes with the ep degree). The single process's export loads in peft onto
-transformers' model with megaft's logits, and its merged export in transformers."""
+layout changes with the ep degree). The ep=2 run's step-1 checkpoint resumes in one process
+(ep=1) with the uninterrupted losses, and every layout's adapter state bytes equal
+megaft.perf.memory's. The single process's export loads in peft onto transformers' model with
+megaft's logits, and its merged export in transformers."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import peft
 import pytest
@@ -26,6 +29,7 @@ from lora.lora_moe_cases import LAYOUTS, STEPS, layouts_rank, lora_moe_config
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import LoraConfig, check_lora
 from megaft.peft.config import check_lora_moe
+from megaft.perf.memory import estimate_ranks
 from megaft.training.loop import Trainer
 from megaft.verify.compare import compare
 from megaft.verify.run import step1_grads
@@ -81,6 +85,51 @@ def test_export_does_not_depend_on_the_layout(runs, layout):
         torch.testing.assert_close(got[name], want[name], atol=EXPORT_ATOL, rtol=0, msg=name)
     same = [json.load(open(os.path.join(root, d, "hf", "adapter_config.json"))) for d in ("single", layout)]
     assert same[0] == same[1]
+
+
+@pytest.mark.parametrize("layout", ["single", *LAYOUTS])
+def test_state_bytes_equal_the_formula(runs, layout):
+    """Rank 0's measured adapter state (summary.json) equals megaft.perf.memory's: at ep=2 the
+    expert adapters' moments shard over the dp*cp/ep = 1 ranks holding those experts, not over dp."""
+    cfg, _, root = runs
+    if layout != "single":
+        cfg = lora_moe_config(cfg.model.init_from, cfg.data.path, **LAYOUTS[layout])
+    measured = json.load(open(os.path.join(root, layout, "summary.json")))["memory_bytes"]
+    est = estimate_ranks(cfg, cfg.launcher.nproc)[0]
+    assert (measured["grads"], measured["optimizer"]) == (est.grads, est.optimizer), (measured, est)
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1(runs, tmp_path):
+    """The ep2 layout's step-1 checkpoint (expert adapters and their ZeRO-1 moments split over
+    ep: megaft.checkpoint.reshard joins them by name and expert index) resumed by one process:
+    steps 2-3 give the uninterrupted runs' losses and the single process's adapters."""
+    cfg, single, root = runs
+    run = tmp_path / "resumed"
+    shutil.copytree(os.path.join(root, "ep2", "checkpoints", "step_000001"), run / "checkpoints" / "step_000001")
+    manifest = json.load(open(run / "checkpoints" / "step_000001" / "manifest.json"))
+    assert manifest["layout"]["ep"] == 2  # saved split over ep
+    one = lora_moe_config(cfg.model.init_from, cfg.data.path)
+    one.train.export_hf = False
+    resumed = Trainer(one, ParallelGrid.single(), str(run))
+    resumed.fit()
+    got = _losses(run)
+    assert sorted(got) == [2, 3]
+    for ref in ("ep2", "single"):
+        want = _losses(os.path.join(root, ref))
+        for step, loss in got.items():
+            assert abs(loss - want[step]) <= 1e-5 * abs(want[step]), (ref, step, loss, want[step])
+    trained = dict(single.parts.model.named_parameters())
+    names = [n for n, p in resumed.parts.model.named_parameters() if p.requires_grad]
+    assert any("mlp.experts.adapter.down_proj.B" in n for n in names), names
+    for name in names:  # the moments came back too: step 3's update lands where the single process's did
+        p = dict(resumed.parts.model.named_parameters())[name]
+        assert p.shape == trained[name].shape, name
+        torch.testing.assert_close(p, trained[name], atol=EXPORT_ATOL, rtol=0, msg=name)
+
+
+def _losses(run) -> dict[int, float]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_export_loads_in_peft_and_merged_in_transformers(runs):
