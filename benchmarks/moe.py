@@ -74,7 +74,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
@@ -83,7 +82,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from benchmarks.kernels.harness import quantile, time_calls
+from benchmarks.kernels.harness import load_average, quantile, time_calls
 from benchmarks.train_step.measure import round_orders, split_steps
 from megaft.perf.counts import a2a_bytes
 
@@ -541,7 +540,7 @@ def main(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> dict:
     a2a_bytes = {"fp32": 4, "bf16": 2}[args.a2a_dtype]
     where = torch.cuda.get_device_name(device) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
     print(f"MoE block forward + backward, fp32 on {where}, {torch.get_num_threads()} threads "
-          f"(load average {_load()} at the start); torch "
+          f"(load average {load_average()} at the start); torch "
           f"{torch.__version__}, transformers {_version('transformers')}; megaft grouped_gemm backends: "
           f"{', '.join(available)}", file=out)
     for s in skipped:
@@ -555,9 +554,9 @@ def main(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> dict:
         if args.profile:
             for backend in available:
                 profile(shape, backend, device, out=out)
-    print(f"\nload average {_load()} at the end (other processes on the machine skew CPU timings)", file=out)
+    print(f"\nload average {load_average()} at the end (other processes on the machine skew CPU timings)", file=out)
     report = {"environment": {"device": where, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                              "load_average_end": _load(),
+                              "load_average_end": load_average(),
                               "transformers": _version("transformers"), "python": platform.python_version(),
                               "command": " ".join(["python -m benchmarks.moe", *(argv if argv is not None
                                                                                    else sys.argv[1:])])},
@@ -569,13 +568,6 @@ def main(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> dict:
     if bad:
         raise SystemExit(f"megaft disagrees with transformers ({', '.join(sorted(set(bad)))}): not timed")
     return report
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def _version(module: str) -> str:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
@@ -54,7 +53,7 @@ from typing import Optional, Sequence
 import torch
 
 from benchmarks import lora as lora_bench
-from benchmarks.kernels.harness import quantile
+from benchmarks.kernels.harness import load_average, quantile
 from megaft.kernels.config import KernelsConfig
 from megaft.models.config import ModelConfig, check_model
 from megaft.peft import LoraConfig
@@ -211,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> dict:
     where = torch.cuda.get_device_name(device) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
     print(f"MoE decoder train step, LoRA vs full fine-tune: {args.model} ({cfg.n_layers} x {cfg.dim}, "
           f"{cfg.n_experts} experts of ffn {cfg.expert_ffn}, top-{cfg.top_k}, vocab {cfg.vocab_size}); {where}, "
-          f"{torch.get_num_threads()} threads (load average {_load()} at the start); {precision}; lora rank "
+          f"{torch.get_num_threads()} threads (load average {load_average()} at the start); {precision}; lora rank "
           f"{args.rank} on {args.targets}, base {base_dtype}; grouped_gemm {kernels.grouped_gemm}; batch "
           f"{args.batch}x{seq}; median of {steps} steps in {rounds} alternating rounds, {warmup} warm-up steps "
           f"per turn", file=out)
@@ -225,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> dict:
     report["environment"] = {
         "device": where, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "precision": precision, "batch": args.batch, "seq": seq,
-        "steps": steps, "rounds": rounds, "warmup": warmup, "load_average_end": _load(),
+        "steps": steps, "rounds": rounds, "warmup": warmup, "load_average_end": load_average(),
         "command": " ".join(["python -m benchmarks.moe_lora", *(argv if argv is not None else sys.argv[1:])])}
     if args.json:
         with open(args.json, "w") as f:
@@ -236,15 +235,8 @@ def main(argv: Optional[Sequence[str]] = None, out=sys.stdout) -> dict:
         raise SystemExit("lora's first-step loss differs from the full fine-tune's: its timing is not valid")
     print_report(report, out)
     print(f"\nlora / full step time {report['ratio']:.3f}x; state bytes {report['state_ratio']:.3f}x; "
-          f"load average {_load()} at the end (other processes on the machine skew CPU timings)", file=out)
+          f"load average {load_average()} at the end (other processes on the machine skew CPU timings)", file=out)
     return report
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

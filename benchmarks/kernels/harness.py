@@ -191,3 +191,12 @@ def plot(rows: list[dict], directory: str) -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages ("unknown" where the OS has none): CPU timings are
+    only as good as the machine was quiet, so benchmarks print it at their start and end."""
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
