@@ -105,10 +105,10 @@ class MLAttention(nn.Module):
     def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [b, s, heads * qk] of this rank's heads, kv latent [b, s, kv_lora], rotary key [b, s, rot]),
         over the whole sequence."""
-        down = self.kv_a_proj_with_mqa.weight
-        if self.q_lora is not None:  # one GEMM and one gather for both latents
-            down = torch.cat([self.q_a_proj.weight, down])
-        latent = column_input(layer_linear(x, down, None, backend=self.lin), self.group, self.sp)
+        latent = layer_linear(x, self.kv_a_proj_with_mqa.weight, None, backend=self.lin)
+        if self.q_lora is not None:  # two GEMMs (no weight copy), one collective for both latents
+            latent = torch.cat([layer_linear(x, self.q_a_proj.weight, None, backend=self.lin), latent], dim=-1)
+        latent = column_input(latent, self.group, self.sp)
         if self.q_lora is None:
             q = self.q_proj(column_input(x, self.group, self.sp))
             kv, k_rot = latent.split([self.kv_lora, self.rot], dim=-1)
