@@ -25,7 +25,8 @@ a constant --lr, no weight decay, clipping at 1, fp32:
 - `trl-precomp`: the same with precompute_ref_log_probs=True: the policy, before its first
   update, scores every pair in batches of --micro (timed apart) and no second copy is kept;
 - `megaft`: megaft.training.loop.Trainer with train.objective=dpo on a single-process grid;
-  it scores the reference once while it is built (timed apart), then `train_step(step)`.
+  it scores the reference once while it is built (its own timing: summary.json's reference_s),
+  then `train_step(step)`.
 
 A step is one optimizer step: megaft's `train_step` call (its batch, forward, backward,
 AdamW, the loss and TRL's metrics); TRL's from its on_step_begin to its on_step_end
@@ -47,7 +48,6 @@ forward); the reference scoring before training is counted apart.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -184,27 +184,6 @@ def megaft_config(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int):
     return resolve(cfg)
 
 
-@contextlib.contextmanager
-def timed_reference(turn: Turn):
-    """Time megaft's reference scoring (megaft.training.pref_step.reference_logps, called
-    once while the Trainer is built), its arguments and result passed through unchanged."""
-    from megaft.training import pref_step
-
-    original = pref_step.reference_logps
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = original(*args, **kwargs)
-        turn.reference_s = time.perf_counter() - start
-        return out
-
-    pref_step.reference_logps = timed
-    try:
-        yield
-    finally:
-        pref_step.reference_logps = original
-
-
 def scored_tokens(rows, micro: int) -> int:
     """The tokens of megaft's reference scoring: every chunk of `micro` pairs (2 rows each),
     in pair order, cropped to its longest row."""
@@ -220,12 +199,9 @@ def megaft_turn(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int, ru
     cfg = megaft_config(ckpt, pairs, seq_len, s, steps)
     turn = Turn("megaft")
     start = time.perf_counter()
-    with timed_reference(turn):
-        trainer = Trainer(cfg, ParallelGrid.single(), run_dir)
+    trainer = Trainer(cfg, ParallelGrid.single(), run_dir)
     turn.build_s = time.perf_counter() - start
-    if turn.reference_s is None:
-        raise SystemExit("megaft's Trainer did not call megaft.training.pref_step.reference_logps: this benchmark "
-                         "times the reference scoring there; fix: point timed_reference at where it moved")
+    turn.reference_s = trainer.parts.step.reference_s  # what summary.json records as reference_s
     turn.reference_tokens = scored_tokens(trainer.parts.data.rows, s.micro)
     for step in range(steps):
         turn.tokens.append(sum(x.numel() for x in trainer.parts.data.batch(step).inputs))

@@ -18,9 +18,11 @@ it again (from the same initial weights: before loading its checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import time
 from typing import Callable, Optional
 
 import torch
@@ -134,21 +136,28 @@ class PairObjective:
         return dict(zip(self.names, values.tolist()))
 
 
-def _objectives(parts: RunParts, score: Scorer, model) -> tuple[PairObjective, Optional[PairObjective]]:
+def _objectives(parts: RunParts, score: Scorer, model) -> tuple[PairObjective, Optional[PairObjective],
+                                                               Optional[float]]:
     """The objective on the training pairs and on the held-out ones (None without), each with
     its pairs' reference log-probs when the objective has a reference (scored in eval mode,
-    whole params)."""
+    whole params), and the seconds that scoring took (None without a reference)."""
     cfg, data, grid = parts.cfg, parts.data, parts.grid
-    refs = [None, None]
+    refs, seconds = [None, None], None
     if needs_reference(cfg.train.objective):
+        start = time.perf_counter()
         was_training = model.training
         model.eval()  # TRL's reference model runs in eval mode (no dropout)
-        with parts.optim.whole_params():  # ZeRO-3: whole layers for the scoring pass
+        # ZeRO-3 shards the policy only: pref.reference's model is built whole
+        whole = parts.optim.whole_params() if model is parts.model else contextlib.nullcontext()
+        with whole:
             refs = [reference_logps(score, rows, grid, cfg.train.micro_batch_size, data.multiple)
                     if rows is not None else None for rows in (data.rows, data.eval_rows)]
         model.train(was_training)
+        if grid.device.type == "cuda":
+            torch.cuda.synchronize(grid.device)
+        seconds = time.perf_counter() - start
     held_out = PairObjective(cfg, grid, refs[1]) if data.eval_rows is not None else None
-    return PairObjective(cfg, grid, refs[0]), held_out
+    return PairObjective(cfg, grid, refs[0]), held_out, seconds
 
 
 @torch.no_grad()
@@ -197,7 +206,7 @@ class PreferenceStep(PlainStep):
         def score(inputs, scored, docs, model=scorer):
             with self.autocast():
                 return decoder_token_logps(model, inputs, scored, docs)
-        self.pairs, self.held_out = _objectives(parts, score, scorer)
+        self.pairs, self.held_out, self.reference_s = _objectives(parts, score, scorer)
         self.score = functools.partial(score, model=self.model)
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
@@ -250,7 +259,7 @@ class PipelinePreferenceStep(PipelineStep):
         def score(inputs, scored, docs, runtime=runtime):
             logits = runtime.forward_logits(inputs, self.autocast, docs)
             return None if logits is None else self.logps(logits, scored)
-        self.pairs, self.held_out = _objectives(parts, score, runtime.model)
+        self.pairs, self.held_out, self.reference_s = _objectives(parts, score, runtime.model)
         self.score = functools.partial(score, runtime=self.runtime)
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:

@@ -112,6 +112,7 @@ class StepPart(Protocol):
     """Forward and backward of a step's micro-batches, and evaluation through the same path."""
 
     autocast: Autocast  # the precision's autocast context (a new one per call)
+    reference_s: Optional[float]  # seconds spent scoring a preference reference before step 1, else None
 
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor: ...
 

@@ -38,6 +38,8 @@ def precision_autocast(precision: str, device: torch.device) -> Autocast:
 class _Step:
     """What both steps share: the loss sum over the replicas, and the autocast."""
 
+    reference_s: Optional[float] = None  # seconds scoring a preference reference before step 1 (pref_step)
+
     def __init__(self, grid: ParallelGrid, phases: PhaseTimer, autocast: Autocast):
         self.grid, self.phases, self.autocast = grid, phases, autocast
 

@@ -78,6 +78,8 @@ class RunSummary:
     # a mixture of experts: experts, top_k, its MoE layers, the grouped GEMM and the token dispatch
     # (megaft.training.moe_metrics.moe_record)
     moe: Optional[dict] = field(default=None, **_SOMETIMES)
+    # a preference objective with a reference (dpo, robust, ipo): seconds scoring its log-probs before step 1
+    reference_s: Optional[float] = field(default=None, **_SOMETIMES)
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     def to_json(self) -> dict[str, Any]:

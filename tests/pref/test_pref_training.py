@@ -20,6 +20,7 @@ from train_cases import read_rows
 
 from megaft.config import resolve, validate
 from megaft.parallel.grid import ParallelGrid
+from megaft.training.summary import RunSummary
 from pref.pref_train_cases import (
     COMPARED,
     EVALUATED,
@@ -219,6 +220,10 @@ def test_resume_equals_no_interruption(inputs, tmp_path):
     cut = [r for r in read_rows(str(tmp_path / "cut")) if "loss" in r]
     assert [r["step"] for r in cut] == [1, 2, 3]
     assert _compare(cut, whole, 1e-6, "resumed") == []
+    # summary.json says how long the reference scoring took (the resumed attempt scored again)
+    for name in ("whole", "cut"):
+        summary = RunSummary.read(str(tmp_path / name))
+        assert summary.reference_s is not None and summary.reference_s > 0
 
 
 def test_lora_reference_is_the_base_with_adapters_off(inputs, tmp_path):
