@@ -14,7 +14,7 @@ special added tokens (TRL's appended eos text is one token, as in a real tokeniz
 pairs are --pairs random text pairs (prompts of --prompt and answers of --answer
 characters: rows of ~50-250 tokens by default) in a JSONL file.
 
-Three variants, each trained from the same weights on the same pairs in the same order
+Five variants, each trained from the same weights on the same pairs in the same order
 (megaft's epoch-shuffled order; TRL reads them in that order through a SequentialSampler)
 with the same batches: --batch pairs a step, split in micro-batches of --micro pairs (TRL:
 per_device_train_batch_size=--micro, gradient_accumulation_steps=--batch/--micro), AdamW at
@@ -26,7 +26,11 @@ a constant --lr, no weight decay, clipping at 1, fp32:
   update, scores every pair in batches of --micro (timed apart) and no second copy is kept;
 - `megaft`: megaft.training.loop.Trainer with train.objective=dpo on a single-process grid;
   it scores the reference once while it is built (its own timing: summary.json's reference_s),
-  then `train_step(step)`.
+  then `train_step(step)`;
+- `megaft-packed`: the same with data.packing=docs: each micro-batch's pairs packed into rows
+  of up to 2 x data.seq_len tokens, each answer a document (megaft.pref.packing);
+- `megaft-shared`: packed with pref.share_prompt=true: a pair's prompt once in its row, both
+  answers attending to it (a tree mask), p + c + r + 1 tokens a pair instead of 2p + c + r.
 
 A step is one optimizer step: megaft's `train_step` call (its batch, forward, backward,
 AdamW, the loss and TRL's metrics); TRL's from its on_step_begin to its on_step_end
@@ -43,7 +47,8 @@ its ratio to `trl` (below 1: faster).
 Tokens computed per step: the rows times the length of each micro-batch as it goes
 through the model (megaft crops each micro-batch to its longest row, TRL pads it to the
 same), counted twice under `trl` (the policy's forward and backward, the reference's
-forward); the reference scoring before training is counted apart.
+forward); the reference scoring before training is counted apart. With long prompts
+(`--prompt 150-250 --answer 10-40`) the shared prompt's saving is the largest.
 """
 from __future__ import annotations
 
@@ -66,7 +71,9 @@ import torch
 from benchmarks.kernels.harness import quantile
 from benchmarks.train_step.measure import round_orders, split_steps
 
-VARIANTS = ("trl", "trl-precomp", "megaft")  # the first is the reference of the ratios
+VARIANTS = ("trl", "trl-precomp", "megaft", "megaft-packed", "megaft-shared")  # the first: the ratios' reference
+# megaft's variants: data.packing and pref.share_prompt
+MEGAFT = {"megaft": ("none", False), "megaft-packed": ("docs", False), "megaft-shared": ("docs", True)}
 SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
 # the characters of the pairs' text: no space (a WordLevel word each) and no '<' or '>', so
 # no random text spells a special token
@@ -165,8 +172,9 @@ def write_inputs(root: str, sizes: Sizes) -> tuple[str, str, int]:
     return ckpt, pairs, seq_len
 
 
-def megaft_config(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int):
-    """train.objective=dpo on one CPU process: constant LR, no weight decay, fp32."""
+def megaft_config(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int, variant: str = "megaft"):
+    """train.objective=dpo on one CPU process: constant LR, no weight decay, fp32; the
+    packing of `variant` (MEGAFT)."""
     from megaft.config import Config, resolve, validate
 
     cfg = Config()
@@ -178,6 +186,7 @@ def megaft_config(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int):
     o.lr = o.min_lr = s.lr
     o.warmup_steps, o.weight_decay = 0, 0.0
     cfg.pref.beta = s.beta
+    cfg.data.packing, cfg.pref.share_prompt = MEGAFT[variant]
     problems = validate(cfg, 1)
     if problems:
         raise SystemExit("megaft config:\n  " + "\n  ".join(problems))
@@ -191,13 +200,14 @@ def scored_tokens(rows, micro: int) -> int:
                for c in torch.arange(len(rows)).split(micro))
 
 
-def megaft_turn(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int, run_dir: str) -> Turn:
+def megaft_turn(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int, run_dir: str,
+                variant: str = "megaft") -> Turn:
     """Build megaft's Trainer (scoring the reference) and run `steps` optimizer steps."""
     from megaft.parallel.grid import ParallelGrid
     from megaft.training.loop import Trainer
 
-    cfg = megaft_config(ckpt, pairs, seq_len, s, steps)
-    turn = Turn("megaft")
+    cfg = megaft_config(ckpt, pairs, seq_len, s, steps, variant)
+    turn = Turn(variant)
     start = time.perf_counter()
     trainer = Trainer(cfg, ParallelGrid.single(), run_dir)
     turn.build_s = time.perf_counter() - start
@@ -317,8 +327,8 @@ def run_turn(variant: str, inputs: tuple[str, str, int], order: list[int], s: Se
     ckpt, pairs, seq_len = inputs
     out = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
     try:
-        if variant == "megaft":
-            return megaft_turn(ckpt, pairs, seq_len, s, steps, out)
+        if variant in MEGAFT:
+            return megaft_turn(ckpt, pairs, seq_len, s, steps, out, variant)
         return trl_turn(ckpt, pairs, order, s, steps, precompute=variant == "trl-precomp", out_dir=out)
     finally:
         gc.collect()

@@ -272,7 +272,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
                                sources=bool(cfg.data.sources), packing=cfg.data.packing,
-                               n_experts=cfg.model.n_experts)
+                               n_experts=cfg.model.n_experts, share_prompt=cfg.pref.share_prompt,
+                               cp=cfg.parallel.cp, window=cfg.model.sliding_window is not None)
     problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")

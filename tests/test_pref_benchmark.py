@@ -48,6 +48,9 @@ def test_agreement_passes_then_catches_a_wrong_beta_and_reports(setup):
     # megaft crops each micro-batch to its longest row as TRL pads it; TRL online counts its reference twice
     assert turns["megaft"].tokens == turns["trl-precomp"].tokens
     assert turns["trl"].tokens == [2 * n for n in turns["megaft"].tokens]
+    # packed rows hold fewer tokens (less padding), shared prompts fewer still (each prompt once)
+    for step in range(2):
+        assert turns["megaft-shared"].tokens[step] < turns["megaft-packed"].tokens[step] <= turns["megaft"].tokens[step]
     assert turns["megaft"].reference_s > 0 and turns["trl-precomp"].reference_s > 0 and turns["trl"].reference_s is None
 
     wrong = bench.run_turn("trl", inputs, order, dataclasses.replace(SETTINGS, beta=0.25), 1, root)

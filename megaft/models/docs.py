@@ -4,7 +4,10 @@ A packed row holds several documents; `Docs` says, per token, its position insid
 document (RoPE restarts at 0 in every document) and its document's id in the row. A
 query attends to the keys of its own document only, causally, and within the sliding
 window if the layer has one. Right padding is one more "document" of its own: it sees
-only padding, and has no loss.
+only padding, and has no loss. A document may also see a shared prefix (`prefix_ids`: the
+prompt of a preference pair whose two answers follow it in the row, pref.share_prompt): a
+tree of depth one; flash-attn's varlen segments cannot say that, so such rows take flex or
+the explicit mask.
 
 Kernels, first that runs: flash-attn's varlen kernel when the package is installed on a
 CUDA device (the documents of a micro-batch laid end to end, `cu_seqlens` marking them);
@@ -38,6 +41,9 @@ class Docs:
     # Context parallelism: these are this cp rank's tokens of the rows `cp` describes, and
     # attention is the ring over the cp group (megaft.parallel.context.ring); None = whole rows here.
     cp: Optional[ContextShard] = None
+    # A shared prefix (preference pairs with pref.share_prompt): each token also sees the earlier
+    # tokens of the document whose id this holds (its own id: none more); None = plain documents.
+    prefix_ids: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _once(self, key, build: Callable):
@@ -48,7 +54,8 @@ class Docs:
 
     def to(self, device) -> "Docs":
         cp = None if self.cp is None else self.cp.to(device)
-        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp)
+        prefix = None if self.prefix_ids is None else self.prefix_ids.to(device)
+        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp, prefix)
 
     def padded(self, seq: int) -> "Docs":
         """Right-padded to `seq` tokens (sequence parallel pads ids to a multiple of tp):
@@ -59,7 +66,9 @@ class Docs:
         if self.cp is not None:  # config validation keeps cp chunks multiples of tp
             raise ValueError("context-parallel chunks are never padded: data.seq_len / cp must be a multiple of tp")
         last = self.doc_ids.max(dim=1, keepdim=True).values + 1
-        return Docs(F.pad(self.position_ids, (0, pad)), torch.cat([self.doc_ids, last.expand(-1, pad)], dim=1))
+        prefix = None if self.prefix_ids is None else torch.cat([self.prefix_ids, last.expand(-1, pad)], dim=1)
+        return Docs(F.pad(self.position_ids, (0, pad)), torch.cat([self.doc_ids, last.expand(-1, pad)], dim=1),
+                    prefix_ids=prefix)
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [b*s, d] at the flattened position_ids, gathered once for all layers."""
@@ -85,11 +94,14 @@ class Docs:
 
 
 def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:
-    """[batch, 1, seq, seq] boolean (True = attend): same document, causal, and at most
-    `window` keys back (itself included) when given."""
+    """[batch, 1, seq, seq] boolean (True = attend): same document (or the query's shared
+    prefix), causal, and at most `window` keys back (itself included) when given."""
     seq = docs.doc_ids.shape[1]
     i = torch.arange(seq, device=docs.doc_ids.device)
-    allowed = (i[None, :] <= i[:, None]).unsqueeze(0) & (docs.doc_ids[:, :, None] == docs.doc_ids[:, None, :])
+    same = docs.doc_ids[:, :, None] == docs.doc_ids[:, None, :]
+    if docs.prefix_ids is not None:
+        same |= docs.prefix_ids[:, :, None] == docs.doc_ids[:, None, :]
+    allowed = (i[None, :] <= i[:, None]).unsqueeze(0) & same
     if window is not None:
         allowed &= (i[None, :] > i[:, None] - window).unsqueeze(0)
     return allowed.unsqueeze(1)
@@ -97,10 +109,11 @@ def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:
 
 def mask_mod(docs: Docs, window: Optional[int] = None):
     """The same rule as `document_mask`, as flex_attention's mask_mod(b, h, q, kv)."""
-    doc = docs.doc_ids
+    doc, prefix = docs.doc_ids, docs.prefix_ids
 
     def allowed(b, h, q, kv):
-        ok = (kv <= q) & (doc[b, q] == doc[b, kv])
+        same = doc[b, q] == doc[b, kv]
+        ok = (kv <= q) & (same if prefix is None else same | (prefix[b, q] == doc[b, kv]))
         return ok & (kv > q - window) if window is not None else ok
 
     return allowed
@@ -172,7 +185,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs, window
     """Attention of packed documents: flash-attn's varlen kernel, else compiled
     flex_attention with a block mask on CUDA, else SDPA with the explicit mask
     (`kernel_name` says which)."""
-    if flash_available(q.device):
+    if flash_available(q.device) and docs.prefix_ids is None:  # a shared prefix is no varlen segment
         return varlen_attend(q, k, v, docs, window)
     if flex_available(q.device):
         return _compiled_flex()(q, k, v, block_mask=docs.mask(window, True), enable_gqa=gqa)

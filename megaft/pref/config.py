@@ -35,6 +35,9 @@ class PrefConfig:
     # dpo/robust/ipo: a Hugging Face checkpoint of the same architecture to compare with; null = the
     # model the run starts from (model.init_from, or with LoRA the base)
     reference: Optional[str] = None
+    # with data.packing=docs: a pair's prompt once in its row, both answers attending to it (a tree mask);
+    # the same losses and gradients as unshared packing, the prompt computed once instead of twice
+    share_prompt: bool = False
 
 
 def is_preference(objective: str) -> bool:
@@ -57,10 +60,12 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
             for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
 
 
-def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int) -> list[str]:
+def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,
+                   share_prompt: bool = False, cp: int = 1, window: bool = False) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
     if not is_preference(objective):
-        return []
+        return ["pref.share_prompt=true shares preference pairs' prompts, and train.objective=sft has no pairs; "
+                "fix: pref.share_prompt=false"] if share_prompt else []
     problems = []
     what = f"train.objective={objective}"
     if not has_file:
@@ -69,9 +74,15 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
     if sources:
         problems.append(f"{what} reads its pairs from data.path; a mixture of data.sources is not built for "
                         "pairs yet; fix: data.path=PAIRS.jsonl and data.sources=[]")
-    if packing == "docs":  # stream (the default) and none both mean rows of their own for pairs
-        problems.append(f"{what} puts each pair's chosen and rejected answers in rows of their own; packing "
-                        "pairs is not built yet; fix: data.packing=none")
+    if share_prompt and packing != "docs":  # stream (the default) and none: each answer a row of its own
+        problems.append(f"pref.share_prompt=true puts a pair's prompt once in a packed row, and data.packing="
+                        f"{packing} gives each answer a row of its own; fix: data.packing=docs")
+    if share_prompt and cp > 1:
+        problems.append(f"pref.share_prompt=true with parallel.cp={cp}: the context-parallel ring keeps documents "
+                        "apart and has no shared prompt yet; fix: pref.share_prompt=false (packing still works)")
+    if share_prompt and window:
+        problems.append("pref.share_prompt=true with a sliding-window model: the window counts row positions, "
+                        "which a shared prompt moves apart; fix: pref.share_prompt=false")
     if n_experts:
         problems.append(f"{what} with a mixture of experts (model.n_experts={n_experts}) is not built yet (its "
                         "router terms are weighted per target token); fix: a dense model, or train.objective=sft")

@@ -22,6 +22,7 @@ from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid
 from megaft.pref.batches import PairRows
 from megaft.pref.data import read_pairs, truncate
+from megaft.pref.packing import PackedPairs, pack_pairs, packed_tokens
 from megaft.training.protocols import RunParts, StepBatch
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class PairBatch(StepBatch):
     plus, per micro-batch, its pairs' indices and ORPO's labels of every chosen token."""
 
     pair_ids: Optional[list[torch.Tensor]] = None
+    segments: Optional[list[torch.Tensor]] = None  # packed rows: each token's answer (megaft.pref.packing)
     whole_labels: Optional[list[torch.Tensor]] = None  # orpo only
     nll_tokens: int = 0  # orpo: target tokens of the global batch's chosen rows, prompt included
 
@@ -51,12 +53,14 @@ def _shard(rows: torch.Tensor, grid: ParallelGrid, size: int) -> list[torch.Tens
     return list(rows[grid.dp_rank * share:(grid.dp_rank + 1) * share].split(size))
 
 
-def context_chunks(inputs: torch.Tensor, labels: list[torch.Tensor], grid: ParallelGrid):
+def context_chunks(inputs: torch.Tensor, labels: list[torch.Tensor], grid: ParallelGrid,
+                   docs: Optional[Docs] = None):
     """Under cp: this rank's chunks of the rows and of each label tensor, and the Docs
-    (positions and ContextShard) the ring reads; else the rows as they are and no Docs."""
+    (positions and ContextShard) the ring reads; else the rows as they are and `docs`
+    (packed rows' documents, None for a sequence a row)."""
     if grid.cp_size == 1:
-        return inputs, labels, None
-    parts = [context_shard(inputs, lab, None, grid.cp_group) for lab in labels]
+        return inputs, labels, docs
+    parts = [context_shard(inputs, lab, docs, grid.cp_group) for lab in labels]
     return parts[0][0], [p[1] for p in parts], Docs(*parts[0][2:])
 
 
@@ -74,9 +78,10 @@ class PrefData:
     multiple: int = 1  # a micro-batch's length is a multiple of this (sequence parallel: tp; cp: 2 cp tp)
     same_length: bool = False  # pp > 1: every micro-batch of a step as long as the longest
     eval_rows: Optional[PairRows] = None  # data.eval_path's pairs
+    packing: str = "none"  # none: each row one answer; docs: pairs packed (megaft.pref.packing)
+    share_prompt: bool = False  # docs: a pair's prompt once, both answers seeing it
     task = None  # no generated task
     eval_batches = []  # SFT's eval lines: none (the held-out pairs are `eval_batch()`)
-    packing = "none"  # each row one sequence
     untrained = None
 
     def batch(self, step: int) -> PairBatch:
@@ -94,6 +99,8 @@ class PrefData:
 
     def _pairs(self, rows: PairRows, ids: torch.Tensor, chunks: list[torch.Tensor], n_pairs: int) -> PairBatch:
         """The micro-batches of `chunks` (this rank's pairs of `ids`, the batch's `n_pairs`)."""
+        if self.packing == "docs":
+            return self._packed(rows, ids, chunks, n_pairs)
         micro_in, micro_lab, whole = [], [], [] if self.orpo else None
         for chunk in chunks:
             inputs, labels = rows.rows(chunk)
@@ -119,6 +126,32 @@ class PrefData:
                 docs.append(d)
         return PairBatch(micro_in, micro_lab, docs, n_pairs, rows.tokens(ids), pair_ids=chunks, whole_labels=whole,
                          nll_tokens=nll_tokens)
+
+    def _packed(self, rows: PairRows, ids: torch.Tensor, chunks: list[torch.Tensor], n_pairs: int) -> PairBatch:
+        """`_pairs` with each micro-batch's pairs packed into rows (under pp all of a step's
+        micro-batches of one shape: padded to the most rows and the longest)."""
+        def pack(chunk: torch.Tensor, min_rows: int = 0, min_length: int = 0) -> PackedPairs:
+            return pack_pairs([rows.pairs[int(k)] for k in chunk], 2 * rows.seq_len, rows.pad_id,
+                              share_prompt=self.share_prompt, multiple=self.multiple, min_rows=min_rows,
+                              min_length=min_length)
+        packed = [pack(chunk) for chunk in chunks]
+        if self.same_length and packed:
+            most, longest = max(p.inputs.shape[0] for p in packed), max(p.inputs.shape[1] for p in packed)
+            packed = [pack(chunk, most, longest) for chunk in chunks]
+        micro_in, micro_lab, whole, segments, docs = [], [], [] if self.orpo else None, [], []
+        for p in packed:
+            labels = [p.labels, p.segments] + ([p.whole] if self.orpo else [])
+            inputs, labels, d = context_chunks(p.inputs, labels, self.grid, p.docs)
+            micro_in.append(inputs)
+            micro_lab.append(labels[0])
+            segments.append(labels[1])
+            docs.append(d)
+            if self.orpo:
+                whole.append(labels[2])
+        nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
+        tokens = packed_tokens([rows.pairs[int(k)] for k in ids], self.share_prompt)
+        return PairBatch(micro_in, micro_lab, docs, n_pairs, tokens, pair_ids=chunks, whole_labels=whole,
+                         nll_tokens=nll_tokens, segments=segments)
 
 
 def _rows(path: str, tok: Tokenizer, template, eos_token: Optional[str], data, rank: int, pad_id: int) -> PairRows:
@@ -149,4 +182,5 @@ def build_pref_data(parts: RunParts) -> PrefData:
     par = cfg.parallel
     multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
     return PrefData(tok, eos_id, rows, grid, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                    cfg.train.objective == "orpo", multiple, same_length=par.pp > 1, eval_rows=evals)
+                    cfg.train.objective == "orpo", multiple, same_length=par.pp > 1, eval_rows=evals,
+                    packing="docs" if data.packing == "docs" else "none", share_prompt=cfg.pref.share_prompt)

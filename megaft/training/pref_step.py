@@ -37,6 +37,7 @@ from megaft.pref.batches import PairRows, chosen_rows, rejected_rows
 from megaft.pref.config import needs_reference
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, sequence_logps, token_logps
 from megaft.pref.losses import METRICS, ORPO_METRICS, preference_loss
+from megaft.pref.packing import segment_sums
 from megaft.training.pref_data import PairBatch, context_chunks, row_length
 from megaft.training.protocols import RunParts
 from megaft.training.step import PipelineStep, PlainStep, precision_autocast
@@ -50,10 +51,16 @@ def _scored(labels: torch.Tensor, whole: Optional[torch.Tensor]) -> torch.Tensor
     return labels if whole is None else torch.where(whole != -100, whole, labels)
 
 
-def _sequences(logps: torch.Tensor, labels: torch.Tensor, whole: Optional[torch.Tensor], grid: ParallelGrid
+def _sequences(logps: torch.Tensor, labels: torch.Tensor, whole: Optional[torch.Tensor], grid: ParallelGrid,
+               segments: Optional[torch.Tensor] = None, n_pairs: int = 0
                ) -> tuple[SequenceLogps, Optional[SequenceLogps]]:
-    """Per-row sums of the token log-probs under `labels` (and `whole`), over the cp chunks."""
-    out = [sequence_logps(logps, labels)] + ([sequence_logps(logps, whole)] if whole is not None else [])
+    """Per-row sums of the token log-probs under `labels` (and `whole`), over the cp chunks;
+    packed rows (`segments`): per answer, in the unpacked rows' order."""
+    def sums(targets: torch.Tensor) -> SequenceLogps:
+        if segments is None:
+            return sequence_logps(logps, targets)
+        return SequenceLogps(*segment_sums(logps, targets, segments, 2 * n_pairs))
+    out = [sums(labels)] + ([sums(whole)] if whole is not None else [])
     if grid.cp_size > 1:  # each cp rank holds two chunks of every row; the backward is each rank's own tokens
         out = [SequenceLogps(reduce_from_tp(s.sum, grid.cp_group), all_reduce(s.count.clone(), grid.cp_group))
                for s in out]
@@ -110,7 +117,9 @@ class PairObjective:
         """Per-pair losses of micro-batch `i` from its token log-probs (its metrics summed in)."""
         device, s = self.grid.device, self.settings
         whole = batch.whole_labels[i].to(device) if batch.whole_labels else None
-        seq, nll = _sequences(logps, batch.labels[i].to(device), whole, self.grid)
+        segments = batch.segments[i].to(device) if batch.segments else None
+        seq, nll = _sequences(logps, batch.labels[i].to(device), whole, self.grid, segments,
+                              len(batch.pair_ids[i]))
         chosen = SequenceLogps(chosen_rows(seq.sum), chosen_rows(seq.count))
         rejected = SequenceLogps(rejected_rows(seq.sum), rejected_rows(seq.count))
         extra = {}

@@ -61,7 +61,16 @@ LAYOUTS = {
     # pref.reference: another checkpoint, built at the layout for the scoring pass
     "dpo_ref_pp2": ("dpo", dict(pp=2), 0),
     "dpo_ref_tp2_zero3": ("dpo", dict(tp=2, zero=3), 0),
+    # pairs packed (data.packing=docs; pref.share_prompt), against the single process's unpacked rows
+    "dpo_packed_tp2_sp": ("dpo", dict(tp=2, sequence_parallel=True), 0),
+    "dpo_packed_cp2": ("dpo", dict(cp=2), 0),
+    "dpo_shared_dp2_zero1": ("dpo", dict(dp=2, zero=1), 0),
+    "orpo_shared_pp2": ("orpo", dict(pp=2), 0),  # micro-batches padded to one shape (rows and length)
+    "ipo_shared_tp2": ("ipo", dict(tp=2), 0),
 }
+# the packed layouts: name -> pref.share_prompt
+PACKED = {"dpo_packed_tp2_sp": False, "dpo_packed_cp2": False, "dpo_shared_dp2_zero1": True,
+          "orpo_shared_pp2": True, "ipo_shared_tp2": True}
 
 
 def reference_of(ckpt: str) -> str:
@@ -70,7 +79,7 @@ def reference_of(ckpt: str) -> str:
 
 
 # layouts that also evaluate held-out pairs (data.eval_path: 5 pairs, beside the training file)
-EVALUATED = ("dpo_tp2_sp", "dpo_dp2_zero3", "orpo_cp2", "orpo_pp2", "dpo_ref_pp2")
+EVALUATED = ("dpo_tp2_sp", "dpo_dp2_zero3", "orpo_cp2", "orpo_pp2", "dpo_ref_pp2", "orpo_shared_pp2")
 
 
 def eval_pairs_of(pairs: str) -> str:
@@ -88,6 +97,8 @@ def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
     if not single:
         for k, v in par.items():
             setattr(cfg.parallel, k, v)
+        if name in PACKED:
+            cfg.data.packing, cfg.pref.share_prompt = "docs", PACKED[name]
     if objective == "simpo":
         cfg.pref.gamma = 0.3
     if "_ref" in name:

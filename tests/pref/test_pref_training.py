@@ -174,7 +174,9 @@ def test_another_reference_checkpoint_equals_trl_with_that_ref_model(inputs, tmp
     (dict(objective="kto"), "train.objective='kto' is unknown"),
     (dict(beta=0.0), "pref.beta=0.0 must be > 0"),
     (dict(objective="ipo", label_smoothing=0.1), "pref.label_smoothing=0.1 has no meaning for ipo"),
-    (dict(packing="docs"), "fix: data.packing=none"),
+    (dict(share_prompt=True), "fix: data.packing=docs"),
+    (dict(share_prompt=True, packing="docs", cp=2), "has no shared prompt yet; fix: pref.share_prompt=false"),
+    (dict(objective="sft", share_prompt=True), "train.objective=sft has no pairs"),
     (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
     (dict(reference="/nonexistent"), "is not a Hugging Face checkpoint directory"),
     (dict(objective="simpo", reference="ref"), "has no reference model; fix: pref.reference=null"),
@@ -187,6 +189,8 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     cfg.pref.label_smoothing = change.get("label_smoothing", 0.0)
     if "packing" in change:
         cfg.data.packing = change["packing"]
+    cfg.pref.share_prompt = change.get("share_prompt", False)
+    cfg.parallel.cp = change.get("cp", 1)
     if change.get("no_file"):
         cfg.data.path = None
     if "reference" in change:
