@@ -138,11 +138,14 @@ def rope_of(module: nn.Module, cfg: ModelConfig, layer: int) -> tuple[torch.Tens
     return module.rope_cos, module.rope_sin
 
 
-def prepare_ids(input_ids: torch.Tensor, cfg: ModelConfig, *, group: Group, sequence_parallel: bool) -> torch.Tensor:
+def prepare_ids(input_ids: torch.Tensor, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
+                packed: bool = False) -> torch.Tensor:
     """Check the length and, with sequence parallel, right-pad to a multiple of tp
-    (sequence shards need seq % tp == 0; causal attention ignores right padding)."""
+    (sequence shards need seq % tp == 0; causal attention ignores right padding). A row of
+    `packed` documents may be longer than max_seq_len: each document's positions start at 0
+    (packed preference pairs: two answers of up to data.seq_len each)."""
     seq = input_ids.shape[1]
-    if seq > cfg.max_seq_len:
+    if seq > cfg.max_seq_len and not packed:
         raise ValueError(f"sequence of {seq} tokens exceeds model.max_seq_len={cfg.max_seq_len}")
     pad = -seq % group_size(group) if sequence_parallel else 0
     return F.pad(input_ids, (0, pad)) if pad else input_ids
@@ -224,11 +227,12 @@ class Decoder(nn.Module):
         """First vocabulary id of this tp rank's slice of the head."""
         return group_rank(self.group) * self.lm_head.weight.shape[0]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
         """The embedding of `input_ids` (a sequence shard, right-padded, under sequence parallel),
         times sqrt(dim) with `scale_embeddings` (Gemma: the factor rounded to the weight's
         dtype first, as transformers does; the tied head uses the unscaled weight)."""
-        x = self.embed_tokens(prepare_ids(input_ids, self.cfg, group=self.group, sequence_parallel=self.sp))
+        x = self.embed_tokens(prepare_ids(input_ids, self.cfg, group=self.group, sequence_parallel=self.sp,
+                                          packed=docs is not None))
         if self.cfg.scale_embeddings:
             x = x * torch.tensor(self.cfg.dim ** 0.5, dtype=self.embed_tokens.weight.dtype, device=x.device)
         return x
@@ -262,7 +266,7 @@ class Decoder(nn.Module):
         """The last block's output of the whole decoder; `docs`: packed documents kept apart
         (megaft.models.docs)."""
         self.start_router_log(input_ids.shape[1], docs)
-        x, docs = self.embed(input_ids), self.prepare_docs(docs)
+        x, docs = self.embed(input_ids, docs), self.prepare_docs(docs)
         for i, layer in enumerate(self.layers):
             x = layer(x, *rope_of(self, self.cfg, i), docs)
         return x

@@ -59,7 +59,7 @@ class StageModel(Decoder):
         micro-batch's length, for the sequence-parallel padding (default: stage 0's ids')."""
         self.start_router_log(seq_len or x.shape[1], docs)
         if stage == 0:
-            x = self.embed(x)
+            x = self.embed(x, docs)
         docs = self.prepare_docs(docs)
         for i in self.stage_ranges[stage]:
             x = self.layers[str(i)](x, *rope_of(self, self.cfg, i), docs)

@@ -51,7 +51,8 @@ def test_rows_are_filled_first_fit_with_whole_pairs():
 
 
 def _model() -> Decoder:
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=40, max_seq_len=64)
+    # max_seq_len 12: the unpacked rows' length; the packed rows are longer (each document's positions from 0)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=40, max_seq_len=12)
     model = Decoder(cfg)
     init_params(model, cfg, seed=3, tp_rank=0, tp_size=1)
     return model
@@ -66,6 +67,7 @@ def _answer_logps(model: Decoder, share: Optional[bool]) -> tuple[torch.Tensor, 
         seq = sequence_logps(decoder_token_logps(model, inputs, labels), labels)
         return chosen_rows(seq.sum), rejected_rows(seq.sum)
     packed = pack_pairs(PAIRS, 24, 0, share_prompt=share)
+    assert packed.inputs.shape[1] > model.cfg.max_seq_len
     logps = decoder_token_logps(model, packed.inputs, packed.labels, packed.docs)
     sums, counts = segment_sums(logps, packed.labels, packed.segments, 2 * len(PAIRS))
     assert counts.tolist() == [len(a) for p in PAIRS for a in (p.chosen_ids, p.rejected_ids)]
