@@ -10,7 +10,8 @@ The reference model of dpo, robust and ipo is `pref.reference` (a Hugging Face c
 of the same architecture), by default the model the run starts from (model.init_from, or the
 seeded init; with LoRA the base, since the adapters start at zero): its completion log-probs
 are computed once, before the first step, at the run's own layout, and held per pair
-(megaft.training.pref_step). simpo and orpo have none.
+(megaft.training.pref_step); `pref.reference_mode=online` keeps the reference model instead and
+scores each step's pairs. simpo and orpo have none.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Optional
 from megaft.pref.losses import OBJECTIVES, REFERENCE_FREE, check_preference
 
 OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES
+REFERENCE_MODES = ("precompute", "online")
 
 
 @dataclass
@@ -38,6 +40,9 @@ class PrefConfig:
     # with data.packing=docs: a pair's prompt once in its row, both answers attending to it (a tree mask);
     # the same losses and gradients as unshared packing, the prompt computed once instead of twice
     share_prompt: bool = False
+    # dpo/robust/ipo: precompute (score every pair once before step 1, hold 4 floats a pair) | online (keep
+    # the reference model beside the policy and score each step's pairs, as TRL's DPOTrainer does by default)
+    reference_mode: str = "precompute"
 
 
 def is_preference(objective: str) -> bool:
@@ -54,10 +59,15 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
     """Problems of train.objective and pref.* on their own, each with its fix."""
     if objective not in OBJECTIVE_CHOICES:
         return [f"train.objective={objective!r} is unknown; fix: one of {', '.join(OBJECTIVE_CHOICES)}"]
+    modes = [] if cfg.reference_mode in REFERENCE_MODES else [
+        f"pref.reference_mode={cfg.reference_mode!r} is unknown; fix: {' or '.join(REFERENCE_MODES)}"]
     if not is_preference(objective):
-        return []
-    return [f"pref.{p}" if p.startswith(("beta", "label_smoothing")) else p
-            for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
+        return modes
+    if cfg.reference_mode == "online" and not needs_reference(objective):
+        modes.append(f"pref.reference_mode=online: train.objective={objective} has no reference model; fix: "
+                     "pref.reference_mode=precompute")
+    return modes + [f"pref.{p}" if p.startswith(("beta", "label_smoothing")) else p
+                    for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
 
 
 def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,

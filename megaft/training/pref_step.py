@@ -78,13 +78,13 @@ def logits_scorer(model, grid: ParallelGrid) -> Callable[[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def reference_logps(score: Scorer, rows: PairRows, grid: ParallelGrid, micro_batch_size: int, multiple: int = 1
-                    ) -> torch.Tensor:
-    """[pairs, 4] (chosen sum, chosen count, rejected sum, rejected count) under `score` (the
-    model as it is), over every pair: chunks of `micro_batch_size` pairs round-robin over dp;
-    under pp the last stage's sums, shared over pp; one sum over dp."""
+def score_pairs(score: Scorer, rows: PairRows, chunks: list[torch.Tensor], grid: ParallelGrid, multiple: int = 1
+                ) -> torch.Tensor:
+    """[pairs of `rows`, 4] (chosen sum, chosen count, rejected sum, rejected count) under
+    `score` of the pairs in `chunks` (one forward each, unpacked rows), zeros elsewhere and on
+    a pipeline stage before the last."""
     out = torch.zeros(len(rows), 4, dtype=torch.float32, device=grid.device)
-    for chunk in list(torch.arange(len(rows)).split(micro_batch_size))[grid.dp_rank::grid.dp_size]:
+    for chunk in chunks:
         inputs, labels = rows.rows(chunk)
         n = row_length(labels, multiple)
         inputs, (labels,), docs = context_chunks(inputs[:, :n], [labels[:, :n]], grid)
@@ -95,16 +95,29 @@ def reference_logps(score: Scorer, rows: PairRows, grid: ParallelGrid, micro_bat
         seq, _ = _sequences(logps, labels, None, grid)
         out[chunk.to(grid.device)] = torch.stack([chosen_rows(seq.sum), chosen_rows(seq.count).float(),
                                                   rejected_rows(seq.sum), rejected_rows(seq.count).float()], 1)
+    return out
+
+
+def reference_logps(score: Scorer, rows: PairRows, grid: ParallelGrid, micro_batch_size: int, multiple: int = 1
+                    ) -> torch.Tensor:
+    """`score_pairs` of every pair: chunks of `micro_batch_size` pairs round-robin over dp;
+    under pp the last stage's sums, shared over pp; one sum over dp."""
+    chunks = list(torch.arange(len(rows)).split(micro_batch_size))[grid.dp_rank::grid.dp_size]
+    out = score_pairs(score, rows, chunks, grid, multiple)
     if grid.pp_size > 1:
         all_reduce(out, grid.pp_group)  # the last stage's sums, zeros elsewhere
     return all_reduce(out, grid.dp_group)  # each pair scored by one dp rank, zeros elsewhere
 
 
 class PairObjective:
-    """The objective of train.objective on a micro-batch's row log-probs, and the step's TRL metrics."""
+    """The objective of train.objective on a micro-batch's row log-probs, and the step's TRL metrics.
+    `reference`: every pair's reference log-probs (precomputed); `online`: a function scoring a
+    batch's pairs instead, called when the batch starts (pref.reference_mode=online)."""
 
-    def __init__(self, cfg, grid: ParallelGrid, reference: Optional[torch.Tensor]):
+    def __init__(self, cfg, grid: ParallelGrid, reference: Optional[torch.Tensor],
+                 online: Optional[Callable[[PairBatch], torch.Tensor]] = None):
         self.objective, self.settings, self.grid, self.reference = cfg.train.objective, cfg.pref, grid, reference
+        self.online = online
         self.names = METRICS + (ORPO_METRICS if self.objective == "orpo" else ())
         self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=grid.device)
         self.pairs = 0
@@ -112,6 +125,8 @@ class PairObjective:
     def start(self, batch: PairBatch) -> None:
         self.sums.zero_()
         self.pairs = batch.n_targets
+        if self.online is not None:
+            self.reference = self.online(batch)
 
     def losses(self, logps: torch.Tensor, batch: PairBatch, i: int) -> torch.Tensor:
         """Per-pair losses of micro-batch `i` from its token log-probs (its metrics summed in)."""
@@ -149,8 +164,16 @@ def _objectives(parts: RunParts, score: Scorer, model) -> tuple[PairObjective, O
                                                                Optional[float]]:
     """The objective on the training pairs and on the held-out ones (None without), each with
     its pairs' reference log-probs when the objective has a reference (scored in eval mode,
-    whole params), and the seconds that scoring took (None without a reference)."""
+    whole params), and the seconds that scoring took (None without a reference, or online:
+    the reference model `model` scores each batch's pairs when it starts)."""
     cfg, data, grid = parts.cfg, parts.data, parts.grid
+    if needs_reference(cfg.train.objective) and cfg.pref.reference_mode == "online":
+        model.eval().requires_grad_(False)  # a frozen copy, in eval mode as TRL's ref_model
+
+        def online(rows: PairRows) -> Callable[[PairBatch], torch.Tensor]:
+            return lambda batch: score_pairs(score, rows, batch.pair_ids, grid, data.multiple)
+        held_out = PairObjective(cfg, grid, None, online(data.eval_rows)) if data.eval_rows is not None else None
+        return PairObjective(cfg, grid, None, online(data.rows)), held_out, None
     refs, seconds = [None, None], None
     if needs_reference(cfg.train.objective):
         start = time.perf_counter()
@@ -193,13 +216,17 @@ def eval_pairs_loss(objective: Optional[PairObjective], batch: Optional[PairBatc
 
 
 def reference_model(parts: RunParts, build_model: Callable[[RunParts], torch.nn.Module]) -> Optional[torch.nn.Module]:
-    """pref.reference's checkpoint at this rank's layout (tp/pp shards, whole under ZeRO: it is
-    only read), without adapters; None when the reference is the starting model itself."""
+    """The reference model at this rank's layout (tp/pp shards, whole under ZeRO: it is only
+    read), without adapters: pref.reference's checkpoint, or under reference_mode=online the
+    starting model built again (the same init_from or seeded init; with LoRA the base); None
+    when the reference is the starting model scored before training."""
     cfg = parts.cfg
-    if cfg.pref.reference is None or not needs_reference(cfg.train.objective):
+    online = cfg.pref.reference_mode == "online"
+    if not needs_reference(cfg.train.objective) or (cfg.pref.reference is None and not online):
         return None
     ref = copy.deepcopy(cfg)
-    ref.model = hf_model_config(cfg.pref.reference, base=cfg.model)  # validated: the policy's architecture
+    if cfg.pref.reference is not None:
+        ref.model = hf_model_config(cfg.pref.reference, base=cfg.model)  # validated: the policy's architecture
     ref.lora.rank = 0
     return build_model(dataclasses.replace(parts, cfg=ref))
 

@@ -67,7 +67,13 @@ LAYOUTS = {
     "dpo_shared_dp2_zero1": ("dpo", dict(dp=2, zero=1), 0),
     "orpo_shared_pp2": ("orpo", dict(pp=2), 0),  # micro-batches padded to one shape (rows and length)
     "ipo_shared_tp2": ("ipo", dict(tp=2), 0),
+    # pref.reference_mode=online (a reference model kept beside the policy), against the single
+    # process's precomputed reference
+    "dpo_online_pp2": ("dpo", dict(pp=2), 0),
+    "dpo_online_lora_tp2": ("dpo", dict(tp=2), 4),
+    "ipo_online_ref_dp2_zero3": ("ipo", dict(dp=2, zero=3), 0),
 }
+ONLINE = ("dpo_online_pp2", "dpo_online_lora_tp2", "ipo_online_ref_dp2_zero3")
 # the packed layouts: name -> pref.share_prompt
 PACKED = {"dpo_packed_tp2_sp": False, "dpo_packed_cp2": False, "dpo_shared_dp2_zero1": True,
           "orpo_shared_pp2": True, "ipo_shared_tp2": True}
@@ -79,7 +85,8 @@ def reference_of(ckpt: str) -> str:
 
 
 # layouts that also evaluate held-out pairs (data.eval_path: 5 pairs, beside the training file)
-EVALUATED = ("dpo_tp2_sp", "dpo_dp2_zero3", "orpo_cp2", "orpo_pp2", "dpo_ref_pp2", "orpo_shared_pp2")
+EVALUATED = ("dpo_tp2_sp", "dpo_dp2_zero3", "orpo_cp2", "orpo_pp2", "dpo_ref_pp2", "orpo_shared_pp2",
+             "dpo_online_pp2")
 
 
 def eval_pairs_of(pairs: str) -> str:
@@ -99,6 +106,8 @@ def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
             setattr(cfg.parallel, k, v)
         if name in PACKED:
             cfg.data.packing, cfg.pref.share_prompt = "docs", PACKED[name]
+        if name in ONLINE:
+            cfg.pref.reference_mode = "online"
     if objective == "simpo":
         cfg.pref.gamma = 0.3
     if "_ref" in name:

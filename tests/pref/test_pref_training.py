@@ -25,6 +25,7 @@ from pref.pref_train_cases import (
     COMPARED,
     EVALUATED,
     LAYOUTS,
+    ONLINE,
     eval_pairs_of,
     layout_config,
     layouts_rank,
@@ -71,6 +72,9 @@ def test_every_layout_equals_the_single_process(inputs):
         # the runs learn something: the loss moves, and dpo's rewards leave zero after step 1
         losses = [r["loss"] for r in want if "loss" in r]
         assert len(set(losses)) == len(losses), name
+        # online layouts scored no reference before step 1 (summary.json has no reference_s)
+        scored_first = RunSummary.read(str(root / "layouts" / name)).reference_s is not None
+        assert scored_first == (name not in ONLINE and LAYOUTS[name][0] in ("dpo", "ipo")), name
         if name in EVALUATED:  # evaluated at steps 0, 2 and 3 (the last), and the held-out loss moved
             evals = [r["eval_loss"] for r in want if "eval_loss" in r]
             assert len(evals) == 3 and len(set(evals)) == 3, (name, want)
@@ -175,6 +179,8 @@ def test_another_reference_checkpoint_equals_trl_with_that_ref_model(inputs, tmp
     (dict(beta=0.0), "pref.beta=0.0 must be > 0"),
     (dict(objective="ipo", label_smoothing=0.1), "pref.label_smoothing=0.1 has no meaning for ipo"),
     (dict(share_prompt=True), "fix: data.packing=docs"),
+    (dict(reference_mode="offline"), "pref.reference_mode='offline' is unknown; fix: precompute or online"),
+    (dict(objective="simpo", reference_mode="online"), "has no reference model; fix: pref.reference_mode=precompute"),
     (dict(share_prompt=True, packing="docs", cp=2), "has no shared prompt yet; fix: pref.share_prompt=false"),
     (dict(objective="sft", share_prompt=True), "train.objective=sft has no pairs"),
     (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
@@ -190,6 +196,7 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     if "packing" in change:
         cfg.data.packing = change["packing"]
     cfg.pref.share_prompt = change.get("share_prompt", False)
+    cfg.pref.reference_mode = change.get("reference_mode", "precompute")
     cfg.parallel.cp = change.get("cp", 1)
     if change.get("no_file"):
         cfg.data.path = None
