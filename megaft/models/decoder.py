@@ -209,6 +209,9 @@ class Decoder(nn.Module):
         if embedding:
             self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
         self.router_log = RouterLog()  # the MoE layers' statistics of the last forward
+        # [batch, seq] True at the positions the router statistics count (None: all): set by the
+        # caller around a forward (preference rows' padding, megaft.training.pref_step)
+        self.router_valid: Optional[torch.Tensor] = None
         self.token_groups: list = []  # the groups a micro-batch's tokens are split over (router statistics)
         blocks = {str(i): Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels, layer=i,
                                 recompute=cfg.recompute if i in again else "none", log=self.router_log,
@@ -275,7 +278,7 @@ class Decoder(nn.Module):
         """Open the MoE statistics of a forward over a micro-batch of `seq_len` tokens per row
         (this rank's), and note the groups its tokens are split over: tp under sequence
         parallel, cp."""
-        self.router_log.start(seq_len)
+        self.router_log.start(seq_len, self.router_valid)
         self.token_groups = ([self.group] if self.sp else []) + (
             [docs.cp.group] if docs is not None and docs.cp is not None else [])
 

@@ -81,9 +81,12 @@ class RouterLog:
         self.records: list[RouterRecord] = []
         self.open = False
         self.seq_len: Optional[int] = None  # the micro-batch's length before sequence-parallel padding
+        # [batch, seq_len] True where a position is a token (preference rows: not the padding after each
+        # row, which transformers' attention_mask keeps out of load_balancing_loss_func); None: all are
+        self.valid: Optional[torch.Tensor] = None
 
-    def start(self, seq_len: int) -> None:
-        self.records, self.open, self.seq_len = [], True, seq_len
+    def start(self, seq_len: int, valid: Optional[torch.Tensor] = None) -> None:
+        self.records, self.open, self.seq_len, self.valid = [], True, seq_len, valid
 
     def add(self, record: RouterRecord) -> None:
         if self.open:
@@ -344,9 +347,13 @@ class MoE(nn.Module):
         b, s, e = probs.shape
         mine = self._mine(s)
         logits, probs, experts = logits[:, mine], probs[:, mine], experts[:, mine]
+        if self.log.valid is not None:  # only the tokens: [positions, ...] from [b, positions, ...]
+            start = group_rank(self.group) * s if self.sp else 0
+            valid = self.log.valid.to(probs.device)[:, start:start + s][:, mine]
+            logits, probs, experts = logits[valid], probs[valid], experts[valid]
         counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
         z = torch.logsumexp(logits, dim=-1).square().sum()
-        tokens = torch.tensor(float(probs.shape[0] * probs.shape[1]), device=probs.device)
+        tokens = torch.tensor(float(probs.reshape(-1, e).shape[0]), device=probs.device)
         self.log.add(RouterRecord(self.layer, counts, probs.reshape(-1, e).sum(0), z, tokens, dropped))
 
     def _kept(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:

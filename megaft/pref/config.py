@@ -71,7 +71,8 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
 
 
 def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,
-                   share_prompt: bool = False, cp: int = 1, window: bool = False) -> list[str]:
+                   share_prompt: bool = False, cp: int = 1, window: bool = False, pp: int = 1,
+                   capacity: bool = False, global_aux: bool = False) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
     if not is_preference(objective):
         return ["pref.share_prompt=true shares preference pairs' prompts, and train.objective=sft has no pairs; "
@@ -93,9 +94,16 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
     if share_prompt and window:
         problems.append("pref.share_prompt=true with a sliding-window model: the window counts row positions, "
                         "which a shared prompt moves apart; fix: pref.share_prompt=false")
-    if n_experts:
-        problems.append(f"{what} with a mixture of experts (model.n_experts={n_experts}) is not built yet (its "
-                        "router terms are weighted per target token); fix: a dense model, or train.objective=sft")
+    moe = f"{what} with a mixture of experts (model.n_experts={n_experts})"
+    if n_experts and pp > 1:
+        problems.append(f"{moe} under parallel.pp={pp} is not built yet (the stages' router statistics would count "
+                        "the pairs' padding); fix: parallel.pp=1 (tp, ep, dp, cp work)")
+    if n_experts and (capacity or global_aux):
+        problems.append(f"{moe} balances each micro-batch's tokens without a capacity, as TRL's DPOTrainer adds "
+                        "transformers' aux loss; fix: moe.capacity_factor=null and moe.aux_scope=micro_batch")
+    if n_experts and share_prompt:
+        problems.append(f"{moe} and pref.share_prompt=true: the router statistics would count each prompt once, "
+                        "not twice as in unshared rows; fix: pref.share_prompt=false")
     return problems
 
 

@@ -35,6 +35,7 @@ class PairBatch(StepBatch):
 
     pair_ids: Optional[list[torch.Tensor]] = None
     segments: Optional[list[torch.Tensor]] = None  # packed rows: each token's answer (megaft.pref.packing)
+    valid: Optional[list[torch.Tensor]] = None  # per micro-batch [rows, length]: True at tokens, False at padding
     whole_labels: Optional[list[torch.Tensor]] = None  # orpo only
     nll_tokens: int = 0  # orpo: target tokens of the global batch's chosen rows, prompt included
 
@@ -101,11 +102,12 @@ class PrefData:
         """The micro-batches of `chunks` (this rank's pairs of `ids`, the batch's `n_pairs`)."""
         if self.packing == "docs":
             return self._packed(rows, ids, chunks, n_pairs)
-        micro_in, micro_lab, whole = [], [], [] if self.orpo else None
+        micro_in, micro_lab, whole, valid = [], [], [] if self.orpo else None, []
         for chunk in chunks:
             inputs, labels = rows.rows(chunk)
             micro_in.append(inputs)
             micro_lab.append(labels)
+            valid.append(torch.arange(rows.seq_len) < rows.lengths[PairRows._index(chunk)].unsqueeze(1))
             if self.orpo:
                 whole.append(rows.whole_rows(chunk))
         # ORPO's SFT term: a token mean over the batch's chosen rows
@@ -117,15 +119,15 @@ class PrefData:
             ends = [max(ends)] * len(ends)
         docs = [] if self.grid.cp_size > 1 else None
         for i, n in enumerate(ends):
-            labels = [micro_lab[i][:, :n]] + ([whole[i][:, :n]] if self.orpo else [])
+            labels = [micro_lab[i][:, :n], valid[i][:, :n]] + ([whole[i][:, :n]] if self.orpo else [])
             micro_in[i], labels, d = context_chunks(micro_in[i][:, :n], labels, self.grid)
-            micro_lab[i] = labels[0]
+            micro_lab[i], valid[i] = labels[:2]
             if self.orpo:
-                whole[i] = labels[1]
+                whole[i] = labels[2]
             if docs is not None:
                 docs.append(d)
         return PairBatch(micro_in, micro_lab, docs, n_pairs, rows.tokens(ids), pair_ids=chunks, whole_labels=whole,
-                         nll_tokens=nll_tokens)
+                         nll_tokens=nll_tokens, valid=valid)
 
     def _packed(self, rows: PairRows, ids: torch.Tensor, chunks: list[torch.Tensor], n_pairs: int) -> PairBatch:
         """`_pairs` with each micro-batch's pairs packed into rows (under pp all of a step's
@@ -138,7 +140,7 @@ class PrefData:
         if self.same_length and packed:
             most, longest = max(p.inputs.shape[0] for p in packed), max(p.inputs.shape[1] for p in packed)
             packed = [pack(chunk, most, longest) for chunk in chunks]
-        micro_in, micro_lab, whole, segments, docs = [], [], [] if self.orpo else None, [], []
+        micro_in, micro_lab, whole, segments, docs, valid = [], [], [] if self.orpo else None, [], [], []
         for p in packed:
             labels = [p.labels, p.segments] + ([p.whole] if self.orpo else [])
             inputs, labels, d = context_chunks(p.inputs, labels, self.grid, p.docs)
@@ -146,12 +148,13 @@ class PrefData:
             micro_lab.append(labels[0])
             segments.append(labels[1])
             docs.append(d)
+            valid.append(labels[1] >= 0)  # the padding: no pair's
             if self.orpo:
                 whole.append(labels[2])
         nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
         tokens = packed_tokens([rows.pairs[int(k)] for k in ids], self.share_prompt)
         return PairBatch(micro_in, micro_lab, docs, n_pairs, tokens, pair_ids=chunks, whole_labels=whole,
-                         nll_tokens=nll_tokens, segments=segments)
+                         nll_tokens=nll_tokens, segments=segments, valid=valid)
 
 
 def _rows(path: str, tok: Tokenizer, template, eos_token: Optional[str], data, rank: int, pad_id: int) -> PairRows:

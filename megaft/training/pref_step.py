@@ -29,6 +29,7 @@ import torch
 
 from megaft.models.attention import op_backend
 from megaft.models.hf_load import hf_model_config
+from megaft.models.moe_stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
@@ -38,6 +39,7 @@ from megaft.pref.config import needs_reference
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, sequence_logps, token_logps
 from megaft.pref.losses import METRICS, ORPO_METRICS, preference_loss
 from megaft.pref.packing import segment_sums
+from megaft.training.moe_metrics import router_weight
 from megaft.training.pref_data import PairBatch, context_chunks, row_length
 from megaft.training.protocols import RunParts
 from megaft.training.step import PipelineStep, PlainStep, precision_autocast
@@ -246,21 +248,34 @@ class PreferenceStep(PlainStep):
         self.score = functools.partial(score, model=self.model)
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
-        """Backpropagate sum(pair losses) / divisor over the micro-batches; the loss sum (fp64)."""
-        phase, device = self.phases.phase, self.grid.device
+        """Backpropagate sum(pair losses) / divisor over the micro-batches (a mixture of experts:
+        plus its router terms, each micro-batch's over its tokens, averaged over the global
+        batch's micro-batches as TRL adds them); the pair-loss sum (fp64)."""
+        phase, device, model = self.phases.phase, self.grid.device, self.model
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.pairs.start(batch)
+        self.router_stats = StepRouterStats.of(model)
+        weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, model.routing)
         for i in range(len(batch.inputs)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
             whole = batch.whole_labels[i].to(device) if batch.whole_labels else None
             with phase("forward"), self.autocast():
                 scored = _scored(batch.labels[i].to(device), whole)
-                logps = decoder_token_logps(self.model, batch.inputs[i].to(device), scored,
-                                            batch.docs[i] if batch.docs else None)
+                model.router_valid = batch.valid[i] if batch.valid else None
+                try:
+                    logps = decoder_token_logps(model, batch.inputs[i].to(device), scored,
+                                                batch.docs[i] if batch.docs else None)
+                finally:
+                    model.router_valid = None
                 losses = self.pairs.losses(logps, batch, i)
+                router = model.router_losses() if model.cfg.n_experts > 0 else None
+            objective = losses.sum()
+            if router is not None:
+                objective = objective + router.local * weight
+                self.router_stats.add(router)
             with phase("backward"):
-                (losses.sum() / divisor).backward()
+                (objective / divisor).backward()
             loss_sum += losses.detach().sum().double()
         return loss_sum
 
@@ -271,7 +286,8 @@ class PreferenceStep(PlainStep):
         return loss_sum
 
     def step_metrics(self) -> dict[str, float]:
-        return self.pairs.record()
+        """TRL's metrics, and a mixture of experts' aux_loss, z_loss and expert loads."""
+        return {**self.pairs.record(), **self.router_stats.record(self.grid.dp_group)}
 
     def eval_loss(self, batches) -> Optional[float]:
         """The mean pair loss of data.eval_path's pairs (SFT's eval lines, `batches`, are none)."""

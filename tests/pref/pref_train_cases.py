@@ -72,11 +72,21 @@ LAYOUTS = {
     "dpo_online_pp2": ("dpo", dict(pp=2), 0),
     "dpo_online_lora_tp2": ("dpo", dict(tp=2), 4),
     "ipo_online_ref_dp2_zero3": ("ipo", dict(dp=2, zero=3), 0),
+    # mixtures of experts (the fixture's Mixtral beside the Llama): the router terms over each
+    # micro-batch's tokens, the padding left out
+    "dpo_moe_ep2": ("dpo", dict(dp=2, ep=2), 0),
+    "dpo_moe_tp2_sp": ("dpo", dict(tp=2, sequence_parallel=True), 0),
+    "orpo_moe_packed_cp2": ("orpo", dict(cp=2), 0),
 }
-ONLINE = ("dpo_online_pp2", "dpo_online_lora_tp2", "ipo_online_ref_dp2_zero3")
 # the packed layouts: name -> pref.share_prompt
 PACKED = {"dpo_packed_tp2_sp": False, "dpo_packed_cp2": False, "dpo_shared_dp2_zero1": True,
-          "orpo_shared_pp2": True, "ipo_shared_tp2": True}
+          "orpo_shared_pp2": True, "ipo_shared_tp2": True, "orpo_moe_packed_cp2": False}
+ONLINE = ("dpo_online_pp2", "dpo_online_lora_tp2", "ipo_online_ref_dp2_zero3")
+
+
+def moe_of(ckpt: str) -> str:
+    """The Mixtral checkpoint the fixture saves beside `ckpt`."""
+    return os.path.join(os.path.dirname(ckpt), "moe")
 
 
 def reference_of(ckpt: str) -> str:
@@ -96,7 +106,7 @@ def eval_pairs_of(pairs: str) -> str:
 def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
     """The config of LAYOUTS[name], or (`single`) its single-process reference."""
     objective, par, lora = LAYOUTS[name]
-    cfg = pref_config(ckpt, pairs, objective, micro=1 if par.get("dp") else 2)
+    cfg = pref_config(moe_of(ckpt) if "_moe" in name else ckpt, pairs, objective, micro=1 if par.get("dp") else 2)
     if name in EVALUATED:
         cfg.data.eval_path, cfg.train.eval_every = eval_pairs_of(pairs), 2
     if lora:
@@ -124,5 +134,5 @@ def layouts_rank(rank: int, world: int, ckpt: str, pairs: str, root: str) -> Non
     for name, (_, par, _) in LAYOUTS.items():
         cfg = layout_config(ckpt, pairs, name, single=False)
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
-                                  device="cpu")
+                                  ep=par.get("ep", 1), device="cpu")
         run(cfg, grid, os.path.join(root, name))

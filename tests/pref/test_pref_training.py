@@ -14,7 +14,8 @@ from typing import Optional
 
 import pytest
 import torch
-from models.hf_fixture import load_reference, make_hf_llama
+from models.hf_fixture import make_hf_llama
+from models.moe_fixture import load_reference, make_hf_moe  # AutoModelForCausalLM: Llama and the MoE families
 from multirank import spawn
 from train_cases import read_rows
 
@@ -29,6 +30,7 @@ from pref.pref_train_cases import (
     eval_pairs_of,
     layout_config,
     layouts_rank,
+    moe_of,
     pref_config,
     reference_of,
     run,
@@ -42,6 +44,7 @@ def inputs(tmp_path_factory):
     ckpt, pairs = str(root / "ckpt"), str(root / "pairs.jsonl")
     make_hf_llama(ckpt, seed=1)
     make_hf_llama(reference_of(ckpt), seed=4)
+    make_hf_moe(moe_of(ckpt), "mixtral", seed=1, sliding_window=None)
     write_pairs(pairs)
     write_pairs(eval_pairs_of(pairs), n=5, seed=7)
     return ckpt, pairs, root
@@ -52,7 +55,9 @@ def _compare(got: list[dict], want: list[dict], rtol: float, what: str) -> list[
         return [f"{what}: lines {[sorted(r) for r in got]} against {[sorted(r) for r in want]}"]
     bad = []
     for g, w in zip(got, want):
-        for key in [k for k in COMPARED if k in w] + [k for k in w if k.startswith(("nll_", "log_odds"))]:
+        # and ORPO's terms, a mixture of experts' aux loss and expert loads
+        extra = [k for k in w if k.startswith(("nll_", "log_odds", "aux_loss", "moe/"))]
+        for key in [k for k in COMPARED if k in w] + extra:
             # a DPO reward is beta times a difference of two log-probs of ~-40: it carries their rounding
             scale = max(abs(w[key]), 0.5 * abs(w.get("logps/chosen", 0)) if key.startswith("rewards/") else 0, 1e-3)
             if abs(g[key] - w[key]) > rtol * scale:
@@ -110,17 +115,23 @@ def _trl_dpo_curve(ckpt: str, pairs: str, order: list[int], steps: int, out: str
     trainer = InOrder(model=load_reference(ckpt).train(), ref_model=load_reference(ref or ckpt), args=args,
                       train_dataset=data, processing_class=tok)
     trainer.train()
+    lines = [r for r in trainer.state.log_history if "loss" in r]
+    if evals is None:
+        return lines
     held_out = Dataset.from_list([json.loads(line) for line in open(evals)])
-    return [r for r in trainer.state.log_history if "loss" in r] + [trainer.evaluate(held_out)]
+    return lines + [trainer.evaluate(held_out)]
 
 
-def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = None) -> tuple[list[dict], list[dict]]:
+def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = None, micro: int = 2,
+                 evaluate: bool = True) -> tuple[list[dict], list[dict]]:
     """(megaft's, TRL's) metrics lines of `steps` DPO steps on the same pairs in the same order;
     the held-out pairs' loss after them must agree (megaft's eval at the last step, TRL's evaluate)."""
     from megaft.pref.batches import PairRows
 
-    cfg = pref_config(ckpt, pairs, "dpo", steps=steps, micro=2)
-    cfg.pref.reference, cfg.data.eval_path, cfg.train.eval_every = ref, eval_pairs_of(pairs), steps
+    cfg = pref_config(ckpt, pairs, "dpo", steps=steps, micro=micro)
+    cfg.pref.reference = ref
+    if evaluate:
+        cfg.data.eval_path, cfg.train.eval_every = eval_pairs_of(pairs), steps
     cfg = resolve(cfg)
     run(cfg, ParallelGrid.single(), str(out / "megaft"))
     lines = read_rows(str(out / "megaft"))
@@ -130,7 +141,10 @@ def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = No
     rows = PairRows.__new__(PairRows)  # only the order: a pure function of (seed, step, pair count)
     rows.pairs, rows.seed, rows._orders = [None] * n, cfg.data.seed, {}
     order = [int(i) for s in range(steps) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
-    want = _trl_dpo_curve(ckpt, pairs, order, steps, str(out / "trl"), cfg, ref, eval_pairs_of(pairs))
+    want = _trl_dpo_curve(ckpt, pairs, order, steps, str(out / "trl"), cfg, ref,
+                          eval_pairs_of(pairs) if evaluate else None)
+    if not evaluate:
+        return got, want
     # the held-out pairs' loss after the last step: megaft's line at that step, TRL's evaluate()
     assert len(got_eval) == 2 and abs(got_eval[-1] - want[-1]["eval_loss"]) < 1e-4 * abs(want[-1]["eval_loss"]), \
         (got_eval, want[-1])
@@ -161,6 +175,23 @@ def test_ten_dpo_steps_equal_trl(inputs, tmp_path):
     # step 1: the policy is its own reference (scored in other batches: rounding only), the loss ln 2
     assert abs(got[0]["loss"] - torch.log(torch.tensor(2.0)).item()) < 1e-6
     assert abs(got[0]["rewards/chosen"]) < 1e-5 and abs(got[0]["rewards/rejected"]) < 1e-5
+
+
+def test_a_mixture_of_experts_equals_trl_with_its_aux_loss(inputs, tmp_path):
+    """Mixtral (4 experts, top-2, router_aux_loss_coef 0.02): TRL's DPOTrainer adds
+    coef x transformers' load-balancing loss over each micro-batch's tokens (its attention
+    mask keeps the padding out); megaft's loss line is the pair loss and aux_loss its own
+    line, so TRL's loss is megaft's loss + coef x aux_loss. One micro-batch of 4 pairs, as TRL's."""
+    ckpt, pairs, _ = inputs
+    got, want = _against_trl(moe_of(ckpt), pairs, 3, tmp_path, micro=4, evaluate=False)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        g["loss"] += 0.02 * g["aux_loss"]
+    bad = _trl_mismatches(got, want)
+    bad += [f"step {g['step']} aux_loss: megaft {g['aux_loss']} TRL {w['aux_loss']}" for g, w in zip(got, want)
+            if abs(g["aux_loss"] - w["aux_loss"]) > 1e-5 * abs(w["aux_loss"])]
+    assert not bad, "\n".join(bad)
+    assert len({g["aux_loss"] for g in got}) == 3  # the routing moved
 
 
 def test_another_reference_checkpoint_equals_trl_with_that_ref_model(inputs, tmp_path):
@@ -203,6 +234,22 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     if "reference" in change:
         cfg.pref.reference = reference_of(ckpt) if change["reference"] == "ref" else change["reference"]
     problems = validate(cfg, cfg.launcher.nproc)
+    assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(pp=2), "under parallel.pp=2 is not built yet"),
+    (dict(capacity=1.0), "fix: moe.capacity_factor=null and moe.aux_scope=micro_batch"),
+    (dict(share=True), "would count each prompt once"),
+])
+def test_what_a_mixture_of_experts_cannot_do_under_a_preference_objective(inputs, change, problem):
+    ckpt, pairs, _ = inputs
+    cfg = pref_config(moe_of(ckpt), pairs, "dpo")
+    cfg.parallel.pp = change.get("pp", 1)
+    cfg.moe.capacity_factor = change.get("capacity")
+    if change.get("share"):
+        cfg.data.packing, cfg.pref.share_prompt = "docs", True
+    problems = validate(cfg, 2)
     assert any(problem in p for p in problems), problems
 
 
