@@ -171,7 +171,8 @@ setup(
     packages=find_packages(include=["megaft", "megaft.*"]) + ["megaft.conf", "hydra_plugins",
                                                               "hydra_plugins.megaft_slurm_launcher"],
     package_dir={"megaft.conf": "conf"},
-    package_data={"megaft.conf": ["*.yaml", "**/*.yaml"]},
+    package_data={"megaft.conf": ["*.yaml", "**/*.yaml"],
+                  "megaft.eval": ["tasks/*.yaml", "tasks/*.jsonl", "tasks/*.py"]},  # megaft-eval's example tasks
     # torch is deliberately absent: it is installed first (CPU or CUDA build), and
     # listing it here lets pip replace it with another build.
     install_requires=["numpy", "hydra-core>=1.3", "omegaconf>=2.3", "safetensors",
@@ -184,6 +185,8 @@ setup(
         "megaft-commbench = megaft.cli:commbench",
         "megaft-plan = megaft.cli:plan",
         "megaft-scale = megaft.cli:scale",
+        "megaft-eval = megaft.cli:evaluate",
+        "megaft-chat = megaft.cli:chat",
     ]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},

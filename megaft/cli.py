@@ -43,3 +43,13 @@ def plan():
 def scale():
     """`megaft-scale`: submits a scaling study (megaft-train -m) and reports it; starts no rank."""
     return _run("megaft.scale.app")
+
+
+def evaluate():
+    """`megaft-eval`: lm-eval-harness on a run's model; starts no rank."""
+    return _run("megaft.eval.cli")
+
+
+def chat():
+    """`megaft-chat`: a terminal chat with a run's or an HF checkpoint; tp over local ranks."""
+    return _run("megaft.chat.cli")

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from megaft.commbench.config import CommbenchConfig
 from megaft.data.config import DataConfig, build_tokenizer, check_data
 from megaft.device import resolve_device
+from megaft.eval.config import EvalConfig, check_then_eval
 from megaft.kernels.config import KernelsConfig, check_kernels
 from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.models.config import ModelConfig, check_model
@@ -27,7 +28,8 @@ from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
 from megaft.peft.config import LoraConfig, check_lora, check_lora_model, check_lora_moe
 from megaft.plan.config import ClusterConfig, PlanConfig
 from megaft.pref.config import PrefConfig, check_pref, check_pref_run, check_reference, is_preference
-from megaft.training.config import TrainConfig, accumulation_steps, check_train
+from megaft.training.config import SampleConfig, TrainConfig, accumulation_steps, check_samples, check_train
+from megaft.training.wandb_config import Logger, WandbConfig, check_logger
 from megaft.verify.config import VerifyConfig
 
 
@@ -63,6 +65,12 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (megaft.peft); rank 0 = off
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts routing (megaft.models.moe_config)
     pref: PrefConfig = field(default_factory=PrefConfig)  # preference objectives (train.objective; megaft.pref)
+    sample: SampleConfig = field(default_factory=SampleConfig)  # samples while training (train.sample_every)
+    # where metrics also go beside metrics.jsonl and TensorBoard (train.tensorboard): none | wandb (settings in
+    # wandb.*; rank 0 sends the scalars, the config and the summary: megaft.training.wandb_log)
+    logger: Logger = Logger.none
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # logger=wandb only
+    eval: EvalConfig = field(default_factory=EvalConfig)  # megaft-eval, and train.then_eval's job
 
 
 class ConfigError(ValueError):
@@ -211,6 +219,11 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     problems += check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
     problems += check_pref(cfg.pref, cfg.train.objective)
     problems += check_launcher(cfg.launcher)
+    problems += check_samples(cfg.sample, cfg.train.sample_every, lambda: _chat_template(cfg))
+    problems += check_logger(cfg.logger, cfg.wandb)
+    problems += check_then_eval(cfg.eval, then_eval=cfg.train.then_eval, export_hf=cfg.train.export_hf,
+                                lora_rank=cfg.lora.rank, export_merged=cfg.lora.export_merged,
+                                save_every=cfg.train.save_every)
     if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
         problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
     if cfg.device not in set(Device):
@@ -218,6 +231,13 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     else:
         problems += check_kernels(cfg.kernels, resolve_device(cfg.device))
     return problems
+
+
+def _chat_template(cfg: Config):
+    """The run's chat template (None: none), for the sample prompts' conversations."""
+    from megaft.data.templates import load_chat_template, tokenizer_dir_of
+
+    return load_chat_template(cfg.data.chat_template, tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
 
 
 def _softcap_problems(cfg: Config) -> list[str]:

@@ -36,10 +36,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("megaft.data",)),
     ("pref", ("megaft.pref",)),  # preference tuning: pairs (megaft.data's formats), log-probs, losses
     ("config", ("megaft.training.config", "megaft.launch.config", "megaft.verify.config", "megaft.commbench.config",
-                "megaft.perf", "megaft.plan.config", "megaft.config")),
+                "megaft.perf", "megaft.plan.config", "megaft.eval.config", "megaft.training.wandb_config",
+                "megaft.config")),
     ("training", ("megaft.training",)),
     ("launch", ("megaft.launch",)),
-    ("entry", ("megaft.plan", "megaft.scale", "megaft.report", "megaft.prepare", "megaft.verify", "megaft.commbench",
+    ("entry", ("megaft.plan", "megaft.scale", "megaft.report", "megaft.eval", "megaft.chat", "megaft.prepare",
+               "megaft.verify", "megaft.commbench",
                "megaft.configdoc", "megaft.train", "megaft.conf", "megaft.cli", "megaft")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

@@ -181,6 +181,10 @@ def train_parallel(rank: int, world: int, root: str) -> None:
         cfg.train.micro_batch_size, cfg.train.tensorboard = 4, "false"
         cfg.data.task_eval_size = 4  # evaluation (greedy generation through the stages) is not under test
         run_dir = os.path.join(root, name)
+        if name == "dp2_zero2":  # logger=wandb on 2 ranks: rank 0 alone writes the (offline) W&B run
+            os.environ.update(WANDB_SILENT="true", WANDB_CONSOLE="off",
+                              WANDB_CONFIG_DIR=os.path.join(root, "wb-config"))
+            cfg.logger, cfg.wandb.mode = "wandb", "offline"
         os.makedirs(run_dir, exist_ok=True)
         Trainer(cfg, ParallelGrid.build(tp=1, pp=par["pp"], dp=par["dp"], device="cpu"), run_dir).fit()
 
@@ -195,6 +199,13 @@ def test_phases_under_pipeline_and_data_parallel(tmp_path):
         for line in train:
             assert line["forward_s"] > 0 and line["backward_s"] > 0 and line["comm_s"] > 0, (name, line)
             assert sum(line[k] for k in PHASE_KEYS) <= _step_seconds(line, cfg), (name, line)
+    from test_wandb import read_wandb_records
+
+    assert len(glob.glob(str(tmp_path / "dp2_zero2" / "wandb" / "offline-run-*"))) == 1  # one run: rank 0's
+    history = [r["history"] for r in read_wandb_records(str(tmp_path / "dp2_zero2")) if r["type"] == "history"]
+    want = [(r["step"], r["loss"]) for r in read_rows(str(tmp_path / "dp2_zero2")) if "loss" in r]
+    assert [(h["step"]["num"], h["item"]["loss"]) for h in history if "loss" in h["item"]] == want
+    assert not (tmp_path / "pp2" / "wandb").exists()
 
 
 @pytest.mark.gpu

@@ -3,8 +3,10 @@ replaced by a given queue, submitted.json is written by the launcher's own write
 import csv
 import dataclasses
 import json
+import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -294,3 +296,57 @@ def test_hf_ignore_keys_are_echoed_in_the_summary(sweep, tmp_path):
     cfg.model.hf_ignore_keys = ["my_lab_flag"]
     Trainer(cfg, ParallelGrid.single(), str(tmp_path)).fit()
     assert json.load(open(tmp_path / "summary.json"))["hf_ignore_keys"] == ["my_lab_flag"]
+
+
+def test_loss_curves_of_a_two_point_sweep(tmp_path, monkeypatch):
+    """A real 2-point Hydra multirun (seeds 0 and 1) with logger=wandb wandb.mode=offline:
+    megaft-report draws both runs' train and eval losses on curves.png, whose stored points
+    (PNG text chunk and curves.json) are the runs' metrics.jsonl; each point is its own offline
+    W&B run, named by its overrides, both in the sweep's group."""
+    from test_wandb import read_wandb_records
+
+    from megaft.report.curves import PNG_KEY
+
+    sweep = tmp_path / "multirun" / "day" / "sweep"
+    overrides = ["parallel.tp=1", "launcher.nproc=1", "device=cpu", "model.dim=64", "model.n_layers=2",
+                 "model.ffn_dim=128", "train.max_steps=4", "train.eval_every=2", "train.micro_batch_size=8",
+                 "train.global_batch_size=16",
+                 "data.task_train_size=200", "data.task_eval_size=8", "data.seq_len=32", "train.progress=false",
+                 "train.tensorboard=false", "logger=wandb", "wandb.mode=offline", "wandb.project=curves"]
+    with socket.socket() as s:  # a free port for the rank's env:// rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # RANK/WORLD_SIZE as torchrun sets them: each point runs its one rank inside the Hydra process
+    # (no spawned interpreter per point; the local launcher has its own tests)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WANDB_SILENT="true", WANDB_CONSOLE="off", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"))
+    out = subprocess.run([sys.executable, "-m", "megaft.train", "-m", f"hydra.sweep.dir={sweep}", *overrides,
+                          "train.seed=0,1"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    monkeypatch.setattr(report.status, "squeue_states", lambda: None)
+    assert report.main([str(sweep)]) == 0
+    assert (sweep / "report.png").is_file()
+    stored = json.loads((sweep / "curves.json").read_text())
+    text = dict(png_text(sweep / "curves.png"))
+    assert json.loads(text[PNG_KEY]) == stored  # the same points in the PNG
+    assert [(r["run"], r["label"]) for r in stored["runs"]] == [("0", "train.seed=0"), ("1", "train.seed=1")]
+    assert "train.max_steps=4" in stored["common"]
+    for run in stored["runs"]:
+        lines = [json.loads(line) for line in (sweep / run["run"] / "metrics.jsonl").read_text().splitlines()]
+        assert run["train"] == [[m["step"], m["loss"]] for m in lines if "loss" in m] and len(run["train"]) == 4
+        assert run["eval"] == [[m["step"], m["eval_loss"]] for m in lines if "eval_loss" in m]
+        assert [s for s, _ in run["eval"]] == [0, 2, 4]
+        (wb,) = [r["run"] for r in read_wandb_records(str(sweep / run["run"])) if r["type"] == "run"]
+        assert wb["display_name"] == run["label"]  # the override the sweep varies
+        assert (wb["project"], wb["run_group"]) == ("curves", "day/sweep")
+    assert stored["runs"][0]["train"] != stored["runs"][1]["train"]  # two different runs, two lines
+
+
+def png_text(path):
+    """The text chunks of a PNG, read with Pillow (matplotlib's own dependency)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        return image.text.items()

@@ -8,7 +8,9 @@ reported with its overrides and every problem, and not submitted; the memory che
 uses the preset's GPU, hydra.launcher.gpu_type/gpu_mem_gb, as a login node has none),
 its shape (nodes, tasks per node, GPUs) is derived from its ranks and the preset, and
 points of equal shape go into one array (`executor.batch()`). `submitted.json` in the sweep dir lists
-job ids, overrides, run dirs and shapes for `megaft-report`.
+job ids, overrides, run dirs and shapes for `megaft-report`. A point with
+train.then_eval=true also gets a megaft-eval job that waits for its training job
+(`--dependency=afterok`, megaft.eval.submit).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class Point:
         self.shape: Optional[Shape] = None
         self.problems: list[str] = []
         self.job: Any = None  # submitit Job once submitted
+        self.eval_job: Any = None  # the megaft-eval job of train.then_eval (megaft.eval.submit)
 
     @property
     def override_str(self) -> str:
@@ -60,8 +63,11 @@ class Point:
         out: dict[str, Any] = {"num": self.num, "overrides": self.override_str, "run_dir": self.run_dir}
         if self.problems:
             return dict(out, status="invalid", problems=self.problems)
-        return dict(out, status="submitted", job_id=self.job.job_id, array_job_id=self.job.job_id.split("_")[0],
-                    shape=shape_dict(self.shape), submitit_folder=folder.replace("%j", self.job.job_id))
+        out = dict(out, status="submitted", job_id=self.job.job_id, array_job_id=self.job.job_id.split("_")[0],
+                   shape=shape_dict(self.shape), submitit_folder=folder.replace("%j", self.job.job_id))
+        if self.eval_job is not None:
+            out["eval_job_id"] = self.eval_job.job_id
+        return out
 
 
 class MegaftSlurmLauncher(Launcher):
@@ -119,6 +125,13 @@ class MegaftSlurmLauncher(Launcher):
             jobs = [executor.submit(SlurmRankTask(point.cfg, point.run_dir, self.body)) for point in points]
         for point, job in zip(points, jobs):
             point.job = job
+        for point in points:  # train.then_eval: megaft-eval after each point's own job (afterok)
+            if point.cfg.train.then_eval:
+                from megaft.eval.submit import submit_eval
+
+                point.eval_job = submit_eval(point.run_dir, point.cfg.eval, point.job.job_id, self.params,
+                                             task_python())
+                log.info("eval job %s runs after %s succeeds", point.eval_job.job_id, point.job.job_id)
         log.info("array %s (%s, %d job(s)): %s", jobs[0].job_id.split("_")[0], shape.tag(), len(jobs),
                  ", ".join(f"#{pt.num} {pt.override_str}" for pt in points))
 

@@ -3,7 +3,8 @@
 {"points": [{"num", "overrides", "run_dir", "status": "submitted" | "invalid",
              "problems" (invalid), "job_id" ("<array>_<task>"), "array_job_id",
              "shape" {nodes, tasks_per_node, gpus_per_node, cpus_per_task, world_size},
-             "submitit_folder" (the job's logs and result pickle)}, ...],
+             "submitit_folder" (the job's logs and result pickle),
+             "eval_job_id" (train.then_eval: its megaft-eval job, megaft.eval.submit)}, ...],
  "arrays": [{"array_job_id", "shape", "points": [num, ...]}, ...]}
 """
 from __future__ import annotations

@@ -10,7 +10,8 @@
   for SDPA; RoPE goes through the rope kernel front either way;
 * tp wider than the kv heads: kv heads replicated (megaft.models.kv);
 * `query_pre_attn_scalar` (Gemma 2/3): the scores' scale, applied to q;
-* `attn_softcap` (Gemma 2): soft-capped scores, explicit attention (megaft.models.softcap).
+* `attn_softcap` (Gemma 2): soft-capped scores, explicit attention (megaft.models.softcap);
+* generation's KV cache (`cache`, set by megaft.models.kv_cache while decoding).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads * self.replicas // tp, hd
         self.window = cfg.window(layer)
         self.selective = selective
+        self.cache = None  # a LayerCache while generating (megaft.models.kv_cache.kv_cache)
         lin = op_backend(kernels, "linear")
         col = dict(group=group, bias=cfg.attention_bias or cfg.qkv_bias, sequence_parallel=sequence_parallel,
                    shared_input=True, backend=lin)
@@ -140,6 +142,11 @@ class Attention(nn.Module):
             else:
                 out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads,
                                     enabled=self.selective)
+        elif self.cache is not None:  # generating (megaft.models.kv_cache): only the new positions
+            at = self.cache.positions(s, cos.shape[0], x.device)
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[at], sin[at], self.rope_backend)
+            q = q if self.q_scale is None else q * self.q_scale
+            out = self.cache.attend(q, k, v, self.n_kv != self.n_heads)
         else:
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale

@@ -1,17 +1,47 @@
-"""Greedy decoding and user-visible logits over a vocabulary-parallel model, whole
-(`greedy_generate`) or split into pipeline stages (`pipeline_greedy_generate`)."""
+"""Decoding from a vocabulary-parallel model, whole (`generate`) or split into pipeline
+stages (`pipeline_generate`), greedy or sampled, with a KV cache; and user-visible logits.
+
+Prompts are batched by length (no padding or masks needed). With the cache
+(megaft.models.kv_cache) the prompt runs through the model once and each new token
+alone after it; where the model's attention has no cache (`cache_unsupported`: MLA,
+sliding windows, soft-capped scores) every step reruns the whole sequence, as
+`cache=False` does. Generation stops at eos, after `max_new_tokens` or at
+model.max_seq_len tokens in all.
+
+Sampling (`Sampling`, temperature > 0) follows transformers' `generate(do_sample=True)`
+warpers: the logits divided by the temperature, then nucleus filtering as
+TopPLogitsWarper does, then one multinomial draw per row. The draw uses the whole
+(tp-gathered) logits and a generator seeded by (seed, step), so every tp rank draws
+the same token from the same bits; under pp the last stage draws and broadcasts.
+"""
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Collection, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megaft.models.decoder import Decoder
+from megaft.models.kv_cache import cache_unsupported, kv_cache
 from megaft.parallel.comm import all_gather, group_size
 from megaft.parallel.tensor.comm import gather_from_tp
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy (temperature 0) or drawn."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the most likely tokens whose probabilities reach top_p
+    seed: int = 0  # with the step: the draws' generator
+
+
+GREEDY = Sampling()
+Eos = Union[int, Collection[int], None]  # the id(s) that end a sequence (chat models often have several)
+OnToken = Callable[[int, int], None]  # (prompt index, new id): streaming, called as each id is kept
 
 
 def full_logits(model: Decoder, input_ids: torch.Tensor) -> torch.Tensor:
@@ -39,66 +69,144 @@ def _argmax(model, logits: torch.Tensor) -> torch.Tensor:
     return every[best, torch.arange(every.shape[1]), 1].long()
 
 
-def _decode(prompts: list[list[int]], max_new_tokens: int, eos_id: Optional[int], device: torch.device,
-            next_tokens: Callable[[torch.Tensor], torch.Tensor]) -> list[list[int]]:
-    """The greedy loop: prompts batched by length (no padding or masks needed);
-    `next_tokens(ids)` gives each row's next id. Returns the new ids (eos excluded)."""
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """transformers' TopPLogitsWarper: -inf for the least likely tokens whose cumulative
+    probability stays at or below 1 - top_p (the most likely token always kept)."""
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - top_p)
+    remove[..., -1:] = False
+    return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of the whole logits [batch, vocab] (on the CPU, fp32)."""
+    scores = top_p_filter(logits.float().cpu() / sampling.temperature, sampling.top_p)
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def draw_generator(sampling: Sampling, step: int) -> torch.Generator:
+    """The generator of one generation call at training step `step` (the same on every rank)."""
+    return torch.Generator().manual_seed((sampling.seed * 1_000_003 + step) % (2 ** 63))
+
+
+def choose(model, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """The next token of each row from this tp rank's slice of the last position's logits
+    [batch, V_local]; collective over tp, identical on every tp rank."""
+    if sampling.temperature == 0:
+        return _argmax(model, logits)
+    whole = gather_from_tp(logits.float(), model.group)[:, :model.cfg.vocab_size]
+    return draw(whole, sampling, generator).to(logits.device)
+
+
+def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, device: torch.device,
+            max_len: int, next_tokens: Callable[[torch.Tensor], torch.Tensor], cache: Callable,
+            on_token: Optional[OnToken] = None) -> list[list[int]]:
+    """The decoding loop: prompts batched by length; `next_tokens(ids)` gives each row's next id
+    from the ids not yet seen by the model (all of them without a cache); `cache()` opens a
+    KV cache (yields its DecodeState, None without one); `on_token(i, id)` hears each new id of
+    prompt i as it is kept (streaming). Returns the new ids (eos excluded)."""
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(prompts):
+        if len(p) > max_len:
+            raise ValueError(f"prompt of {len(p)} tokens exceeds model.max_seq_len={max_len}")
         by_len[len(p)].append(i)
     out: list[list[int]] = [[] for _ in prompts]
-    for idxs in by_len.values():
+    for length, idxs in by_len.items():
         ids = torch.tensor([prompts[i] for i in idxs], dtype=torch.long, device=device)
         done = [False] * len(idxs)
-        for _ in range(max_new_tokens):
-            nxt = next_tokens(ids)
-            for j, token in enumerate(nxt.tolist()):  # one host copy per step, not per row
-                done[j] = done[j] or token == eos_id
-                if not done[j]:
-                    out[idxs[j]].append(token)
-            if all(done):
-                break
-            ids = torch.cat([ids, nxt.unsqueeze(1)], dim=1)
+        with cache() as state:
+            new = ids
+            for _ in range(min(max_new_tokens, max_len - length)):
+                if state is not None:
+                    state.real = new.shape[1]
+                nxt = next_tokens(new if state is not None else ids)
+                if state is not None:
+                    state.advance()
+                for j, token in enumerate(nxt.tolist()):  # one host copy per step, not per row
+                    done[j] = done[j] or token in stop
+                    if not done[j]:
+                        out[idxs[j]].append(token)
+                        if on_token is not None:
+                            on_token(idxs[j], token)
+                if all(done):
+                    break
+                new = nxt.unsqueeze(1)
+                ids = torch.cat([ids, new], dim=1)
     return out
 
 
+def _cache_of(model, cache: bool) -> Callable:
+    """The cache to decode with: kv_cache(model), or none (recompute) when off or unsupported."""
+    if cache and cache_unsupported(model.cfg) is None:
+        return lambda: kv_cache(model)
+    return contextlib.nullcontext
+
+
 @torch.no_grad()
-def greedy_generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int,
-                    eos_id: Optional[int], device: torch.device) -> list[list[int]]:
-    """Continue each prompt greedily until eos or `max_new_tokens`; returns the new ids
-    (eos excluded)."""
+def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
+             device: torch.device, sampling: Sampling = GREEDY, step: int = 0, cache: bool = True,
+             on_token: Optional[OnToken] = None) -> list[list[int]]:
+    """Continue each prompt until eos or `max_new_tokens`; returns the new ids (eos excluded).
+    Collective over tp; every tp rank gets the same ids. `step` seeds the draws with `sampling.seed`;
+    `on_token(prompt_index, id)` is called for each kept id as it is chosen (megaft-chat streams so)."""
+    generator = draw_generator(sampling, step)
     was_training = model.training
     model.eval()
-    out = _decode(prompts, max_new_tokens, eos_id, device, lambda ids: _argmax(model, model(ids)[:, -1]))
-    model.train(was_training)
-    return out
+    try:
+        return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=device,
+                       max_len=model.cfg.max_seq_len, cache=_cache_of(model, cache),
+                       next_tokens=lambda ids: choose(model, model(ids)[:, -1], sampling, generator),
+                       on_token=on_token)
+    finally:
+        model.train(was_training)
+
+
+def greedy_generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int,
+                    eos_id: Eos, device: torch.device, cache: bool = True) -> list[list[int]]:
+    """`generate` greedily."""
+    return generate(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=device, cache=cache)
 
 
 @torch.no_grad()
-def pipeline_greedy_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Optional[int],
-                             autocast: Callable = None) -> list[list[int]]:
-    """`greedy_generate` through pipeline stages (a `PipelineRuntime`); collective over
-    the pp and tp groups, same result on every rank.
+def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
+                      autocast: Callable = None, sampling: Sampling = GREEDY, step: int = 0,
+                      cache: bool = True) -> list[list[int]]:
+    """`generate` through pipeline stages (a `PipelineRuntime`); collective over the pp and
+    tp groups, same result on every rank.
 
-    Each step runs the whole sequence through the stages one after the other
-    (no KV cache, like `greedy_generate`); the last stage picks the next tokens
-    (vocab-parallel argmax over tp) and broadcasts them over the pp group, so every
+    Each step runs the new positions (the whole sequence without a cache) through the
+    stages one after the other, each rank's stages keeping their own layers' cache; the
+    last stage picks the next tokens and broadcasts them over the pp group, so every
     stage extends the same sequences.
     """
     model, grid = runtime.model, runtime.grid
     autocast = autocast or contextlib.nullcontext
     src = runtime.peer_rank(model.last_stage)
+    generator = draw_generator(sampling, step)
 
     def next_tokens(ids: torch.Tensor) -> torch.Tensor:
         logits = runtime.forward_logits(ids, autocast)
         nxt = torch.empty(ids.shape[0], dtype=torch.long, device=ids.device)
         if logits is not None:
-            nxt = _argmax(model, logits[:, -1])
+            nxt = choose(model, logits[:, -1], sampling, generator)
         dist.broadcast(nxt, src, group=grid.pp_group)
         return nxt
 
     was_training = model.training
     model.eval()
-    out = _decode(prompts, max_new_tokens, eos_id, grid.device, next_tokens)
-    model.train(was_training)
-    return out
+    try:
+        return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=grid.device,
+                       max_len=model.cfg.max_seq_len, next_tokens=next_tokens, cache=_cache_of(model, cache))
+    finally:
+        model.train(was_training)
+
+
+def pipeline_greedy_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
+                             autocast: Callable = None, cache: bool = True) -> list[list[int]]:
+    """`pipeline_generate` greedily."""
+    return pipeline_generate(runtime, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, autocast=autocast,
+                             cache=cache)

@@ -4,7 +4,8 @@ Reads each run's summary.json (megaft.training.summary.RunSummary, any schema ve
 and metrics.jsonl, the sweep's submitted.json (job ids, invalid points with their
 problems) and, when Slurm answers, `squeue` (sacct is not needed). Prints the table,
 writes report.csv, report.json, report.md and a plot report.png (tokens/s and peak memory
-per config) into DIR (or --out).
+per config) into DIR (or --out), and curves.png: every run's training and eval loss
+against the step on one figure, its points stored with it (megaft.report.curves).
 
 Status: invalid (rejected before submission), pending / running (in squeue, or for
 runs Slurm does not know: no metrics yet / metrics but no summary), done (summary.json),
@@ -30,8 +31,11 @@ ran (its config.yaml: after an elastic change or a re-plan, the layout that ran)
 links are the measured ones (megaft.plan.run_comm; `--cluster <preset>` for runs that ran
 without `cluster=`).
 
+A run with megaft-eval's RUN_DIR/eval/results.json gets one column per task metric,
+`<task>/<metric>` (megaft.report.evalscores; docs/evaluation.md).
+
 The package: `collect` (finding runs, their numbers and MFU), `status` (squeue, submitit's
-pickles, a run's status), `render` (the table and the files), `cli` (the command).
+pickles, a run's status), `render` (the table and the files), `curves` (curves.png), `cli` (the command).
 """
 from megaft.report.cli import main
 from megaft.report.collect import COLUMNS, collect, find_runs, kernels_cell, run_mfu

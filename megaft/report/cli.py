@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="peak TFLOP/s per GPU for MFU (default: the run's train.peak_tflops, else its "
                              "GPU's dense peak at its precision)")
     parser.add_argument("--out", default=None, help="where report.* go (default: DIR)")
-    parser.add_argument("--no-plot", action="store_true", help="skip report.png")
+    parser.add_argument("--no-plot", action="store_true", help="skip report.png and curves.png")
     parser.add_argument("--commbench", default=None, metavar="RUN_DIR",
                         help="a megaft-commbench run dir (or its commbench.json): add each run's communication "
                              "share predicted from the measured bandwidth (megaft.plan.run_comm)")
@@ -77,6 +77,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(format_table(rows))
     if comparison:
         print(comparison)
-    for path in write_outputs(rows, args.out or args.dir, plot=not args.no_plot, study=study):
+    paths = write_outputs(rows, args.out or args.dir, plot=not args.no_plot, study=study)
+    if not args.no_plot:  # every run's loss curves on one figure (megaft.report.curves)
+        from megaft.report.curves import plot_curves
+
+        paths += plot_curves(rows, args.dir, args.out or args.dir)
+    for path in paths:
         print(f"wrote {path}")
     return 0

@@ -14,6 +14,7 @@ from megaft.launch.submit_record import read_submitted
 from megaft.perf.counts import flops_per_token_from_params, mfu
 from megaft.perf.hardware import peak_tflops
 from megaft.report import status
+from megaft.report.evalscores import add_eval_scores
 from megaft.training.phases import PHASE_KEYS
 from megaft.training.run_config import FILE as CONFIG_FILE
 from megaft.training.summary import FILE as SUMMARY_FILE
@@ -23,7 +24,7 @@ COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp
            *PHASE_KEYS, "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "kernels", "reason")
 # What makes a directory a run dir: any of these.
 RUN_FILES = (SUMMARY_FILE, "metrics.jsonl", CONFIG_FILE, os.path.join(".hydra", "config.yaml"))
-SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf"}
+SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf", "eval"}
 
 
 def _is_run_dir(path: str) -> bool:
@@ -58,7 +59,8 @@ def collect(root: str, peak: Optional[float] = None) -> list[dict[str, Any]]:
     """One row (COLUMNS) per run under `root`; `peak` overrides the GPU table (TFLOP/s)."""
     states = status.squeue_states()
     rows = []
-    for entry in find_runs(root):
+    entries = find_runs(root)
+    for entry in entries:
         run_dir = entry["run_dir"]
         summary = RunSummary.read(run_dir)
         metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -71,6 +73,7 @@ def collect(root: str, peak: Optional[float] = None) -> list[dict[str, Any]]:
             row["reason"] = status.failure_reason(entry)
         row.update(_numbers(summary, metrics, entry, peak))
         rows.append(row)
+    add_eval_scores(rows, [e["run_dir"] for e in entries])  # megaft-eval's columns: <task>/<metric>
     return rows
 
 

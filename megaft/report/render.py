@@ -8,6 +8,7 @@ import os
 from typing import Any, Optional
 
 from megaft.report.collect import COLUMNS
+from megaft.report.evalscores import eval_columns
 from megaft.training.phases import PHASE_KEYS
 
 
@@ -50,13 +51,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
     """COLUMNS, plus a scaling study's (megaft.scale.report) and the communication
-    prediction's (megaft.plan.run_comm) when the rows carry them."""
+    prediction's (megaft.plan.run_comm) when the rows carry them, then megaft-eval's
+    scores (megaft.report.evalscores)."""
     from megaft.plan.run_comm import COMM_COLUMNS
     from megaft.scale.report import SCALE_COLUMNS
 
     extra = (SCALE_COLUMNS if rows and "speedup" in rows[0] else ()) + (
         COMM_COLUMNS if rows and "pred_comm_s" in rows[0] else ())
-    return COLUMNS + tuple(dict.fromkeys(extra))  # both have comm_share: once
+    return COLUMNS + tuple(dict.fromkeys(extra)) + eval_columns(rows)  # both have comm_share: once
 
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: str, plot: bool = True,

@@ -30,6 +30,7 @@ from megaft.perf.hardware import device_peak_tflops
 from megaft.training.evaluate import eval_accuracy
 from megaft.training.moe_metrics import moe_record
 from megaft.training.parts import TrainSpec, model_params
+from megaft.training.samples import Sampler, opening
 from megaft.training.stop import NONE, REQUEUE, PreemptFlag
 from megaft.training.summary import RunSummary
 
@@ -56,6 +57,18 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, cfg.lora)
         self.peak_tflops = device_peak_tflops(grid.device, cfg.precision, cfg.train.peak_tflops)
         self.current_step: Optional[int] = None  # the step being trained (hang reports)
+        self.sampler = self._sampler() if cfg.train.sample_every > 0 else None  # samples.jsonl
+
+    def _sampler(self) -> Sampler:
+        from megaft.data.templates import load_chat_template, tokenizer_dir_of
+
+        cfg, data = self.cfg, self.parts.data
+        template = load_chat_template(cfg.data.chat_template, tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
+        # every eos of the checkpoint's config.json ends a sample (Llama 3.1 lists the end of a turn too)
+        listed = cfg.model.extra.get("eos_token_id")
+        eos = {data.eos_id, *(listed if isinstance(listed, list) else [listed])} - {None}
+        return Sampler(cfg.sample, tokenizer=data.tokenizer, template=template, eos_id=sorted(eos),
+                       run_dir=self.run_dir, is_writer=self.is_writer, text=self.parts.records.metrics.text)
 
     @property
     def current_action(self):
@@ -92,6 +105,14 @@ class Trainer:
                                                         self.grid, fwd_bwd.autocast)
         self.parts.records.log(**record)
         return record
+
+    def sample(self, step: int) -> Optional[str]:
+        """Generate from sample.prompts at `step` (collective; rank 0 writes samples.jsonl); the
+        first sample's opening words, for the progress bar."""
+        fwd_bwd = self.parts.step
+        with self.parts.optim.whole_params():  # ZeRO-3: whole layers while generating
+            lines = self.sampler.run(fwd_bwd.generator, step, device=self.grid.device, autocast=fwd_bwd.autocast)
+        return opening(lines[0]["text"]) if lines else None
 
     def resume(self) -> int:
         """Load the newest complete checkpoint when train.resume is on; the step to continue from.
@@ -144,9 +165,14 @@ class Trainer:
         end = cfg.max_steps if stop_after is None else min(stop_after, cfg.max_steps)
         # A resumed run evaluated at `first` already (its lines are in metrics.jsonl).
         last_eval = self.evaluate(0) if first == 0 else {"step": first}
+        last_sample = None
+        if self.sampler is not None and first == 0:
+            last_sample = self.sample(0)
+        elif self.sampler is not None:  # a resumed run drops the samples written after its checkpoint
+            self.sampler.resumed_at(first)
         bar = tqdm(total=cfg.max_steps, initial=first, disable=not (self.is_writer and cfg.progress),
                    desc="train", dynamic_ncols=True, mininterval=1.0)
-        bar.set_postfix(self._postfix(None, last_eval))
+        bar.set_postfix(self._postfix(None, last_eval, last_sample))
         last: Optional[dict[str, float]] = None
         tokens, train_time, stop = 0, 0.0, NONE
         for step in range(first, end):
@@ -160,10 +186,12 @@ class Trainer:
                               mfu=self._mfu(last["tokens"] / dt))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 last_eval = self.evaluate(step + 1)
+            if self.sampler is not None and ((step + 1) % cfg.sample_every == 0 or step + 1 == cfg.max_steps):
+                last_sample = self.sample(step + 1)
             # After eval, so the saved RNG state is the next step's.
             stop = self.step_boundary(step + 1, end, flag)
             bar.update(1)
-            bar.set_postfix(self._postfix(last, last_eval))
+            bar.set_postfix(self._postfix(last, last_eval, last_sample))
             if stop != NONE and step + 1 == cfg.max_steps:
                 stop = NONE  # the signal came after the last step: finished (summary), nothing to requeue
             if stop != NONE:
@@ -182,7 +210,8 @@ class Trainer:
         return result
 
     @staticmethod
-    def _postfix(train: Optional[dict[str, float]], ev: dict[str, Any]) -> dict[str, str]:
+    def _postfix(train: Optional[dict[str, float]], ev: dict[str, Any], sample: Optional[str] = None
+                 ) -> dict[str, str]:
         out = {}
         if train is not None:
             out["loss"] = f"{train['loss']:.4f}"
@@ -190,6 +219,8 @@ class Trainer:
             out["eval"] = f"{ev['eval_loss']:.4f}"
         if "eval_accuracy" in ev:
             out["acc"] = f"{ev['eval_accuracy']:.1%}"
+        if sample is not None:
+            out["sample"] = sample
         return out
 
     def _mfu(self, tokens_per_s: Optional[float]) -> dict[str, float]:

@@ -54,9 +54,14 @@ class Records:
         return self.writer.meta
 
     def start(self, cfg: Config) -> None:
-        """An attempt starts: rank 0 writes config.yaml, `cfg` on this grid (megaft.training.run_config)."""
+        """An attempt starts: rank 0 writes config.yaml, `cfg` on this grid (megaft.training.run_config),
+        and under logger=wandb starts this attempt's W&B run with that config."""
         if self.is_writer:
-            write_run_config(self.run_dir, ran_config(cfg, self.grid.world_size, self.grid.dp_size))
+            path = write_run_config(self.run_dir, ran_config(cfg, self.grid.world_size, self.grid.dp_size))
+            if cfg.logger == "wandb" and self.metrics.tracker is None:
+                from megaft.training.wandb_log import WandbLog, read_config_file
+
+                self.metrics.tracker = WandbLog(cfg.wandb, self.run_dir, read_config_file(path))
 
     def log(self, **line: Any) -> None:
         """One metrics.jsonl line (rank 0)."""
@@ -106,6 +111,8 @@ class Records:
         """summary.json of a finished run (rank 0)."""
         if self.is_writer:
             summary.write(self.run_dir)
+            if self.metrics.tracker is not None:  # W&B's run summary: summary.json's numbers
+                self.metrics.tracker.summary(summary.to_json())
 
     def close(self) -> None:
         self.metrics.close()

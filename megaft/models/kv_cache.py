@@ -1,0 +1,97 @@
+"""The keys and values of the tokens decoded so far, so that each new token runs one position
+through the model (megaft.models.generate).
+
+`kv_cache(model)` gives every grouped-query `Attention` of `model` (a `Decoder`, or a pipeline
+rank's `StageModel`: each rank caches its own layers) a `LayerCache` over one shared
+`DecodeState`; outside the block the model is the training model again. The cache holds this
+tp rank's heads after RoPE (kv heads as the rank computes them, replicated ones included),
+[batch, kv_heads / tp, cached, head_dim]. Under sequence parallel the model right-pads a
+forward's tokens to a multiple of tp: `DecodeState.real` tells the layers how many of them
+are real, and only those enter the cache (a padded query's output is cropped by the caller).
+
+Where a cache would be wrong or need its own code, `cache_unsupported` names why and
+generation recomputes the whole sequence for every token instead: multi-head latent attention
+(MLA), sliding-window layers and soft-capped attention scores. Context parallelism needs
+nothing: generation runs the whole sequence on every cp rank (no ring).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megaft.models.attention import Attention
+from megaft.models.config import ModelConfig
+
+
+@dataclass
+class DecodeState:
+    """Shared by a model's layers: `pos` tokens are cached; the forward in hand brings `real` new ones."""
+
+    pos: int = 0
+    real: int = 0
+
+    def advance(self) -> None:
+        """After a forward: its real tokens are cached."""
+        self.pos += self.real
+
+
+class LayerCache:
+    """One attention layer's keys and values so far."""
+
+    def __init__(self, state: DecodeState):
+        self.state = state
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the real positions of k, v [batch, kv_heads, seq, head_dim]; the whole cache."""
+        k, v = k[:, :, :self.state.real], v[:, :, :self.state.real]
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def positions(self, seq: int, table_len: int, device: torch.device) -> torch.Tensor:
+        """The RoPE positions of a forward's `seq` tokens (padding clamped into the table)."""
+        return torch.arange(self.state.pos, self.state.pos + seq, device=device).clamp(max=table_len - 1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """Causal attention of the new queries q [batch, heads, seq, head_dim] (already rotated
+        and scaled) over the cache extended by the new k, v."""
+        pos, s = self.state.pos, q.shape[2]
+        k, v = self.extend(k, v)
+        if pos == 0 and s == k.shape[2]:  # the prompt: exactly the training forward's attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if s == 1:  # one new token sees every cached one
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        i = torch.arange(s, device=q.device).unsqueeze(1) + pos
+        j = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i, enable_gqa=gqa)
+
+
+def cache_unsupported(cfg: ModelConfig) -> Optional[str]:
+    """Why generation with `cfg` recomputes the sequence instead of caching; None = it caches."""
+    if cfg.mla:
+        return "multi-head latent attention (MLA)"
+    if cfg.attn_softcap is not None:
+        return "soft-capped attention scores (attn_softcap)"
+    if any(cfg.window(layer) is not None for layer in range(cfg.n_layers)):
+        return "sliding-window attention layers"
+    return None
+
+
+@contextlib.contextmanager
+def kv_cache(model: torch.nn.Module) -> Iterator[DecodeState]:
+    """Cache keys and values in every attention layer of `model` while the block runs."""
+    state = DecodeState()
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.cache = LayerCache(state)
+    try:
+        yield state
+    finally:
+        for layer in layers:
+            layer.cache = None
