@@ -20,17 +20,20 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _worker(rank: int, world: int, init_file: str, errors, fn, args):
+def _worker(rank: int, world: int, init_file: str, errors, fn, args, group: bool = True):
     faulthandler.enable()  # a native abort (SIGABRT, SIGSEGV) prints every thread's Python stack
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=TIMEOUT)
-        try:
+        if not group:  # fn makes its own process groups (megaft.launch.rank.run_rank per run)
             fn(rank, world, *args)
-            dist.barrier()  # no rank tears its group down while a peer may still have traffic in flight
-        finally:
-            dist.destroy_process_group()
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                    world_size=world, timeout=TIMEOUT)
+            try:
+                fn(rank, world, *args)
+                dist.barrier()  # no rank tears its group down while a peer may still have traffic in flight
+            finally:
+                dist.destroy_process_group()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
@@ -42,14 +45,15 @@ def _worker(rank: int, world: int, init_file: str, errors, fn, args):
     os._exit(0)
 
 
-def spawn(world: int, fn, *args) -> None:
-    """Run fn(rank, world, *args) on `world` gloo ranks; fn must be importable (top level)."""
+def spawn(world: int, fn, *args, group: bool = True) -> None:
+    """Run fn(rank, world, *args) on `world` gloo ranks; fn must be importable (top level).
+    group=False: no process group around fn (it starts its own, e.g. one per training run)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.start_processes(_worker, args=(world, init_file, errors, fn, args), nprocs=world,
+            mp.start_processes(_worker, args=(world, init_file, errors, fn, args, group), nprocs=world,
                                join=True, start_method="spawn")
         except Exception as exc:
             reports = []

@@ -24,6 +24,10 @@ from models.arch_fixture import load_reference, make_hf, sample_ids  # noqa: E40
 ATOL = RTOL = 1e-5
 # biases, qk-norm + head_dim, window, (1 + w)/GeGLU/scale, soft-caps, sandwich norms + local RoPE
 NAMES = ("qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3")
+# Half the fixture's width (each family's head_dim, heads and windows kept, the sequences too):
+# the interpreter runs every GEMM tile's K loop in Python, and at 64/96 this file took ~140 s.
+# N = 48 still leaves a partial 32-wide tile, K = 32 a two-step loop.
+NARROW = dict(hidden_size=32, intermediate_size=48)
 pytestmark = pytest.mark.skipif(_triton.unavailable_reason(torch.device("cpu")) is not None,
                                 reason="Triton (interpreted on CPU) is not available")
 
@@ -31,7 +35,7 @@ pytestmark = pytest.mark.skipif(_triton.unavailable_reason(torch.device("cpu")) 
 @pytest.mark.parametrize("name", NAMES)
 def test_triton_kernels_match_torch_and_transformers(tmp_path, name):
     path = str(tmp_path / name)
-    make_hf(path, name)
+    make_hf(path, name, **NARROW)
     cfg = hf_model_config(path)
     ids, (lines, labels) = sample_ids(), batch()
     logits, grads = {}, {}

@@ -17,7 +17,8 @@ from megaft.config import Config, validate
 from megaft.models.config import ModelConfig
 from megaft.models.moe import MoE, RouterLog
 from megaft.models.moe_config import MoEConfig, check_moe
-from megaft.verify.run import run_verify
+from models.layout_runs import Case, run_cases
+from models.layout_runs import report as layout_report
 from models.moe_fixture import make_hf_moe
 from models.test_moe_training import data, moe_config  # noqa: F401 (the data fixture)
 
@@ -110,19 +111,32 @@ CAPACITY_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, factor, seq_len, policy, layout", CAPACITY_LAYOUTS,
-                         ids=[f"{n}-{p}-{'-'.join(f'{k}{v}' for k, v in lay.items())}"
-                              for n, _, _, p, lay in CAPACITY_LAYOUTS])
-def test_capacity_layout_equals_the_single_process(tmp_path, data, name, factor, seq_len, policy, layout):  # noqa: F811
-    ckpt = str(tmp_path / "ckpt")
-    make_hf_moe(ckpt, name)
-    cfg = moe_config(ckpt, data, **layout)
-    cfg.moe.capacity_factor, cfg.moe.drop_policy, cfg.data.seq_len, cfg.verify.steps = factor, policy, seq_len, 2
-    report = run_verify(cfg, str(tmp_path / "verify"))
+CAPACITY_IDS = [f"{n}-{p}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, _, _, p, lay in CAPACITY_LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):  # noqa: F811
+    """Every capped layout verified in one spawn per world size (models.layout_runs)."""
+    root = tmp_path_factory.mktemp("moe_capacity")
+    cases = []
+    for case, (name, factor, seq_len, policy, layout) in zip(CAPACITY_IDS, CAPACITY_LAYOUTS):
+        ckpt = str(root / case / "ckpt")
+        make_hf_moe(ckpt, name)
+        cfg = moe_config(ckpt, data, **layout)
+        cfg.moe.capacity_factor, cfg.moe.drop_policy, cfg.data.seq_len, cfg.verify.steps = factor, policy, seq_len, 2
+        cases.append(Case(case, cfg, str(root / case / "verify")))
+    run_cases(str(root), cases)
+    return root
+
+
+@pytest.mark.parametrize("name, factor, seq_len, policy, layout", CAPACITY_LAYOUTS, ids=CAPACITY_IDS)
+def test_capacity_layout_equals_the_single_process(runs, request, name, factor, seq_len, policy, layout):
+    case = request.node.callspec.id
+    report = layout_report(str(runs), case)
     assert report.passed, report.format()
 
     def dropped(run: str) -> list[dict]:
-        rows = [json.loads(line) for line in (tmp_path / "verify" / run / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (runs / case / "verify" / run / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k.endswith("/dropped")} for r in rows if "loss" in r]
 
     got = dropped("layout")

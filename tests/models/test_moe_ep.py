@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -17,9 +16,10 @@ from safetensors.torch import load_file, save_file
 from test_finetune_hf import EVAL_LINES, reference_eval_loss
 
 from megaft.config import validate
-from megaft.launch.local import launch_local
-from megaft.verify.run import run_verify
 from models.hf_fixture import checkpoint_tensors
+from models.layout_runs import Case, run_cases
+from models.layout_runs import check as check_case
+from models.layout_runs import report as layout_report
 from models.moe_fixture import make_hf_moe
 from models.test_moe_training import data, moe_config  # noqa: F401 (the data fixture)
 
@@ -37,16 +37,68 @@ EP_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, layout", EP_LAYOUTS,
-                         ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, lay in EP_LAYOUTS])
-def test_expert_parallel_layout_equals_the_single_process(tmp_path, data, name, layout):  # noqa: F811
-    ckpt = str(tmp_path / "ckpt")
-    make_hf_moe(ckpt, name)
-    layout = dict(layout)
-    precision = layout.pop("precision", "fp32")
-    cfg = moe_config(ckpt, data, **layout)
-    cfg.verify.precision = precision
-    report = run_verify(cfg, str(tmp_path / "verify"))
+EP_IDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, lay in EP_LAYOUTS]
+RESUMES = (("ep2", "to_ep1", dict(dp=2)), ("ep2", "to_ep4", dict(dp=4, ep=4)),
+           ("ep1", "to_ep2_zero3", dict(dp=2, ep=2, zero=3)))
+
+
+def _train_config(ckpt: str, data: str, **layout):  # noqa: F811
+    # 16 rows in micro-batches of 4 at every dp: the same micro-batches, so the same router losses
+    cfg = moe_config(ckpt, data, global_batch_size=16, **layout)
+    cfg.train.max_steps, cfg.train.save_every, cfg.train.keep_last, cfg.train.progress = 4, 2, 2, False
+    assert validate(cfg, cfg.launcher.nproc) == []  # and resolves the vocabulary from the checkpoint
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):  # noqa: F811
+    """Every run of this module in one spawn per world size (models.layout_runs): the ep layouts
+    and the ep rank without tokens (megaft-verify), the resharding runs and the export run."""
+    root = tmp_path_factory.mktemp("moe_ep")
+    cases = []
+    for case, (name, layout) in zip(EP_IDS, EP_LAYOUTS):
+        ckpt = str(root / case / "ckpt")
+        make_hf_moe(ckpt, name)
+        layout = dict(layout)
+        precision = layout.pop("precision", "fp32")
+        cfg = moe_config(ckpt, data, **layout)
+        cfg.verify.precision = precision
+        cases.append(Case(case, cfg, str(root / case / "verify")))
+    # Top-1 routing with experts 2 and 3 given the mean of experts 0 and 1's router rows
+    ckpt = root / "no_tokens" / "ckpt"
+    make_hf_moe(str(ckpt), "mixtral", num_experts_per_tok=1)
+    file = str(ckpt / "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith("block_sparse_moe.gate.weight")]:
+        tensors[name][2] = tensors[name][3] = tensors[name][:2].mean(0)
+    save_file(tensors, file, metadata={"format": "pt"})
+    cases.append(Case("no_tokens", moe_config(str(ckpt), data, dp=2, ep=2, zero=3), str(root / "no_tokens" / "verify")))
+    # Resharding: saved at ep=2 and at ep=1, each resumed from its step-2 checkpoint in other layouts
+    ckpt = str(root / "reshard_ckpt")
+    make_hf_moe(ckpt, "qwen2_moe")
+    cases.append(Case("ep2", _train_config(ckpt, data, dp=2, ep=2), str(root / "ep2"), verify=False))
+    cases.append(Case("ep1", _train_config(ckpt, data, dp=2), str(root / "ep1"), verify=False))
+    for saved, run, layout in RESUMES:
+        cases.append(Case(run, _train_config(ckpt, data, **layout), str(root / run), verify=False,
+                          resume_from=(str(root / saved), 2)))
+    # Loading and exporting at ep=2
+    ckpt = root / "export_ckpt"
+    make_hf_moe(str(ckpt), "mixtral")
+    evalf = root / "eval.jsonl"
+    evalf.write_text("".join(json.dumps({"text": t}) + "\n" for t in EVAL_LINES))
+    cfg = moe_config(str(ckpt), data, dp=2, ep=2)
+    cfg.data.eval_path = str(evalf)
+    cfg.train.max_steps, cfg.train.eval_every, cfg.train.export_hf, cfg.train.progress = 2, 2, True, False
+    assert validate(cfg, cfg.launcher.nproc) == []
+    cases.append(Case("export", cfg, str(root / "export"), verify=False))
+    run_cases(str(root), cases)
+    return root
+
+
+@pytest.mark.parametrize("name, layout", EP_LAYOUTS, ids=EP_IDS)
+def test_expert_parallel_layout_equals_the_single_process(runs, request, name, layout):
+    report = layout_report(str(runs), request.node.callspec.id)
+    precision = layout.get("precision", "fp32")
     assert report.passed, report.format()
     assert [r.step for r in report.rows] == [1, 2, 3]
     aux_tol = 1e-5 if precision == "fp32" else 1e-3
@@ -55,21 +107,14 @@ def test_expert_parallel_layout_equals_the_single_process(tmp_path, data, name, 
     assert any(".mlp.experts.down_proj" in n for n in names) and any(".mlp.gate.weight" in n for n in names)
 
 
-def test_an_ep_rank_without_tokens_trains_at_zero3(tmp_path, data):  # noqa: F811
+def test_an_ep_rank_without_tokens_trains_at_zero3(runs):
     """Top-1 routing with experts 2 and 3 (ep rank 1's) given router rows equal to the mean of
     experts 0 and 1's: their logits never exceed the larger, so ep rank 1 receives no row on
     step 1 and its grouped GEMMs run on none; every all-to-all, ZeRO-3 gather and reduce-scatter
     still runs, and the run equals the single process."""
-    ckpt = tmp_path / "ckpt"
-    make_hf_moe(str(ckpt), "mixtral", num_experts_per_tok=1)
-    file = str(ckpt / "model.safetensors")
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.endswith("block_sparse_moe.gate.weight")]:
-        tensors[name][2] = tensors[name][3] = tensors[name][:2].mean(0)
-    save_file(tensors, file, metadata={"format": "pt"})
-    report = run_verify(moe_config(str(ckpt), data, dp=2, ep=2, zero=3), str(tmp_path / "verify"))
+    report = layout_report(str(runs), "no_tokens")
     assert report.passed, report.format()
-    first = json.loads((tmp_path / "verify" / "layout" / "metrics.jsonl").read_text().splitlines()[1])
+    first = json.loads((runs / "no_tokens" / "verify" / "layout" / "metrics.jsonl").read_text().splitlines()[1])
     assert first["step"] == 1 and first["moe/0/tokens_median"] == 0 == first["moe/1/tokens_median"], first
     assert first["moe/0/tokens_max"] > 0
 
@@ -79,41 +124,19 @@ def _losses(run: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _resume_copy(saved_run: str, run: str, step: int) -> None:
-    """`saved_run` as it was right after its step-`step` checkpoint (newer checkpoints dropped)."""
-    shutil.copytree(saved_run, run)
-    ckpts = os.path.join(run, "checkpoints")
-    for entry in os.listdir(ckpts):
-        if entry.startswith("step_") and int(entry.split("_")[1]) > step:
-            shutil.rmtree(os.path.join(ckpts, entry))
-
-
-def _train(ckpt: str, data: str, run: str, **layout) -> None:  # noqa: F811
-    # 16 rows in micro-batches of 4 at every dp: the same micro-batches, so the same router losses
-    cfg = moe_config(ckpt, data, global_batch_size=16, **layout)
-    cfg.train.max_steps, cfg.train.save_every, cfg.train.keep_last, cfg.train.progress = 4, 2, 2, False
-    assert validate(cfg, cfg.launcher.nproc) == []  # and resolves the vocabulary from the checkpoint
-    launch_local(cfg, run)
-
-
-def test_checkpoints_reshard_across_ep(tmp_path, data):  # noqa: F811
+def test_checkpoints_reshard_across_ep(runs):
     """Saved at ep=2 (dp=2), resumed at ep=1 (dp=2) and at ep=4 (dp=4, one expert per rank);
     saved at ep=1, resumed at ep=2 with ZeRO-3: steps 3-4 equal the uninterrupted run (each
     expert's weights and Adam moments move between ranks by name and expert index,
     megaft.checkpoint.reshard)."""
-    ckpt = str(tmp_path / "ckpt")
-    make_hf_moe(ckpt, "qwen2_moe")
-    ep2, ep1 = str(tmp_path / "ep2"), str(tmp_path / "ep1")
-    _train(ckpt, data, ep2, dp=2, ep=2)
-    _train(ckpt, data, ep1, dp=2)
+    root = str(runs)
+    for case in ("ep2", "ep1") + tuple(run for _, run, _ in RESUMES):
+        check_case(root, case)
+    ep2 = os.path.join(root, "ep2")
     straight = _losses(ep2)
     assert sorted(straight) == [1, 2, 3, 4]
-    for saved, run, layout in ((ep2, "to_ep1", dict(dp=2)), (ep2, "to_ep4", dict(dp=4, ep=4)),
-                               (ep1, "to_ep2_zero3", dict(dp=2, ep=2, zero=3))):
-        resumed = str(tmp_path / run)
-        _resume_copy(saved, resumed, 2)
-        _train(ckpt, data, resumed, **layout)
-        got = _losses(resumed)
+    for _, run, _ in RESUMES:
+        got = _losses(os.path.join(root, run))
         assert sorted(got) == [1, 2, 3, 4], run
         for step in (3, 4):
             assert abs(got[step] - straight[step]) <= 1e-5 * straight[step], (run, step, got, straight)
@@ -121,19 +144,11 @@ def test_checkpoints_reshard_across_ep(tmp_path, data):  # noqa: F811
     assert manifest["layout"]["ep"] == 2
 
 
-def test_a_run_at_ep2_loads_and_exports_the_published_layout(tmp_path, data):  # noqa: F811
+def test_a_run_at_ep2_loads_and_exports_the_published_layout(runs):
     """Each ep rank reads only its experts of the per-expert checkpoint; the export gathers them
     back: transformers reloads it with megaft's final eval loss, under the published names."""
-    ckpt = tmp_path / "ckpt"
-    make_hf_moe(str(ckpt), "mixtral")
-    evalf = tmp_path / "eval.jsonl"
-    evalf.write_text("".join(json.dumps({"text": t}) + "\n" for t in EVAL_LINES))
-    cfg = moe_config(str(ckpt), data, dp=2, ep=2)
-    cfg.data.eval_path = str(evalf)
-    cfg.train.max_steps, cfg.train.eval_every, cfg.train.export_hf, cfg.train.progress = 2, 2, True, False
-    run = tmp_path / "run"
-    assert validate(cfg, cfg.launcher.nproc) == []
-    launch_local(cfg, str(run))
+    check_case(str(runs), "export")
+    ckpt, run = runs / "export_ckpt", runs / "export"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 2]

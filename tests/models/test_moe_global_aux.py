@@ -9,7 +9,8 @@ import torch
 
 from megaft.models.moe import GlobalCounts
 from megaft.models.moe_config import MoEConfig, check_moe
-from megaft.verify.run import run_verify
+from models.layout_runs import Case, run_cases
+from models.layout_runs import report as layout_report
 from models.moe_fixture import hf_grad_of, load_reference, make_hf_moe, sample_ids
 from models.test_moe import _megaft
 from models.test_moe_training import data, moe_config  # noqa: F401 (the data fixture)
@@ -63,13 +64,26 @@ GLOBAL_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, layout", GLOBAL_LAYOUTS,
-                         ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, lay in GLOBAL_LAYOUTS])
-def test_global_scope_layout_equals_the_single_process(tmp_path, data, name, layout):  # noqa: F811
-    ckpt = str(tmp_path / "ckpt")
-    make_hf_moe(ckpt, name)
-    cfg = moe_config(ckpt, data, **layout)
-    cfg.moe.aux_scope = "global_batch"
-    report = run_verify(cfg, str(tmp_path / "verify"))
+GLOBAL_IDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, lay in GLOBAL_LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):  # noqa: F811
+    """Every layout at the global-batch scope verified in one spawn (models.layout_runs)."""
+    root = tmp_path_factory.mktemp("moe_global_aux")
+    cases = []
+    for case, (name, layout) in zip(GLOBAL_IDS, GLOBAL_LAYOUTS):
+        ckpt = str(root / case / "ckpt")
+        make_hf_moe(ckpt, name)
+        cfg = moe_config(ckpt, data, **layout)
+        cfg.moe.aux_scope = "global_batch"
+        cases.append(Case(case, cfg, str(root / case / "verify")))
+    run_cases(str(root), cases)
+    return root
+
+
+@pytest.mark.parametrize("name, layout", GLOBAL_LAYOUTS, ids=GLOBAL_IDS)
+def test_global_scope_layout_equals_the_single_process(runs, request, name, layout):
+    report = layout_report(str(runs), request.node.callspec.id)
     assert report.passed, report.format()
     assert all(r.ref_aux is not None and r.aux_rel <= 1e-5 for r in report.rows), report.format()

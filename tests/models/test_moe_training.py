@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 from test_finetune_hf import EVAL_LINES, reference_eval_loss
 
 from megaft.config import Config
-from megaft.verify.run import run_verify
 from models.hf_fixture import checkpoint_tensors
+from models.layout_runs import Case, run_cases
+from models.layout_runs import report as layout_report
 from models.moe_fixture import make_hf_moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,14 +66,36 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name, layout, shape", LAYOUTS,
-                         ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, lay, _ in LAYOUTS])
-def test_moe_layout_equals_the_single_process(tmp_path, data, name, layout, shape):
+LAYOUT_IDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in lay.items())}" for n, lay, _ in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    """Every layout below, and the expert without tokens, verified in one spawn per world size."""
+    root = tmp_path_factory.mktemp("moe_layouts")
+    cases = []
+    for case, (name, layout, shape) in zip(LAYOUT_IDS, LAYOUTS):
+        ckpt = str(root / case / "ckpt")
+        make_hf_moe(ckpt, name, **shape)
+        cases.append(Case(case, moe_config(ckpt, data, **layout), str(root / case / "verify")))
+    # Top-1 routing with expert 3's router row the mean of the others' (test_an_expert_without_tokens...)
+    ckpt = root / "no_tokens" / "ckpt"
+    make_hf_moe(str(ckpt), "mixtral", num_experts_per_tok=1)
+    file = str(ckpt / "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith("block_sparse_moe.gate.weight")]:
+        tensors[name][3] = tensors[name][:3].mean(0)
+    save_file(tensors, file, metadata={"format": "pt"})
+    cases.append(Case("no_tokens", moe_config(str(ckpt), data, dp=2, zero=3), str(root / "no_tokens" / "verify")))
+    run_cases(str(root), cases)
+    return root
+
+
+@pytest.mark.parametrize("name, layout, shape", LAYOUTS, ids=LAYOUT_IDS)
+def test_moe_layout_equals_the_single_process(runs, request, name, layout, shape):
     """Pipeline stages pass the micro-batch's router statistics on with the activations and get the
     totals back with the gradients (megaft.pipeline.runtime): the pooled loss equals the single process."""
-    ckpt = str(tmp_path / "ckpt")
-    make_hf_moe(ckpt, name, **shape)
-    report = run_verify(moe_config(ckpt, data, **layout), str(tmp_path / "verify"))
+    report = layout_report(str(runs), request.node.callspec.id)
     assert report.passed, report.format()
     assert [r.step for r in report.rows] == [1, 2, 3]
     assert all(r.ref_aux is not None and r.aux_rel <= 1e-5 for r in report.rows), report.format()
@@ -81,20 +104,13 @@ def test_moe_layout_equals_the_single_process(tmp_path, data, name, layout, shap
     assert max(r.loss_rel for r in report.rows) <= 1e-5 and report.grads[0][1] <= 1e-4
 
 
-def test_an_expert_without_tokens_trains_at_zero3_dp2(tmp_path, data):
+def test_an_expert_without_tokens_trains_at_zero3_dp2(runs):
     """Top-1 routing with expert 3's router row the mean of the others': its logit never exceeds
     the largest, so it gets no token on step 1; its (zero) gradient still goes through every
     ZeRO-3 gather and reduce-scatter, and the run equals the single process."""
-    ckpt = tmp_path / "ckpt"
-    make_hf_moe(str(ckpt), "mixtral", num_experts_per_tok=1)
-    file = str(ckpt / "model.safetensors")
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.endswith("block_sparse_moe.gate.weight")]:
-        tensors[name][3] = tensors[name][:3].mean(0)
-    save_file(tensors, file, metadata={"format": "pt"})
-    report = run_verify(moe_config(str(ckpt), data, dp=2, zero=3), str(tmp_path / "verify"))
+    report = layout_report(str(runs), "no_tokens")
     assert report.passed, report.format()
-    first = json.loads((tmp_path / "verify" / "layout" / "metrics.jsonl").read_text().splitlines()[1])
+    first = json.loads((runs / "no_tokens" / "verify" / "layout" / "metrics.jsonl").read_text().splitlines()[1])
     assert first["step"] == 1 and first["moe/0/tokens_min"] == 0 == first["moe/1/tokens_min"], first
     assert first["moe/0/tokens_max"] > 0 and first["moe/0/imbalance"] > 1
 
