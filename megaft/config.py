@@ -293,7 +293,7 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
                                sources=bool(cfg.data.sources), packing=cfg.data.packing,
                                n_experts=cfg.model.n_experts, share_prompt=cfg.pref.share_prompt,
-                               cp=cfg.parallel.cp, window=cfg.model.sliding_window is not None, pp=cfg.parallel.pp,
+                               cp=cfg.parallel.cp, window=cfg.model.sliding_window is not None,
                                capacity=cfg.moe.capacity_factor is not None,
                                global_aux=cfg.moe.aux_scope == "global_batch")
     problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)

@@ -56,8 +56,9 @@ class _StepState:
     """What one step keeps between actions, keyed by (stage, micro-batch)."""
 
     def __init__(self, inputs, labels, n_targets: int, shape, autocast: Callable, device, docs=None,
-                 router_weight: float = 0.0, head: Optional[Callable] = None):
+                 router_weight: float = 0.0, head: Optional[Callable] = None, router_valid: Optional[list] = None):
         self.inputs, self.labels, self.n_targets, self.docs = inputs, labels, n_targets, docs
+        self.router_valid = router_valid  # per micro-batch: the positions the router statistics count
         self.shape, self.autocast, self.device = shape, autocast, device
         # Mixtures of experts: each message also carries the micro-batch's router statistics (RouterSums.wire)
         # summed over the stages so far, forward; the totals come back with the gradients (megaft.models.moe).
@@ -188,11 +189,15 @@ class PipelineRuntime:
             x = x.requires_grad_()
             state.stage_in[(s, mb)] = x
         last_labels = state.labels[mb].to(state.device) if s == self.last and state.head is None else None
-        with state.autocast():
-            out = self.model(s, x, last_labels, state.docs[mb] if state.docs else None,
-                             seq_len=state.inputs[mb].shape[1])
-            if s == self.last and state.head is not None:  # the logits' own objective (preference pairs)
-                out = state.head(mb, out)
+        self.model.router_valid = state.router_valid[mb] if state.router_valid else None
+        try:
+            with state.autocast():
+                out = self.model(s, x, last_labels, state.docs[mb] if state.docs else None,
+                                 seq_len=state.inputs[mb].shape[1])
+                if s == self.last and state.head is not None:  # the logits' own objective (preference pairs)
+                    out = state.head(mb, out)
+        finally:
+            self.model.router_valid = None
         state.stage_out[(s, mb)] = out
         if self.extra:
             self._forward_router(s, mb, incoming, state)
@@ -250,16 +255,19 @@ class PipelineRuntime:
 
     def train_step(self, inputs: list[torch.Tensor], labels: list[torch.Tensor], n_targets: int,
                    autocast: Callable, docs: Optional[list] = None, router_weight: float = 0.0,
-                   head: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                   head: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+                   router_valid: Optional[list] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in the params.
         Returns this rank's summed token loss (fp64; zero unless it holds the last stage).
         `docs`: each micro-batch's packed-document layout (megaft.models.docs.Docs), or None.
         `router_weight`: a mixture of experts' router losses' weight, in token-loss units
         (n_targets / the global batch's micro-batches: megaft.training.moe_metrics). `head(mb, logits)`:
         the last stage's loss sum of micro-batch `mb` from this tp rank's vocabulary slice of its
-        logits, instead of the token loss against `labels` (a preference objective's)."""
+        logits, instead of the token loss against `labels` (a preference objective's). `router_valid`:
+        per micro-batch [rows, seq] True at the positions a mixture of experts' router statistics
+        count (a preference batch's tokens, not its padding), None: all."""
         state = _StepState(inputs, labels, n_targets, self.model.activation_shape(*inputs[0].shape), autocast,
-                           self.grid.device, docs, router_weight, head)
+                           self.grid.device, docs, router_weight, head, router_valid)
         self.router_stats = StepRouterStats.of(self.model)
         for item in self.program:
             self.current_action = item

@@ -71,7 +71,7 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
 
 
 def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,
-                   share_prompt: bool = False, cp: int = 1, window: bool = False, pp: int = 1,
+                   share_prompt: bool = False, cp: int = 1, window: bool = False,
                    capacity: bool = False, global_aux: bool = False) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
     if not is_preference(objective):
@@ -95,9 +95,6 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
         problems.append("pref.share_prompt=true with a sliding-window model: the window counts row positions, "
                         "which a shared prompt moves apart; fix: pref.share_prompt=false")
     moe = f"{what} with a mixture of experts (model.n_experts={n_experts})"
-    if n_experts and pp > 1:
-        problems.append(f"{moe} under parallel.pp={pp} is not built yet (the stages' router statistics would count "
-                        "the pairs' padding); fix: parallel.pp=1 (tp, ep, dp, cp work)")
     if n_experts and (capacity or global_aux):
         problems.append(f"{moe} balances each micro-batch's tokens without a capacity, as TRL's DPOTrainer adds "
                         "transformers' aux loss; fix: moe.capacity_factor=null and moe.aux_scope=micro_batch")

@@ -322,12 +322,14 @@ class PipelinePreferenceStep(PipelineStep):
             whole = batch.whole_labels[i].to(device) if batch.whole_labels else None
             return self.pairs.losses(self.logps(logits, _scored(batch.labels[i].to(device), whole)), batch, i).sum()
 
-        return self.run_schedule(batch, divisor, head=head)
+        weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
+        return self.run_schedule(batch, divisor, head=head, router_weight=weight, router_valid=batch.valid)
 
     total_loss = PreferenceStep.total_loss
 
     def step_metrics(self) -> dict[str, float]:
-        return self.pairs.record()
+        """TRL's metrics, and a mixture of experts' aux_loss, z_loss and expert loads (over pp and dp)."""
+        return {**self.pairs.record(), **self.runtime.router_stats.record(self.grid.dp_group, self.grid.pp_group)}
 
     def eval_loss(self, batches) -> Optional[float]:
         return eval_pairs_loss(self.held_out, self.data.eval_batch(), self.score, self.model, self.grid)

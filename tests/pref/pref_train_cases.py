@@ -77,6 +77,7 @@ LAYOUTS = {
     "dpo_moe_ep2": ("dpo", dict(dp=2, ep=2), 0),
     "dpo_moe_tp2_sp": ("dpo", dict(tp=2, sequence_parallel=True), 0),
     "orpo_moe_packed_cp2": ("orpo", dict(cp=2), 0),
+    "ipo_moe_pp2": ("ipo", dict(pp=2), 0),
 }
 # the packed layouts: name -> pref.share_prompt
 PACKED = {"dpo_packed_tp2_sp": False, "dpo_packed_cp2": False, "dpo_shared_dp2_zero1": True,

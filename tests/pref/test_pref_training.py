@@ -238,14 +238,12 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
 
 
 @pytest.mark.parametrize("change, problem", [
-    (dict(pp=2), "under parallel.pp=2 is not built yet"),
     (dict(capacity=1.0), "fix: moe.capacity_factor=null and moe.aux_scope=micro_batch"),
     (dict(share=True), "would count each prompt once"),
 ])
 def test_what_a_mixture_of_experts_cannot_do_under_a_preference_objective(inputs, change, problem):
     ckpt, pairs, _ = inputs
     cfg = pref_config(moe_of(ckpt), pairs, "dpo")
-    cfg.parallel.pp = change.get("pp", 1)
     cfg.moe.capacity_factor = change.get("capacity")
     if change.get("share"):
         cfg.data.packing, cfg.pref.share_prompt = "docs", True
