@@ -62,6 +62,22 @@ def run(cfg: Config, run_dir: str) -> None:
         from megaft.launch.local import launch_local
 
         launch_local(cfg, run_dir)
+        if cfg.train.then_eval and os.path.isfile(os.path.join(run_dir, "summary.json")):  # finished
+            evaluate_after(cfg, run_dir)
+
+
+def evaluate_after(cfg: Config, run_dir: str) -> None:
+    """train.then_eval after a local run: megaft-eval on the run dir, here (the Slurm launcher
+    queues it as a job of its own instead: megaft.eval.submit)."""
+    from megaft.eval.model_dir import EvalError, locate
+    from megaft.eval.run import evaluate
+
+    log.info("train.then_eval: megaft-eval %s (eval.tasks=%s)", run_dir, list(cfg.eval.tasks))
+    try:
+        evaluate(locate(run_dir), cfg.eval)
+    except EvalError as exc:  # the run itself finished and is saved
+        print(f"megaft-train: train.then_eval: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="train")

@@ -38,8 +38,8 @@ class TrainConfig:
     # pairs, settings in pref.*: docs/preference.md); under a preference objective the batch sizes count pairs
     objective: str = "sft"
     sample_every: int = 0  # generate from sample.prompts every N steps (and at 0 and the last): samples.jsonl; 0 = off
-    # Slurm launcher: also submit `megaft-eval` (eval.*) as a job that runs after this one succeeds
-    # (--dependency=afterok); docs/evaluation.md
+    # run `megaft-eval` (eval.*) after training: the Slurm launcher submits it as a job that runs after
+    # this one succeeds (--dependency=afterok), a local run runs it when it finished; docs/evaluation.md
     then_eval: bool = False
 
 

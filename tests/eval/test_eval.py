@@ -111,3 +111,18 @@ def test_eval_job_parameters():
             params["time"], params["partition"]) == ("megaft-eval", 1, 1, 1, 7, "gpu")
     cpu = eval_parameters(EvalConfig(gpus=-1), dict(preset, gpus_per_node=0, partition=None), "5")
     assert "gpus_per_node" not in cpu and "partition" not in cpu
+
+
+def test_then_eval_after_a_local_run(tmp_path):
+    """train.then_eval=true on a local run: megaft-eval runs on the run dir once training finished."""
+    from train_cases import small_config
+
+    from megaft.train import run
+
+    cfg = small_config(steps=2)
+    cfg.parallel.tp, cfg.launcher.nproc, cfg.device = 1, 1, "cpu"
+    cfg.train.export_hf, cfg.train.then_eval = True, True
+    cfg.eval.tasks, cfg.eval.limit, cfg.eval.device = ["megaft_arith"], 4, "cpu"
+    run(cfg, str(tmp_path / "run"))
+    results = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert results["megaft"]["origin"] == "hf" and results["results"]["megaft_arith"]["sample_len"] == 4
