@@ -43,6 +43,9 @@ class PrefConfig:
     # dpo/robust/ipo: precompute (score every pair once before step 1, hold 4 floats a pair) | online (keep
     # the reference model beside the policy and score each step's pairs, as TRL's DPOTrainer does by default)
     reference_mode: str = "precompute"
+    # precompute: a folder keeping the reference log-probs under their fingerprint (the reference's weights,
+    # the pairs, the tokenizer, seq_len, precision), read by later runs instead of scoring again; null = none
+    scores: Optional[str] = None
 
 
 def is_preference(objective: str) -> bool:
@@ -66,6 +69,11 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
     if cfg.reference_mode == "online" and not needs_reference(objective):
         modes.append(f"pref.reference_mode=online: train.objective={objective} has no reference model; fix: "
                      "pref.reference_mode=precompute")
+    if cfg.scores is not None and (not needs_reference(objective) or cfg.reference_mode == "online"):
+        why = (f"train.objective={objective} has no reference model" if not needs_reference(objective) else
+               "pref.reference_mode=online scores every step")
+        modes.append(f"pref.scores={cfg.scores} keeps precomputed reference log-probs, and {why}; fix: "
+                     "pref.scores=null")
     return modes + [f"pref.{p}" if p.startswith(("beta", "label_smoothing")) else p
                     for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
 

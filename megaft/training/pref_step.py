@@ -22,10 +22,12 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import logging
 import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megaft.models.attention import op_backend
 from megaft.models.hf_load import hf_model_config
@@ -39,11 +41,13 @@ from megaft.pref.config import needs_reference
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, sequence_logps, token_logps
 from megaft.pref.losses import METRICS, ORPO_METRICS, preference_loss
 from megaft.pref.packing import segment_sums
+from megaft.pref.scores import fingerprint_parts, load_scores, save_scores, scores_path
 from megaft.training.moe_metrics import router_weight
 from megaft.training.pref_data import PairBatch, context_chunks, row_length
 from megaft.training.protocols import RunParts
 from megaft.training.step import PipelineStep, PlainStep, precision_autocast
 
+log = logging.getLogger(__name__)
 # token log-probs [rows, seq] of a micro-batch's (inputs, scored labels, docs)
 Scorer = Callable[[torch.Tensor, torch.Tensor, object], Optional[torch.Tensor]]
 
@@ -177,7 +181,10 @@ def _objectives(parts: RunParts, score: Scorer, model) -> tuple[PairObjective, O
         held_out = PairObjective(cfg, grid, None, online(data.eval_rows)) if data.eval_rows is not None else None
         return PairObjective(cfg, grid, None, online(data.rows)), held_out, None
     refs, seconds = [None, None], None
-    if needs_reference(cfg.train.objective):
+    stored = _stored_scores(cfg, data, grid) if needs_reference(cfg.train.objective) and cfg.pref.scores else None
+    if stored is not None:
+        refs = [r.to(grid.device) if r is not None else None for r in stored]
+    elif needs_reference(cfg.train.objective):
         start = time.perf_counter()
         was_training = model.training
         model.eval()  # TRL's reference model runs in eval mode (no dropout)
@@ -190,8 +197,25 @@ def _objectives(parts: RunParts, score: Scorer, model) -> tuple[PairObjective, O
         if grid.device.type == "cuda":
             torch.cuda.synchronize(grid.device)
         seconds = time.perf_counter() - start
+        if cfg.pref.scores and grid.rank == 0:  # for the runs after this one (megaft.pref.scores)
+            save_scores(scores_path(cfg), refs[0], refs[1], fingerprint_parts(cfg))
     held_out = PairObjective(cfg, grid, refs[1]) if data.eval_rows is not None else None
     return PairObjective(cfg, grid, refs[0]), held_out, seconds
+
+
+def _stored_scores(cfg, data, grid: ParallelGrid) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """pref.scores' stored reference log-probs of these pairs, when every rank found them (the
+    scoring is collective: all ranks read, or all score)."""
+    path = scores_path(cfg)
+    stored = load_scores(path, len(data.rows), len(data.eval_rows) if data.eval_rows is not None else None)
+    found = torch.tensor([float(stored is not None)], device=grid.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if not found.item():
+        return None
+    if grid.rank == 0:
+        log.info("reference log-probs of %d pairs read from %s (pref.scores)", len(data.rows), path)
+    return stored
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -21,6 +22,7 @@ from train_cases import read_rows
 
 from megaft.config import resolve, validate
 from megaft.parallel.grid import ParallelGrid
+from megaft.pref.config import PrefConfig
 from megaft.training.summary import RunSummary
 from pref.pref_train_cases import (
     COMPARED,
@@ -280,6 +282,39 @@ def test_resume_equals_no_interruption(inputs, tmp_path):
     for name in ("whole", "cut"):
         summary = RunSummary.read(str(tmp_path / name))
         assert summary.reference_s is not None and summary.reference_s > 0
+
+
+def test_stored_reference_scores_are_read_by_the_next_run(inputs, tmp_path):
+    """pref.scores=DIR: the first run scores and stores; a run of the same fingerprint (another
+    beta) reads them and trains exactly as if it had scored; other pairs are another file."""
+    import glob
+
+    ckpt, pairs, _ = inputs
+    store = str(tmp_path / "scores")
+
+    def dpo(name: str, beta: float, pairs_file: str = pairs) -> list[dict]:
+        cfg = pref_config(ckpt, pairs_file, "dpo", steps=2)
+        cfg.pref.beta, cfg.pref.scores, cfg.data.eval_path, cfg.train.eval_every = beta, store, eval_pairs_of(pairs), 2
+        assert validate(cfg, 1) == []
+        run(resolve(cfg), ParallelGrid.single(), str(tmp_path / name))
+        return read_rows(str(tmp_path / name))
+
+    first = dpo("first", 0.5)
+    [stored] = glob.glob(f"{store}/reference-*.safetensors")
+    assert RunSummary.read(str(tmp_path / "first")).reference_s > 0
+    again = dpo("again", 0.5)  # read, not scored: the same lines
+    assert RunSummary.read(str(tmp_path / "again")).reference_s is None
+    assert _compare(again, first, 0.0, "read from the store") == []  # bitwise: the same numbers
+    dpo("beta", 0.1)  # the reference does not depend on beta: the same file
+    assert glob.glob(f"{store}/reference-*.safetensors") == [stored]
+    fewer = str(tmp_path / "fewer.jsonl")
+    with open(pairs) as src, open(fewer, "w") as dst:
+        dst.writelines(src.readlines()[:8])
+    dpo("fewer", 0.5, fewer)
+    assert len(glob.glob(f"{store}/reference-*.safetensors")) == 2
+    assert any("pref.scores=" in p and "fix: pref.scores=null" in p
+               for p in validate(dataclasses.replace(pref_config(ckpt, pairs, "simpo"),
+                                                     pref=PrefConfig(scores=store)), 1))
 
 
 def test_lora_reference_is_the_base_with_adapters_off(inputs, tmp_path):
