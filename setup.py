@@ -187,6 +187,7 @@ setup(
         "megaft-scale = megaft.cli:scale",
         "megaft-eval = megaft.cli:evaluate",
         "megaft-chat = megaft.cli:chat",
+        "megaft-score = megaft.cli:score",
     ]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},

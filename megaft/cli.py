@@ -53,3 +53,8 @@ def evaluate():
 def chat():
     """`megaft-chat`: a terminal chat with a run's or an HF checkpoint; tp over local ranks."""
     return _run("megaft.chat.cli")
+
+
+def score():
+    """`megaft-score`: megaft-train with train.max_steps=0, storing the reference log-probs (pref.scores)."""
+    return _run("megaft.score")

@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("launch", ("megaft.launch",)),
     ("entry", ("megaft.plan", "megaft.scale", "megaft.report", "megaft.eval", "megaft.chat", "megaft.prepare",
                "megaft.verify", "megaft.commbench",
-               "megaft.configdoc", "megaft.train", "megaft.conf", "megaft.cli", "megaft")),
+               "megaft.configdoc", "megaft.train", "megaft.score", "megaft.conf", "megaft.cli", "megaft")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 FOLDERS = [p for _, prefixes in LAYERS for p in prefixes]  # lowest first

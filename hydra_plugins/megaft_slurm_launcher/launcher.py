@@ -54,6 +54,7 @@ class Point:
         self.problems: list[str] = []
         self.job: Any = None  # submitit Job once submitted
         self.eval_job: Any = None  # the megaft-eval job of train.then_eval (megaft.eval.submit)
+        self.score_job_id: Optional[str] = None  # the pref.scores job it waits for (megaft.launch.score_jobs)
 
     @property
     def override_str(self) -> str:
@@ -67,6 +68,8 @@ class Point:
                    shape=shape_dict(self.shape), submitit_folder=folder.replace("%j", self.job.job_id))
         if self.eval_job is not None:
             out["eval_job_id"] = self.eval_job.job_id
+        if self.score_job_id is not None:
+            out["score_job_id"] = self.score_job_id
         return out
 
 
@@ -112,13 +115,18 @@ class MegaftSlurmLauncher(Launcher):
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), os.path.join(hydra_dir, "hydra.yaml"))
         OmegaConf.save(OmegaConf.create(point.overrides), os.path.join(hydra_dir, "overrides.yaml"))
 
-    def _submit(self, shape: Shape, points: list[Point]) -> None:
+    def _submit(self, shape: Shape, points: list[Point], waits: dict[int, str]) -> None:
         import submitit
 
+        from megaft.launch.score_jobs import dependency
         from megaft.launch.submit_task import SlurmRankTask
 
         executor = submitit.SlurmExecutor(folder=self.params["submitit_folder"], python=task_python())
-        executor.update_parameters(**sbatch_parameters(shape, self.params))
+        params = sbatch_parameters(shape, self.params)
+        params["additional_parameters"].update(dependency(waits, points))  # pref.scores: after the scoring
+        executor.update_parameters(**params)
+        for point in points:
+            point.score_job_id = waits.get(point.num)
         for point in points:
             self._write_hydra_files(point)
         with executor.batch():
@@ -150,8 +158,17 @@ class MegaftSlurmLauncher(Launcher):
         for pt in invalid:
             print(f"megaft-train: point #{pt.num} ({pt.override_str}) is invalid and was not submitted:\n"
                   + "\n".join(f"  - {problem}" for problem in pt.problems), file=sys.stderr)
-        for shape, group in group_by_shape((pt.shape, pt) for pt in points if not pt.problems).items():
-            self._submit(shape, group)
+        valid = [pt for pt in points if not pt.problems]
+        waits = {}
+        if valid:  # pref.scores: each missing reference fingerprint scored once, before the arrays
+            from megaft.launch.score_jobs import submit_scoring
+
+            waits = submit_scoring(valid, sweep_dir, self.params, task_python())
+            for job in sorted(set(waits.values())):
+                log.info("scoring job %s stores the reference log-probs of point(s) %s", job,
+                         ", ".join(f"#{n}" for n, j in waits.items() if j == job))
+        for shape, group in group_by_shape((pt.shape, pt) for pt in valid).items():
+            self._submit(shape, group, waits)
         merge_submitted(sweep_dir, [pt.record(str(self.params["submitit_folder"])) for pt in points])
         log.info("%s written: %d submitted, %d invalid", os.path.join(sweep_dir, SUBMITTED_FILE),
                  len(points) - len(invalid), len(invalid))

@@ -4,7 +4,8 @@
              "problems" (invalid), "job_id" ("<array>_<task>"), "array_job_id",
              "shape" {nodes, tasks_per_node, gpus_per_node, cpus_per_task, world_size},
              "submitit_folder" (the job's logs and result pickle),
-             "eval_job_id" (train.then_eval: its megaft-eval job, megaft.eval.submit)}, ...],
+             "eval_job_id" (train.then_eval: its megaft-eval job, megaft.eval.submit),
+             "score_job_id" (pref.scores: the scoring job it waits for, megaft.launch.score_jobs)}, ...],
  "arrays": [{"array_job_id", "shape", "points": [num, ...]}, ...]}
 """
 from __future__ import annotations

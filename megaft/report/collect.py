@@ -24,7 +24,7 @@ COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp
            *PHASE_KEYS, "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "kernels", "reason")
 # What makes a directory a run dir: any of these.
 RUN_FILES = (SUMMARY_FILE, "metrics.jsonl", CONFIG_FILE, os.path.join(".hydra", "config.yaml"))
-SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf", "eval"}
+SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf", "eval", ".scores"}  # .scores: pref.scores' scoring jobs
 
 
 def _is_run_dir(path: str) -> bool:

@@ -317,6 +317,30 @@ def test_stored_reference_scores_are_read_by_the_next_run(inputs, tmp_path):
                                                      pref=PrefConfig(scores=store)), 1))
 
 
+def test_megaft_score_stores_what_a_training_run_reads(inputs, tmp_path):
+    """megaft-score (megaft-train with train.max_steps=0) scores into pref.scores; a training run
+    of the same fingerprint reads the file instead of scoring; without pref.scores it exits 2."""
+    import subprocess
+    import sys
+
+    ckpt, pairs, _ = inputs
+    store = str(tmp_path / "store")
+    script = "import sys; from megaft.cli import score; sys.argv[0] = 'megaft-score'; sys.exit(score())"
+    args = ["device=cpu", "parallel.tp=1", "launcher.nproc=1", f"model.init_from={ckpt}", f"data.path={pairs}",
+            "data.seq_len=16", "train.objective=dpo", "train.global_batch_size=4", "train.micro_batch_size=2",
+            "train.max_steps=50", "train.progress=false", f"hydra.run.dir={tmp_path / 'scoring'}"]
+    out = subprocess.run([sys.executable, "-c", script, *args, f"pref.scores={store}"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert RunSummary.read(str(tmp_path / "scoring")).steps == 0 and len(os.listdir(store)) == 1
+    cfg = pref_config(ckpt, pairs, "dpo", steps=1)
+    cfg.pref.scores = store
+    run(resolve(cfg), ParallelGrid.single(), str(tmp_path / "train"))
+    assert RunSummary.read(str(tmp_path / "train")).reference_s is None  # read, not scored
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "fix: add pref.scores=DIR" in out.stderr
+
+
 def test_lora_reference_is_the_base_with_adapters_off(inputs, tmp_path):
     """With LoRA the default reference is the starting model, the base with its adapters at
     zero: the same run as with pref.reference naming the base checkpoint, a separate copy

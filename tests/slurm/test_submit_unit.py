@@ -210,3 +210,38 @@ def test_task_python_starts_with_the_warning_signals_blocked():
     blocked, argv = out.stdout.rsplit("] ", 1)
     assert {int(signal.SIGUSR1), int(signal.SIGUSR2)} <= set(json.loads(blocked + "]")), out
     assert argv.strip() == "['a', 'b c']", out
+
+
+def test_scoring_jobs_group_points_by_reference_fingerprint(tmp_path):
+    """pref.scores: points sharing a fingerprint wait for one scoring job; a stored file or a
+    reference-free objective needs none; the scoring config trains nothing."""
+    from types import SimpleNamespace
+
+    from models.hf_fixture import make_hf_llama
+    from pref.pref_train_cases import pref_config, write_pairs
+
+    from megaft.launch.score_jobs import dependency, missing_scores, scoring_config, stores_scores
+    from megaft.pref.scores import scores_path
+
+    make_hf_llama(str(tmp_path / "ckpt"), seed=1)
+    write_pairs(str(tmp_path / "a.jsonl"))
+    write_pairs(str(tmp_path / "b.jsonl"), seed=3)
+
+    def point(num: int, pairs: str, beta: float = 0.1, objective: str = "dpo"):
+        cfg = pref_config(str(tmp_path / "ckpt"), str(tmp_path / pairs), objective)
+        cfg.pref.beta, cfg.pref.scores, cfg.train.then_eval = beta, str(tmp_path / "store"), True
+        return SimpleNamespace(num=num, cfg=cfg)
+
+    points = [point(0, "a.jsonl", 0.1), point(1, "a.jsonl", 0.5), point(2, "b.jsonl"),
+              point(3, "a.jsonl", 0.1, "simpo")]
+    assert [stores_scores(p.cfg) for p in points] == [True, True, True, False]
+    missing = missing_scores(points)
+    assert sorted(sorted(p.num for p in group) for group in missing.values()) == [[0, 1], [2]]
+    os.makedirs(tmp_path / "store")
+    open(scores_path(points[2].cfg), "w").close()  # b's scores are stored: nothing to run for it
+    assert [[p.num for p in group] for group in missing_scores(points).values()] == [[0, 1]]
+    assert dependency({0: "7", 1: "7", 2: "9"}, points[:3]) == {"dependency": "afterok:7:9"}
+    assert dependency({0: "7"}, points[3:]) == {}
+    scoring = scoring_config(points[0].cfg)
+    assert scoring.train.max_steps == 0 and not scoring.train.then_eval and points[0].cfg.train.then_eval
+    assert scores_path(scoring) == scores_path(points[0].cfg)  # it stores what the points read
