@@ -286,7 +286,7 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     """check_resolved without the memory estimate."""
     problems = check_model(cfg.model, cfg.parallel.tp)
     problems += check_lora_model(cfg.lora, tie_embeddings=cfg.model.tie_embeddings, kv_heads=cfg.model.kv_heads,
-                                 tp=cfg.parallel.tp)
+                                 tp=cfg.parallel.tp, mla=cfg.model.mla, q_latent=cfg.model.q_lora_rank is not None)
     problems += check_lora_moe(cfg.lora, n_experts=cfg.model.n_experts,
                                shared_expert=bool(cfg.model.shared_expert_ffn_dim))
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)

@@ -21,7 +21,7 @@ import pytest
 import megaft
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("megaft.fileio", "megaft.signals", "megaft.checks", "megaft.device")),
+    ("base", ("megaft.fileio", "megaft.signals", "megaft.checks", "megaft.cli_args", "megaft.device")),
     # the grid and plain collectives, then one folder per parallel concept that the layers use
     ("parallel", ("megaft.parallel", "megaft.parallel.tensor", "megaft.parallel.context", "megaft.parallel.expert")),
     ("kernels", ("megaft.kernels",)),

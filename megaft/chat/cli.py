@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import Optional
 
+from megaft.cli_args import checked_arguments
+
 OVERRIDES = ("launcher.nproc", "parallel.tp", "device")  # the megaft-train settings megaft-chat reads
 
 
@@ -66,15 +68,10 @@ def _problems(args) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_intermixed_args(argv)
-    try:
-        nproc, device = parse_overrides(args.overrides)
-    except ValueError as exc:
-        print(f"megaft-chat: {exc}", file=sys.stderr)
+    parsed = checked_arguments("megaft-chat", lambda: parse_overrides(args.overrides), lambda _: _problems(args))
+    if parsed is None:
         return 2
-    problems = _problems(args)
-    if problems:
-        print("megaft-chat: invalid arguments:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
+    nproc, device = parsed
     from megaft.device import resolve_device
 
     if device == "cuda" and resolve_device("auto") != "cuda":

@@ -15,6 +15,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megaft.cli_args import checked_arguments
 from megaft.eval.config import EvalConfig, check_eval, tasks_dir
 from megaft.eval.model_dir import EvalError, locate
 
@@ -45,14 +46,8 @@ def parse_overrides(overrides: list[str]) -> EvalConfig:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        cfg = parse_overrides(args.overrides)
-    except ValueError as exc:
-        print(f"megaft-eval: {exc}", file=sys.stderr)
-        return 2
-    problems = check_eval(cfg)
-    if problems:
-        print("megaft-eval: invalid arguments:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    cfg = checked_arguments("megaft-eval", lambda: parse_overrides(args.overrides), check_eval)
+    if cfg is None:
         return 2
     from megaft.eval.run import evaluate, import_lm_eval
 

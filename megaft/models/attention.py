@@ -52,9 +52,11 @@ def window_mask(seq: int, window: Optional[int], device: torch.device) -> Option
     return (j <= i) & (j > i - window)
 
 
-def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, device: torch.device) -> str:
+def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, device: torch.device,
+                     shared_prefix: bool = False) -> str:
     """What a run's attention computes with, for summary.json: `ring` under context
-    parallelism (megaft.parallel.context.ring), the packed-documents kernel (`kernel_name`), SDPA with
+    parallelism (megaft.parallel.context.ring), the packed-documents kernel (`kernel_name`; rows
+    with a `shared_prefix`, pref.share_prompt, never take flash-attn's varlen), SDPA with
     an explicit sliding-window mask when a layer's window is shorter than the sequence, the
     explicit soft-capped attention (`explicit_softcap`), or plain causal SDPA."""
     if cp > 1:
@@ -62,7 +64,7 @@ def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, d
     if cfg.attn_softcap is not None:
         return "explicit_softcap"
     if packing == "docs":
-        return kernel_name(device)
+        return kernel_name(device, shared_prefix)
     windows = (cfg.window(layer) for layer in range(cfg.n_layers))
     return "sdpa_window_mask" if any(w is not None and w < seq_len for w in windows) else "sdpa_causal"
 

@@ -200,8 +200,9 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def kernel_name(device: torch.device) -> str:
-    """What `attend` runs on `device` (summary.json's attention record)."""
-    if flash_available(device):
+def kernel_name(device: torch.device, shared_prefix: bool = False) -> str:
+    """What `attend` runs on `device` (summary.json's attention record); `shared_prefix`: rows
+    with a shared prompt (Docs.prefix_ids, pref.share_prompt), which flash-attn's varlen skips."""
+    if flash_available(device) and not shared_prefix:
         return "flash_attn_varlen"
     return "flex_attention" if flex_available(device) else "sdpa_mask"

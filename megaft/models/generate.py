@@ -11,8 +11,10 @@ model.max_seq_len tokens in all.
 Sampling (`Sampling`, temperature > 0) follows transformers' `generate(do_sample=True)`
 warpers: the logits divided by the temperature, then nucleus filtering as
 TopPLogitsWarper does, then one multinomial draw per row. The draw uses the whole
-(tp-gathered) logits and a generator seeded by (seed, step), so every tp rank draws
-the same token from the same bits; under pp the last stage draws and broadcasts.
+(tp-gathered) logits and a generator on their device seeded by (seed, step), so every tp
+rank draws the same token from the same bits without copying the logits to the host (the
+loop reads only the chosen ids, once a step); under pp the last stage draws and broadcasts.
+On the CPU the draws are those of a CPU generator as before; on a GPU, the GPU generator's.
 """
 from __future__ import annotations
 
@@ -82,14 +84,21 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of the whole logits [batch, vocab] (on the CPU, fp32)."""
-    scores = top_p_filter(logits.float().cpu() / sampling.temperature, sampling.top_p)
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    """One token per row of the whole logits [batch, vocab] (fp32), drawn on the generator's
+    device (`draw_generator(..., logits.device)`: no copy to the host); ids on the logits' device."""
+    scores = logits.float().to(generator.device) / sampling.temperature
+    probs = top_p_filter(scores, sampling.top_p).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(logits.device)
 
 
-def draw_generator(sampling: Sampling, step: int) -> torch.Generator:
-    """The generator of one generation call at training step `step` (the same on every rank)."""
-    return torch.Generator().manual_seed((sampling.seed * 1_000_003 + step) % (2 ** 63))
+def draw_generator(sampling: Sampling, step: int, device: Optional[torch.device] = None) -> torch.Generator:
+    """The generator of one generation call at training step `step` on `device` (the logits'; the
+    CPU when None), seeded alike on every rank. One device's draws are reproducible; a CUDA
+    generator draws other tokens than the CPU's from the same seed."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return torch.Generator(device=device).manual_seed((sampling.seed * 1_000_003 + step) % (2 ** 63))
 
 
 def choose(model, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
@@ -98,16 +107,17 @@ def choose(model, logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
     if sampling.temperature == 0:
         return _argmax(model, logits)
     whole = gather_from_tp(logits.float(), model.group)[:, :model.cfg.vocab_size]
-    return draw(whole, sampling, generator).to(logits.device)
+    return draw(whole, sampling, generator)
 
 
 def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, device: torch.device,
             max_len: int, next_tokens: Callable[[torch.Tensor], torch.Tensor], cache: Callable,
             on_token: Optional[OnToken] = None) -> list[list[int]]:
     """The decoding loop: prompts batched by length; `next_tokens(ids)` gives each row's next id
-    from the ids not yet seen by the model (all of them without a cache); `cache()` opens a
-    KV cache (yields its DecodeState, None without one); `on_token(i, id)` hears each new id of
-    prompt i as it is kept (streaming). Returns the new ids (eos excluded)."""
+    from the ids not yet seen by the model (all of them without a cache); `cache(capacity)` opens
+    a KV cache for `capacity` positions, prompt and new tokens (yields its DecodeState, None
+    without one); `on_token(i, id)` hears each new id of prompt i as it is kept (streaming).
+    Returns the new ids (eos excluded)."""
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(prompts):
@@ -118,9 +128,10 @@ def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, devic
     for length, idxs in by_len.items():
         ids = torch.tensor([prompts[i] for i in idxs], dtype=torch.long, device=device)
         done = [False] * len(idxs)
-        with cache() as state:
+        steps = min(max_new_tokens, max_len - length)
+        with cache(length + steps) as state:
             new = ids
-            for _ in range(min(max_new_tokens, max_len - length)):
+            for _ in range(steps):
                 if state is not None:
                     state.real = new.shape[1]
                 nxt = next_tokens(new if state is not None else ids)
@@ -140,10 +151,11 @@ def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, devic
 
 
 def _cache_of(model, cache: bool) -> Callable:
-    """The cache to decode with: kv_cache(model), or none (recompute) when off or unsupported."""
+    """The cache to decode with, given its capacity: kv_cache(model, capacity), or none
+    (recompute) when off or unsupported."""
     if cache and cache_unsupported(model.cfg) is None:
-        return lambda: kv_cache(model)
-    return contextlib.nullcontext
+        return lambda capacity: kv_cache(model, capacity)
+    return lambda capacity: contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -153,7 +165,7 @@ def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int, e
     """Continue each prompt until eos or `max_new_tokens`; returns the new ids (eos excluded).
     Collective over tp; every tp rank gets the same ids. `step` seeds the draws with `sampling.seed`;
     `on_token(prompt_index, id)` is called for each kept id as it is chosen (megaft-chat streams so)."""
-    generator = draw_generator(sampling, step)
+    generator = draw_generator(sampling, step, device)
     was_training = model.training
     model.eval()
     try:
@@ -186,7 +198,7 @@ def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int,
     model, grid = runtime.model, runtime.grid
     autocast = autocast or contextlib.nullcontext
     src = runtime.peer_rank(model.last_stage)
-    generator = draw_generator(sampling, step)
+    generator = draw_generator(sampling, step, grid.device)
 
     def next_tokens(ids: torch.Tensor) -> torch.Tensor:
         logits = runtime.forward_logits(ids, autocast)

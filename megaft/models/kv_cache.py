@@ -5,9 +5,11 @@ through the model (megaft.models.generate).
 rank's `StageModel`: each rank caches its own layers) a `LayerCache` over one shared
 `DecodeState`; outside the block the model is the training model again. The cache holds this
 tp rank's heads after RoPE (kv heads as the rank computes them, replicated ones included),
-[batch, kv_heads / tp, cached, head_dim]. Under sequence parallel the model right-pads a
-forward's tokens to a multiple of tp: `DecodeState.real` tells the layers how many of them
-are real, and only those enter the cache (a padded query's output is cropped by the caller).
+[batch, kv_heads / tp, cached, head_dim], written in place into buffers sized at the prompt
+(`capacity`: prompt length + new tokens), so each new token is copied once. Under sequence
+parallel the model right-pads a forward's tokens to a multiple of tp: `DecodeState.real` tells
+the layers how many of them are real, and only those enter the cache (a padded query's output
+is cropped by the caller).
 
 Where a cache would be wrong or need its own code, `cache_unsupported` names why and
 generation recomputes the whole sequence for every token instead: multi-head latent attention
@@ -40,18 +42,48 @@ class DecodeState:
 
 
 class LayerCache:
-    """One attention layer's keys and values so far."""
+    """One attention layer's keys and values so far: written in place into buffers
+    [batch, kv_heads, capacity, head_dim] allocated at the first forward (the prompt), so a new
+    token copies only itself; `extend` returns views of the filled part. Without a capacity, or
+    past it, the buffers grow by doubling (a copy per doubling, not per token)."""
 
-    def __init__(self, state: DecodeState):
+    def __init__(self, state: DecodeState, capacity: Optional[int] = None):
         self.state = state
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
+        self.capacity = capacity  # positions to hold: prompt + new tokens; None = grow as needed
+        self.filled = 0
+        self.k_buf: Optional[torch.Tensor] = None
+        self.v_buf: Optional[torch.Tensor] = None
+
+    def _reserve(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
+        """Buffers of at least `need` positions, shaped and typed like k, v, holding what is cached."""
+        if self.k_buf is not None and self.k_buf.shape[2] >= need:
+            return
+        size = max(need, self.capacity or 0, 2 * (self.k_buf.shape[2] if self.k_buf is not None else 0))
+        k_buf = k.new_empty(*k.shape[:2], size, k.shape[3])
+        v_buf = v.new_empty(*v.shape[:2], size, v.shape[3])
+        if self.filled:
+            k_buf[:, :, :self.filled] = self.k_buf[:, :, :self.filled]
+            v_buf[:, :, :self.filled] = self.v_buf[:, :, :self.filled]
+        self.k_buf, self.v_buf = k_buf, v_buf
+
+    @property
+    def k(self) -> Optional[torch.Tensor]:
+        """The cached keys [batch, kv_heads, cached, head_dim] (a view); None before the first forward."""
+        return None if self.k_buf is None else self.k_buf[:, :, :self.filled]
+
+    @property
+    def v(self) -> Optional[torch.Tensor]:
+        """The cached values, as `k`."""
+        return None if self.v_buf is None else self.v_buf[:, :, :self.filled]
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the real positions of k, v [batch, kv_heads, seq, head_dim]; the whole cache."""
-        k, v = k[:, :, :self.state.real], v[:, :, :self.state.real]
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        real = self.state.real
+        end = self.filled + real
+        self._reserve(k, v, end)
+        self.k_buf[:, :, self.filled:end] = k[:, :, :real]
+        self.v_buf[:, :, self.filled:end] = v[:, :, :real]
+        self.filled = end
         return self.k, self.v
 
     def positions(self, seq: int, table_len: int, device: torch.device) -> torch.Tensor:
@@ -84,12 +116,13 @@ def cache_unsupported(cfg: ModelConfig) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def kv_cache(model: torch.nn.Module) -> Iterator[DecodeState]:
-    """Cache keys and values in every attention layer of `model` while the block runs."""
+def kv_cache(model: torch.nn.Module, capacity: Optional[int] = None) -> Iterator[DecodeState]:
+    """Cache keys and values in every attention layer of `model` while the block runs; `capacity`
+    (the prompt's length plus the new tokens) sizes each layer's buffers at the prompt."""
     state = DecodeState()
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for layer in layers:
-        layer.cache = LayerCache(state)
+        layer.cache = LayerCache(state, capacity)
     try:
         yield state
     finally:

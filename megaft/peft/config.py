@@ -88,21 +88,43 @@ def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: b
     return problems
 
 
-def check_lora_model(cfg: LoraConfig, *, tie_embeddings: bool, kv_heads: int, tp: int) -> list[str]:
+def check_lora_model(cfg: LoraConfig, *, tie_embeddings: bool, kv_heads: int, tp: int, mla: bool = False,
+                     q_latent: bool = False) -> list[str]:
     """The `lora.*` problems that depend on the resolved architecture and tp (the model
-    files are read by then), checked before launch rather than when the model is built."""
+    files are read by then), checked before launch rather than when the model is built.
+    `mla`: multi-head latent attention (DeepSeek-V3, megaft.models.mla), `q_latent` with a query
+    latent (q_lora_rank): there q, k, v name no projection, and nothing says so at build time."""
     if cfg.rank <= 0:
         return []
     problems = []
     if "lm_head" in cfg.targets and tie_embeddings:
         problems.append("lora.targets has lm_head but the model ties its embeddings: the head is the embedding, "
                         "which peft's lm_head adapter would not reproduce; fix: drop lm_head from lora.targets")
+    if mla:
+        return problems + _mla_targets(cfg, q_latent)
     kv = [t for t in ("k", "v") if t in cfg.targets]
     if kv and tp > kv_heads:
         problems.append(f"lora.targets has {kv} but parallel.tp={tp} is larger than the model's {kv_heads} kv heads "
                         "(copied kv heads read the weight directly); fix: drop k and v from lora.targets or "
                         f"parallel.tp<={kv_heads}")
     return problems
+
+
+def _mla_targets(cfg: LoraConfig, q_latent: bool) -> list[str]:
+    """The targets that adapt nothing under multi-head latent attention: k and v always (one
+    kv_b_proj makes both), q when the queries come from a latent (q_a_proj, q_b_proj; without one,
+    q adapts q_proj). lora.targets has no name for the latent projections."""
+    idle = [t for t in ("q", "k", "v") if t in cfg.targets and (t != "q" or q_latent)]
+    if not idle:
+        return []
+    kept = [t for t in cfg.targets if t not in idle] or ["o", "gate", "up", "down"]
+    projections = "q_a_proj, q_b_proj, " if q_latent else "q_proj, "
+    latent = "q_a/q_b/kv_a/kv_b" if q_latent else "kv_a/kv_b"
+    return [f"lora.targets has {idle} but the model uses multi-head latent attention (MLA, DeepSeek-V3), whose "
+            f"projections are {projections}kv_a_proj_with_mqa, kv_b_proj and o_proj: {', '.join(idle)} would adapt "
+            f"nothing, and lora.targets has no target for MLA's latent projections ({latent} are not targets); "
+            f"fix: lora.targets=[{','.join(kept)}]"
+            + (" (q adapts q_proj)" if not q_latent and "q" in kept else "")]
 
 
 def check_lora_moe(cfg: LoraConfig, *, n_experts: int, shared_expert: bool) -> list[str]:

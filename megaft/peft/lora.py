@@ -127,7 +127,7 @@ def _check_targets(model: nn.Module, cfg: LoraConfig, tp_size: int) -> None:
     if model_cfg is None:  # a bare module: no architecture to check against
         return
     problems = check_lora_model(cfg, tie_embeddings=model_cfg.tie_embeddings, kv_heads=model_cfg.kv_heads,
-                                tp=tp_size)
+                                tp=tp_size, mla=model_cfg.mla, q_latent=model_cfg.q_lora_rank is not None)
     problems += check_lora_moe(cfg, n_experts=model_cfg.n_experts,
                                shared_expert=bool(model_cfg.shared_expert_ffn_dim))
     if problems:

@@ -244,7 +244,8 @@ class Trainer:
             # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.parallel.data.zero).
             zero=cfg.parallel.zero, memory_bytes=parts.optim.memory_bytes(), kernels=parts.kernels.record,
             attention=attention_record(cfg.model, packing=parts.data.packing, cp=grid.cp_size,
-                                       seq_len=cfg.data.seq_len, device=grid.device),
+                                       seq_len=cfg.data.seq_len, device=grid.device,
+                                       shared_prefix=cfg.pref.share_prompt),
             packing=parts.data.packing, hf_ignore_keys=list(cfg.model.hf_ignore_keys) or None,
             conversations_without_assistant=parts.data.untrained,
             moe=moe_record(cfg.model, parts.kernels.record, ep=cfg.parallel.ep, routing=cfg.moe),
