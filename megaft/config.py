@@ -290,8 +290,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_lora_moe(cfg.lora, n_experts=cfg.model.n_experts,
                                shared_expert=bool(cfg.model.shared_expert_ffn_dim))
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
-    problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None,
-                               sources=bool(cfg.data.sources), packing=cfg.data.packing,
+    problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None or bool(cfg.data.sources),
+                               packing=cfg.data.packing,
                                n_experts=cfg.model.n_experts, share_prompt=cfg.pref.share_prompt,
                                cp=cfg.parallel.cp, window=cfg.model.sliding_window is not None,
                                capacity=cfg.moe.capacity_factor is not None,

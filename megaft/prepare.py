@@ -1,6 +1,7 @@
 """`megaft-prepare`: tokenize the training data once into the prepared store.
 
     megaft-prepare data=chat data.path=conversations.jsonl model.init_from=/ckpt/Qwen2.5-7B-Instruct
+    megaft-prepare train.objective=dpo data.path=pairs.jsonl model.init_from=/ckpt/sft   # preference pairs
 
 A Hydra app over megaft-train's config tree (conf/train.yaml), so the overrides of a
 training run prepare exactly the dataset that run reads. It checks the data settings
@@ -19,6 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megaft.config import Config, ConfigError, conf_dir, register_configs
+from megaft.pref.config import check_pref, is_preference
 
 register_configs()
 
@@ -38,7 +40,11 @@ def run(cfg: Config) -> str:
     from megaft.data.config import check_data, data_sources
     from megaft.data.prepare import prepare_dataset
 
-    problems = check_data(cfg.data, init_from=cfg.model.init_from)
+    pairs = None
+    if is_preference(cfg.train.objective):
+        from megaft.pref.data import pair_source_problems as pairs
+    problems = check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
+    problems += check_pref(cfg.pref, cfg.train.objective)
     if cfg.model.init_from and not os.path.isdir(cfg.model.init_from):
         problems.append(f"model.init_from={cfg.model.init_from!r} is not a directory; fix: point it at "
                         "the Hugging Face checkpoint whose tokenizer and chat template to use")
@@ -47,6 +53,14 @@ def run(cfg: Config) -> str:
                         "made in memory); fix: set data.path=FILE or data.sources=[{path: ..., weight: 1}]")
     if problems:
         raise ConfigError(problems)
+    if is_preference(cfg.train.objective):  # the pairs a preference run reads (megaft.pref.store)
+        from megaft.pref.store import prepare_pairs
+
+        ds = prepare_pairs(cfg.data, init_from=cfg.model.init_from, eos_token_id=eos_token_id(cfg.model.init_from))
+        counts = ds.manifest["counts"]
+        print(f"megaft-prepare: {counts['pairs']} preference pairs, {counts['tokens']} tokens "
+              f"({counts['prompts_cut']} with a prompt cut as TRL cuts it) in {ds.path}")
+        return ds.path
     ds = prepare_dataset(cfg.data, init_from=cfg.model.init_from,
                          eos_token_id=eos_token_id(cfg.model.init_from), progress=True)
     counts = ds.manifest["counts"]

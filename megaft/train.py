@@ -18,12 +18,20 @@ register_configs()
 
 
 def prepare_data(cfg: Config, *, progress: bool) -> None:
-    """Tokenize file data for packing=docs|none into the prepared store once, before any rank
+    """Tokenize file data for packing=docs|none, or preference pairs, into the prepared store once, before any rank
     joins a collective: here in the launcher, or (torchrun/srun) in every rank's process,
     where a file lock lets one prepare and the others wait (megaft.data.prepare)."""
     from megaft.data import data_sources, prepare_dataset
+    from megaft.pref.config import is_preference
 
-    if cfg.data.packing != "stream" and data_sources(cfg.data):
+    if not data_sources(cfg.data):
+        return
+    if is_preference(cfg.train.objective):  # pairs always come from the store (megaft.pref.store)
+        from megaft.pref.store import prepare_pairs
+
+        prepare_pairs(cfg.data, init_from=cfg.model.init_from, eos_token_id=cfg.model.extra.get("eos_token_id"),
+                      progress=progress)
+    elif cfg.data.packing != "stream":
         prepare_dataset(cfg.data, init_from=cfg.model.init_from, eos_token_id=cfg.model.extra.get("eos_token_id"),
                         progress=progress)
 

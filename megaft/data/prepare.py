@@ -31,7 +31,8 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple, Optional
+from functools import partial
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -53,13 +54,52 @@ CHUNK_RECORDS = 256  # records per task: large enough to amortize pickling, smal
 MAX_PROBLEMS = 20
 
 
+class ChunkResult(NamedTuple):
+    """What a worker returns for one chunk of records: concatenated ids and targets, per-document
+    lengths and prompt lengths, (line, problem) of the records that failed, and the chunk's tally
+    (its records' notes, merged by the caller, who knows the file)."""
+
+    ids: np.ndarray
+    target: np.ndarray
+    lengths: np.ndarray
+    prompt_lens: np.ndarray
+    bad: list
+    tally: object
+
+
 class EncodeSpec(NamedTuple):
-    """What a worker needs to encode records (picklable)."""
+    """What a worker needs to encode records (picklable). The preparing of other record kinds
+    (megaft.pref.store's pairs) passes a spec of the same methods: `identity`, `options`,
+    `tally`, `encoder`."""
 
     tokenizer_json: str
     template: Optional[ChatTemplate]
     train_on: str
     eos_id: Optional[int]
+
+    def identity(self) -> dict:
+        """What the arrays depend on besides the source files (into the cache key)."""
+        return {"record_format": RECORD_FORMAT,  # what megaft makes of the records (megaft.data.formats)
+                "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.encode()).hexdigest(),
+                "template": template_identity(self.template), "train_on": self.train_on, "eos_id": self.eos_id}
+
+    def options(self, cfg: DataConfig) -> dict:
+        return {"train_on": self.train_on, "chat_template": cfg.chat_template, "eos_id": self.eos_id}
+
+    def tally(self) -> UntrainedConversations:
+        """The notes kept over every record (conversations with nothing to learn)."""
+        return UntrainedConversations(self.train_on)
+
+    def encoder(self) -> Callable[[list], ChunkResult]:
+        """In a worker: the function that encodes a chunk of (line, raw bytes | Parquet row)."""
+        tok = Tokenizer.from_str(self.tokenizer_json)
+        chat = ChatEncoder(tok, self.template, self.train_on) if self.template is not None else None
+        return partial(_encode_chunk, tok, chat, self.eos_id, self.train_on)
+
+
+def template_identity(template: Optional[ChatTemplate]) -> Optional[dict]:
+    return None if template is None else {"name": template.name, "sha256": template.sha256,
+                                           "tokens": template.special_tokens}
 
 
 def cache_root(cfg: DataConfig) -> str:
@@ -79,12 +119,7 @@ def encode_spec(cfg: DataConfig, *, init_from: Optional[str] = None, eos_token_i
 def identity(cfg: DataConfig, spec: EncodeSpec) -> dict:
     """Everything the prepared arrays depend on; its hash is the cache key. Source weights
     are not in it: they are applied when reading, so reweighting reuses the cache."""
-    return {"sources": [[fingerprint(f) for f in source_files(s.path)] for s in data_sources(cfg)],
-            "record_format": RECORD_FORMAT,  # what megaft makes of the records (megaft.data.formats)
-            "tokenizer_sha256": hashlib.sha256(spec.tokenizer_json.encode()).hexdigest(),
-            "template": None if spec.template is None else
-            {"name": spec.template.name, "sha256": spec.template.sha256, "tokens": spec.template.special_tokens},
-            "train_on": spec.train_on, "eos_id": spec.eos_id}
+    return {"sources": [[fingerprint(f) for f in source_files(s.path)] for s in data_sources(cfg)], **spec.identity()}
 
 
 def prepared_path(cfg: DataConfig, *, init_from: Optional[str] = None, eos_token_id=None) -> str:
@@ -94,11 +129,12 @@ def prepared_path(cfg: DataConfig, *, init_from: Optional[str] = None, eos_token
 
 
 def prepare_dataset(cfg: DataConfig, *, init_from: Optional[str] = None, eos_token_id=None,
-                    progress: bool = True, tok: Optional[Tokenizer] = None) -> PreparedDataset:
+                    progress: bool = True, tok: Optional[Tokenizer] = None, spec=None) -> PreparedDataset:
     """The PreparedDataset of the data settings, prepared first if missing (module doc).
-    `eos_token_id` is the checkpoint config.json's (appended to completions).
-    Raises DataError listing up to 20 bad records as FILE:LINE with their fix."""
-    spec = encode_spec(cfg, init_from=init_from, eos_token_id=eos_token_id, tok=tok)
+    `eos_token_id` is the checkpoint config.json's (appended to completions). `spec`: how
+    records are encoded when not as SFT examples (megaft.pref.store's pairs; `tok` is then
+    the spec's tokenizer). Raises DataError listing up to 20 bad records as FILE:LINE with their fix."""
+    spec = spec or encode_spec(cfg, init_from=init_from, eos_token_id=eos_token_id, tok=tok)
     ident = identity(cfg, spec)
     root = cache_root(cfg)
     final = os.path.join(root, cache_key(ident))
@@ -173,7 +209,7 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
     workers = cfg.prepare_workers or min(8, os.cpu_count() or 1)
     writer = PreparedWriter(tmp)
     problems, file_info = [], []
-    untrained = UntrainedConversations(spec.train_on)  # conversations with nothing to learn (warned once)
+    untrained = spec.tally()  # e.g. conversations with nothing to learn (warned once)
     bar = tqdm(total=sum(os.path.getsize(f) for _, f in files), unit="B", unit_scale=True,
                desc="megaft-prepare", disable=not progress, file=sys.stderr)
     pool = None
@@ -198,7 +234,7 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
             hasher, records = hashlib.sha256(), 0
             for chunk in _chunks(file, hasher, bar):
                 records += len(chunk)
-                pending.append((pool.submit(_encode_chunk, chunk) if pool else _encode_chunk(chunk), s, file))
+                pending.append((pool.submit(_run_chunk, chunk) if pool else _run_chunk(chunk), s, file))
                 drain(2 * workers)  # bounded in flight: memory stays flat on large files
                 if len(problems) >= MAX_PROBLEMS:
                     break
@@ -226,7 +262,7 @@ def _build(cfg: DataConfig, spec: EncodeSpec, ident: dict, tmp: str, progress: b
         "key": cache_key(ident), "identity": ident, "files": file_info,
         "sources": [{"path": src.path, "files": [f["path"] for f in file_info if f["source"] == i]}
                     for i, src in enumerate(sources)],
-        "options": {"train_on": spec.train_on, "chat_template": cfg.chat_template, "eos_id": spec.eos_id},
+        "options": spec.options(cfg),
         "tokenizer": {"sha256": ident["tokenizer_sha256"], "path": cfg.tokenizer},
         "template": ident["template"], "workers": workers, "seconds": round(time.time() - start, 3),
         "counts": {"records": sum(f["records"] for f in file_info), **untrained.counts()}})
@@ -269,30 +305,32 @@ def _chunks(file: str, hasher, bar) -> Iterator[list]:
 _STATE: dict = {}
 
 
-def _init_worker(spec: EncodeSpec) -> None:
+def _init_worker(spec) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker = one core
-    tok = Tokenizer.from_str(spec.tokenizer_json)
-    chat = ChatEncoder(tok, spec.template, spec.train_on) if spec.template is not None else None
-    _STATE.update(tok=tok, chat=chat, eos_id=spec.eos_id, train_on=spec.train_on)
+    _STATE["encode"] = spec.encoder()
 
 
-def _encode_chunk(chunk: list) -> tuple:
-    """Encode one chunk: concatenated ids and targets, per-document lengths and
-    prompt lengths, (line, problem) of the records that failed, and the tally of its
-    conversations that train nothing (by line; the caller knows the file)."""
-    tok, chat, eos_id = _STATE["tok"], _STATE["chat"], _STATE["eos_id"]
+def _run_chunk(chunk: list) -> ChunkResult:
+    return _STATE["encode"](chunk)
+
+
+def decoded(payload) -> str:
+    """A JSONL line's text (DataError naming the fix when it is not UTF-8)."""
+    try:
+        return payload.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"not valid UTF-8 ({e}); fix: re-encode the file as UTF-8") from None
+
+
+def _encode_chunk(tok: Tokenizer, chat: Optional[ChatEncoder], eos_id: Optional[int], train_on: str,
+                  chunk: list) -> ChunkResult:
+    """Encode one chunk of SFT examples; the tally counts its conversations that train
+    nothing (by line; the caller knows the file)."""
     ids, target, lengths, prompt_lens, bad = [], [], [], [], []
-    tally = UntrainedConversations(_STATE["train_on"])
+    tally = UntrainedConversations(train_on)
     for line, payload in chunk:
         try:
-            if isinstance(payload, bytes):
-                try:
-                    text = payload.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"not valid UTF-8 ({e}); fix: re-encode the file as UTF-8") from None
-                ex = parse_example(text)
-            else:
-                ex = parse_record(parquet_row(payload))
+            ex = parse_example(decoded(payload)) if isinstance(payload, bytes) else parse_record(parquet_row(payload))
             enc = encode_example(tok, ex, eos_id, chat)
         except DataError as e:
             bad.append((line, str(e)))
@@ -302,5 +340,9 @@ def _encode_chunk(chunk: list) -> tuple:
         target += enc.target
         lengths.append(len(enc.ids))
         prompt_lens.append(enc.prompt_len)
-    return (np.asarray(ids, dtype=np.uint32), np.asarray(target, dtype=np.uint8),
-            np.asarray(lengths, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int32), bad, tally)
+    return chunk_result(ids, target, lengths, prompt_lens, bad, tally)
+
+
+def chunk_result(ids: list, target: list, lengths: list, prompt_lens: list, bad: list, tally) -> ChunkResult:
+    return ChunkResult(np.asarray(ids, dtype=np.uint32), np.asarray(target, dtype=np.uint8),
+                       np.asarray(lengths, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int32), bad, tally)

@@ -23,13 +23,13 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
 from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
-from megaft.data.jsonl import scan_jsonl, where
+from megaft.data.jsonl import scan_json_lines, where
 
 EXTENSIONS = (".jsonl", ".parquet")
 PARQUET_BATCH = 1024  # rows decoded at a time: bounds memory on large row groups
@@ -69,13 +69,15 @@ def source_files(path: str) -> list[str]:
     return [path]
 
 
-def scan_file(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
-    """`(line, example, None)` or `(line, None, problem)` for every record of a file
-    (scan_jsonl's contract, Parquet rows included)."""
+def scan_file(path: str, parse: Callable[[dict], dict] = parse_record, what: str = "examples"
+              ) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
+    """`(line, parse(record), None)` or `(line, None, problem)` for every record of a file
+    (scan_jsonl's contract, Parquet rows included); `parse` raises DataError for a bad record
+    (megaft.data.formats' examples by default; megaft.pref.data's pairs)."""
     if path.endswith((".parquet", ".arrow")):
-        yield from _scan_parquet(path)
+        yield from _scan_parquet(path, parse)
     else:
-        yield from scan_jsonl(path)
+        yield from scan_json_lines(path, parse, what)
 
 
 def record_batches(path: str):
@@ -89,7 +91,7 @@ def record_batches(path: str):
     return pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH)
 
 
-def _scan_parquet(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
+def _scan_parquet(path: str, parse: Callable[[dict], dict]) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
     try:
         batches = record_batches(path)
     except ImportError:
@@ -103,7 +105,7 @@ def _scan_parquet(path: str) -> Iterator[tuple[int, Optional[dict], Optional[str
         for record in batch.to_pylist():
             row += 1
             try:
-                yield row, parse_record(parquet_row(record)), None
+                yield row, parse(parquet_row(record)), None
             except DataError as e:
                 yield row, None, str(e)
     if row == 0:

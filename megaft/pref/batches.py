@@ -13,10 +13,13 @@ pick them back out.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
 from megaft.data.batches import IGNORE_INDEX
+from megaft.data.sources import mixture
 from megaft.pref.data import Pair
 
 
@@ -42,45 +45,85 @@ def rejected_rows(x: torch.Tensor) -> torch.Tensor:
     return x[1::2]
 
 
-class PairRows:
-    """The pairs of a run as rows, and the order they are trained in: epoch e visits every
-    pair once, in `numpy.random.default_rng([seed, e]).permutation`; step s's global batch
-    is pairs s*G .. (s+1)*G - 1 of the endless sequence of epochs."""
+class PairList:
+    """Pairs held in memory (data.eval_path's) with megaft.pref.store.StoredPairs' view: one source."""
 
-    def __init__(self, pairs: list[Pair], seq_len: int, seed: int, pad_id: int):
-        if not pairs:
-            raise ValueError("no preference pair fits data.seq_len (each prompt is as long or longer); "
-                             "fix: raise data.seq_len")
-        self.seq_len, self.seed, self.pad_id = seq_len, seed, pad_id
+    def __init__(self, pairs: list[Pair]):
         self.pairs = pairs
-        rows = [row_of(p.prompt_ids, c, seq_len, pad_id) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
-        self.lengths = torch.tensor([len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)])
-        self.inputs = torch.tensor([r[0] for r in rows], dtype=torch.long)  # [2 * pairs, seq_len], pair order
-        self.labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
-        self.whole_labels = torch.tensor([row_of(p.prompt_ids, p.chosen_ids, seq_len, pad_id, whole=True)[1]
-                                          for p in pairs], dtype=torch.long)  # [pairs, seq_len], chosen rows
-        self._orders: dict[int, np.ndarray] = {}
+        self.lengths = np.array([[len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)] for p in pairs],
+                                dtype=np.int64).reshape(-1, 3)
+        self.source = np.zeros(len(pairs), dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self.pairs)
+
+    def __getitem__(self, i: int) -> Pair:
+        return self.pairs[i]
+
+
+class PairRows:
+    """The pairs of a run as rows, and the order they are trained in.
+
+    `table` holds the pairs (megaft.pref.store's StoredPairs or PairList: `table[i]` a Pair,
+    `lengths` [pairs, 3], `source` [pairs]); each is cut to `seq_len` as TRL's max_length cuts
+    it, and one whose prompt alone fills seq_len is dropped (`dropped` counts them). Rows are
+    made on demand, so a store of any size costs memory only for its lengths.
+
+    Epoch e visits the pairs of megaft.data.sources.mixture(source, `weights`, seed, e) (every
+    pair once for one source of weight 1) in `numpy.random.default_rng([seed, e]).permutation`
+    order; step s's global batch is pairs s*G .. (s+1)*G - 1 of the endless sequence of epochs."""
+
+    def __init__(self, table, seq_len: int, seed: int, pad_id: int, weights: Optional[list[float]] = None):
+        table = PairList(table) if isinstance(table, list) else table
+        self.seq_len, self.seed, self.pad_id, self.table = seq_len, seed, pad_id, table
+        lengths = np.asarray(table.lengths, dtype=np.int64).reshape(-1, 3)
+        self.kept = np.flatnonzero(lengths[:, 0] < seq_len)  # TRL drops a pair whose prompt fills max_length
+        self.dropped = len(lengths) - len(self.kept)
+        if not len(self.kept):
+            raise ValueError("no preference pair fits data.seq_len (each prompt is as long or longer); "
+                             "fix: raise data.seq_len")
+        kept = lengths[self.kept]
+        room = seq_len - kept[:, :1]
+        self.lengths = torch.from_numpy((kept[:, :1] + np.minimum(kept[:, 1:], room)).reshape(-1))  # [2 * pairs]
+        self.source = np.asarray(table.source)[self.kept]
+        self.weights = weights
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def pair(self, k: int) -> Pair:
+        """Kept pair k, cut to seq_len."""
+        p = self.table[int(self.kept[int(k)])]
+        room = self.seq_len - len(p.prompt_ids)
+        return Pair(p.prompt_ids, p.chosen_ids[:room], p.rejected_ids[:room])
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
             if len(self._orders) > 2:  # steps advance monotonically: two epochs are hot
                 self._orders.pop(min(self._orders))
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
+            mix = np.arange(len(self)) if self.weights is None else mixture(self.source, self.weights, self.seed,
+                                                                              epoch)
+            self._orders[epoch] = mix[np.random.default_rng([self.seed, epoch]).permutation(len(mix))]
         return self._orders[epoch]
+
+    def epoch_size(self) -> int:
+        return len(self._order(0))
 
     def pair_ids(self, step: int, size: int) -> torch.Tensor:
         """The indices of step `step`'s `size` pairs."""
-        n = len(self.pairs)
+        n = self.epoch_size()
+        if n == 0:
+            raise ValueError("the data.sources weights draw no pair in an epoch; fix: raise a source's weight")
         ids = [int(self._order(i // n)[i % n]) for i in range(step * size, (step + 1) * size)]
         return torch.tensor(ids, dtype=torch.long)
 
     def rows(self, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of these pairs, [2 * len(pair_ids), seq_len] in pair order."""
-        index = self._index(pair_ids)
-        return self.inputs[index], self.labels[index]
+        rows = [row_of(p.prompt_ids, c, self.seq_len, self.pad_id)
+                for p in map(self.pair, pair_ids.tolist()) for c in (p.chosen_ids, p.rejected_ids)]
+        return (torch.tensor([r[0] for r in rows], dtype=torch.long).reshape(-1, self.seq_len),
+                torch.tensor([r[1] for r in rows], dtype=torch.long).reshape(-1, self.seq_len))
 
     def tokens(self, pair_ids: torch.Tensor) -> int:
         """The real (unpadded) tokens of these pairs' rows."""
@@ -94,5 +137,6 @@ class PairRows:
         """ORPO's labels of these pairs' rows, as `rows` lays them out: every next token of
         the chosen rows, nothing of the rejected ones."""
         out = torch.full((2 * len(pair_ids), self.seq_len), IGNORE_INDEX, dtype=torch.long)
-        out[0::2] = self.whole_labels[pair_ids]
+        for i, p in enumerate(map(self.pair, pair_ids.tolist())):
+            out[2 * i] = torch.tensor(row_of(p.prompt_ids, p.chosen_ids, self.seq_len, self.pad_id, whole=True)[1])
         return out

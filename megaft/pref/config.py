@@ -78,7 +78,7 @@ def check_pref(cfg: PrefConfig, objective: str) -> list[str]:
                     for p in check_preference(objective, beta=cfg.beta, label_smoothing=cfg.label_smoothing)]
 
 
-def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: str, n_experts: int,
+def check_pref_run(objective: str, *, has_file: bool, packing: str, n_experts: int,
                    share_prompt: bool = False, cp: int = 1, window: bool = False,
                    capacity: bool = False, global_aux: bool = False) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
@@ -89,10 +89,7 @@ def check_pref_run(objective: str, *, has_file: bool, sources: bool, packing: st
     what = f"train.objective={objective}"
     if not has_file:
         problems.append(f"{what} trains on preference pairs and the run has none; fix: data.path=PAIRS.jsonl "
-                        '(one {"prompt", "chosen", "rejected"} record a line, docs/preference.md)')
-    if sources:
-        problems.append(f"{what} reads its pairs from data.path; a mixture of data.sources is not built for "
-                        "pairs yet; fix: data.path=PAIRS.jsonl and data.sources=[]")
+                        '(one {"prompt", "chosen", "rejected"} record a line, docs/preference.md) or data.sources')
     if share_prompt and packing != "docs":  # stream (the default) and none: each answer a row of its own
         problems.append(f"pref.share_prompt=true puts a pair's prompt once in a packed row, and data.packing="
                         f"{packing} gives each answer a row of its own; fix: data.packing=docs")

@@ -59,11 +59,12 @@ from megaft.data.errors import DataError
 # The turn checks of the SFT chat forms, reused so both kinds of data read turns alike.
 from megaft.data.formats import checked_message, checked_turns
 from megaft.data.jsonl import listed_problems, scan_json_lines, where
+from megaft.data.sources import scan_file, source_files
 from megaft.data.templates import ChatTemplate
 from megaft.data.tools import parse_tools, present
 
 __all__ = ["PREFERENCE_FORMS", "Pair", "parse_pair", "extract_prompt", "render_pair", "encode_pair",
-           "read_pairs", "pair_problems", "truncate"]
+           "encode_record", "read_pairs", "pair_problems", "pair_source_problems", "truncate"]
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +224,11 @@ def encode_pair(rec: dict, tok: Tokenizer, template: Optional[ChatTemplate] = No
     """The token ids of a normalized record (parse_pair), as TRL's DPOTrainer makes them
     (module docstring). `eos_token` (the string, as tokenizer_config.json names it) is
     needed by standard records; conversational ones need `template`."""
-    return _encode(rec, tok, template, eos_token)[0]
+    return encode_record(rec, tok, template, eos_token)[0]
 
 
-def _encode(rec: dict, tok: Tokenizer, template: Optional[ChatTemplate], eos_token: Optional[str]
-            ) -> tuple[Pair, bool]:
+def encode_record(rec: dict, tok: Tokenizer, template: Optional[ChatTemplate], eos_token: Optional[str]
+                  ) -> tuple[Pair, bool]:
     """(pair, whether the prompt lost tokens to the common-prefix rule: TRL's warning)."""
     if isinstance(rec["chosen"], str):
         if eos_token is None:
@@ -312,7 +313,7 @@ def read_pairs(path: str, tok: Tokenizer, template: Optional[ChatTemplate] = Non
     for lineno, rec, problem in scan_pairs(path):
         if problem is None:
             try:
-                pair, prompt_cut = _encode(rec, tok, template, eos_token)
+                pair, prompt_cut = encode_record(rec, tok, template, eos_token)
             except DataError as e:
                 problem = str(e)
         if problem is not None:
@@ -336,12 +337,22 @@ def pair_problems(path: str, limit: int = 20) -> list[str]:
 
 
 def pair_source_problems(path: str, limit: int = 20) -> tuple[list[str], bool]:
-    """pair_problems, and whether any pair is conversational (its template must exist): the
-    shape of megaft.data.sources.source_problems, for megaft.data.config.check_data."""
-    problems, chat = [], False
-    for lineno, rec, problem in scan_pairs(path):
-        if problem is None:
-            chat = chat or not isinstance(rec["chosen"], str)
-        else:
-            problems.append((lineno, problem))
-    return listed_problems(path, ((n, None, p) for n, p in problems), limit), chat
+    """pair_problems of every file of a source path (a file, a directory of .jsonl/.parquet
+    files, a saved `datasets` folder), and whether any pair is conversational (its template
+    must exist): the shape of megaft.data.sources.source_problems, for megaft.data.config.check_data."""
+    try:
+        files = source_files(path)
+    except DataError as e:
+        return [str(e)], False
+    problems, more, chat = [], 0, False
+    for file in files:
+        for lineno, rec, problem in scan_file(file, parse_pair, "pairs"):
+            if problem is None:
+                chat = chat or not isinstance(rec["chosen"], str)
+            elif len(problems) < limit:
+                problems.append(f"{where(file, lineno)}: {problem}")
+            else:
+                more += 1
+    if more:
+        problems.append(f"{path}: {more} more malformed lines not shown")
+    return problems, chat

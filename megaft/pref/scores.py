@@ -6,9 +6,10 @@ on, and a run with the same fingerprint reads it instead of scoring: the points 
 over beta, the learning rate or the layout share one scoring. The fingerprint covers the
 reference's weights (config.json's text, and each weight file's name, size and
 modification time: a re-exported checkpoint of the same shapes is another reference), or
-the seeded init's model config and seed; the pairs files' contents; the tokenizer and chat
-template; data.seq_len (which pairs are kept and how they are cut); the precision. Not the
-layout: the scores of any layout are the same numbers up to fp32 summation order.
+the seeded init's model config and seed; the pairs files' contents (data.path's, or every
+data.sources file's); the tokenizer and chat template; data.seq_len (which pairs are kept and
+how they are cut); the precision. Not the layout: the scores of any layout are the same
+numbers up to fp32 summation order.
 
 A file holds [pairs, 4] (chosen sum, chosen count, rejected sum, rejected count) for the
 training pairs and, with data.eval_path, for the held-out ones, as safetensors, with the
@@ -45,6 +46,16 @@ def _tokenizer_identity(tokenizer_dir: Optional[str]) -> dict[str, str]:
             if os.path.isfile(os.path.join(tokenizer_dir, f))}
 
 
+def _pairs_identity(data):
+    """data.path's sha256, or with data.sources every file's in order (the weights draw from the
+    scored pairs: they do not change a score)."""
+    if not data.sources:
+        return file_sha256(data.path)
+    from megaft.data.sources import source_files
+
+    return [file_sha256(f) for s in data.sources for f in source_files(s.path)]
+
+
 def fingerprint_parts(cfg) -> dict[str, Any]:
     """What the reference log-probs of `cfg`'s pairs depend on (a Config under a reference objective)."""
     from megaft.data.templates import tokenizer_dir_of
@@ -56,7 +67,7 @@ def fingerprint_parts(cfg) -> dict[str, Any]:
         reference = {"init": repr(cfg.model), "seed": cfg.train.seed}
     data = cfg.data
     return {"reference": reference,
-            "pairs": file_sha256(data.path), "eval_pairs": file_sha256(data.eval_path) if data.eval_path else None,
+            "pairs": _pairs_identity(data), "eval_pairs": file_sha256(data.eval_path) if data.eval_path else None,
             "tokenizer": _tokenizer_identity(tokenizer_dir_of(data.tokenizer, cfg.model.init_from)),
             "chat_template": data.chat_template, "seq_len": data.seq_len, "precision": str(cfg.precision)}
 

@@ -27,7 +27,6 @@ from tokenizers import Tokenizer
 
 from megaft.config import Config
 from megaft.data import (
-    DataError,
     EncodedCorpus,
     Examples,
     PackedDocs,
@@ -40,7 +39,6 @@ from megaft.data import (
     encode_examples,
     eval_batches,
     load_examples,
-    prepare_dataset,
     read_source,
     special_ids,
 )
@@ -54,6 +52,7 @@ from megaft.parallel.tensor.shard import full_shape
 from megaft.peft import apply_lora
 from megaft.pipeline.stage import StageModel
 from megaft.pref.config import is_preference
+from megaft.training.agreed import agreed_store
 from megaft.training.export import build_export
 from megaft.training.optimizer import build_optim
 from megaft.training.pref_data import build_pref_data
@@ -125,35 +124,6 @@ class DataParts:
             return (*self.stream.global_batch(step, size), None)
         batch = self.stream.doc_batch(step, size)
         return batch.input_ids, batch.labels, Docs(batch.position_ids, batch.doc_ids)
-
-
-def agreed_store(data, grid: ParallelGrid, **kwargs):
-    """The prepared store of `data`, opened by every rank (verified, and rebuilt when damaged:
-    megaft.data.prepare), with one collective in which the ranks agree on the verdict before
-    any trains: when a rank could not open it, or ranks' stores hold different tokens (data
-    files that differ between nodes), every rank raises instead of some waiting on a collective."""
-    store, error = None, None
-    try:
-        store = prepare_dataset(data, progress=grid.rank == 0, **kwargs)
-    except DataError as exc:
-        error = exc
-    if grid.world_size == 1:
-        if error is not None:
-            raise error
-        return store
-    key = int(store.manifest["arrays"]["tokens.bin"]["sha256"][:12], 16) if store is not None else 0
-    verdict = torch.tensor([int(error is not None), key, -key], dtype=torch.int64, device=grid.device)
-    torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
-    failed, high, low = (int(v) for v in verdict.tolist())
-    if error is not None:
-        raise error
-    if failed:
-        raise DataError("another rank could not open the prepared dataset (its error above names why); no rank "
-                        "trains on a store the others did not verify")
-    if high != -low:
-        raise DataError(f"the ranks' prepared datasets hold different tokens (this rank's: {store.path}): the "
-                        "data files differ between nodes; fix: give every node the same files (a shared file system)")
-    return store
 
 
 def build_data(parts: RunParts) -> DataParts:

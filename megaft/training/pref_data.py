@@ -1,6 +1,7 @@
 """The data part of a preference run (train.objective = dpo | robust | ipo | simpo | orpo).
 
-The pairs of data.path tokenized as TRL's DPOTrainer does (megaft.pref.data), cut to
+The pairs of data.path or data.sources tokenized as TRL's DPOTrainer does (megaft.pref.data)
+into the prepared store once (megaft.pref.store), cut to
 data.seq_len as TRL's max_length cuts them, as rows (megaft.pref.batches); a step's global
 batch is `train.global_batch_size` pairs, a micro-batch `train.micro_batch_size` pairs (2
 rows each, chosen and rejected together), each micro-batch as long as its longest row (all
@@ -15,14 +16,14 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
-from megaft.data import build_tokenizer, special_ids
-from megaft.data.templates import load_chat_template, tokenizer_dir_of
 from megaft.models.docs import Docs
 from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid
 from megaft.pref.batches import PairRows
-from megaft.pref.data import read_pairs, truncate
+from megaft.pref.data import read_pairs
 from megaft.pref.packing import PackedPairs, pack_pairs, packed_tokens
+from megaft.pref.store import StoredPairs, pair_tokenizer, prepare_pairs
+from megaft.training.agreed import agreed_store
 from megaft.training.protocols import RunParts, StepBatch
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class PrefData:
         """`_pairs` with each micro-batch's pairs packed into rows (under pp all of a step's
         micro-batches of one shape: padded to the most rows and the longest)."""
         def pack(chunk: torch.Tensor, min_rows: int = 0, min_length: int = 0) -> PackedPairs:
-            return pack_pairs([rows.pairs[int(k)] for k in chunk], 2 * rows.seq_len, rows.pad_id,
+            return pack_pairs([rows.pair(k) for k in chunk.tolist()], 2 * rows.seq_len, rows.pad_id,
                               share_prompt=self.share_prompt, multiple=self.multiple, min_rows=min_rows,
                               min_length=min_length)
         packed = [pack(chunk) for chunk in chunks]
@@ -152,38 +153,38 @@ class PrefData:
             if self.orpo:
                 whole.append(labels[2])
         nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
-        tokens = packed_tokens([rows.pairs[int(k)] for k in ids], self.share_prompt)
+        tokens = packed_tokens([rows.pair(k) for k in ids.tolist()], self.share_prompt)
         return PairBatch(micro_in, micro_lab, docs, n_pairs, tokens, pair_ids=chunks, whole_labels=whole,
                          nll_tokens=nll_tokens, segments=segments, valid=valid)
 
 
-def _rows(path: str, tok: Tokenizer, template, eos_token: Optional[str], data, rank: int, pad_id: int) -> PairRows:
-    """The pairs of `path` as TRL's DPOTrainer tokenizes them, cut to data.seq_len, as rows."""
-    pairs = read_pairs(path, tok, template, eos_token=eos_token)
-    kept = [p for p in (truncate(p, data.seq_len) for p in pairs) if p is not None]
-    if len(kept) < len(pairs) and rank == 0:
+def _dropped(rows: PairRows, where: str, seq_len: int, rank: int) -> PairRows:
+    if rows.dropped and rank == 0:
         log.warning("%s: %d of %d pairs dropped: their prompt alone has data.seq_len=%d tokens or more (as TRL's "
-                    "max_length drops them); raise data.seq_len to keep them", path, len(pairs) - len(kept),
-                    len(pairs), data.seq_len)
-    return PairRows(kept, data.seq_len, data.seed, pad_id)
+                    "max_length drops them); raise data.seq_len to keep them", where, rows.dropped,
+                    rows.dropped + len(rows), seq_len)
+    return rows
 
 
 def build_pref_data(parts: RunParts) -> PrefData:
-    """The pairs of data.path (and data.eval_path) as TRL's DPOTrainer tokenizes them."""
+    """The pairs of data.path or data.sources, from the prepared store (megaft.pref.store:
+    tokenized once as TRL's DPOTrainer tokenizes them, memory-mapped), and of data.eval_path,
+    read into memory."""
     cfg, grid = parts.cfg, parts.grid
     data, init_from = cfg.data, cfg.model.init_from
-    tok = build_tokenizer(data, init_from=init_from)
-    eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
-    template = load_chat_template(data.chat_template, tokenizer_dir_of(data.tokenizer, init_from))
-    eos_token = tok.id_to_token(eos_id) if eos_id is not None else None
-    if eos_token is not None and tok.encode(eos_token, add_special_tokens=False).ids != [eos_id]:
-        # TRL appends the eos text to each answer; transformers' tokenizer always reads its eos_token as
-        # that one token (a special added token), a bare tokenizer.json may not: make it so here too
-        tok.add_special_tokens([eos_token])
-    rows = _rows(data.path, tok, template, eos_token, data, grid.rank, pad_id)
-    evals = _rows(data.eval_path, tok, template, eos_token, data, grid.rank, pad_id) if data.eval_path else None
+    ptok = pair_tokenizer(data, init_from=init_from, eos_token_id=cfg.model.extra.get("eos_token_id"))
+    store = agreed_store(data, grid, prepare=prepare_pairs, tokenizer=ptok)
+    weights = [s.weight for s in data.sources] if data.sources else None
+    where = data.path or "data.sources"
+    rows = _dropped(PairRows(StoredPairs(store), data.seq_len, data.seed, ptok.pad_id, weights), where,
+                    data.seq_len, grid.rank)
+    evals = None
+    if data.eval_path:
+        pairs = read_pairs(data.eval_path, ptok.tok, ptok.template, eos_token=ptok.eos_token)
+        evals = _dropped(PairRows(pairs, data.seq_len, data.seed, ptok.pad_id), data.eval_path, data.seq_len,
+                         grid.rank)
     par = cfg.parallel
     multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
-    return PrefData(tok, eos_id, rows, grid, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+    return PrefData(ptok.tok, ptok.eos_id, rows, grid, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                     cfg.train.objective == "orpo", multiple, same_length=par.pp > 1, eval_rows=evals,
                     packing="docs" if data.packing == "docs" else "none", share_prompt=cfg.pref.share_prompt)

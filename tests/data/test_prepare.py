@@ -147,7 +147,7 @@ def test_ready_cache_is_reused_and_a_changed_input_is_a_new_cache(setup, monkeyp
     assert len(paths) == 4
 
 
-_REAL_ENCODE = prep._encode_chunk
+_REAL_RUN = prep._run_chunk
 _CALLS = []
 
 
@@ -156,14 +156,14 @@ def _die_on_second_chunk(chunk):
     _CALLS.append(1)
     if len(_CALLS) == 2:
         os._exit(3)  # a worker killed mid-way (OOM killer, node failure)
-    return _REAL_ENCODE(chunk)
+    return _REAL_RUN(chunk)
 
 
 def test_a_killed_worker_leaves_no_cache_and_the_rerun_rebuilds(setup, monkeypatch):
     cfg, ckpt, tmp_path = setup
     cfg.prepare_workers = 2
     # Forked workers inherit the patch; each dies on its own second chunk.
-    monkeypatch.setattr(prep, "_encode_chunk", _die_on_second_chunk)
+    monkeypatch.setattr(prep, "_run_chunk", _die_on_second_chunk)
     target = prepared_path(cfg, init_from=ckpt)
     with pytest.raises(BrokenProcessPool):
         prepare_dataset(cfg, init_from=ckpt, progress=False)

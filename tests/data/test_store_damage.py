@@ -72,7 +72,7 @@ def _agree_on_ranks(rank: int, world: int, cfgs, ckpt, out: str) -> None:
     from types import SimpleNamespace
 
     from megaft.data.errors import DataError
-    from megaft.training.parts import agreed_store
+    from megaft.training.agreed import agreed_store
 
     grid = SimpleNamespace(rank=rank, world_size=world, device="cpu")
     try:

@@ -129,6 +129,7 @@ def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = No
     """(megaft's, TRL's) metrics lines of `steps` DPO steps on the same pairs in the same order;
     the held-out pairs' loss after them must agree (megaft's eval at the last step, TRL's evaluate)."""
     from megaft.pref.batches import PairRows
+    from megaft.pref.data import Pair
 
     cfg = pref_config(ckpt, pairs, "dpo", steps=steps, micro=micro)
     cfg.pref.reference = ref
@@ -140,8 +141,8 @@ def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = No
     got = [r for r in lines if "loss" in r]
     got_eval = [r["eval_loss"] for r in lines if "eval_loss" in r]
     n = sum(1 for _ in open(pairs))
-    rows = PairRows.__new__(PairRows)  # only the order: a pure function of (seed, step, pair count)
-    rows.pairs, rows.seed, rows._orders = [None] * n, cfg.data.seed, {}
+    # only the order: a pure function of (seed, step, pair count)
+    rows = PairRows([Pair([0], [1], [2])] * n, cfg.data.seq_len, cfg.data.seed, pad_id=0)
     order = [int(i) for s in range(steps) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
     want = _trl_dpo_curve(ckpt, pairs, order, steps, str(out / "trl"), cfg, ref,
                           eval_pairs_of(pairs) if evaluate else None)
