@@ -137,3 +137,20 @@ def test_a_bad_pair_in_a_parquet_source_is_named_before_any_rank_starts(tmp_path
     problems = validate(resolve(cfg), 1)
     assert len(problems) == 1 and problems[0].startswith(f"data.sources[1]: {folder / 'x.parquet'}:2: ")
     assert "fix: " in problems[0]
+
+
+def test_text_answers_end_with_the_tokenizers_eos_as_in_trl(tmp_path):
+    """config.json may list another eos first (Llama 3.1: <|end_of_text|>, where the tokenizer's
+    eos_token is <|eot_id|>); TRL appends the tokenizer's eos_token, and so does the store."""
+    ckpt = make_checkpoint(str(tmp_path / "ckpt"), THINK)
+    hf = hf_tokenizer(ckpt)
+    other = hf.convert_tokens_to_ids("<|endoftext|>")
+    assert other != hf.eos_token_id
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in FORMS["standard"]))
+    data = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), prepare_workers=1)
+    pairs = StoredPairs(prepare_pairs(data, init_from=ckpt, eos_token_id=[other, hf.eos_token_id], progress=False))
+    want = trl_dataset(FORMS["standard"], hf)
+    assert [pairs[i] for i in range(len(pairs))] == [Pair(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"])
+                                                     for r in want]
+    assert all(pairs[i].chosen_ids[-1] == hf.eos_token_id for i in range(len(pairs)))
