@@ -82,7 +82,8 @@ class RouterLog:
         self.open = False
         self.seq_len: Optional[int] = None  # the micro-batch's length before sequence-parallel padding
         # [batch, seq_len] True where a position is a token (preference rows: not the padding after each
-        # row, which transformers' attention_mask keeps out of load_balancing_loss_func); None: all are
+        # row, which transformers' attention_mask keeps out of load_balancing_loss_func); None: all are.
+        # Integer counts weigh each token (a shared prompt in packed pairs stands for the tokens of 2 rows)
         self.valid: Optional[torch.Tensor] = None
 
     def start(self, seq_len: int, valid: Optional[torch.Tensor] = None) -> None:
@@ -347,14 +348,24 @@ class MoE(nn.Module):
         b, s, e = probs.shape
         mine = self._mine(s)
         logits, probs, experts = logits[:, mine], probs[:, mine], experts[:, mine]
+        weight = None
         if self.log.valid is not None:  # only the tokens: [positions, ...] from [b, positions, ...]
             start = group_rank(self.group) * s if self.sp else 0
             valid = self.log.valid.to(probs.device)[:, start:start + s][:, mine]
+            if valid.dtype != torch.bool:  # a count per token (a shared prompt stands for 2 rows' tokens)
+                weight = valid[valid > 0].to(probs.dtype)
+                valid = valid > 0
             logits, probs, experts = logits[valid], probs[valid], experts[valid]
-        counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
-        z = torch.logsumexp(logits, dim=-1).square().sum()
-        tokens = torch.tensor(float(probs.reshape(-1, e).shape[0]), device=probs.device)
-        self.log.add(RouterRecord(self.layer, counts, probs.reshape(-1, e).sum(0), z, tokens, dropped))
+        probs, z = probs.reshape(-1, e), torch.logsumexp(logits, dim=-1).square().reshape(-1)
+        if weight is None:
+            counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
+            tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
+        else:  # each token counted `weight` times: the statistics of the rows it stands for
+            k = experts.shape[-1]
+            counts = torch.bincount(experts.reshape(-1), weights=weight.float().repeat_interleave(k),
+                                    minlength=e).to(torch.float32)
+            probs, z, tokens = probs * weight[:, None], z * weight, weight.float().sum()
+        self.log.add(RouterRecord(self.layer, counts, probs.sum(0), z.sum(), tokens, dropped))
 
     def _kept(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """(the kept assignments [tokens × k] or None: all, the dropped ones of this rank's own

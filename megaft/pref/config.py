@@ -103,9 +103,6 @@ def check_pref_run(objective: str, *, has_file: bool, packing: str, n_experts: i
     if n_experts and (capacity or global_aux):
         problems.append(f"{moe} balances each micro-batch's tokens without a capacity, as TRL's DPOTrainer adds "
                         "transformers' aux loss; fix: moe.capacity_factor=null and moe.aux_scope=micro_batch")
-    if n_experts and share_prompt:
-        problems.append(f"{moe} and pref.share_prompt=true: the router statistics would count each prompt once, "
-                        "not twice as in unshared rows; fix: pref.share_prompt=false")
     return problems
 
 

@@ -36,6 +36,7 @@ class PackedPairs:
     whole: torch.Tensor  # ORPO's: every next token of prompt + chosen
     segments: torch.Tensor  # 2j / 2j + 1 per answer of pair j (its shared prompt: 2j), -1 padding
     docs: Docs  # positions, document ids and (shared prompts) prefix ids
+    copies: torch.Tensor  # the unpacked rows each token stands for: 2 in a shared prompt, 1, 0 padding
 
 
 @dataclass
@@ -115,6 +116,7 @@ def pack_pairs(pairs: list[Pair], capacity: int, pad_id: int, *, share_prompt: b
     labels = torch.full((n, length), IGNORE_INDEX, dtype=torch.long)
     whole = torch.full((n, length), IGNORE_INDEX, dtype=torch.long)
     segments = torch.full((n, length), -1, dtype=torch.long)
+    copies = torch.zeros((n, length), dtype=torch.long)
     positions = torch.zeros((n, length), dtype=torch.long)
     doc_ids = torch.zeros((n, length), dtype=torch.long)
     prefix_ids = torch.zeros((n, length), dtype=torch.long)
@@ -125,6 +127,7 @@ def pack_pairs(pairs: list[Pair], capacity: int, pad_id: int, *, share_prompt: b
             inputs[r, span], labels[r, span], whole[r, span] = (torch.tensor(x) for x in (piece.ids, piece.labels,
                                                                                              piece.whole))
             segments[r, span] = piece.segment
+            copies[r, span] = 2 if piece.shared else 1
             positions[r, span] = torch.arange(piece.start, piece.start + len(piece.ids))
             doc_ids[r, span] = d
             prompt = d if piece.shared else prompt
@@ -132,7 +135,7 @@ def pack_pairs(pairs: list[Pair], capacity: int, pad_id: int, *, share_prompt: b
             at += len(piece.ids)
         doc_ids[r, at:] = prefix_ids[r, at:] = len(row)  # the padding: a document of its own
     docs = Docs(positions, doc_ids, prefix_ids=prefix_ids if share_prompt else None)
-    return PackedPairs(inputs, labels, whole, segments, docs)
+    return PackedPairs(inputs, labels, whole, segments, docs, copies)
 
 
 def segment_sums(values: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, n: int

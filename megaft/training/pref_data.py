@@ -36,7 +36,9 @@ class PairBatch(StepBatch):
 
     pair_ids: Optional[list[torch.Tensor]] = None
     segments: Optional[list[torch.Tensor]] = None  # packed rows: each token's answer (megaft.pref.packing)
-    valid: Optional[list[torch.Tensor]] = None  # per micro-batch [rows, length]: True at tokens, False at padding
+    # per micro-batch [rows, length]: True at tokens, False at padding (shared prompts: the count of
+    # unpacked rows each token stands for, 2 in the prompt), what the router statistics count
+    valid: Optional[list[torch.Tensor]] = None
     whole_labels: Optional[list[torch.Tensor]] = None  # orpo only
     nll_tokens: int = 0  # orpo: target tokens of the global batch's chosen rows, prompt included
 
@@ -143,15 +145,17 @@ class PrefData:
             packed = [pack(chunk, most, longest) for chunk in chunks]
         micro_in, micro_lab, whole, segments, docs, valid = [], [], [] if self.orpo else None, [], [], []
         for p in packed:
-            labels = [p.labels, p.segments] + ([p.whole] if self.orpo else [])
+            labels = [p.labels, p.segments, p.copies] + ([p.whole] if self.orpo else [])
             inputs, labels, d = context_chunks(p.inputs, labels, self.grid, p.docs)
             micro_in.append(inputs)
             micro_lab.append(labels[0])
             segments.append(labels[1])
             docs.append(d)
-            valid.append(labels[1] >= 0)  # the padding: no pair's
+            # the router statistics count each token as often as the unpacked rows hold it: a shared
+            # prompt twice (an integer weight), every other token once, the padding never
+            valid.append(labels[2] if self.share_prompt else labels[2] > 0)
             if self.orpo:
-                whole.append(labels[2])
+                whole.append(labels[3])
         nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
         tokens = packed_tokens([rows.pair(k) for k in ids.tolist()], self.share_prompt)
         return PairBatch(micro_in, micro_lab, docs, n_pairs, tokens, pair_ids=chunks, whole_labels=whole,

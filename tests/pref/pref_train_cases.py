@@ -78,10 +78,12 @@ LAYOUTS = {
     "dpo_moe_tp2_sp": ("dpo", dict(tp=2, sequence_parallel=True), 0),
     "orpo_moe_packed_cp2": ("orpo", dict(cp=2), 0),
     "ipo_moe_pp2": ("ipo", dict(pp=2), 0),
+    # shared prompts weigh the router statistics as the unpacked rows hold the prompt: twice
+    "dpo_moe_shared_tp2": ("dpo", dict(tp=2), 0),
 }
 # the packed layouts: name -> pref.share_prompt
 PACKED = {"dpo_packed_tp2_sp": False, "dpo_packed_cp2": False, "dpo_shared_dp2_zero1": True,
-          "orpo_shared_pp2": True, "ipo_shared_tp2": True, "orpo_moe_packed_cp2": False}
+          "orpo_shared_pp2": True, "ipo_shared_tp2": True, "orpo_moe_packed_cp2": False, "dpo_moe_shared_tp2": True}
 ONLINE = ("dpo_online_pp2", "dpo_online_lora_tp2", "ipo_online_ref_dp2_zero3")
 
 
