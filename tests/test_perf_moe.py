@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from megaft.config import Config
+from megaft.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaft.models import saved
 from megaft.models.config import ModelConfig, check_model
 from megaft.models.decoder import Decoder
@@ -139,6 +140,25 @@ def test_lora_counts_equal_the_adapters_built(family, tp, tp_group, targets):
         assert adapter_layer_params(cfg, lora, tp, i)[0] == found.get(i, 0), (family, tp, i)
     if family == "mixtral" and targets is None:  # no shared expert: attention's four adapters only
         assert adapter_layer_params(cfg, lora, 1, 0)[0] == 4 * (4 * 64 + 4 * 64) - 2 * 4 * 32
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("q_latent", [True, False])
+def test_lora_counts_on_latent_attention_equal_the_adapters_built(tp, tp_group, q_latent):
+    """DeepSeek-V3's MLA: o_proj adapts, q_proj too without a query latent (validation refuses
+    the targets that adapt nothing); the base linears are the tp-split ones (q_b or q_proj, kv_b,
+    o and the MLPs), the latent down projections stay as they are."""
+    cfg = moe("deepseek_v3", **({} if q_latent else {"q_lora_rank": None}))
+    targets = ["o", "gate", "up", "down", "experts", "shared_expert", "router"] + ([] if q_latent else ["q"])
+    lora = LoraConfig(rank=4, targets=targets)
+    group = tp_group(tp)
+    model = apply_lora(Decoder(cfg, group=group), lora, seed=0, tp_rank=0, tp_size=tp, group=group)
+    for i, block in enumerate(model.layers):
+        adapters = sum(p.numel() for name, p in block.named_parameters() if ".adapter." in name)
+        base = sum(mod.weight.numel() for mod in block.modules()
+                   if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)))
+        assert adapter_layer_params(cfg, lora, tp, i) == (adapters, base), (tp, q_latent, i)
+    assert any(name.endswith("q_proj.adapter.A") for name, _ in model.named_parameters()) == (not q_latent)
 
 
 # --- FLOPs ---------------------------------------------------------------------------------

@@ -193,13 +193,23 @@ def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int, 
     B [out, r] whole). gate/up/down adapt the dense MLP; in a mixture-of-experts block
     `shared_expert` adapts the shared expert's three, `experts` each of this ep rank's E/ep
     experts' three (split over tp alike, megaft.peft.experts), `router` the router [E, dim].
-    The stacked experts, the router and the shared expert's gate stay fp32 under lora.base_dtype=bf16."""
-    q, kv, r = m.n_heads * m.hd, m.kv_heads * m.hd, lora.rank
-    shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True)}
+    The stacked experts, the router and the shared expert's gate stay fp32 under lora.base_dtype=bf16,
+    and so do latent attention's replicated down projections (q_a, kv_a: no parallel linears)."""
+    r = lora.rank
+    if m.mla:  # adaptable: o_proj, and q_proj without a query latent (the latent projections are no targets)
+        shapes = {"o": (m.n_heads * m.v_head_dim, m.dim, True)}
+        if m.q_lora_rank is None:
+            shapes["q"] = (m.dim, m.n_heads * m.qk_head_dim, False)
+        base = _mla_params(m)[1]  # the tp-split linears (q_b or q_proj, kv_b, o) are the base linears
+    else:
+        q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
+        shapes = {"q": (m.dim, q, False), "k": (m.dim, kv, False), "v": (m.dim, kv, False), "o": (q, m.dim, True)}
+        base = sum(i * o for i, o, _ in shapes.values())
     moe = m.is_moe(layer)
     ffn = m.shared_expert_ffn_dim if moe else m.ffn_dim
     if ffn:
         shapes.update({"gate": (m.dim, ffn, False), "up": (m.dim, ffn, False), "down": (ffn, m.dim, True)})
+        base += 3 * m.dim * ffn
     mlp = "shared_expert" if moe else "gate"  # a MoE block's gate/up/down linears are its shared expert's
     wanted = {t for t in lora.targets if t not in ("gate", "up", "down")}
     wanted |= {t for t in ("gate", "up", "down") if (t if mlp == "gate" else "shared_expert") in lora.targets}
@@ -211,7 +221,7 @@ def adapter_layer_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int, 
     adapters += expert_adapter_params(m, lora, tp, layer, ep)
     if moe and "router" in lora.targets:
         adapters += r * (m.dim + m.n_experts)
-    return adapters, sum(i * o for i, o, _ in shapes.values()) // tp
+    return adapters, base // tp
 
 
 def expert_adapter_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int, ep: int = 1) -> int:
