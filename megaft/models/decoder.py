@@ -209,9 +209,6 @@ class Decoder(nn.Module):
         if embedding:
             self.embed_tokens = make_embedding(cfg, group=group, sequence_parallel=self.sp)
         self.router_log = RouterLog()  # the MoE layers' statistics of the last forward
-        # [batch, seq] True at the positions the router statistics count (None: all): set by the
-        # caller around a forward (preference rows' padding, megaft.training.pref_step)
-        self.router_valid: Optional[torch.Tensor] = None
         self.token_groups: list = []  # the groups a micro-batch's tokens are split over (router statistics)
         blocks = {str(i): Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels, layer=i,
                                 recompute=cfg.recompute if i in again else "none", log=self.router_log,
@@ -265,20 +262,25 @@ class Decoder(nn.Module):
         return token_loss_sum(logits[:, :labels.shape[1]], labels, group=self.group,
                               vocab_size=self.cfg.vocab_size, kernels=self.kernels)
 
-    def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
+    def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None, *,
+               router_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The last block's output of the whole decoder; `docs`: packed documents kept apart
-        (megaft.models.docs)."""
-        self.start_router_log(input_ids.shape[1], docs)
+        (megaft.models.docs); `router_valid`: the micro-batch's positions a mixture of experts'
+        router statistics count (see `start_router_log`)."""
+        self.start_router_log(input_ids.shape[1], docs, router_valid)
         x, docs = self.embed(input_ids, docs), self.prepare_docs(docs)
         for i, layer in enumerate(self.layers):
             x = layer(x, *rope_of(self, self.cfg, i), docs)
         return x
 
-    def start_router_log(self, seq_len: int, docs: Optional[Docs] = None) -> None:
+    def start_router_log(self, seq_len: int, docs: Optional[Docs] = None,
+                         valid: Optional[torch.Tensor] = None) -> None:
         """Open the MoE statistics of a forward over a micro-batch of `seq_len` tokens per row
         (this rank's), and note the groups its tokens are split over: tp under sequence
-        parallel, cp."""
-        self.router_log.start(seq_len, self.router_valid)
+        parallel, cp. `valid`: [batch, seq_len] True at the positions the statistics count
+        (a preference batch's tokens, not the padding after each row, which transformers'
+        attention_mask keeps out of load_balancing_loss_func); None: all."""
+        self.router_log.start(seq_len, valid)
         self.token_groups = ([self.group] if self.sp else []) + (
             [docs.cp.group] if docs is not None and docs.cp is not None else [])
 
@@ -299,8 +301,10 @@ class Decoder(nn.Module):
         """The last forward's statistics, for a pipeline stage that holds some of the MoE layers."""
         return sum_records(self.router_log.close(), self.token_groups)
 
-    def forward(self, input_ids: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
-        return self.head_out(self.blocks(input_ids, docs))[:, :input_ids.shape[1]]
+    def forward(self, input_ids: torch.Tensor, docs: Optional[Docs] = None, *,
+                router_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This tp rank's vocabulary slice of the logits; `router_valid`: as `blocks`'."""
+        return self.head_out(self.blocks(input_ids, docs, router_valid=router_valid))[:, :input_ids.shape[1]]
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, docs: Optional[Docs] = None) -> torch.Tensor:
         """Summed token loss of a micro-batch (see `token_loss_sum`)."""

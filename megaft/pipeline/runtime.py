@@ -189,15 +189,12 @@ class PipelineRuntime:
             x = x.requires_grad_()
             state.stage_in[(s, mb)] = x
         last_labels = state.labels[mb].to(state.device) if s == self.last and state.head is None else None
-        self.model.router_valid = state.router_valid[mb] if state.router_valid else None
-        try:
-            with state.autocast():
-                out = self.model(s, x, last_labels, state.docs[mb] if state.docs else None,
-                                 seq_len=state.inputs[mb].shape[1])
-                if s == self.last and state.head is not None:  # the logits' own objective (preference pairs)
-                    out = state.head(mb, out)
-        finally:
-            self.model.router_valid = None
+        with state.autocast():
+            out = self.model(s, x, last_labels, state.docs[mb] if state.docs else None,
+                             seq_len=state.inputs[mb].shape[1],
+                             router_valid=state.router_valid[mb] if state.router_valid else None)
+            if s == self.last and state.head is not None:  # the logits' own objective (preference pairs)
+                out = state.head(mb, out)
         state.stage_out[(s, mb)] = out
         if self.extra:
             self._forward_router(s, mb, incoming, state)

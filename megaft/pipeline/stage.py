@@ -50,14 +50,16 @@ class StageModel(Decoder):
         return (batch, seq, self.cfg.dim)
 
     def forward(self, stage: int, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                docs=None, seq_len: Optional[int] = None) -> torch.Tensor:
+                docs=None, seq_len: Optional[int] = None, *,
+                router_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Stage `stage` on `x` (input ids on stage 0, activations otherwise); the last
         stage returns `Decoder.head_out`: the summed token loss against `labels` (as
         `Decoder.loss_sum`), or without labels the logits of this tp rank's vocabulary slice.
         `docs`: packed documents kept apart (megaft.models.docs), the micro-batch's. The stage's
         MoE layers log their router statistics (`router_sums` reads them); `seq_len`: the
-        micro-batch's length, for the sequence-parallel padding (default: stage 0's ids')."""
-        self.start_router_log(seq_len or x.shape[1], docs)
+        micro-batch's length, for the sequence-parallel padding (default: stage 0's ids');
+        `router_valid`: the micro-batch's [rows, seq_len] positions those statistics count (None: all)."""
+        self.start_router_log(seq_len or x.shape[1], docs, router_valid)
         if stage == 0:
             x = self.embed(x, docs)
         docs = self.prepare_docs(docs)

@@ -286,12 +286,9 @@ class PreferenceStep(PlainStep):
             whole = batch.whole_labels[i].to(device) if batch.whole_labels else None
             with phase("forward"), self.autocast():
                 scored = _scored(batch.labels[i].to(device), whole)
-                model.router_valid = batch.valid[i] if batch.valid else None
-                try:
-                    logps = decoder_token_logps(model, batch.inputs[i].to(device), scored,
-                                                batch.docs[i] if batch.docs else None)
-                finally:
-                    model.router_valid = None
+                logps = decoder_token_logps(model, batch.inputs[i].to(device), scored,
+                                            batch.docs[i] if batch.docs else None,
+                                            router_valid=batch.valid[i] if batch.valid else None)
                 losses = self.pairs.losses(logps, batch, i)
                 router = model.router_losses() if model.cfg.n_experts > 0 else None
             objective = losses.sum()
