@@ -88,6 +88,7 @@ class PairRows:
         self.source = np.asarray(table.source)[self.kept]
         self.weights = weights
         self._orders: dict[int, np.ndarray] = {}
+        self._epoch_size: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.kept)
@@ -108,7 +109,10 @@ class PairRows:
         return self._orders[epoch]
 
     def epoch_size(self) -> int:
-        return len(self._order(0))
+        """Pairs an epoch visits (the same every epoch: the mixture draws a fixed count per source)."""
+        if self._epoch_size is None:
+            self._epoch_size = len(self._order(0))
+        return self._epoch_size
 
     def pair_ids(self, step: int, size: int) -> torch.Tensor:
         """The indices of step `step`'s `size` pairs."""
