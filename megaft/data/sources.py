@@ -132,19 +132,23 @@ def read_source(path: str, max_lines: Optional[int] = None) -> list[dict]:
     return examples
 
 
-def source_problems(path: str, limit: int = 20, tally=None) -> tuple[list[str], bool]:
+def source_problems(path: str, limit: int = 20, tally=None, parse: Callable[[dict], dict] = parse_record,
+                    what: str = "examples", is_chat: Callable[[dict], bool] = lambda ex: "messages" in ex
+                    ) -> tuple[list[str], bool]:
     """(problems as "FILE:LINE: problem; fix: ...", whether any conversation was seen).
     At most `limit` problems, then one line counting the rest. Every good record is fed to
-    `tally` (a megaft.data.untrained.UntrainedConversations) when given."""
+    `tally` (a megaft.data.untrained.UntrainedConversations) when given. `parse`, `what`,
+    `is_chat`: how records are read (scan_file) and which are conversations (for other
+    records than SFT examples: megaft.pref.data's pairs)."""
     try:
         files = source_files(path)
     except DataError as e:
         return [str(e)], False
     problems, more, chat = [], 0, False
     for file in files:
-        for line, ex, problem in scan_file(file):
+        for line, ex, problem in scan_file(file, parse, what):
             if problem is None:
-                chat = chat or "messages" in ex
+                chat = chat or is_chat(ex)
                 if tally is not None:
                     tally.add(file, line, ex)
             elif len(problems) < limit:

@@ -59,7 +59,7 @@ from megaft.data.errors import DataError
 # The turn checks of the SFT chat forms, reused so both kinds of data read turns alike.
 from megaft.data.formats import checked_message, checked_turns
 from megaft.data.jsonl import listed_problems, scan_json_lines, where
-from megaft.data.sources import scan_file, source_files
+from megaft.data.sources import source_problems
 from megaft.data.templates import ChatTemplate
 from megaft.data.tools import parse_tools, present
 
@@ -339,20 +339,6 @@ def pair_problems(path: str, limit: int = 20) -> list[str]:
 def pair_source_problems(path: str, limit: int = 20) -> tuple[list[str], bool]:
     """pair_problems of every file of a source path (a file, a directory of .jsonl/.parquet
     files, a saved `datasets` folder), and whether any pair is conversational (its template
-    must exist): the shape of megaft.data.sources.source_problems, for megaft.data.config.check_data."""
-    try:
-        files = source_files(path)
-    except DataError as e:
-        return [str(e)], False
-    problems, more, chat = [], 0, False
-    for file in files:
-        for lineno, rec, problem in scan_file(file, parse_pair, "pairs"):
-            if problem is None:
-                chat = chat or not isinstance(rec["chosen"], str)
-            elif len(problems) < limit:
-                problems.append(f"{where(file, lineno)}: {problem}")
-            else:
-                more += 1
-    if more:
-        problems.append(f"{path}: {more} more malformed lines not shown")
-    return problems, chat
+    must exist): megaft.data.sources.source_problems for pairs, for megaft.data.config.check_data."""
+    return source_problems(path, limit, parse=parse_pair, what="pairs",
+                           is_chat=lambda rec: not isinstance(rec["chosen"], str))
