@@ -13,7 +13,8 @@ is cropped by the caller).
 
 Where a cache would be wrong or need its own code, `cache_unsupported` names why and
 generation recomputes the whole sequence for every token instead: multi-head latent attention
-(MLA), sliding-window layers and soft-capped attention scores. Context parallelism needs
+(MLA) and soft-capped attention scores. A sliding-window layer caches every position and lets
+each query see its last `window` of them (the cache is not trimmed). Context parallelism needs
 nothing: generation runs the whole sequence on every cp rank (no ring).
 """
 from __future__ import annotations
@@ -90,18 +91,24 @@ class LayerCache:
         """The RoPE positions of a forward's `seq` tokens (padding clamped into the table)."""
         return torch.arange(self.state.pos, self.state.pos + seq, device=device).clamp(max=table_len - 1)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
+               window: Optional[int] = None) -> torch.Tensor:
         """Causal attention of the new queries q [batch, heads, seq, head_dim] (already rotated
-        and scaled) over the cache extended by the new k, v."""
+        and scaled) over the cache extended by the new k, v; `window`: a sliding-window layer's
+        (each query sees its last `window` positions, itself included, as in training)."""
         pos, s = self.state.pos, q.shape[2]
         k, v = self.extend(k, v)
-        if pos == 0 and s == k.shape[2]:  # the prompt: exactly the training forward's attention
+        n = k.shape[2]
+        if window is not None and window >= pos + s:  # the window reaches back to the first token
+            window = None
+        if window is None and pos == 0 and s == n:  # the prompt: exactly the training forward's attention
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if s == 1:  # one new token sees every cached one
+        if window is None and s == 1:  # one new token sees every cached one
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         i = torch.arange(s, device=q.device).unsqueeze(1) + pos
-        j = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i, enable_gqa=gqa)
+        j = torch.arange(n, device=q.device).unsqueeze(0)
+        mask = (j <= i) if window is None else (j <= i) & (j > i - window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def cache_unsupported(cfg: ModelConfig) -> Optional[str]:
@@ -110,8 +117,6 @@ def cache_unsupported(cfg: ModelConfig) -> Optional[str]:
         return "multi-head latent attention (MLA)"
     if cfg.attn_softcap is not None:
         return "soft-capped attention scores (attn_softcap)"
-    if any(cfg.window(layer) is not None for layer in range(cfg.n_layers)):
-        return "sliding-window attention layers"
     return None
 
 

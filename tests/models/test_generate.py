@@ -127,8 +127,29 @@ def test_sampling_is_seeded_and_differs_from_greedy(checkpoint):
 
 
 def test_unsupported_attention_recomputes():
-    assert "sliding" in cache_unsupported(ModelConfig(vocab_size=8, sliding_window=4))
+    assert cache_unsupported(ModelConfig(vocab_size=8, sliding_window=4)) is None
     assert "soft-capped" in cache_unsupported(ModelConfig(vocab_size=8, attn_softcap=50.0))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma3"])
+def test_sliding_window_layers_cache_and_equal_transformers(tmp_path, arch):
+    """Windows of 5-6 positions, prompts of 5-7 and 12 new tokens: the windows cut in during
+    decoding, on every layer (Mistral), on all but the first (Qwen2) or alternating (Gemma 3)."""
+    from models.arch_fixture import load_reference as load_arch
+    from models.arch_fixture import make_hf
+
+    make_hf(str(tmp_path), arch, seed=3)
+    ref, want = load_arch(str(tmp_path)), []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist()
+            want.append(out)
+    model = _decoder(str(tmp_path))
+    assert cache_unsupported(model.cfg) is None
+    assert any(model.cfg.window(i) is not None for i in range(model.cfg.n_layers))
+    assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU) == want
+    assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, cache=False) == want
 
 
 def _ranks(rank: int, world: int, path: str, want: list[list[int]], sampled: list[list[int]],
