@@ -12,9 +12,10 @@ the layers how many of them are real, and only those enter the cache (a padded q
 is cropped by the caller).
 
 Where a cache would be wrong or need its own code, `cache_unsupported` names why and
-generation recomputes the whole sequence for every token instead: multi-head latent attention
-(MLA) and soft-capped attention scores. A sliding-window layer caches every position and lets
-each query see its last `window` of them (the cache is not trimmed). Context parallelism needs
+generation recomputes the whole sequence for every token instead: soft-capped attention
+scores. A sliding-window layer caches every position and lets each query see its last `window`
+of them (the cache is not trimmed); a latent attention layer (MLA) caches its heads' expanded
+keys and values (not the compressed latent: simpler, more memory). Context parallelism needs
 nothing: generation runs the whole sequence on every cp rank (no ring).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from megaft.models.attention import Attention
 from megaft.models.config import ModelConfig
+from megaft.models.mla import MLAttention
 
 
 @dataclass
@@ -92,29 +94,28 @@ class LayerCache:
         return torch.arange(self.state.pos, self.state.pos + seq, device=device).clamp(max=table_len - 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
-               window: Optional[int] = None) -> torch.Tensor:
+               window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
         """Causal attention of the new queries q [batch, heads, seq, head_dim] (already rotated
         and scaled) over the cache extended by the new k, v; `window`: a sliding-window layer's
-        (each query sees its last `window` positions, itself included, as in training)."""
+        (each query sees its last `window` positions, itself included, as in training); `scale`:
+        SDPA's (latent attention's own; None: head_dim^-1/2)."""
         pos, s = self.state.pos, q.shape[2]
         k, v = self.extend(k, v)
         n = k.shape[2]
         if window is not None and window >= pos + s:  # the window reaches back to the first token
             window = None
         if window is None and pos == 0 and s == n:  # the prompt: exactly the training forward's attention
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         if window is None and s == 1:  # one new token sees every cached one
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
         i = torch.arange(s, device=q.device).unsqueeze(1) + pos
         j = torch.arange(n, device=q.device).unsqueeze(0)
         mask = (j <= i) if window is None else (j <= i) & (j > i - window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def cache_unsupported(cfg: ModelConfig) -> Optional[str]:
     """Why generation with `cfg` recomputes the sequence instead of caching; None = it caches."""
-    if cfg.mla:
-        return "multi-head latent attention (MLA)"
     if cfg.attn_softcap is not None:
         return "soft-capped attention scores (attn_softcap)"
     return None
@@ -125,7 +126,7 @@ def kv_cache(model: torch.nn.Module, capacity: Optional[int] = None) -> Iterator
     """Cache keys and values in every attention layer of `model` while the block runs; `capacity`
     (the prompt's length plus the new tokens) sizes each layer's buffers at the prompt."""
     state = DecodeState()
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    layers = [m for m in model.modules() if isinstance(m, (Attention, MLAttention))]
     for layer in layers:
         layer.cache = LayerCache(state, capacity)
     try:

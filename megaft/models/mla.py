@@ -101,6 +101,7 @@ class MLAttention(nn.Module):
                 if proj is not None:
                     mark_sequence_parallel(proj.weight)
         self.lin = lin
+        self.cache = None  # a LayerCache while generating (megaft.models.kv_cache.kv_cache)
 
     def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [b, s, heads * qk] of this rank's heads, kv latent [b, s, kv_lora], rotary key [b, s, rot]),
@@ -128,13 +129,16 @@ class MLAttention(nn.Module):
             q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
         if docs is not None:
             q_rot, k_rot = rope_at(q_rot.contiguous(), k_rot.contiguous(), cos, sin, docs, self.rope_backend)
-        else:
-            q_rot, k_rot = rope(q_rot.contiguous(), k_rot.contiguous(), cos[:s], sin[:s], self.rope_backend)
+        else:  # generating (megaft.models.kv_cache): only the new positions
+            at = self.cache.positions(s, cos.shape[0], x.device) if self.cache is not None else slice(0, s)
+            q_rot, k_rot = rope(q_rot.contiguous(), k_rot.contiguous(), cos[at], sin[at], self.rope_backend)
         kv = self.kv_b_proj(kv).view(b, s, self.n_heads, self.nope + self.v).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, self.n_heads, -1, -1)], dim=-1)
-        if docs is None:  # SDPA takes values of their own width and the scale as is
+        if docs is None and self.cache is not None:  # the heads' expanded keys and values are cached
+            out = self.cache.attend(q, k, v.contiguous(), False, scale=self.scale)
+        elif docs is None:  # SDPA takes values of their own width and the scale as is
             out = recompute.run(F.scaled_dot_product_attention, q, k, v.contiguous(), is_causal=True,
                                 scale=self.scale, enabled=self.selective)
         else:

@@ -195,3 +195,22 @@ def test_tp2_and_pp2_equal_transformers(checkpoint, one_kv_head):
                        step=5)
     assert generate(_decoder(one_kv_head[0]), PROMPTS, max_new_tokens=NEW, eos_id=EOS, device=CPU) == one_kv_head[1]
     spawn(2, _ranks, path, want, sampled, one_kv_head)
+
+
+@pytest.mark.parametrize("variant", ["latent_q", "plain_q"])
+def test_latent_attention_caches_and_equals_transformers(tmp_path, variant):
+    """DeepSeek-V3's MLA (a query latent with interleaved RoPE; one q_proj with YaRN, whose
+    softmax scale is not head_dim^-1/2) decodes from its cache as transformers' generate does."""
+    from models.deepseek_fixture import load_reference as load_deepseek
+    from models.deepseek_fixture import make_hf_deepseek
+
+    make_hf_deepseek(str(tmp_path), variant, seed=5)
+    ref, want = load_deepseek(str(tmp_path)), []
+    with torch.no_grad():
+        for p in PROMPTS:
+            want.append(ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)[0, len(p):].tolist())
+    model = _decoder(str(tmp_path))
+    assert model.cfg.mla and cache_unsupported(model.cfg) is None
+    assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU) == want
+    assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, cache=False) == want
