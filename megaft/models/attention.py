@@ -148,7 +148,7 @@ class Attention(nn.Module):
             at = self.cache.positions(s, cos.shape[0], x.device)
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[at], sin[at], self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale
-            out = self.cache.attend(q, k, v, self.n_kv != self.n_heads, self.window)
+            out = self.cache.attend(q, k, v, self.n_kv != self.n_heads, self.window, softcap=self.softcap)
         else:
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s], sin[:s], self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale

@@ -2,11 +2,10 @@
 stages (`pipeline_generate`), greedy or sampled, with a KV cache; and user-visible logits.
 
 Prompts are batched by length (no padding or masks needed). With the cache
-(megaft.models.kv_cache) the prompt runs through the model once and each new token
-alone after it; where the model's attention has no cache (`cache_unsupported`: MLA,
-sliding windows, soft-capped scores) every step reruns the whole sequence, as
-`cache=False` does. Generation stops at eos, after `max_new_tokens` or at
-model.max_seq_len tokens in all.
+(megaft.models.kv_cache: every attention kind megaft builds) the prompt runs through the
+model once and each new token alone after it; with `cache=False` every step reruns the
+whole sequence (the reference the cache is tested against). Generation stops at eos, after
+`max_new_tokens` or at model.max_seq_len tokens in all.
 
 Sampling (`Sampling`, temperature > 0) follows transformers' `generate(do_sample=True)`
 warpers: the logits divided by the temperature, then nucleus filtering as
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megaft.models.decoder import Decoder
-from megaft.models.kv_cache import cache_unsupported, kv_cache
+from megaft.models.kv_cache import kv_cache
 from megaft.parallel.comm import all_gather, group_size
 from megaft.parallel.tensor.comm import gather_from_tp
 
@@ -152,8 +151,8 @@ def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, devic
 
 def _cache_of(model, cache: bool) -> Callable:
     """The cache to decode with, given its capacity: kv_cache(model, capacity), or none
-    (recompute) when off or unsupported."""
-    if cache and cache_unsupported(model.cfg) is None:
+    (recompute) when off."""
+    if cache:
         return lambda capacity: kv_cache(model, capacity)
     return lambda capacity: contextlib.nullcontext()
 

@@ -1,7 +1,7 @@
 """The keys and values of the tokens decoded so far, so that each new token runs one position
 through the model (megaft.models.generate).
 
-`kv_cache(model)` gives every grouped-query `Attention` of `model` (a `Decoder`, or a pipeline
+`kv_cache(model)` gives every `Attention` and `MLAttention` of `model` (a `Decoder`, or a pipeline
 rank's `StageModel`: each rank caches its own layers) a `LayerCache` over one shared
 `DecodeState`; outside the block the model is the training model again. The cache holds this
 tp rank's heads after RoPE (kv heads as the rank computes them, replicated ones included),
@@ -11,12 +11,11 @@ parallel the model right-pads a forward's tokens to a multiple of tp: `DecodeSta
 the layers how many of them are real, and only those enter the cache (a padded query's output
 is cropped by the caller).
 
-Where a cache would be wrong or need its own code, `cache_unsupported` names why and
-generation recomputes the whole sequence for every token instead: soft-capped attention
-scores. A sliding-window layer caches every position and lets each query see its last `window`
-of them (the cache is not trimmed); a latent attention layer (MLA) caches its heads' expanded
-keys and values (not the compressed latent: simpler, more memory). Context parallelism needs
-nothing: generation runs the whole sequence on every cp rank (no ring).
+Every attention kind megaft builds caches. A sliding-window layer caches every position and
+lets each query see its last `window` of them (the cache is not trimmed); a latent attention
+layer (MLA) caches its heads' expanded keys and values (not the compressed latent: simpler,
+more memory); soft-capped scores (Gemma 2) are computed as in training over the cached keys.
+Context parallelism needs nothing: generation runs the whole sequence on every cp rank (no ring).
 """
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from megaft.models.attention import Attention
-from megaft.models.config import ModelConfig
 from megaft.models.mla import MLAttention
+from megaft.models.softcap import softcap_attention
 
 
 @dataclass
@@ -94,31 +93,33 @@ class LayerCache:
         return torch.arange(self.state.pos, self.state.pos + seq, device=device).clamp(max=table_len - 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
-               window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+               window: Optional[int] = None, scale: Optional[float] = None,
+               softcap: Optional[float] = None) -> torch.Tensor:
         """Causal attention of the new queries q [batch, heads, seq, head_dim] (already rotated
         and scaled) over the cache extended by the new k, v; `window`: a sliding-window layer's
         (each query sees its last `window` positions, itself included, as in training); `scale`:
-        SDPA's (latent attention's own; None: head_dim^-1/2)."""
+        SDPA's (latent attention's own; None: head_dim^-1/2); `softcap`: soft-capped scores
+        (Gemma 2), computed as training computes them (megaft.models.softcap)."""
         pos, s = self.state.pos, q.shape[2]
         k, v = self.extend(k, v)
         n = k.shape[2]
         if window is not None and window >= pos + s:  # the window reaches back to the first token
             window = None
+        if softcap is not None:
+            return softcap_attention(q, k, v, _mask(pos, s, n, window, q.device), softcap)
         if window is None and pos == 0 and s == n:  # the prompt: exactly the training forward's attention
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         if window is None and s == 1:  # one new token sees every cached one
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
-        i = torch.arange(s, device=q.device).unsqueeze(1) + pos
-        j = torch.arange(n, device=q.device).unsqueeze(0)
-        mask = (j <= i) if window is None else (j <= i) & (j > i - window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(pos, s, n, window, q.device), enable_gqa=gqa,
+                                              scale=scale)
 
 
-def cache_unsupported(cfg: ModelConfig) -> Optional[str]:
-    """Why generation with `cfg` recomputes the sequence instead of caching; None = it caches."""
-    if cfg.attn_softcap is not None:
-        return "soft-capped attention scores (attn_softcap)"
-    return None
+def _mask(pos: int, s: int, n: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """[s, n] True where query pos + i may see cached position j: causal, within `window`."""
+    i = torch.arange(s, device=device).unsqueeze(1) + pos
+    j = torch.arange(n, device=device).unsqueeze(0)
+    return (j <= i) if window is None else (j <= i) & (j > i - window)
 
 
 @contextlib.contextmanager

@@ -15,10 +15,9 @@ import transformers
 from multirank import spawn
 
 from megaft.models import Decoder
-from megaft.models.config import ModelConfig
 from megaft.models.generate import Sampling, generate, pipeline_generate, top_p_filter
 from megaft.models.hf import hf_model_config, load_hf_weights
-from megaft.models.kv_cache import cache_unsupported, kv_cache
+from megaft.models.kv_cache import kv_cache
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel
@@ -76,7 +75,6 @@ def _decoder(path: str, *, tp_rank: int = 0, tp_size: int = 1, group=None, sp: b
 def test_cached_greedy_equals_transformers_and_the_recomputing_path(checkpoint):
     path, want = checkpoint
     model = _decoder(path)
-    assert cache_unsupported(model.cfg) is None
     cached = generate(model, PROMPTS, max_new_tokens=NEW, eos_id=EOS, device=CPU)
     assert cached == want
     assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=EOS, device=CPU, cache=False) == want
@@ -126,15 +124,11 @@ def test_sampling_is_seeded_and_differs_from_greedy(checkpoint):
     assert all(len(o) == NEW for o in one)  # eos_id=None: every row runs to max_new_tokens
 
 
-def test_unsupported_attention_recomputes():
-    assert cache_unsupported(ModelConfig(vocab_size=8, sliding_window=4)) is None
-    assert "soft-capped" in cache_unsupported(ModelConfig(vocab_size=8, attn_softcap=50.0))
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma3"])
-def test_sliding_window_layers_cache_and_equal_transformers(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma3", "gemma2"])
+def test_sliding_window_and_softcapped_layers_cache_and_equal_transformers(tmp_path, arch):
     """Windows of 5-6 positions, prompts of 5-7 and 12 new tokens: the windows cut in during
-    decoding, on every layer (Mistral), on all but the first (Qwen2) or alternating (Gemma 3)."""
+    decoding, on every layer (Mistral), on all but the first (Qwen2) or alternating (Gemma 3,
+    and Gemma 2 with soft-capped attention and final logits)."""
     from models.arch_fixture import load_reference as load_arch
     from models.arch_fixture import make_hf
 
@@ -146,7 +140,6 @@ def test_sliding_window_layers_cache_and_equal_transformers(tmp_path, arch):
                                pad_token_id=0)[0, len(p):].tolist()
             want.append(out)
     model = _decoder(str(tmp_path))
-    assert cache_unsupported(model.cfg) is None
     assert any(model.cfg.window(i) is not None for i in range(model.cfg.n_layers))
     assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU) == want
     assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, cache=False) == want
@@ -211,6 +204,6 @@ def test_latent_attention_caches_and_equals_transformers(tmp_path, variant):
             want.append(ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                      pad_token_id=0)[0, len(p):].tolist())
     model = _decoder(str(tmp_path))
-    assert model.cfg.mla and cache_unsupported(model.cfg) is None
+    assert model.cfg.mla
     assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU) == want
     assert generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, cache=False) == want
