@@ -44,7 +44,8 @@ class PrefConfig:
     # the reference model beside the policy and score each step's pairs, as TRL's DPOTrainer does by default)
     reference_mode: str = "precompute"
     # precompute: a folder keeping the reference log-probs under their fingerprint (the reference's weights,
-    # the pairs, the tokenizer, seq_len, precision), read by later runs instead of scoring again; null = none
+    # the pairs, the tokenizer, seq_len, precision), read by later runs instead of scoring again; store = in
+    # the pairs' prepared store (data.cache_dir); null = none
     scores: Optional[str] = None
 
 

@@ -11,6 +11,9 @@ data.sources file's); the tokenizer and chat template; data.seq_len (which pairs
 how they are cut); the precision. Not the layout: the scores of any layout are the same
 numbers up to fp32 summation order.
 
+`pref.scores=store` keeps them beside the pairs, in the prepared store's folder of these pairs
+(`<data.cache_dir>/<key>/scores/`): no folder to choose, and gone with the store.
+
 A file holds [pairs, 4] (chosen sum, chosen count, rejected sum, rejected count) for the
 training pairs and, with data.eval_path, for the held-out ones, as safetensors, with the
 fingerprint's parts as metadata.
@@ -77,8 +80,21 @@ def fingerprint(cfg) -> str:
     return hashlib.sha256(json.dumps(fingerprint_parts(cfg), sort_keys=True).encode()).hexdigest()[:32]
 
 
+STORE = "store"  # pref.scores=store: beside the pairs, in the prepared store (megaft.pref.store)
+
+
+def scores_dir(cfg) -> str:
+    """pref.scores, or with pref.scores=store the pair store's `scores/` folder."""
+    if cfg.pref.scores != STORE:
+        return cfg.pref.scores
+    from megaft.pref.store import pairs_store_path
+
+    store = pairs_store_path(cfg.data, init_from=cfg.model.init_from, eos_token_id=cfg.model.extra.get("eos_token_id"))
+    return os.path.join(store, "scores")
+
+
 def scores_path(cfg) -> str:
-    return os.path.join(cfg.pref.scores, f"reference-{fingerprint(cfg)}.safetensors")
+    return os.path.join(scores_dir(cfg), f"reference-{fingerprint(cfg)}.safetensors")
 
 
 def save_scores(path: str, train: torch.Tensor, held_out: Optional[torch.Tensor], parts: dict[str, Any]) -> None:

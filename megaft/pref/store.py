@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from functools import partial
 from typing import Callable, NamedTuple, Optional
 
@@ -24,9 +25,17 @@ from tokenizers import Tokenizer
 
 from megaft.data.config import DataConfig, build_tokenizer
 from megaft.data.errors import DataError
-from megaft.data.prepare import ChunkResult, chunk_result, decoded, prepare_dataset, template_identity
+from megaft.data.prepare import (
+    ChunkResult,
+    cache_root,
+    chunk_result,
+    decoded,
+    identity,
+    prepare_dataset,
+    template_identity,
+)
 from megaft.data.sources import parquet_row
-from megaft.data.store import PreparedDataset
+from megaft.data.store import PreparedDataset, cache_key
 from megaft.data.templates import ChatTemplate, load_chat_template, tokenizer_dir_of
 from megaft.data.tokenizer import special_ids
 from megaft.pref.data import Pair, encode_record, parse_pair
@@ -158,6 +167,13 @@ def prepare_pairs(data: DataConfig, *, init_from: Optional[str] = None, eos_toke
     if store.manifest.get("options", {}).get("kind") != "pairs" or len(store) % 3:
         raise DataError(f"{store.path}: not a store of preference pairs; fix: delete it and prepare again")
     return store
+
+
+def pairs_store_path(data: DataConfig, *, init_from: Optional[str] = None, eos_token_id=None) -> str:
+    """Where the pair store of these settings lives (prepared or not): what prepare_pairs opens."""
+    tokenizer = pair_tokenizer(data, init_from=init_from, eos_token_id=eos_token_id)
+    spec = PairSpec(tokenizer.tok.to_str(), tokenizer.template, tokenizer.eos_token)
+    return os.path.join(cache_root(data), cache_key(identity(data, spec)))
 
 
 class StoredPairs:

@@ -154,3 +154,31 @@ def test_text_answers_end_with_the_tokenizers_eos_as_in_trl(tmp_path):
     assert [pairs[i] for i in range(len(pairs))] == [Pair(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"])
                                                      for r in want]
     assert all(pairs[i].chosen_ids[-1] == hf.eos_token_id for i in range(len(pairs)))
+
+
+def test_reference_scores_kept_in_the_pair_store(tmp_path):
+    """pref.scores=store: the first run scores into the pair store's scores/ folder, the next run
+    of the same fingerprint reads them (no scoring) and trains bitwise alike."""
+    import glob
+
+    from megaft.pref.store import pairs_store_path
+    from megaft.training.summary import RunSummary
+
+    ckpt = str(tmp_path / "ckpt")
+    make_hf_llama(ckpt, seed=1)
+    pairs = str(tmp_path / "pairs.jsonl")
+    write_pairs(pairs)
+    lines = {}
+    for name in ("first", "again"):
+        cfg = pref_config(ckpt, pairs, "dpo", steps=2)
+        cfg.data.cache_dir, cfg.pref.scores = str(tmp_path / "cache"), "store"
+        cfg = resolve(cfg)
+        assert validate(cfg, 1) == []
+        run(cfg, ParallelGrid.single(), str(tmp_path / name))
+        lines[name] = [{k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "time")}
+                       for r in read_rows(str(tmp_path / name)) if "loss" in r]
+        store = pairs_store_path(cfg.data, init_from=ckpt, eos_token_id=cfg.model.extra.get("eos_token_id"))
+        assert len(glob.glob(os.path.join(store, "scores", "reference-*.safetensors"))) == 1
+    assert RunSummary.read(str(tmp_path / "first")).reference_s > 0
+    assert RunSummary.read(str(tmp_path / "again")).reference_s is None
+    assert lines["again"] == lines["first"]

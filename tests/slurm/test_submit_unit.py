@@ -212,9 +212,11 @@ def test_task_python_starts_with_the_warning_signals_blocked():
     assert argv.strip() == "['a', 'b c']", out
 
 
-def test_scoring_jobs_group_points_by_reference_fingerprint(tmp_path):
+@pytest.mark.parametrize("where", ["dir", "store"])
+def test_scoring_jobs_group_points_by_reference_fingerprint(tmp_path, where):
     """pref.scores: points sharing a fingerprint wait for one scoring job; a stored file or a
-    reference-free objective needs none; the scoring config trains nothing."""
+    reference-free objective needs none; the scoring config trains nothing. With
+    pref.scores=store the files live in each pair store's scores/ folder."""
     from types import SimpleNamespace
 
     from models.hf_fixture import make_hf_llama
@@ -229,7 +231,9 @@ def test_scoring_jobs_group_points_by_reference_fingerprint(tmp_path):
 
     def point(num: int, pairs: str, beta: float = 0.1, objective: str = "dpo"):
         cfg = pref_config(str(tmp_path / "ckpt"), str(tmp_path / pairs), objective)
-        cfg.pref.beta, cfg.pref.scores, cfg.train.then_eval = beta, str(tmp_path / "store"), True
+        cfg.pref.beta, cfg.train.then_eval = beta, True
+        cfg.pref.scores = str(tmp_path / "store") if where == "dir" else "store"
+        cfg.data.cache_dir = str(tmp_path / "cache")
         return SimpleNamespace(num=num, cfg=cfg)
 
     points = [point(0, "a.jsonl", 0.1), point(1, "a.jsonl", 0.5), point(2, "b.jsonl"),
@@ -237,7 +241,10 @@ def test_scoring_jobs_group_points_by_reference_fingerprint(tmp_path):
     assert [stores_scores(p.cfg) for p in points] == [True, True, True, False]
     missing = missing_scores(points)
     assert sorted(sorted(p.num for p in group) for group in missing.values()) == [[0, 1], [2]]
-    os.makedirs(tmp_path / "store")
+    if where == "store":  # in the cache, per pair store
+        assert scores_path(points[2].cfg).startswith(str(tmp_path / "cache"))
+        assert os.path.dirname(scores_path(points[0].cfg)) != os.path.dirname(scores_path(points[2].cfg))
+    os.makedirs(os.path.dirname(scores_path(points[2].cfg)))
     open(scores_path(points[2].cfg), "w").close()  # b's scores are stored: nothing to run for it
     assert [[p.num for p in group] for group in missing_scores(points).values()] == [[0, 1]]
     assert dependency({0: "7", 1: "7", 2: "9"}, points[:3]) == {"dependency": "afterok:7:9"}
