@@ -30,6 +30,7 @@ def test_cpu_draws_equal_the_former_host_draws():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_draws_stay_on_the_device_and_are_seeded():
     torch.manual_seed(0)
