@@ -9,6 +9,8 @@ unrenormalized top-k. Four experts of top-2 over 17 tokens: every expert gets to
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformers
 
@@ -43,6 +45,40 @@ def make_hf_moe(path: str, name: str, *, seed: int = 0, **shape) -> None:
         p.copy_(1.0 + noise if pname.endswith("norm.weight") else noise)
     model.save_pretrained(path)
     write_char_tokenizer(path)
+
+
+@contextlib.contextmanager
+def router_margins():
+    """Inside the block, every router forward appends its smallest gap between a token's k-th and
+    (k+1)-th expert score to the yielded list, over the positions its MoE layer counts as tokens
+    (RouterLog.valid: a preference row's padding is left out; its routing reaches no loss). A
+    layout moves the scores only by rounding, so a gap far above it means no token's experts
+    differ between layouts (issue 44: a near-tie that a reordered sum breaks would change the
+    routing, not only round it). Single-process runs: positions are the rows' own."""
+    from megaft.models.moe import MoE, Router
+
+    gaps: list[float] = []
+    valid: list = [None]
+    moe_forward, router_forward = MoE.forward, Router.forward
+
+    def moe(self, x, residual=None):
+        valid[0] = self.log.valid
+        return moe_forward(self, x, residual)
+
+    def router(self, x):
+        out = router_forward(self, x)
+        scores = out[1].detach()
+        if valid[0] is not None and valid[0].shape == scores.shape[:-1]:
+            scores = scores[valid[0].to(scores.device) > 0]
+        top = scores.topk(self.top_k + 1, dim=-1).values
+        gaps.append((top[..., -2] - top[..., -1]).min().item())
+        return out
+
+    MoE.forward, Router.forward = moe, router
+    try:
+        yield gaps
+    finally:
+        MoE.forward, Router.forward = moe_forward, router_forward
 
 
 def load_reference(path: str):

@@ -42,6 +42,11 @@ def pref_config(ckpt: str, pairs: str, objective: str = "dpo", steps: int = 3, m
     o = cfg.optim
     o.lr = o.min_lr = 1e-2
     o.warmup_steps, o.weight_decay = 0, 0.0
+    # Adam divides each gradient element by its own magnitude + eps: at eps 1e-8 an element near zero
+    # (a sum of terms that cancel) turns the 1e-10 of rounding a layout's reordered sums leave in it
+    # into up to lr/eps = 1e6 times that in its weight (issue 44: 1.4e-4 after one step, on a Mixtral
+    # expert). eps 1e-4 bounds that gain by lr/eps = 100; the layouts still differ only by rounding.
+    o.eps = 1e-4
     cfg.pref.beta = 0.5
     return cfg
 

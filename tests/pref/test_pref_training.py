@@ -16,7 +16,7 @@ from typing import Optional
 import pytest
 import torch
 from models.hf_fixture import make_hf_llama
-from models.moe_fixture import load_reference, make_hf_moe  # AutoModelForCausalLM: Llama and the MoE families
+from models.moe_fixture import load_reference, make_hf_moe, router_margins  # Llama and the MoE families
 from multirank import spawn
 from train_cases import read_rows
 
@@ -46,23 +46,47 @@ def inputs(tmp_path_factory):
     ckpt, pairs = str(root / "ckpt"), str(root / "pairs.jsonl")
     make_hf_llama(ckpt, seed=1)
     make_hf_llama(reference_of(ckpt), seed=4)
-    make_hf_moe(moe_of(ckpt), "mixtral", seed=1, sliding_window=None)
+    # seed 3: the smallest gap between a token's 2nd and 3rd expert is 7.6e-5 over every MoE layout's
+    # single-process run (seed 1 had a near-tie of 8.3e-6 under orpo_moe_packed_cp2); asserted below
+    make_hf_moe(moe_of(ckpt), "mixtral", seed=3, sliding_window=None)
     write_pairs(pairs)
     write_pairs(eval_pairs_of(pairs), n=5, seed=7)
     return ckpt, pairs, root
 
 
-def _compare(got: list[dict], want: list[dict], rtol: float, what: str) -> list[str]:
+def error_scale(key: str, line: dict, beta: float) -> float:
+    """The magnitude `key`'s rounding is relative to. A layout reorders the fp32 sums of the
+    log-probs, so each quantity carries their rounding, relative to the log-probs' size, not its
+    own: a DPO-family loss and a reward are beta times a difference of two log-prob sums (-24 to
+    -36 in these runs, the loss 0.25 to 1.2); ORPO's log-odds are a difference of two averaged
+    log-probs' log-odds (about -4.6 each, the difference 0.07 to 0.17)."""
+    terms = 0.0
+    if key == "loss" or key.startswith("rewards/"):
+        terms = beta * abs(line.get("logps/chosen", 0.0))
+    elif key.startswith("log_odds"):
+        terms = abs(line.get("logps/chosen", 0.0))  # averaged log-probs under ORPO
+    return max(abs(line[key]), terms, 1e-3)
+
+
+# Relative to error_scale. Before any update (steps 0 and 1) only the forward and backward sums
+# differ: the single process itself moves by <= 3e-7 between CPU code paths (ATEN_CPU_CAPABILITY=
+# default, avx2, MKL_CBWR=COMPATIBLE). Each Adam step then turns that rounding into weights that differ
+# (by up to lr/eps = 100 times the gradient's rounding, pref_config): the single process's own spread
+# across those code paths is 3.1e-6 at step 3, the worst layout 5.4e-6 (issue 44's measurements).
+RTOL_BEFORE_UPDATES, RTOL_AFTER_UPDATES = 1e-5, 5e-5
+
+
+def _compare(got: list[dict], want: list[dict], rtol: Optional[float], what: str, beta: float = 0.5) -> list[str]:
+    """Every difference between the metrics lines beyond `rtol` (None: the RTOL_* of each step)."""
     if [sorted(r) for r in got] != [sorted(r) for r in want]:
         return [f"{what}: lines {[sorted(r) for r in got]} against {[sorted(r) for r in want]}"]
     bad = []
     for g, w in zip(got, want):
         # and ORPO's terms, a mixture of experts' aux loss and expert loads
         extra = [k for k in w if k.startswith(("nll_", "log_odds", "aux_loss", "moe/"))]
+        tol = rtol if rtol is not None else RTOL_BEFORE_UPDATES if w["step"] <= 1 else RTOL_AFTER_UPDATES
         for key in [k for k in COMPARED if k in w] + extra:
-            # a DPO reward is beta times a difference of two log-probs of ~-40: it carries their rounding
-            scale = max(abs(w[key]), 0.5 * abs(w.get("logps/chosen", 0)) if key.startswith("rewards/") else 0, 1e-3)
-            if abs(g[key] - w[key]) > rtol * scale:
+            if abs(g[key] - w[key]) > tol * error_scale(key, w, beta):
                 bad.append(f"{what} step {w['step']} {key}: {g[key]} against {w[key]}")
     return bad
 
@@ -73,9 +97,14 @@ def test_every_layout_equals_the_single_process(inputs):
     failures = []
     for name in LAYOUTS:
         single = root / "single" / name
-        run(layout_config(ckpt, pairs, name, single=True), ParallelGrid.single(), str(single))
+        cfg = layout_config(ckpt, pairs, name, single=True)
+        with router_margins() as gaps:
+            run(cfg, ParallelGrid.single(), str(single))
+        # no token's experts can flip between layouts: a layout moves the router's probabilities (about
+        # 0.3) by rounding, <= 5e-6 relative after 3 steps (RTOL_AFTER_UPDATES' measurements)
+        assert not gaps or min(gaps) > 2e-5, (name, min(gaps))
         want = read_rows(str(single))
-        failures += _compare(read_rows(str(root / "layouts" / name)), want, 1e-5, name)
+        failures += _compare(read_rows(str(root / "layouts" / name)), want, None, name, cfg.pref.beta)
         # the runs learn something: the loss moves, and dpo's rewards leave zero after step 1
         losses = [r["loss"] for r in want if "loss" in r]
         assert len(set(losses)) == len(losses), name
