@@ -45,12 +45,12 @@ import torch
 
 from benchmarks.train_step.measure import model_config, round_orders, split_steps, timed_steps
 from megaft.config import Config
-from megaft.kernels.config import KernelsConfig
-from megaft.models.config import ModelConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
+from megaft.config.optim import OptimConfig
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from megaft.optim.adamw import AdamW
-from megaft.optim.config import OptimConfig
 from megaft.parallel.data.flat import FlatParams
 from megaft.peft import LoraConfig, apply_lora
 from megaft.perf.memory import estimate_ranks

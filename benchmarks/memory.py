@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.ranks import on_gloo_ranks
 from benchmarks.train_step.measure import round_orders
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 from megaft.models.decoder import Decoder
 from megaft.models.docs import Docs
 from megaft.models.init import init_params

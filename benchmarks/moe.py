@@ -246,7 +246,7 @@ def _grouped_mm_on_cpu():
 
 
 def _kernels(backend: str):
-    from megaft.kernels.config import KernelsConfig
+    from megaft.config.kernels import KernelsConfig
 
     kernels = KernelsConfig(backend="torch")
     backend = "torch" if backend == GROUPED_MM_CPU else backend
@@ -259,7 +259,7 @@ def _kernels(backend: str):
 
 def megaft_layer(shape: Shape, backend: str, device: torch.device, seed: int = 0):
     """megaft's MoE with seeded weights (router and experts N(0, 0.02))."""
-    from megaft.models.config import ModelConfig
+    from megaft.config.model import ModelConfig
     from megaft.models.moe import MoE, RouterLog
 
     cfg = ModelConfig(dim=shape.dim, n_experts=shape.experts, top_k=shape.top_k, moe_ffn_dim=shape.ffn,

@@ -54,8 +54,9 @@ import torch
 
 from benchmarks import lora as lora_bench
 from benchmarks.kernels.harness import load_average, quantile
-from megaft.kernels.config import KernelsConfig
-from megaft.models.config import ModelConfig, check_model
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
+from megaft.models.checks import check_model
 from megaft.peft import LoraConfig
 
 VARIANTS = lora_bench.VARIANTS  # ("full", "lora"): full is the reference

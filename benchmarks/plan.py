@@ -36,9 +36,9 @@ import os
 from omegaconf import OmegaConf
 
 from megaft.config import Config
-from megaft.models.config import ModelConfig
+from megaft.config.cluster import ClusterConfig
+from megaft.config.model import ModelConfig
 from megaft.perf.time import step_cost
-from megaft.plan.config import ClusterConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ_LEN, VOCAB = 4096, 131072

@@ -175,7 +175,8 @@ def write_inputs(root: str, sizes: Sizes) -> tuple[str, str, int]:
 def megaft_config(ckpt: str, pairs: str, seq_len: int, s: Settings, steps: int, variant: str = "megaft"):
     """train.objective=dpo on one CPU process: constant LR, no weight decay, fp32; the
     packing of `variant` (MEGAFT)."""
-    from megaft.config import Config, resolve, validate
+    from megaft.config import Config
+    from megaft.validation import resolve, validate
 
     cfg = Config()
     cfg.model.init_from, cfg.data.path, cfg.data.seq_len, cfg.device = ckpt, pairs, seq_len, "cpu"
@@ -244,7 +245,7 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
-    from megaft.optim.config import OptimConfig
+    from megaft.config.optim import OptimConfig
 
     o = OptimConfig()  # megaft's AdamW betas, eps and clipping, which megaft_config keeps
     turn = Turn("trl-precomp" if precompute else "trl")

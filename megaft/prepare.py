@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megaft.config import Config, ConfigError, conf_dir, register_configs
-from megaft.pref.config import check_pref, is_preference
+from megaft.config.pref import check_pref, is_preference
 
 register_configs()
 
@@ -37,7 +37,8 @@ def eos_token_id(init_from: Optional[str]):
 def run(cfg: Config) -> str:
     """Validate the data settings, prepare (or find) the cache; returns its directory.
     Raises ConfigError listing every problem."""
-    from megaft.data.config import check_data, data_sources
+    from megaft.config.data import data_sources
+    from megaft.data.checks import check_data
     from megaft.data.prepare import prepare_dataset
 
     pairs = None

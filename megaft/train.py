@@ -10,8 +10,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, check_local_launch, conf_dir, register_configs, validate
+from megaft.config import Config, ConfigError, conf_dir, register_configs
 from megaft.launch.runlock import RunLockedError
+from megaft.validation import check_local_launch, validate
 
 log = logging.getLogger("megaft")
 register_configs()
@@ -21,8 +22,8 @@ def prepare_data(cfg: Config, *, progress: bool) -> None:
     """Tokenize file data for packing=docs|none, or preference pairs, into the prepared store once, before any rank
     joins a collective: here in the launcher, or (torchrun/srun) in every rank's process,
     where a file lock lets one prepare and the others wait (megaft.data.prepare)."""
+    from megaft.config.pref import is_preference
     from megaft.data import data_sources, prepare_dataset
-    from megaft.pref.config import is_preference
 
     if not data_sources(cfg.data):
         return

@@ -11,11 +11,12 @@ import transformers
 from data.chat_fixture import CHATML_PLAIN, make_checkpoint
 from tokenizers import Tokenizer
 
-from megaft.config import Config, resolve
-from megaft.data.config import Packing
+from megaft.config import Config
+from megaft.config.data import Packing
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import LoraConfig
 from megaft.training.loop import Trainer
+from megaft.validation import resolve
 
 QUESTION, FACT = "What is the code word?", "Zebra42"
 

@@ -26,8 +26,8 @@ from megaft.checkpoint import (
     list_checkpoints,
     problem,
 )
+from megaft.config.train import TrainConfig, check_train
 from megaft.parallel.grid import ParallelGrid
-from megaft.training.config import TrainConfig, check_train
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from megaft.commbench.busbw import algbw_gbps, bus_factor, busbw_gbps, elements
-from megaft.commbench.config import GIB, MIB, Collective, CommbenchConfig, check_commbench, message_sizes
 from megaft.commbench.groups import grid_groups, node_groups, spans
 from megaft.commbench.hooks import Hooks
 from megaft.commbench.measure import mismatch
 from megaft.commbench.pairs import slow_pairs
 from megaft.commbench.verdict import below_floor, slow_links, verdict
 from megaft.config import Config
+from megaft.config.commbench import GIB, MIB, Collective, CommbenchConfig, check_commbench, message_sizes
 from megaft.parallel.grid import ParallelGrid
 
 SIZES = [8192, 16384, 32768]

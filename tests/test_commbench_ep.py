@@ -19,7 +19,6 @@ import torch
 
 from megaft.commbench.app import check
 from megaft.commbench.busbw import bus_factor, busbw_gbps
-from megaft.commbench.config import CommbenchConfig, EpCollective
 from megaft.commbench.ep import (
     balanced_splits,
     ep_plan,
@@ -32,9 +31,10 @@ from megaft.commbench.groups import ep_groups
 from megaft.commbench.hooks import Hooks
 from megaft.commbench.verdict import below_floor, verdict
 from megaft.config import Config, compose_config
+from megaft.config.cluster import ClusterConfig
+from megaft.config.commbench import CommbenchConfig, EpCollective
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import a2a_bytes
-from megaft.plan.config import ClusterConfig
 
 TOKENS, TOP_K, DIM, EXPERTS = 2 * 16, 2, 64, 4  # micro-batch 2 x seq 16; bf16 rows of 64
 

@@ -10,14 +10,15 @@ from multirank import spawn
 from train_cases import DP_STEPS, dp_config, read_rows
 
 from megaft.checkpoint import io
-from megaft.config import Config, resolve, validate
-from megaft.parallel.config import ParallelConfig, check_parallel
+from megaft.config import Config
+from megaft.config.parallel import ParallelConfig, check_parallel
 from megaft.parallel.data.buckets import GradReducer
 from megaft.parallel.data.compress import PowerSGD, compressible, orthonormalize_
 from megaft.parallel.data.flat import FlatParams
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
 from megaft.training.parts import RunParts, build_model
+from megaft.validation import resolve, validate
 
 # ---------------------------------------------------------------- one process
 
@@ -184,8 +185,8 @@ def bf16_powersgd_mismatches(grid: ParallelGrid) -> dict:
     rank-dependent random gradients; and of the fp32 PowerSGD states (Q's, error feedback)."""
     import copy
 
-    from megaft.optim.config import OptimConfig
-    from megaft.parallel.data.zero import build_optimizer
+    from megaft.config.optim import OptimConfig
+    from megaft.optim.zero import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 16))

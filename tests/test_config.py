@@ -7,7 +7,8 @@ import sys
 import pytest
 from train_cases import small_config
 
-from megaft.config import Config, validate
+from megaft.config import Config
+from megaft.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,7 +136,7 @@ def test_explicit_unavailable_adamw_kernel_is_a_config_error():
 def test_checks_are_pure_and_resolve_is_the_one_step_with_an_effect():
     import copy
 
-    from megaft.config import check_resolved, check_settings, resolve
+    from megaft.validation import check_resolved, check_settings, resolve
 
     cfg = Config()
     cfg.parallel.tp, cfg.launcher.nproc = 1, 1

@@ -17,10 +17,10 @@ from train_cases import read_metrics, read_rows
 from benchmarks.memory import estimated_block_bytes, measure_layouts, parse_key
 from benchmarks.memory import key as layout_key
 from megaft.checkpoint import io
-from megaft.config import validate
 from megaft.parallel.context.layout import chunk_index
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.memory import estimate_memory
+from megaft.validation import validate
 
 RTOL = 1e-5  # fp32: cp reorders the softmax's sums (the ring merges partial results)
 # The grad norm (a sum of squares over every parameter) drifts further by step 8 of training:

@@ -18,7 +18,7 @@ from train_cases import (
     train_fp16_and_resume,
 )
 
-from megaft.config import validate
+from megaft.validation import validate
 
 # fp32: dp sums two ranks' partial gradients (one reordered add) and tp splits matmuls,
 # so curves agree to rounding over 10 AdamW steps; 1e-5 relative is the issue's bound.

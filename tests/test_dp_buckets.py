@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from megaft.optim import OptimConfig
-from megaft.parallel.data import build_optimizer
+from megaft.optim.zero import build_optimizer
 from megaft.parallel.data.flat import FlatParams, plan_buckets
 from megaft.parallel.grid import ParallelGrid
 

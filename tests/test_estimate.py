@@ -10,13 +10,14 @@ from multirank import spawn
 from omegaconf import OmegaConf
 from train_cases import small_config
 
-from megaft.config import Config, validate
-from megaft.parallel.data import build_optimizer
+from megaft.config import Config
+from megaft.optim.zero import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import rank_params
 from megaft.perf.hardware import GIB
 from megaft.perf.memory import check_memory, estimate_memory, estimate_ranks
 from megaft.training.parts import RunParts, build_model
+from megaft.validation import validate
 
 CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
 LLAMA_32_1B_PARAMS = 1_235_814_400  # the published count of Llama-3.2-1B (tied embeddings)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from megaft.config import Config, check_layout, validate
-from megaft.models.config import ModelConfig
-from megaft.parallel.config import check_parallel
+from megaft.config import Config
+from megaft.config.model import ModelConfig
+from megaft.config.parallel import check_parallel
 from megaft.perf.memory import check_memory
+from megaft.validation import check_layout, validate
 
 SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=50, max_seq_len=256)
 

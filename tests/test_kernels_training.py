@@ -15,10 +15,11 @@ if not torch.cuda.is_available():
 
 from train_cases import small_config  # noqa: E402
 
-from megaft.config import ConfigError, validate  # noqa: E402
+from megaft.config import ConfigError  # noqa: E402
 from megaft.kernels import _triton, dispatch  # noqa: E402
 from megaft.parallel.grid import ParallelGrid  # noqa: E402
 from megaft.training.loop import Trainer  # noqa: E402
+from megaft.validation import validate
 
 STEPS = 3  # step 1's loss checks the forward, steps 2-3 the gradients of the updates before
 # fp32: the kernels compute the same math, with their own summation order inside the
@@ -96,7 +97,7 @@ def test_bf16_autocast_with_triton_tracks_torch():
     """Under bf16 autocast the residual stream stays fp32 (the fused residual add gets the
     attention output cast to it) and every kernel takes the mixed dtypes: the loss of
     one forward + backward stays within bf16 rounding (2e-2) of the torch paths'."""
-    from megaft.kernels.config import KernelsConfig
+    from megaft.config.kernels import KernelsConfig
     from megaft.models.decoder import Decoder
     from megaft.models.init import init_params
 
@@ -195,7 +196,7 @@ def test_fused_linear_grads_into_flat_buffer():
     share is fused into the buffer, the embedding's comes through autograd): the flat fp32
     gradient buffers equal the unfused path's, every parameter's post-accumulate-grad hook
     fires once per backward, and the buffers are the same storage as before."""
-    from megaft.kernels.config import KernelsConfig
+    from megaft.config.kernels import KernelsConfig
     from megaft.models.decoder import Decoder
     from megaft.models.init import init_params
     from megaft.parallel.data.flat import FlatParams

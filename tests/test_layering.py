@@ -1,14 +1,13 @@
-"""The import structure of megaft: no cycles, and every import points down the layers.
+"""The import structure of megaft: no cycles, and every import between folders points down.
 
-The layers, lowest first (docs/architecture.md); a module may import from its own
-layer and the layers below. A module's layer is that of its longest matching prefix,
-so a component's config dataclass can sit in the config layer while its code sits
-higher (megaft.training.config, megaft.launch.config).
-
-Every prefix is also a folder (a package, or a module at the top of megaft/), and the
-prefixes are listed lowest first inside each layer too: between folders, an import may
-only point to a folder listed earlier, so no two folders import each other, even in
-one layer (megaft-report reads megaft-scale's study, so megaft.scale sits below it).
+Every folder of megaft/ (a package, or a module at the top of megaft/) is one unit, and
+FOLDERS lists them lowest first: a module may import its own folder and the folders listed
+before it, never one after (counted at the top level: megaft.parallel.data is part of
+megaft.parallel). So no two folders import each other, and a folder's place in the list is
+its layer (docs/architecture.md draws the same list). megaft.config, the schema, sits at the
+bottom: it imports nothing of megaft beside itself (and no torch, tested below), and the
+checks that need the models, the data or the performance model sit above in
+megaft.validation.
 """
 from __future__ import annotations
 
@@ -20,32 +19,29 @@ import pytest
 
 import megaft
 
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("megaft.fileio", "megaft.signals", "megaft.checks", "megaft.cli_args", "megaft.device")),
-    # the grid and plain collectives, then one folder per parallel concept that the layers use
-    ("parallel", ("megaft.parallel", "megaft.parallel.tensor", "megaft.parallel.context", "megaft.parallel.expert")),
-    ("kernels", ("megaft.kernels",)),
-    ("layers", ("megaft.layers",)),
-    ("models", ("megaft.models",)),
-    ("peft", ("megaft.peft",)),
-    ("optim", ("megaft.optim",)),
-    # data parallelism and ZeRO shard the optimizer of megaft.optim: above it
-    ("data parallel", ("megaft.parallel.data",)),
-    ("pipeline", ("megaft.pipeline",)),
-    ("checkpoint", ("megaft.checkpoint",)),
-    ("data", ("megaft.data",)),
-    ("pref", ("megaft.pref",)),  # preference tuning: pairs (megaft.data's formats), log-probs, losses
-    ("config", ("megaft.training.config", "megaft.launch.config", "megaft.verify.config", "megaft.commbench.config",
-                "megaft.perf", "megaft.plan.config", "megaft.eval.config", "megaft.training.wandb_config",
-                "megaft.config")),
-    ("training", ("megaft.training",)),
-    ("launch", ("megaft.launch",)),
-    ("entry", ("megaft.plan", "megaft.scale", "megaft.report", "megaft.eval", "megaft.chat", "megaft.prepare",
-               "megaft.verify", "megaft.commbench",
-               "megaft.configdoc", "megaft.train", "megaft.score", "megaft.conf", "megaft.cli", "megaft")),
+FOLDERS: list[str] = [
+    # base: stdlib-only helpers and the config schema
+    "megaft.fileio", "megaft.signals", "megaft.cli_args", "megaft.device", "megaft.run_dir", "megaft.config",
+    # the grid and the parallel concepts (tensor, context, expert, data: the dp gradient reduction)
+    "megaft.parallel",
+    "megaft.kernels",
+    "megaft.layers",  # column/row-parallel linears, vocab-parallel embedding, RMSNorm
+    "megaft.models",
+    "megaft.peft",
+    "megaft.optim",  # AdamW over flat buffers and ZeRO (the distributed optimizer), above parallel/
+    "megaft.pipeline",
+    "megaft.checkpoint",
+    "megaft.perf",  # the one performance model
+    "megaft.data",
+    "megaft.pref",
+    "megaft.training",
+    "megaft.eval",  # megaft-eval; validation reads its task checks
+    "megaft.validation",  # validate(): the sections' checks with the files, the models and the memory estimate
+    "megaft.launch",
+    # the tools (console scripts), each above what it reads: megaft-report reads megaft-scale's study
+    "megaft.plan", "megaft.scale", "megaft.report", "megaft.chat", "megaft.prepare", "megaft.verify",
+    "megaft.commbench", "megaft.configdoc", "megaft.train", "megaft.score", "megaft.conf", "megaft.cli", "megaft",
 ]
-RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
-FOLDERS = [p for _, prefixes in LAYERS for p in prefixes]  # lowest first
 ROOT = os.path.dirname(megaft.__file__)
 
 
@@ -78,12 +74,9 @@ def imports(name: str, path: str, known: dict[str, str]) -> set[str]:
 
 
 def folder_of(name: str) -> str:
-    """The longest prefix of LAYERS that `name` falls under: its folder (or leaf, for a config)."""
-    return max((p for p in FOLDERS if name == p or name.startswith(p + ".")), key=len)
-
-
-def layer_of(name: str) -> str:
-    return next(layer for layer, prefixes in LAYERS if folder_of(name) in prefixes)
+    """The top-level unit of megaft that `name` is in (megaft.parallel.data.flat -> megaft.parallel)."""
+    parts = name.split(".")
+    return ".".join(parts[:2])
 
 
 def upward_between_folders(edges: dict[str, set[str]]) -> list[str]:
@@ -121,67 +114,84 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_every_module_has_a_layer():
-    assert [m for m in modules() if not any(m == p or m.startswith(p + ".") for _, ps in LAYERS for p in ps)] == []
+def test_every_module_has_a_folder():
+    assert sorted({folder_of(m) for m in modules()} - set(FOLDERS)) == []
+    assert len(FOLDERS) == len(set(FOLDERS))
 
 
 def test_no_import_cycles():
     assert find_cycle(graph()) is None, " -> ".join(find_cycle(graph()))
 
 
-def test_imports_point_down_the_layers():
-    upward = sorted(f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})" for a, deps in graph().items()
-                    for b in deps if RANK[layer_of(b)] > RANK[layer_of(a)])
-    assert upward == [], "\n".join(upward)
-
-
 def test_imports_point_down_the_folders():
-    # One home per concept: between folders (plan, scale, report, launch, training, the parallel
-    # concepts...) an import points only to a folder listed earlier, within a layer too.
+    # One home per concept: between folders an import points only to a folder listed earlier.
     upward = upward_between_folders(graph())
     assert upward == [], "\n".join(upward)
 
 
 def test_the_folder_checker_finds_upward_imports():
-    # The guard must be able to fail: the upward imports this check removed (issue 23) are caught.
+    # The guard must be able to fail: the back-imports the house issues removed are caught.
     planted = {"megaft.scale.app": {"megaft.report", "megaft.plan.multirun"},  # megaft-scale calling report.main
                "megaft.plan.app": {"megaft.train"},  # the tools took conf_dir from the Hydra app
                "megaft.launch.elastic": {"megaft.plan.replan"},  # the elastic re-plan below the planner
-               "megaft.optim.adamw": {"megaft.parallel.data.flat"},  # the optimizer math on the ZeRO folder
+               "megaft.parallel.data.zero": {"megaft.optim.adamw"},  # ZeRO in parallel/, over optim's AdamW
+               "megaft.config.root": {"megaft.training.config"},  # the config knot (issue 37)
+               "megaft.perf.memory": {"megaft.training.optimizer"},  # the perf model reading the trainer
                "megaft.parallel.context.batch": {"megaft.models.docs"}}  # cp sharding building Docs
     assert upward_between_folders(planted) == [
+        "megaft.config.root (megaft.config) imports megaft.training.config (megaft.training)",
         "megaft.launch.elastic (megaft.launch) imports megaft.plan.replan (megaft.plan)",
-        "megaft.optim.adamw (megaft.optim) imports megaft.parallel.data.flat (megaft.parallel.data)",
-        "megaft.parallel.context.batch (megaft.parallel.context) imports megaft.models.docs (megaft.models)",
+        "megaft.parallel.context.batch (megaft.parallel) imports megaft.models.docs (megaft.models)",
+        "megaft.parallel.data.zero (megaft.parallel) imports megaft.optim.adamw (megaft.optim)",
+        "megaft.perf.memory (megaft.perf) imports megaft.training.optimizer (megaft.training)",
         "megaft.plan.app (megaft.plan) imports megaft.train (megaft.train)",
         "megaft.scale.app (megaft.scale) imports megaft.report (megaft.report)"]
     assert upward_between_folders({"megaft.report": {"megaft.scale.report"}, "megaft.train": {"megaft.plan.replan"},
-                                   "megaft.parallel.data.zero": {"megaft.optim.adamw"}}) == []
-    assert folder_of("megaft.parallel.context.ring") == "megaft.parallel.context"
-    assert folder_of("megaft.parallel.grid") == "megaft.parallel"
-    assert folder_of("megaft.configdoc") == "megaft.configdoc"
-    assert folder_of("megaft.training.config") == "megaft.training.config"
+                                   "megaft.optim.zero": {"megaft.parallel.data.flat"}}) == []
+    assert folder_of("megaft.parallel.context.ring") == folder_of("megaft.parallel.grid") == "megaft.parallel"
+    assert folder_of("megaft.configdoc") == "megaft.configdoc" and folder_of("megaft") == "megaft"
 
 
-def test_the_checker_finds_cycles_and_upward_imports():
-    # The guard must be able to fail: a planted cycle and a planted upward edge are caught.
+def test_the_checker_finds_cycles():
+    # The guard must be able to fail: a planted cycle is caught.
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    assert RANK[layer_of("megaft.kernels.rmsnorm")] < RANK[layer_of("megaft.layers.norm")]
-    assert layer_of("megaft.training.config") == "config" and layer_of("megaft.training.loop") == "training"
+
+
+def test_the_config_imports_nothing_of_megaft():
+    # The schema is a leaf (issue 37): nothing of megaft beside megaft.config (the package __init__
+    # aside), so composing, printing and checking a config needs no model, data or trainer code.
+    edges = graph()
+    outside = sorted(f"{a} imports {b}" for a, deps in edges.items() if folder_of(a) == "megaft.config"
+                     for b in deps if folder_of(b) != "megaft.config" and b != "megaft")
+    assert outside == []
+
+
+def _fresh_modules(code: str) -> list[str]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", f"{code}; import sys; print(sorted(sys.modules))"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_config_imports_no_torch():
+    # `import megaft.config` (and composing a Config) without torch: megaft-plan, config checks and
+    # `megaft-train --cfg job` pay no torch import for the schema.
+    loaded = _fresh_modules("import megaft.config; megaft.config.Config()")
+    assert [m for m in loaded if m == "torch" or m.startswith("torch.")] == []
+    assert [m for m in loaded if m.startswith("megaft.") and not m.startswith("megaft.config")] == []
 
 
 @pytest.mark.parametrize("name", ["megaft.parallel.grid", "megaft.kernels.rmsnorm", "megaft.models.decoder",
                                   "megaft.parallel.context", "megaft.parallel.data"])
-def test_low_layers_import_without_the_high_ones(name):
-    # Importing a low-layer module in a fresh interpreter must not pull in the trainer or launcher.
-    import subprocess
-    import sys
-
-    code = (f"import sys, {name}; bad = [m for m in sys.modules if m.startswith(('megaft.training.loop', "
-            "'megaft.launch', 'megaft.config'))]; print(bad); sys.exit(1 if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_low_folders_import_without_the_high_ones(name):
+    # Importing a low-folder module in a fresh interpreter must not pull in the trainer, the
+    # launcher or validation.
+    loaded = _fresh_modules(f"import {name}")
+    assert [m for m in loaded if m.startswith(("megaft.training", "megaft.launch", "megaft.validation"))] == []
 
 
 # --- one performance model ---------------------------------------------------------------

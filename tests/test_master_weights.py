@@ -11,9 +11,9 @@ import torch.distributed as dist
 from multirank import spawn
 from train_cases import DP_STEPS, dp_config, read_rows
 
-from megaft.config import validate
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
+from megaft.validation import validate
 
 DP2_RUNS = {f"mw_dp2_zero{z}": dict(dp=2, zero=z, bucket_mb=0.01) for z in (0, 1, 2, 3)}
 # 5 steps each; sequence parallel: the norms' partial grads are summed over tp in fp32 (zero 1)

@@ -10,11 +10,11 @@ from multirank import spawn
 from torch import nn
 from train_cases import DP_STEPS, dp_config, read_rows
 
-from megaft.config import validate
 from megaft.optim import OptimConfig
-from megaft.parallel.data import build_optimizer
+from megaft.optim.zero import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
+from megaft.validation import validate
 
 # fp32: dp sums two ranks' partial gradients (one reordered add), so curves agree to
 # rounding over 10 AdamW steps; 1e-5 relative is the issue's bound.

@@ -13,12 +13,14 @@ import torch
 from omegaconf import OmegaConf
 
 from megaft.config import Config
+from megaft.config.cluster import ClusterConfig
+from megaft.config.lora import LoraConfig
+from megaft.config.model import ModelConfig
 from megaft.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megaft.models import saved
-from megaft.models.config import ModelConfig, check_model
+from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
-from megaft.peft.config import LoraConfig
 from megaft.peft.lora import apply_lora
 from megaft.perf.counts import (
     a2a_bytes,
@@ -36,10 +38,10 @@ from megaft.perf.counts import (
     rank_params,
     total_params,
 )
+from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
 from megaft.perf.memory import estimate_ranks
 from megaft.perf.time import _stage_costs, all_to_all_s, step_cost
 from megaft.pipeline.stage import StageModel
-from megaft.plan.config import ClusterConfig
 
 CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")
 SHAPE = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=61, max_seq_len=64)
@@ -213,7 +215,7 @@ def test_planner_compute_follows_the_active_flops():
     ratio = top1.flops_per_token / dense.flops_per_token
     assert top1.terms["compute"] == pytest.approx(dense.terms["compute"] * ratio, rel=1e-12)
     # the compute term is the training FLOPs of the step's tokens at the achievable rate, summed per block
-    rate = h100.peak_tflops("fp32") * 1e12 * h100.matmul_fraction
+    rate = cluster_peak_tflops(h100, "fp32") * 1e12 * h100.matmul_fraction
     for name in FAMILIES:
         cost = step_cost(run_config(moe(name), seq=seq), h100, 1)
         assert cost.terms["compute"] == pytest.approx(2 * seq * flops_per_token(moe(name), seq) / rate, rel=1e-12)
@@ -495,7 +497,7 @@ def test_time_model_prices_the_all_to_alls():
         assert cost.terms["compute"] == base.terms["compute"]  # every rank computes top_k rows per token still
         # the Adam state of the rank's experts is sharded over dp*cp/ep ranks instead of dp*cp
         owned = TINY_DENSE / 4 + TINY_EXPERTS / ep / (4 // ep)
-        assert cost.terms["optimizer"] == pytest.approx(owned * 32 / (h100.hbm_tbps * 1e12), rel=1e-12)
+        assert cost.terms["optimizer"] == pytest.approx(owned * 32 / (cluster_hbm_tbps(h100) * 1e12), rel=1e-12)
         # ZeRO-1's all-gather of the updated params: the dense part over the 4 replicas, then the rank's
         # experts over the 4/ep holding the same ones (none to gather at ep=4), ring formulas over NVLink
         experts = 4 // ep

@@ -20,8 +20,8 @@ from pipeline_cases import (
 )
 from train_cases import read_metrics, read_rows
 
-from megaft.config import validate
 from megaft.pipeline.partition import stage_layer_counts, stage_layers
+from megaft.validation import validate
 
 RTOL = 1e-5  # fp32; stages only move activations, so sums are reordered at most by tp
 

@@ -14,13 +14,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megaft.config import Config, register_configs, validate
-from megaft.perf.hardware import device, peak_tflops
+from megaft.config import Config, register_configs
+from megaft.config.cluster import ClusterConfig
+from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops, device, peak_tflops
 from megaft.perf.memory import estimate_memory
 from megaft.perf.time import all_reduce_s, gather_s, group_link, step_cost
 from megaft.plan.app import planning_config, user_overrides
-from megaft.plan.config import ClusterConfig, check_cluster
+from megaft.plan.shape import check_cluster
 from megaft.plan.space import NOOP_ZERO, Layout, apply_layout, layouts, rule_of_thumb, search
+from megaft.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF = os.path.join(ROOT, "conf")
@@ -81,11 +83,12 @@ def test_gpu_peaks_match_the_mfu_table():
                                         ("a100", "NVIDIA A100-SXM4-80GB", 312.0, 19.5, 2.039),
                                         ("b200", "NVIDIA B200", 2250.0, 75.0, 8.0)):
         c = composed([f"cluster={name}"]).cluster
-        assert (c.peak_tflops("bf16"), c.peak_tflops("fp32"), c.hbm_tbps) == (bf16, fp32, hbm), name
+        assert (cluster_peak_tflops(c, "bf16"), cluster_peak_tflops(c, "fp32"), cluster_hbm_tbps(c)) == \
+            (bf16, fp32, hbm), name
         assert (peak_tflops(gpu, "bf16"), peak_tflops(gpu, "fp32")) == (bf16, fp32), gpu
         assert device(c.gpu_type).peaks["bf16"] == bf16
     # an explicit override still wins over the table
-    assert composed(["cluster=h100", "cluster.peak_tflops_bf16=500"]).cluster.peak_tflops("bf16") == 500
+    assert cluster_peak_tflops(composed(["cluster=h100", "cluster.peak_tflops_bf16=500"]).cluster, "bf16") == 500
 
 
 def test_default_cluster_leaves_training_alone():
@@ -221,7 +224,8 @@ def test_collective_formulas():
 
 def test_cost_model_monotone(tmp_path):
     cfg, shaped, result = plan_for(tmp_path, "70B", nodes=8)
-    cluster = cfg.cluster
+    cluster = shaped.cluster  # the preset with its gpu_type's peaks and HBM bandwidth filled in
+    assert cluster.hbm_tbps > 0 and cluster.peak_tflops_bf16 > 0
     for cand in result.ranked[:30]:
         base = cand.cost.step_s
         assert sum(cand.cost.terms.values()) == pytest.approx(base) and cand.cost.bottleneck in cand.cost.terms
@@ -285,7 +289,7 @@ def test_measured_links_from_a_real_commbench_run(tmp_path):
     datasheet's NVLink figures in the cost model (bus bandwidth x comm_fraction = measured); the
     inter-node link, not measured on one host, stays; a wrong file is a clear error."""
     from megaft.commbench.app import run as commbench
-    from megaft.commbench.config import CommbenchConfig
+    from megaft.config.commbench import CommbenchConfig
     from megaft.perf.time import Link
     from megaft.plan.report import plan_json
 

@@ -19,13 +19,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megaft.config import Config, register_configs, validate
+from megaft.config import Config, register_configs
 from megaft.perf.hardware import GIB
 from megaft.perf.memory import estimate_memory
 from megaft.plan.app import run_plan, user_overrides  # importing it stores the megaft_plan primary config
 from megaft.plan.report import COLUMNS, EP_COLUMNS, columns, explain_experts, format_experts
 from megaft.plan.shape import planning_config
 from megaft.plan.space import Layout, apply_layout, expert_degrees, search
+from megaft.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF = os.path.join(ROOT, "conf")

@@ -12,16 +12,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels, interpreted on CPU
 
-from megaft.config import Config, validate  # noqa: E402
+from megaft.config import Config  # noqa: E402
+from megaft.config.kernels import KernelsConfig  # noqa: E402
+from megaft.config.model import ModelConfig  # noqa: E402
 from megaft.kernels import _triton  # noqa: E402
-from megaft.kernels.config import KernelsConfig  # noqa: E402
 from megaft.models import saved  # noqa: E402
-from megaft.models.config import ModelConfig, check_model  # noqa: E402
+from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder  # noqa: E402
 from megaft.models.docs import Docs  # noqa: E402
 from megaft.models.init import init_params  # noqa: E402
 from megaft.perf.counts import activation_bytes_per_token  # noqa: E402
 from megaft.pipeline.stage import StageModel  # noqa: E402
+from megaft.validation import validate
 from megaft.verify.run import run_verify  # noqa: E402
 
 MODES = ("selective", "full")

@@ -18,8 +18,8 @@ from train_cases import small_config
 
 from megaft import report
 from megaft.commbench.app import run as commbench
-from megaft.commbench.config import CommbenchConfig
-from megaft.config import Config, conf_dir, register_configs, validate
+from megaft.config import Config, conf_dir, register_configs
+from megaft.config.commbench import CommbenchConfig
 from megaft.launch.submit_record import merge_submitted
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import flops_per_token
@@ -28,6 +28,7 @@ from megaft.plan.shape import planning_config
 from megaft.training.loop import Trainer
 from megaft.training.run_config import read_run_config
 from megaft.training.summary import SCHEMA_VERSION, RunSummary
+from megaft.validation import validate
 
 
 @pytest.fixture(scope="module")

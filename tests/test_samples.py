@@ -9,13 +9,14 @@ import os
 import pytest
 from train_cases import read_metrics, small_config
 
-from megaft.config import check_fixed_settings, check_settings
+from megaft.config.parallel import resolve_dp
+from megaft.config.train import SampleConfig, use_tensorboard
+from megaft.data.prompts import check_samples
 from megaft.data.templates import load_chat_template
-from megaft.parallel.config import resolve_dp
 from megaft.parallel.grid import ParallelGrid
-from megaft.training.config import SampleConfig, check_samples, use_tensorboard
 from megaft.training.loop import Trainer
 from megaft.training.samples import opening
+from megaft.validation import check_fixed_settings, check_settings
 
 
 def _prompts(tmp_path, lines: list[str]) -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks.train_step import measure
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=40, max_seq_len=16)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megaft.config import Config
+from megaft.config.verify import TOLERANCES, Shrink
 from megaft.training.parts import RunParts, TrainSpec, build_optim
 from megaft.verify.compare import compare
-from megaft.verify.config import TOLERANCES, Shrink
 from megaft.verify.run import run_verify
 from megaft.verify.shrink import shrink
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import os
 
-from megaft.config import Config, resolve
+from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
+from megaft.validation import resolve
 
 # (name, tp, dp, sequence_parallel, micro_batch_size) run on 2 ranks in one spawn.
 PARALLEL_RUNS = [("tp2", 2, 1, False, 8), ("tp2_sp", 2, 1, True, 8), ("dp2", 1, 2, False, 4)]

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 from megaft.models.decoder import Decoder
 from megaft.parallel.data.buckets import GradReducer
 from megaft.parallel.data.flat import FlatParams

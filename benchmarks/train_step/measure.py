@@ -22,13 +22,13 @@ from typing import Optional
 import torch
 import yaml
 
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
+from megaft.config.optim import OptimConfig
 from megaft.kernels.autotune import decide_kernels
-from megaft.kernels.config import KernelsConfig
-from megaft.models.config import ModelConfig
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from megaft.optim.adamw import AdamW
-from megaft.optim.config import OptimConfig
 from megaft.parallel.data.flat import FlatParams
 from megaft.report import kernels_cell
 

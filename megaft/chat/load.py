@@ -38,7 +38,8 @@ def locate(path: str, template: str = "auto") -> ChatModel:
     """The ChatModel of a RUN_DIR or an HF_DIR (module docstring); `template` overrides the
     chat template (auto | llama3 | chatml | a .jinja file). Raises ChatError."""
     from megaft.data.templates import load_chat_template, tokenizer_dir_of
-    from megaft.eval.model_dir import is_hf_model, is_run_dir
+    from megaft.eval.model_dir import is_hf_model
+    from megaft.run_dir import is_run_dir
 
     path = os.path.abspath(path)
     if not os.path.isdir(path):

@@ -14,15 +14,16 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.commbench.config import check_commbench
 from megaft.commbench.ep import ep_problems
 from megaft.commbench.report import format_table
 from megaft.commbench.verdict import verdict
-from megaft.config import Config, ConfigError, check_local_launch, conf_dir, register_configs
+from megaft.config import Config, ConfigError, conf_dir, register_configs
+from megaft.config.commbench import check_commbench
+from megaft.config.launcher import check_launcher
+from megaft.config.parallel import check_parallel
 from megaft.device import resolve_device
-from megaft.launch.config import check_launcher
 from megaft.launch.env import DistEnv
-from megaft.parallel.config import check_parallel
+from megaft.validation import check_local_launch
 
 register_configs()
 

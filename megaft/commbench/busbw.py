@@ -12,7 +12,7 @@ GB/s = 1e9 bytes per second, nccl-tests' unit. The expert-parallel all-to-alls
 """
 from __future__ import annotations
 
-from megaft.commbench.config import Collective, EpCollective
+from megaft.config.commbench import Collective, EpCollective
 
 GB = 1e9
 ELEMENT_BYTES = 4  # every buffer is float32: the sums stay exact, so every result can be checked

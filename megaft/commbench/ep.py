@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 
 from megaft.commbench.busbw import ELEMENT_BYTES
-from megaft.commbench.config import Collective, EpCollective
 from megaft.config import Config
-from megaft.models.config import ModelConfig
+from megaft.config.commbench import Collective, EpCollective
+from megaft.config.model import ModelConfig
 from megaft.perf.counts import a2a_bytes
 from megaft.perf.time import all_to_all_s
 from megaft.plan.measured import apply_measured

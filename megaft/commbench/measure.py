@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megaft.commbench.busbw import elements
-from megaft.commbench.config import Collective
 from megaft.commbench.hooks import Hooks
+from megaft.config.commbench import Collective
 from megaft.parallel.comm import all_gather_single, reduce_scatter_single
 
 SENTINEL = -1.0

@@ -34,8 +34,8 @@ from collections import defaultdict
 from typing import Optional
 
 from megaft.commbench.busbw import GB, algbw_gbps, busbw_gbps
-from megaft.commbench.config import Collective, EpCollective
 from megaft.commbench.pairs import slow_pairs
+from megaft.config.commbench import Collective, EpCollective
 
 SCHEMA = "megaft.commbench/1"
 

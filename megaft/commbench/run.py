@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megaft.commbench.config import EpCollective, max_bytes_for, message_sizes, pair_bytes_for
 from megaft.commbench.ep import annotate, ep_plan, measures_ep, model_time
 from megaft.commbench.groups import build_scopes, gather_hosts, ranks_by_host
 from megaft.commbench.hooks import Hooks
@@ -20,6 +19,7 @@ from megaft.commbench.pairs import measure_pairs
 from megaft.commbench.report import write_report
 from megaft.commbench.results import SCHEMA, collective_rows, pair_table
 from megaft.config import Config
+from megaft.config.commbench import EpCollective, max_bytes_for, message_sizes, pair_bytes_for
 from megaft.launch.env import DistEnv
 from megaft.launch.rank import process_group
 from megaft.parallel.grid import ParallelGrid

@@ -4,8 +4,8 @@ all-to-alls, measured at the model's size rather than swept, stand next to the c
 price (megaft.commbench.ep) and are held to no floor."""
 from __future__ import annotations
 
-from megaft.commbench.config import CommbenchConfig, EpCollective
 from megaft.commbench.pairs import slow_pairs
+from megaft.config.commbench import CommbenchConfig, EpCollective
 
 
 def human_bytes(n: int) -> str:

@@ -36,7 +36,7 @@ import jinja2
 import numpy as np
 from tokenizers import Tokenizer
 
-from megaft.data.choices import TrainOn
+from megaft.config.data import TrainOn
 from megaft.data.encode import Encoded
 from megaft.data.errors import DataError
 from megaft.data.formats import trains_nothing

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megaft.data.choices import LongDocs
+from megaft.config.data import LongDocs
 
 LONG_DOCS = tuple(d.value for d in LongDocs)  # plain strings: error messages list them as written
 

@@ -37,8 +37,9 @@ from typing import Callable, Iterator, NamedTuple, Optional
 import numpy as np
 from tokenizers import Tokenizer
 
+from megaft.config.data import DataConfig, data_sources
+from megaft.data.build import build_tokenizer
 from megaft.data.chat import ChatEncoder
-from megaft.data.config import DataConfig, build_tokenizer, data_sources
 from megaft.data.encode import encode_example
 from megaft.data.errors import DataError
 from megaft.data.formats import RECORD_FORMAT, parse_record

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -33,14 +32,6 @@ from megaft.data.jsonl import scan_json_lines, where
 
 EXTENSIONS = (".jsonl", ".parquet")
 PARQUET_BATCH = 1024  # rows decoded at a time: bounds memory on large row groups
-
-
-@dataclass
-class SourceConfig:
-    """One entry of data.sources."""
-
-    path: str = "???"  # a .jsonl/.parquet file or a directory of them
-    weight: float = 1.0  # times each example appears per epoch (fractions draw a seeded subset)
 
 
 def source_files(path: str) -> list[str]:

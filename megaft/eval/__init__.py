@@ -6,6 +6,7 @@ folder of a run dir is read, exporting the newest checkpoint when there is none)
 dependent Slurm job of `train.then_eval`), tasks/ (two example tasks with local data).
 docs/evaluation.md is the manual.
 """
-from megaft.eval.config import EvalConfig, check_eval, check_then_eval, tasks_dir
+from megaft.config.eval import EvalConfig
+from megaft.eval.checks import check_eval, check_then_eval, tasks_dir
 
 __all__ = ["EvalConfig", "check_eval", "check_then_eval", "tasks_dir"]

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megaft.cli_args import checked_arguments
-from megaft.eval.config import EvalConfig, check_eval, tasks_dir
+from megaft.config.eval import EvalConfig
+from megaft.eval.checks import check_eval, tasks_dir
 from megaft.eval.model_dir import EvalError, locate
 
 PREFIX = "eval."

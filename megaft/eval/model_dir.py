@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE
-from megaft.report.collect import RUN_FILES
+from megaft.run_dir import is_run_dir
 
 EXPORT_DIR = os.path.join("eval", "hf")  # a checkpoint's export, inside the run dir
 EXPORT_STEP = ".megaft_step"  # the checkpoint step an eval/hf export came from
@@ -38,10 +38,6 @@ def is_hf_model(path: str) -> bool:
     """A whole model (config.json and weights), not a peft adapter folder."""
     return (os.path.isfile(os.path.join(path, CONFIG))
             and any(os.path.isfile(os.path.join(path, f)) for f in (SINGLE, INDEX)))
-
-
-def is_run_dir(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in RUN_FILES)
 
 
 def locate(path: str, *, export: bool = True) -> Target:

@@ -13,7 +13,8 @@ import os
 import time
 from typing import Any
 
-from megaft.eval.config import EvalConfig, include_paths, local_task_names
+from megaft.config.eval import EvalConfig
+from megaft.eval.checks import include_paths, local_task_names
 from megaft.eval.model_dir import EvalError, Target, ensure_tokenizer_config
 from megaft.fileio import write_json_atomic
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from megaft.eval.config import EvalConfig
+from megaft.config.eval import EvalConfig
 
 
 class EvalTask:

@@ -7,6 +7,6 @@ dispatching front taking ``backend=``.
     grouped_gemm            auto | torch | triton | cuda (torch._grouped_mm): the experts' grouped matmuls
     adamw                   auto | torch | cpu | cuda | triton
 
-``megaft.kernels.config.KernelsConfig`` (the ``kernels`` config group) picks the model's
+``megaft.config.kernels.KernelsConfig`` (the ``kernels`` config group) picks the model's
 backends; ``megaft.kernels._ext`` imports the extensions once and explains missing ones.
 """

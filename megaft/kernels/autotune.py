@@ -277,7 +277,7 @@ def measure_ops(cases: dict[str, Case], candidates: dict[str, list[str]], *, dev
 def ops_to_measure(kernels, device: torch.device) -> dict[str, list[str]]:
     """op -> its available non-torch backends, for each op the run leaves on auto, when
     autotuning applies (CUDA device, kernels.autotune); empty otherwise."""
-    from megaft.kernels.config import OPS
+    from megaft.config.kernels import OPS
 
     if device.type != "cuda" or not kernels.autotune:
         return {}
@@ -289,7 +289,7 @@ def fixed_record(kernels, device: torch.device) -> dict[str, dict]:
     """op -> {"backend", "source"} without measuring: an explicit backend ("config"; an
     unavailable one was reported by validate), else dispatch's fixed order for auto
     ("fixed" on CUDA; "cpu" elsewhere, where auto is torch)."""
-    from megaft.kernels.config import OPS
+    from megaft.config.kernels import OPS
 
     record = {}
     for op in OPS:

@@ -25,11 +25,11 @@ import logging
 
 import torch
 
+from megaft.config.kernels import BACKENDS  # kernels.*'s choices
 from megaft.kernels import _ext, _triton
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "triton", "cuda")
 # The torch.ops.megaft op whose presence means megaft._cuda was built with `op`'s kernel
 # (default f"{op}_fwd"); linear's CUDA C++ ops (the cuBLASLt forward, the cuBLAS wgrad
 # accumulation) come from one build, so the wgrad op stands for both.

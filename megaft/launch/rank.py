@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from megaft.config import Config
+from megaft.config.parallel import resolve_dp
 from megaft.device import resolve_device
 from megaft.launch import health
 from megaft.launch.elastic import record_restarts, requeue_after_loss
 from megaft.launch.env import DistEnv
 from megaft.launch.preempt import requeue, restart_count
 from megaft.launch.trace import CollectiveTrace
-from megaft.parallel.config import resolve_dp
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.stop import PreemptFlag
 

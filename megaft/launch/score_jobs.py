@@ -14,8 +14,8 @@ import copy
 import os
 from typing import Any, Mapping, Sequence
 
+from megaft.config.pref import needs_reference
 from megaft.launch.submit import Shape, sbatch_parameters
-from megaft.pref.config import needs_reference
 from megaft.pref.scores import scores_path
 
 SCORES_DIR = ".scores"  # under the sweep dir (megaft-report skips it)

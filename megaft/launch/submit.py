@@ -13,10 +13,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
-from megaft.config import Config, validate
+from megaft.config import Config
 from megaft.launch.env import slurm_port
 from megaft.perf.hardware import GIB, gpu_type_memory
 from megaft.signals import WARNING_SIGNALS
+from megaft.validation import validate
 
 Budget = tuple[int, str]  # bytes per GPU, and where the number came from (for messages)
 

@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig, kv_replicas
 from megaft.kernels.linear import layer_linear
 from megaft.kernels.rope import rope
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.layers.norm import WidthRMSNorm
 from megaft.models import recompute
-from megaft.models.config import ModelConfig, kv_replicas
 from megaft.models.docs import Docs, attend, kernel_name, rope_at
 from megaft.models.kv import mark_replicated, replica_sum
 from megaft.models.softcap import softcap_attention

@@ -25,19 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
+from megaft.config.moe import MoEConfig
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from megaft.layers import ColumnParallelLinear, RMSNorm, VocabParallelEmbedding
 from megaft.layers.dropout import sliced_dropout
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.attention import Attention, op_backend
-from megaft.models.config import ModelConfig
 from megaft.models.docs import Docs
 from megaft.models.mla import MLAttention
 from megaft.models.mlp import MLP
 from megaft.models.moe import GlobalCounts, MoE, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
-from megaft.models.moe_config import MoEConfig
 from megaft.models.rope import rope_init, rope_tables
 from megaft.models.softcap import softcap
 from megaft.parallel.comm import Group, group_rank, group_size

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from megaft.config.model import ModelConfig
 from megaft.models.arch import spec_for
 from megaft.models.arch.spec import write_common
-from megaft.models.config import ModelConfig
 from megaft.models.hf_load import CONFIG, INDEX, SINGLE
 from megaft.models.hf_load import tensors as model_tensors
 from megaft.models.kv import ReplicatedShard, dedupe_gathered

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from megaft.config.model import ModelConfig
 from megaft.models.arch import SPECS, spec_for
 from megaft.models.arch.spec import HFCheckpointError, read_common, readable_quantized, screen
-from megaft.models.config import ModelConfig
 from megaft.models.kv import local_rows
 from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of
 

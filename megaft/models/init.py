@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 from megaft.parallel.tensor.shard import full_shape, local_from_full
 
 # Output projections of each residual branch get std / sqrt(2 * n_layers) (GPT-2, Megatron).

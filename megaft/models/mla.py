@@ -31,14 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
 from megaft.kernels.linear import layer_linear
 from megaft.kernels.rope import rope
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.attention import op_backend
-from megaft.models.config import ModelConfig
 from megaft.models.docs import Docs, attend, rope_at
 from megaft.models.rope import rope_kind
 from megaft.parallel.comm import Group, group_size

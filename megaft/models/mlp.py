@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
 from megaft.kernels.linear import fused_gate_up
 from megaft.kernels.linear.fused import fused_gate_up_swiglu
 from megaft.kernels.swiglu import swiglu
@@ -16,7 +17,6 @@ from megaft.layers import ColumnParallelLinear, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.attention import op_backend
-from megaft.models.config import ModelConfig
 from megaft.parallel.comm import Group
 
 

@@ -44,15 +44,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
+from megaft.config.moe import MoEConfig
 from megaft.kernels.grouped_gemm import grouped_mm
 from megaft.kernels.swiglu import swiglu
 from megaft.layers.linear import column_input
 from megaft.models import recompute
-from megaft.models.config import ModelConfig
 from megaft.models.mlp import MLP  # the shared expert
 from megaft.models.moe_capacity import kept_assignments
-from megaft.models.moe_config import MoEConfig
 from megaft.parallel.comm import Group, all_gather, all_reduce, group_rank, group_size
 from megaft.parallel.expert import dispatch_compute_combine
 from megaft.parallel.tensor.comm import reduce_from_tp, reduce_scatter_to_sp

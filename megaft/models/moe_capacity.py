@@ -1,4 +1,4 @@
-"""Expert capacity (`moe.capacity_factor`, megaft.models.moe_config): which of a micro-batch's
+"""Expert capacity (`moe.capacity_factor`, megaft.config.moe): which of a micro-batch's
 top-k assignments each expert keeps.
 
 Per MoE layer an expert takes at most ceil(factor × tokens × top_k / n_experts) assignments;

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 from megaft.models.moe import RouterLosses
 from megaft.parallel.comm import all_reduce, group_size
 

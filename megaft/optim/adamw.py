@@ -9,9 +9,9 @@ from typing import Optional
 
 import torch
 
+from megaft.config.optim import OptimConfig
 from megaft.kernels.adamw import adamw_multi_tensor_
 from megaft.optim.clip import grad_norm
-from megaft.optim.config import OptimConfig
 from megaft.optim.offload import NO_HOST, HostAdamW, host_zeros
 from megaft.parallel.comm import Group
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads

@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megaft.config.optim import OptimConfig
 from megaft.kernels.adamw import adamw_step_
-from megaft.optim.config import OptimConfig
 
 OFFLOADS = ("none", "cpu")
 HOST_FUSED = ("auto", "cpu")  # kernels that run on host tensors (auto picks megaft._C when built)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from megaft.optim.config import OptimConfig
+from megaft.config.optim import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

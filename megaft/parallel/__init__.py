@@ -13,7 +13,7 @@
 Pipeline parallelism is its own package, megaft.pipeline (schedules as data, their
 validator and simulator, the stage model and the p2p runtime).
 """
-from megaft.parallel.config import ParallelConfig, check_parallel
+from megaft.config.parallel import ParallelConfig, check_parallel
 from megaft.parallel.grid import Axis, ParallelGrid
 
 __all__ = ["Axis", "ParallelConfig", "ParallelGrid", "check_parallel"]

@@ -1,9 +1,9 @@
 """Parameter-efficient fine-tuning: LoRA adapters on the tensor-parallel linears
 (megaft.peft.lora) and on a mixture of experts' experts and router (megaft.peft.experts,
-exported by megaft.peft.moe_export), their settings (megaft.peft.config), the base checkpoint's
+exported by megaft.peft.moe_export), their settings (megaft.config.lora), the base checkpoint's
 fingerprint that adapter-only checkpoints record (megaft.peft.base) and the export
 in peft's adapter format or as merged weights (megaft.peft.export)."""
-from megaft.peft.config import LoraConfig, check_lora
+from megaft.config.lora import LoraConfig, check_lora
 from megaft.peft.lora import LoraAdapter, adapter_parameters, adapters, apply_lora, merged_weight
 
 __all__ = ["LoraAdapter", "LoraConfig", "adapter_parameters", "adapters", "apply_lora", "check_lora",

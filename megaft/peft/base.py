@@ -15,7 +15,7 @@ import hashlib
 import os
 from typing import Any, Optional
 
-from megaft.peft.config import LoraConfig
+from megaft.config.lora import LoraConfig
 
 SAMPLE = 64 * 1024  # bytes read at each of a weight file's start, middle and end
 

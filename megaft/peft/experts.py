@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaft.config.lora import LoraConfig, LoraInit
 from megaft.kernels.grouped_gemm import grouped_mm
 from megaft.models.moe import Experts, Router
 from megaft.parallel.tensor.shard import (
@@ -49,7 +50,6 @@ from megaft.parallel.tensor.shard import (
     mark_sharded,
     shard_of,
 )
-from megaft.peft.config import LoraConfig, LoraInit
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from megaft.models.config import ModelConfig
+from megaft.config.lora import TARGET_MODULES, LoraConfig
+from megaft.config.model import ModelConfig
 from megaft.models.hf_export import copy_tokenizer, export_hf, gather_full
 from megaft.models.hf_load import hf_name
 from megaft.parallel.comm import Group, group_rank, group_size
-from megaft.peft.config import TARGET_MODULES, LoraConfig
 from megaft.peft.experts import RouterAdapter, expert_adapters
 from megaft.peft.lora import adapters, merged_weight
 from megaft.peft.moe_export import expert_tensors, moe_targets, router_name

@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaft.config.lora import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model, check_lora_moe
 from megaft.layers import ColumnParallelLinear, RowParallelLinear
 from megaft.layers.dropout import sliced_dropout
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.parallel.tensor.shard import full_shape, local_from_full, mark_sequence_parallel, mark_sharded, shard_of
-from megaft.peft.config import TARGET_MODULES, BaseDtype, LoraConfig, LoraInit, check_lora_model, check_lora_moe
 from megaft.peft.experts import (
     RouterAdapter,
     attach_moe_adapters,
@@ -121,7 +121,7 @@ def init_adapters(model: nn.Module, cfg: LoraConfig, *, seed: int, tp_rank: int,
 
 
 def _check_targets(model: nn.Module, cfg: LoraConfig, tp_size: int) -> None:
-    """validate()'s model-dependent LoRA checks (megaft.peft.config.check_lora_model), repeated
+    """validate()'s model-dependent LoRA checks (megaft.config.lora.check_lora_model), repeated
     for callers that build a model without validating a Config."""
     model_cfg = getattr(model, "cfg", None)
     if model_cfg is None:  # a bare module: no architecture to check against

@@ -29,9 +29,9 @@ import math
 
 import torch
 
+from megaft.config.lora import LoraConfig
 from megaft.models.hf_export import gather_full
 from megaft.parallel.comm import Group
-from megaft.peft.config import LoraConfig
 from megaft.peft.experts import ExpertLora
 
 PREFIX = "base_model.model."

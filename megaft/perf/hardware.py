@@ -92,3 +92,31 @@ def gpu_type_memory(gpu_type: str) -> tuple[Optional[float], list[str]]:
         return gib, []
     return None, [f"hydra.launcher.gpu_type={gpu_type!r} is unknown; fix: one of {', '.join(GPU_MEMORY_GIB)}, "
                   "or hydra.launcher.gpu_mem_gb=<GiB per GPU> for another GPU"]
+
+
+def with_device_facts(cluster):
+    """A copy of `cluster` (megaft.config.cluster.ClusterConfig) whose peaks and HBM bandwidth left
+    at 0 are its gpu_type's from the table (the planner's cluster, megaft.plan.shape)."""
+    import dataclasses
+
+    peaks = {f"peak_tflops_{p}": cluster_peak_tflops(cluster, p) for p in ("bf16", "fp16", "fp32")}
+    return dataclasses.replace(cluster, hbm_tbps=cluster_hbm_tbps(cluster), **peaks)
+
+
+def cluster_peak_tflops(cluster, precision: str) -> float:
+    """A cluster's (megaft.config.cluster.ClusterConfig) dense peak per device at `precision`: the
+    preset's or override's `peak_tflops_<precision>` when > 0, else its gpu_type's from the table
+    (0 when neither knows it)."""
+    own = getattr(cluster, f"peak_tflops_{precision}", 0.0)
+    if own or not cluster.gpu_type:
+        return own
+    row = device(cluster.gpu_type)
+    return row.peaks.get(precision, 0.0) if row else 0.0
+
+
+def cluster_hbm_tbps(cluster) -> float:
+    """A cluster's device memory bandwidth (TB/s): cluster.hbm_tbps when > 0, else its gpu_type's."""
+    if cluster.hbm_tbps or not cluster.gpu_type:
+        return cluster.hbm_tbps
+    row = device(cluster.gpu_type)
+    return row.hbm_tbps or 0.0 if row else 0.0

@@ -99,8 +99,8 @@ def estimate_memory(cfg, world_size: int) -> MemoryEstimate:
 
 def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     """One estimate per pp rank (tp and dp ranks of one stage hold the same amounts)."""
-    from megaft.parallel.config import resolve_dp
-    from megaft.training.config import accumulation_steps
+    from megaft.config.parallel import resolve_dp
+    from megaft.config.train import accumulation_steps
 
     m, par = cfg.model, cfg.parallel
     dp = resolve_dp(par, world_size)
@@ -195,7 +195,7 @@ def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None,
     par = cfg.parallel
     fixes = [f"raise parallel.tp={par.tp} or parallel.pp={par.pp}"]
     if cfg.model.n_experts:  # expert parallelism splits the routed experts over the dp×cp replicas
-        from megaft.parallel.config import resolve_dp
+        from megaft.config.parallel import resolve_dp
 
         replicas = resolve_dp(par, world_size) * par.cp
         more = [e for e in range(par.ep + 1, replicas + 1) if replicas % e == 0 and cfg.model.n_experts % e == 0]
@@ -206,7 +206,7 @@ def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None,
         fixes.append(f"raise parallel.cp={par.cp} (each rank holds seq_len/cp tokens)")
         if cfg.model.recompute != "full":
             fixes.append(f"set model.recompute={'selective' if cfg.model.recompute == 'none' else 'full'}")
-    top_zero = 2 if cfg.lora.rank > 0 else 3  # LoRA refuses ZeRO-3 (megaft.peft.config.check_lora)
+    top_zero = 2 if cfg.lora.rank > 0 else 3  # LoRA refuses ZeRO-3 (megaft.config.lora.check_lora)
     if par.zero < top_zero:
         fixes.append(f"raise parallel.zero={par.zero} (up to {top_zero})")
     if par.offload == "none":

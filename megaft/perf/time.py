@@ -61,7 +61,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megaft.parallel.config import resolve_dp
+from megaft.config.parallel import resolve_dp
+from megaft.config.train import accumulation_steps
 from megaft.perf.counts import (
     a2a_bytes,
     adapter_layer_params,
@@ -78,10 +79,10 @@ from megaft.perf.counts import (
     rank_expert_params,
     trainable_rank_params,
 )
+from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
-from megaft.training.config import accumulation_steps
 
 TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer",
          "offload")
@@ -222,7 +223,7 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     tp, stages, ep = par.tp, par.pp * par.vpp, par.ep
     tokens = cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
     dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
-    rate = cluster.peak_tflops(str(cfg.precision)) * 1e12 * cluster.matmul_fraction
+    rate = cluster_peak_tflops(cluster, str(cfg.precision)) * 1e12 * cluster.matmul_fraction
     act = 2 if cfg.precision in ("bf16", "fp16") else 4
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
@@ -347,7 +348,7 @@ def _pipelines(lays: list[_Layout]) -> list[tuple[float, tuple]]:
 
 def step_costs(cfgs: list, cluster, world_size: int) -> list[StepCost]:
     """The predicted step of each validated config (megaft.config.Config) on `world_size`
-    ranks of `cluster` (megaft.plan.config.ClusterConfig); the planner costs its layouts
+    ranks of `cluster` (megaft.config.cluster.ClusterConfig); the planner costs its layouts
     together so that configs sharing a pipeline schedule share one replay."""
     lays = [_layout(cfg, cluster, world_size) for cfg in cfgs]
     return [_step(lay, cluster, world_size, makespan, busy)
@@ -374,7 +375,7 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
     return StepCost(terms=terms, tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
                     world_size=world_size,
                     flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, cfg.lora),
-                    peak_tflops=cluster.peak_tflops(str(cfg.precision)))
+                    peak_tflops=cluster_peak_tflops(cluster, str(cfg.precision)))
 
 
 def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
@@ -403,4 +404,4 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         host = owned * ADAM_BYTES / (cluster.host_memory_gbps * 1e9 / cluster.gpus_per_node)
         terms["offload"] = max(pcie, host)
     else:
-        terms["optimizer"] = owned * ADAM_BYTES / (cluster.hbm_tbps * 1e12)
+        terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12)

@@ -23,7 +23,7 @@ import functools
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megaft.parallel.config import Schedule as ScheduleName
+from megaft.config.parallel import Schedule as ScheduleName
 from megaft.pipeline.actions import Action, ActionKind, ScheduleError, parse_action
 
 Schedule = dict[int, list[Action]]

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 from megaft.models.decoder import Decoder, rope_of
 from megaft.parallel.comm import Group, all_reduce, group_size
 from megaft.pipeline.partition import stage_layers

@@ -1,6 +1,6 @@
-"""Layout planning (`megaft-plan`): hardware tables (conf/cluster/, `config.py`), the
-search space (`space.py`), the cost model (`cost.py`) and the Hydra app (`app.py`).
+"""Layout planning (`megaft-plan`): the config every layout is applied to (`shape.py`), the
+search space (`space.py`), the report (`report.py`) and the Hydra app (`app.py`); the cluster
+presets are conf/cluster/ (megaft.config.cluster), the cost model megaft.perf.
 
-Import the submodules directly; this package imports nothing, so that the config layer
-can import `megaft.plan.config` without pulling in the planner.
+Import the submodules directly; this package imports nothing.
 """

@@ -8,11 +8,38 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megaft.config import Config, check_settings
-from megaft.data.config import DataConfig, build_tokenizer
-from megaft.models.config import check_model
-from megaft.plan.config import check_cluster, check_plan
+from megaft.config import Config
+from megaft.config.cluster import PRECISIONS, ClusterConfig, check_plan
+from megaft.config.data import DataConfig
+from megaft.data.build import build_tokenizer
+from megaft.models.checks import check_model
+from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops, with_device_facts
 from megaft.plan.measured import apply_measured
+from megaft.validation import check_settings
+
+
+def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
+    """Problems of a cluster for planning at `precision`, each with its fix."""
+    if cfg.gpus_per_node < 1:
+        return [f"cluster={cfg.name} has gpus_per_node={cfg.gpus_per_node}; fix: pick a preset, e.g. "
+                "cluster=h100 (conf/cluster/), or set cluster.gpus_per_node"]
+    problems = []
+    if cfg.nodes < 1:
+        problems.append(f"cluster.nodes={cfg.nodes} must be >= 1; fix: e.g. cluster.nodes=8")
+    if precision in PRECISIONS and cluster_peak_tflops(cfg, precision) <= 0:
+        problems.append(f"cluster.peak_tflops_{precision}={cluster_peak_tflops(cfg, precision)} must be > 0; fix: the "
+                        "device's dense peak from its datasheet")
+    for name in ("matmul_fraction", "comm_fraction"):
+        if not 0 < getattr(cfg, name) <= 1:
+            problems.append(f"cluster.{name}={getattr(cfg, name)} must be in (0, 1]; fix: e.g. 0.7")
+    if cluster_hbm_tbps(cfg) <= 0:
+        problems.append(f"cluster.hbm_tbps={cluster_hbm_tbps(cfg)} must be > 0; fix: the datasheet's value")
+    for name in ("nvlink_gbps", "ib_gbps", "pcie_gbps", "host_memory_gbps"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"cluster.{name}={getattr(cfg, name)} must be > 0; fix: the datasheet's value")
+    if not cfg.gpu_type and cfg.hbm_gb <= 0:
+        problems.append("cluster.gpu_type is empty and cluster.hbm_gb is 0: no memory budget; fix: set one")
+    return problems
 
 
 def planning_model(cfg: Config):
@@ -47,8 +74,8 @@ def planning_config(cfg: Config) -> tuple[Config, list[str]]:
     megaft-train's to check; megaft-train refuses parallel.ep > 1 on the generated task, a
     run without data.path, and so does every layout the planner checks).
     """
-    problems = check_cluster(cfg.cluster, str(cfg.precision))
-    cluster = cfg.cluster
+    cluster = with_device_facts(cfg.cluster)  # the table's peaks and HBM where the preset has none
+    problems = check_cluster(cluster, str(cfg.precision))
     if not problems:  # cluster.measured: megaft-commbench's links replace the datasheet's
         cluster, _, problems = apply_measured(cluster)
     problems += check_plan(cfg.plan)

@@ -30,11 +30,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from megaft.config import check_layout, check_layout_settings, check_resolved, check_settings
 from megaft.perf.counts import total_params
 from megaft.perf.hardware import GIB, gpu_type_memory
 from megaft.perf.memory import MemoryEstimate, check_memory, estimate_memory
 from megaft.perf.time import StepCost, step_costs
+from megaft.validation import check_layout, check_layout_settings, check_resolved, check_settings
 
 # (substring of a validation problem, the reason it is counted under); first match wins.
 REASONS = (

@@ -339,6 +339,6 @@ def pair_problems(path: str, limit: int = 20) -> list[str]:
 def pair_source_problems(path: str, limit: int = 20) -> tuple[list[str], bool]:
     """pair_problems of every file of a source path (a file, a directory of .jsonl/.parquet
     files, a saved `datasets` folder), and whether any pair is conversational (its template
-    must exist): megaft.data.sources.source_problems for pairs, for megaft.data.config.check_data."""
+    must exist): megaft.data.sources.source_problems for pairs, for megaft.data.checks.check_data."""
     return source_problems(path, limit, parse=parse_pair, what="pairs",
                            is_chat=lambda rec: not isinstance(rec["chosen"], str))

@@ -34,11 +34,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megaft.config.pref import OBJECTIVES, REFERENCE_FREE, check_preference
 from megaft.pref.logps import SequenceLogps
 
-OBJECTIVES = ("dpo", "robust", "ipo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
-SMOOTHED = ("dpo", "robust", "simpo")  # the objectives that read label_smoothing
 # the metrics every objective returns (TRL's names), and ORPO's three more
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -54,23 +52,6 @@ def smoothed_sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: fl
     """-log sigmoid(b x) weighted 1 - e plus -log sigmoid(-b x) weighted e: the DPO/CPO
     sigmoid loss with a label believed flipped with probability e (cDPO)."""
     return -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
-
-
-def check_preference(objective: str, *, beta: float, label_smoothing: float) -> list[str]:
-    """Every problem of these settings, with its fix (empty: valid)."""
-    if objective not in OBJECTIVES:
-        return [f"objective {objective!r} is unknown; fix: one of {', '.join(OBJECTIVES)}"]
-    problems = []
-    if not beta > 0:
-        problems.append(f"beta={beta} must be > 0 (the objectives divide by it or scale rewards by it)")
-    if label_smoothing and objective not in SMOOTHED:
-        problems.append(f"label_smoothing={label_smoothing} has no meaning for {objective} (TRL ignores it); "
-                        f"fix: 0, or objective one of {', '.join(SMOOTHED)}")
-    elif objective == "robust" and not 0 <= label_smoothing < 0.5:
-        problems.append(f"label_smoothing={label_smoothing}: robust DPO needs a flip probability in [0, 0.5)")
-    elif not 0 <= label_smoothing <= 1:
-        problems.append(f"label_smoothing={label_smoothing} must lie in [0, 1]")
-    return problems
 
 
 def preference_loss(objective: str, policy_chosen: SequenceLogps, policy_rejected: SequenceLogps,

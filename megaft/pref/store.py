@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 from tokenizers import Tokenizer
 
-from megaft.data.config import DataConfig, build_tokenizer
+from megaft.config.data import DataConfig
+from megaft.data.build import build_tokenizer
 from megaft.data.errors import DataError
 from megaft.data.prepare import (
     ChunkResult,

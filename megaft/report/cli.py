@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _comm_arguments(args: argparse.Namespace):
     """(cluster preset or None, problems) of --commbench/--cluster."""
-    from megaft.plan.config import ClusterConfig
+    from megaft.config.cluster import ClusterConfig
     from megaft.plan.run_comm import check_commbench, preset_cluster
 
     try:

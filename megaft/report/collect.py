@@ -15,20 +15,13 @@ from megaft.perf.counts import flops_per_token_from_params, mfu
 from megaft.perf.hardware import peak_tflops
 from megaft.report import status
 from megaft.report.evalscores import add_eval_scores
+from megaft.run_dir import is_run_dir
 from megaft.training.phases import PHASE_KEYS
-from megaft.training.run_config import FILE as CONFIG_FILE
-from megaft.training.summary import FILE as SUMMARY_FILE
 from megaft.training.summary import RunSummary
 
 COLUMNS = ("run", "overrides", "status", "job_id", "world_size", "tp", "pp", "dp", "tokens_per_s", "mfu",
            *PHASE_KEYS, "peak_mem_gb", "final_loss", "eval_loss", "eval_accuracy", "kernels", "reason")
-# What makes a directory a run dir: any of these.
-RUN_FILES = (SUMMARY_FILE, "metrics.jsonl", CONFIG_FILE, os.path.join(".hydra", "config.yaml"))
 SKIP_DIRS = {".submitit", ".hydra", "checkpoints", "hf", "eval", ".scores"}  # .scores: pref.scores' scoring jobs
-
-
-def _is_run_dir(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in RUN_FILES)
 
 
 def find_runs(root: str) -> list[dict[str, Any]]:
@@ -36,10 +29,10 @@ def find_runs(root: str) -> list[dict[str, Any]]:
     submitted.json first (in submission order), then every other run dir under root."""
     root = os.path.abspath(root)
     entries = {os.path.abspath(p["run_dir"]): dict(p) for p in read_submitted(root)["points"]}
-    candidates = [root] if _is_run_dir(root) else []
+    candidates = [root] if is_run_dir(root) else []
     for dirpath, dirnames, _ in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        if dirpath != root and _is_run_dir(dirpath):
+        if dirpath != root and is_run_dir(dirpath):
             candidates.append(dirpath)
             dirnames[:] = []  # a run dir's subfolders are its own outputs
     for path in candidates:

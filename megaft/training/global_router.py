@@ -1,4 +1,4 @@
-"""Global-batch load balancing (`moe.aux_scope=global_batch`, megaft.models.moe_config).
+"""Global-batch load balancing (`moe.aux_scope=global_batch`, megaft.config.moe).
 
 The load-balancing loss pools its statistics over the whole global batch (every dp×cp
 replica and accumulation step) before the product: aux = E Σ_e (C_e / L T)(P_e / L T)

@@ -241,7 +241,7 @@ class Trainer:
             # collectives under pp (a sum over the stages): the same order on every rank
             model=cfg.model.name, params=model_params(parts.model, grid),
             trainable_params=model_params(parts.model, grid, trainable=True),
-            # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.parallel.data.zero).
+            # ZeRO: this rank's bytes held for params, grads and optimizer state (megaft.optim.zero).
             zero=cfg.parallel.zero, memory_bytes=parts.optim.memory_bytes(), kernels=parts.kernels.record,
             attention=attention_record(cfg.model, packing=parts.data.packing, cp=grid.cp_size,
                                        seq_len=cfg.data.seq_len, device=grid.device,

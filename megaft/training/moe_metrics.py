@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megaft.models.config import ModelConfig
-from megaft.models.moe_config import MoEConfig
+from megaft.config.model import ModelConfig
+from megaft.config.moe import MoEConfig
 
 ROUTER_KEYS = ("aux_loss", "z_loss")  # beside `loss` in metrics.jsonl; per layer: moe/<layer>/...
 

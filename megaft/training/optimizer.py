@@ -20,7 +20,8 @@ import torch
 from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.optim import AdamW, LossScaler, clip_grad_norm_
-from megaft.parallel.data import FlatParams, GradReducer, ShardedAdamW, build_optimizer
+from megaft.optim.zero import ShardedAdamW, build_optimizer
+from megaft.parallel.data import FlatParams, GradReducer
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.phases import PhaseTimer
 from megaft.training.protocols import RunParts, StepStats
@@ -79,7 +80,7 @@ class OptimParts:
         return self.reducer.take_sent_bytes()
 
     def memory_bytes(self) -> dict[str, int]:
-        """This rank's bytes held for params, grads and optimizer state (megaft.parallel.data.zero)."""
+        """This rank's bytes held for params, grads and optimizer state (megaft.optim.zero)."""
         return self.optimizer.memory_bytes()
 
     def capture(self, step: int) -> dict[str, Any]:

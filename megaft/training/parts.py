@@ -26,6 +26,7 @@ import torch
 from tokenizers import Tokenizer
 
 from megaft.config import Config
+from megaft.config.pref import is_preference
 from megaft.data import (
     EncodedCorpus,
     Examples,
@@ -51,7 +52,6 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.shard import full_shape
 from megaft.peft import apply_lora
 from megaft.pipeline.stage import StageModel
-from megaft.pref.config import is_preference
 from megaft.training.agreed import agreed_store
 from megaft.training.export import build_export
 from megaft.training.optimizer import build_optim

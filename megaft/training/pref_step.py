@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megaft.config.pref import needs_reference
 from megaft.models.attention import op_backend
 from megaft.models.hf_load import hf_model_config
 from megaft.models.moe_stats import StepRouterStats
@@ -37,7 +38,6 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.batches import PairRows, chosen_rows, rejected_rows
-from megaft.pref.config import needs_reference
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, sequence_logps, token_logps
 from megaft.pref.losses import METRICS, ORPO_METRICS, preference_loss
 from megaft.pref.packing import segment_sums

@@ -29,8 +29,8 @@ from megaft.training.phases import PhaseTimer
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from megaft.config.kernels import KernelsConfig
     from megaft.data import Task
-    from megaft.kernels.config import KernelsConfig
     from megaft.models.docs import Docs
     from megaft.training.summary import RunSummary
 

@@ -13,11 +13,11 @@ from typing import Any
 
 from megaft import checkpoint
 from megaft.config import Config
+from megaft.config.train import use_tensorboard
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft.base import lora_record
 from megaft.pref.losses import METRICS as PREF_METRICS
 from megaft.pref.losses import ORPO_METRICS
-from megaft.training.config import use_tensorboard
 from megaft.training.guards import BadStepGuard, model_signature
 from megaft.training.metrics import MetricsLog
 from megaft.training.moe_metrics import ROUTER_KEYS

@@ -22,9 +22,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from megaft.config import Config
-from megaft.training.config import accumulation_steps
+from megaft.config.train import accumulation_steps
+from megaft.run_dir import CONFIG
 
-FILE = "config.yaml"
+FILE = CONFIG
 DERIVED = "derived"
 HEADER = ("# The config this run ran with: resolved, after any elastic change or re-plan\n"
           "# (megaft.training.run_config). `derived` is not a setting: what the layout implies.\n")

@@ -20,9 +20,10 @@ import os
 from typing import Callable, Optional, Union
 
 from megaft.checkpoint.state import trim_metrics
+from megaft.config.train import SampleConfig
+from megaft.data.prompts import read_prompts, render_prompt
 from megaft.models.decoder import Decoder
 from megaft.models.generate import Sampling, generate, pipeline_generate
-from megaft.training.config import SampleConfig, read_prompts, render_prompt
 
 
 def opening(text: str, words: int = 6) -> str:

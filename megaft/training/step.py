@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from megaft.config import Config
+from megaft.config.train import accumulation_steps
 from megaft.models.decoder import Decoder
 from megaft.models.moe_balance import update_correction_biases
 from megaft.models.moe_stats import StepRouterStats
@@ -19,7 +20,6 @@ from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
-from megaft.training.config import accumulation_steps
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
 from megaft.training.global_router import global_counts
 from megaft.training.moe_metrics import router_weight

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megaft.fileio import read_json, write_json_atomic
+from megaft.run_dir import SUMMARY
 
 SCHEMA_VERSION = 2
-FILE = "summary.json"
+FILE = SUMMARY
 # Fields a run has only sometimes; None is then left out of the file, as before schema 2
 # (readers test for the key: eval_* without eval data, peak_memory_bytes/device_name on CUDA,
 # peak_rss_bytes on CPU, mfu with a known peak, restarts once a launcher counted them).

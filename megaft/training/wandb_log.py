@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-from megaft.training.wandb_config import WandbConfig
+from megaft.config.wandb import WandbConfig
 
 # what marks a run dir's parent as a Hydra multirun's sweep dir (Hydra's sweeper; megaft's Slurm launcher)
 SWEEP_FILES = ("multirun.yaml", "submitted.json")

@@ -17,14 +17,15 @@ from typing import Optional
 
 from megaft.checkpoint.io import step_dir
 from megaft.checkpoint.reshard import named_tensors
-from megaft.config import Config, ConfigError, check_local_launch, validate
+from megaft.config import Config, ConfigError
+from megaft.config.kernels import KernelsConfig
+from megaft.config.parallel import ParallelConfig, resolve_dp
+from megaft.config.verify import Shrink, check_verify
 from megaft.fileio import write_json_atomic
-from megaft.kernels.config import KernelsConfig
-from megaft.parallel.config import ParallelConfig, resolve_dp
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.parts import TrainSpec
+from megaft.validation import check_local_launch, validate
 from megaft.verify.compare import Report, compare
-from megaft.verify.config import Shrink, check_verify
 from megaft.verify.shrink import shrink
 
 

@@ -10,8 +10,9 @@ import sys
 import pytest
 from models.hf_fixture import make_hf_llama  # tests/ is on sys.path (rootdir conftest)
 
+from megaft.config.eval import EvalConfig
+from megaft.eval.checks import check_then_eval, tasks_dir
 from megaft.eval.cli import main, parse_overrides
-from megaft.eval.config import EvalConfig, check_then_eval, tasks_dir
 from megaft.report.collect import collect
 from megaft.report.render import format_table
 

@@ -210,17 +210,19 @@ def test_explicit_cuda_without_extension_raises():
 
 
 def test_optim_config_accepts_triton_only_where_it_runs(monkeypatch):
-    from megaft.config import Config, validate
-    from megaft.optim.config import OptimConfig, check_optim
+    from megaft.config import Config
+    from megaft.config.optim import OptimConfig, check_optim
+    from megaft.optim.checks import check_fused
+    from megaft.validation import validate
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    errors = check_optim(OptimConfig(fused="triton"), device="cpu")
+    errors = check_fused(OptimConfig(fused="triton"), device="cpu")
     assert len(errors) == 1 and "optim.fused=triton" in errors[0] and "fix" in errors[0]
     cfg = Config()  # the run-level validate() reports it before any rank starts
     cfg.optim.fused, cfg.device = "triton", "cpu"
     assert any("optim.fused=triton cannot run" in p for p in validate(cfg, 2))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert check_optim(OptimConfig(fused="triton"), device="cpu") == []
+    assert check_fused(OptimConfig(fused="triton"), device="cpu") == check_optim(OptimConfig(fused="triton")) == []
     assert "unknown" in check_optim(OptimConfig(fused="tpu"))[0]
 
 

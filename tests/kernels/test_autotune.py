@@ -17,9 +17,10 @@ import types
 import pytest
 import torch
 
+from megaft.config.kernels import OPS, KernelsConfig
+from megaft.config.model import ModelConfig
 from megaft.kernels import _ext, _triton, autotune, cases
-from megaft.kernels.config import OPS, KernelsConfig, check_kernels
-from megaft.models.config import ModelConfig
+from megaft.kernels.checks import check_kernels
 from tests.kernels.test_triton_compile import compile_without_interpreter
 from tests.multirank import spawn
 

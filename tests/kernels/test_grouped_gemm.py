@@ -19,10 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaft.config.kernels import KernelsConfig
+from megaft.config.model import ModelConfig
 from megaft.kernels import _triton, autotune, cases, dispatch
-from megaft.kernels.config import KernelsConfig, check_kernels
+from megaft.kernels.checks import check_kernels
 from megaft.kernels.grouped_gemm import cuda, grouped_mm, reference, resolve_backend
-from megaft.models.config import ModelConfig
 from tests.kernels.test_triton_compile import compile_without_interpreter
 
 CPU = torch.device("cpu")

@@ -19,12 +19,12 @@ from train_cases import read_rows, small_config
 
 from launch.faults import FAULT_STEP, SLOW_S, die_once_worker, signal_worker, slow_worker
 from megaft.config import ConfigError
-from megaft.launch.config import LauncherConfig, check_launcher
+from megaft.config.launcher import LauncherConfig, check_launcher
+from megaft.config.train import TrainConfig, check_train
 from megaft.launch.elastic import ElasticError, adapt
 from megaft.launch.local import launch_local
 from megaft.launch.rank import RunStoppedError
 from megaft.train import run as train_run
-from megaft.training.config import TrainConfig, check_train
 from megaft.training.run_config import read_run_config
 
 TOL = 1e-5  # another dp reorders fp32 gradient sums (docs/checkpoints-and-elastic.md: 1e-6); same layout is bitwise
@@ -131,7 +131,7 @@ def cpu_cluster():
     """conf/cluster/cpu.yaml as a ClusterConfig (what `cluster=cpu` on the command line gives)."""
     import yaml
 
-    from megaft.plan.config import ClusterConfig
+    from megaft.config.cluster import ClusterConfig
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "conf", "cluster", "cpu.yaml")) as f:

@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
+from megaft.config.launcher import LauncherConfig, check_launcher
 from megaft.launch import health
-from megaft.launch.config import LauncherConfig, check_launcher
 from megaft.launch.preempt import requeue
 from megaft.training.stop import NONE, REQUEUE, STOP, PreemptFlag, StepBoundary
 

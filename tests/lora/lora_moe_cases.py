@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-from megaft.config import Config, validate
+from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import LoraConfig
 from megaft.training.loop import Trainer
+from megaft.validation import validate
 
 # Qwen2-MoE has all three kinds: routed experts, a shared expert, a dense layer (mlp_only_layers)
 TARGETS = ["q", "v", "gate", "up", "down", "experts", "shared_expert", "router"]

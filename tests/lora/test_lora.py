@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from lora.lora_fixture import TARGETS, lora_config, megaft_lora_model, peft_state, randomize_adapters, write_data
 from megaft.checkpoint.adapters import BaseMismatchError
-from megaft.config import Config, validate
+from megaft.config import Config
 from megaft.models.hf import hf_name
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft import adapters, check_lora
@@ -26,6 +26,7 @@ from megaft.peft.export import peft_name
 from megaft.perf.counts import matmul_params
 from megaft.perf.memory import estimate_memory
 from megaft.training.loop import Trainer
+from megaft.validation import validate
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # fp32 logits of magnitude ~3: megaft and transformers/peft differ only in summation order

@@ -123,7 +123,8 @@ def two_rank_fn(rank: int, world: int, dirs: dict[str, str], out_root: str) -> N
 def bias_config(ckpt: str, data: str, **parallel):
     """3 steps of DeepSeek-V3 training with the correction biases moving (moe.bias_update_rate),
     exported, so the final biases can be read back."""
-    from megaft.config import Config, resolve
+    from megaft.config import Config
+    from megaft.validation import resolve
 
     cfg = Config()
     cfg.model.init_from, cfg.data.path, cfg.data.seq_len, cfg.device = ckpt, data, 16, "cpu"

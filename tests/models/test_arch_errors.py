@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from megaft.models.config import ModelConfig, check_model
+from megaft.config.model import ModelConfig
+from megaft.models.checks import check_model
 from megaft.models.hf import HFCheckpointError, hf_config_dict, hf_model_config
 from models.arch_fixture import hf_config
 
@@ -96,7 +97,8 @@ def test_gemma_bidirectional_attention(tmp_path):
 
 def test_soft_capping_with_cp_or_the_fused_loss_is_refused_before_launch(tmp_path):
     """Gemma 2's caps: the ring (cp) and the fused linear cross-entropy have none."""
-    from megaft.config import Config, validate
+    from megaft.config import Config
+    from megaft.validation import validate
     from models.arch_fixture import make_hf
 
     make_hf(str(tmp_path / "ckpt"), "gemma2")
@@ -213,7 +215,8 @@ def test_export_refuses_what_the_family_cannot_express():
 
 def test_validate_reports_unsupported_architecture_before_launch(tmp_path):
     """megaft.config.validate (run before any rank or job) carries the refusal."""
-    from megaft.config import Config, validate
+    from megaft.config import Config
+    from megaft.validation import validate
     from models.hf_fixture import make_hf_llama
 
     make_hf_llama(str(tmp_path))

@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from megaft.config.kernels import KernelsConfig  # noqa: E402
 from megaft.kernels import _triton  # noqa: E402
-from megaft.kernels.config import KernelsConfig  # noqa: E402
 from megaft.models import Decoder  # noqa: E402
 from megaft.models.generate import full_logits  # noqa: E402
 from megaft.models.hf import hf_model_config, load_hf_weights  # noqa: E402

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import megaft.models.docs as docs_mod
+from megaft.config.model import ModelConfig
 from megaft.models.attention import attention_record
-from megaft.models.config import ModelConfig
 from megaft.models.docs import attend, kernel_name
 from megaft.pref.data import Pair
 from megaft.pref.packing import pack_pairs

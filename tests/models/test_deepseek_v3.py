@@ -16,12 +16,12 @@ import torch
 from multirank import spawn
 from safetensors.torch import load_file, save_file
 
-from megaft.models.config import check_model
+from megaft.config.moe import MoEConfig, check_moe
+from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder
 from megaft.models.docs import Docs
 from megaft.models.hf import HFCheckpointError, export_hf, hf_model_config, load_hf_weights
 from megaft.models.moe_balance import correction_biases, update_correction_bias, update_correction_biases
-from megaft.models.moe_config import MoEConfig, check_moe
 from models.deepseek_fixture import VARIANTS, labels_of, load_reference, make_hf_deepseek, sample_ids
 from models.hf_fixture import checkpoint_tensors
 from models.moe_fixture import hf_grad_of

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import megaft.models.generate as gen
+from megaft.config.model import ModelConfig
 from megaft.models import Decoder
-from megaft.models.config import ModelConfig
 from megaft.models.kv_cache import DecodeState, LayerCache
 
 CPU = torch.device("cpu")

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megaft.models.config import ModelConfig, check_model
+from megaft.config.model import ModelConfig
+from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder
 from megaft.models.hf import HFConfigError, export_hf, hf_model_config, load_hf_weights
 from models.hf_fixture import checkpoint_tensors

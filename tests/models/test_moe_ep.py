@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_finetune_hf import EVAL_LINES, reference_eval_loss
 
-from megaft.config import validate
+from megaft.validation import validate
 from models.hf_fixture import checkpoint_tensors
 from models.layout_runs import Case, run_cases
 from models.layout_runs import check as check_case

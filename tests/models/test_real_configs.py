@@ -169,7 +169,7 @@ def test_deepseek_r1_is_read_for_planning_and_refused_for_training(tmp_path):
     report counts), and check_model refuses to train from it."""
     import dataclasses
 
-    from megaft.models.config import check_model
+    from megaft.models.checks import check_model
     from megaft.perf.counts import matmul_params, total_params
 
     cfg = hf_model_config(_folder(tmp_path, _file("deepseek-r1")))
@@ -193,7 +193,7 @@ def test_qwen3_coder_unread_keys_are_checked_not_ignored(tmp_path):
 def test_granite_is_read_once_the_user_waives_the_attention_dropout(tmp_path):
     """The way out the refusal names: the rest of Granite Code (Llama with q/k/v/o and MLP
     biases, rope_theta 1e7) is supported."""
-    from megaft.models.config import ModelConfig
+    from megaft.config.model import ModelConfig
 
     cfg = hf_model_config(_folder(tmp_path, _file("granite-3b-code-instruct-128k")),
                           base=ModelConfig(hf_ignore_keys=["attention_dropout"]))

@@ -26,13 +26,14 @@ import transformers
 from multirank import spawn
 from tokenizers import Tokenizer
 
-from megaft.config import compose_config, validate
+from megaft.config import compose_config
 from megaft.models import Decoder
 from megaft.models.generate import full_logits, greedy_generate
 from megaft.models.hf import hf_model_config, load_hf_weights
 from megaft.parallel.grid import ParallelGrid
 from megaft.train import prepare_data
 from megaft.training.loop import Trainer
+from megaft.validation import validate
 from models.arch_fixture import load_reference
 
 pytest_plugins = ["models.real_model"]  # its session fixture `smollm2`: the model's folder

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from megaft.config.model import ModelConfig
 from megaft.data import EncodedCorpus, PackedDocs
 from megaft.data.encode import Encoded
-from megaft.models.config import ModelConfig
 from megaft.models.decoder import Decoder
 from megaft.models.docs import Docs
 from megaft.models.init import init_params

@@ -13,9 +13,10 @@ import shutil
 import pytest
 from data.chat_fixture import CONVERSATIONS, make_checkpoint
 
-from megaft.config import Config, validate
+from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
+from megaft.validation import validate
 from megaft.verify.run import run_verify
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
 from megaft.models import Decoder
 from megaft.models.hf import hf_model_config, load_hf_weights
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads

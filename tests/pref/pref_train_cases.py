@@ -6,9 +6,10 @@ import json
 import os
 import random
 
-from megaft.config import Config, resolve
+from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
+from megaft.validation import resolve
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # what each step's metrics line must repeat of the single process: the loss, the norm and TRL's metrics

@@ -23,10 +23,11 @@ from trl import DPOConfig, DPOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-from megaft.kernels.config import KernelsConfig
+from megaft.config.kernels import KernelsConfig
+from megaft.config.pref import check_preference
 from megaft.models.hf import hf_name
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, next_token_labels, sequence_logps
-from megaft.pref.losses import check_preference, preference_loss
+from megaft.pref.losses import preference_loss
 from pref.pref_cases import ATOL, RTOL, megaft_model, sequence_of, tp2_rank
 
 # Three pairs; prompts, chosen and rejected answers of different lengths (letters only: the

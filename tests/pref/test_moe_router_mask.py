@@ -9,8 +9,8 @@ from models.hf_fixture import make_hf_llama
 from models.moe_fixture import make_hf_moe
 from train_cases import read_rows
 
-from megaft.config import resolve, validate
 from megaft.parallel.grid import ParallelGrid
+from megaft.validation import resolve, validate
 from pref.pref_train_cases import moe_of, pref_config, run, write_pairs
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 import pytest
 import torch
 
-from megaft.models.config import ModelConfig
+from megaft.config.model import ModelConfig
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from megaft.pref.batches import PairRows, chosen_rows, rejected_rows

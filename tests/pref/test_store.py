@@ -20,14 +20,14 @@ import pyarrow.parquet as pq
 from models.hf_fixture import make_hf_llama
 from train_cases import read_rows
 
-from megaft.config import resolve, validate
-from megaft.data.config import DataConfig
-from megaft.data.sources import SourceConfig, mixture
+from megaft.config.data import DataConfig, SourceConfig
+from megaft.data.sources import mixture
 from megaft.data.templates import load_chat_template
 from megaft.parallel.grid import ParallelGrid
 from megaft.pref.batches import PairRows
 from megaft.pref.data import Pair, encode_record, parse_pair
 from megaft.pref.store import StoredPairs, pair_tokenizer, prepare_pairs
+from megaft.validation import resolve, validate
 from pref.pref_train_cases import pref_config, run, write_pairs
 from tests.data.chat_fixture import hf_tokenizer, make_checkpoint
 from tests.pref.test_data import FORMS, THINK, trl_dataset

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megaft.config.optim import FUSED_BACKENDS as BACKENDS  # optim.fused's choices
 from megaft.kernels import _ext, _triton
 from megaft.kernels.adamw import cpu, cuda, reference
 from megaft.kernels.adamw.tensor_lists import make_lists
@@ -28,7 +29,6 @@ __all__ = ["BACKENDS", "adamw_multi_tensor_", "adamw_step_", "resolve_backend"]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 _EXT_OF = {"cpu": _ext.C, "cuda": _ext.CUDA}
 _logged: set[tuple[str, str]] = set()
 

@@ -15,11 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from megaft.config.model import ModelConfig
 from megaft.models.rope import ROPE_TYPES
-
-# `cfg` / `base` below are megaft.models.config.ModelConfig objects; that module is not
-# imported here because its check_model reads this registry (no import cycle).
-ModelConfig = Any
 
 
 class HFCheckpointError(ValueError):

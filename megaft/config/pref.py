@@ -15,13 +15,12 @@ scores each step's pairs. simpo and orpo have none.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megaft.pref.losses import OBJECTIVES, REFERENCE_FREE, check_preference
-
+OBJECTIVES = ("dpo", "robust", "ipo", "simpo", "orpo")  # the preference objectives (megaft.pref.losses)
+REFERENCE_FREE = ("simpo", "orpo")
+SMOOTHED = ("dpo", "robust", "simpo")  # the objectives that read label_smoothing
 OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES
 REFERENCE_MODES = ("precompute", "online")
 
@@ -107,27 +106,18 @@ def check_pref_run(objective: str, *, has_file: bool, packing: str, n_experts: i
     return problems
 
 
-def check_reference(cfg: PrefConfig, objective: str, model) -> list[str]:
-    """pref.reference against the resolved model config `model`: a checkpoint of the same
-    architecture, for an objective that has a reference."""
-    if cfg.reference is None:
-        return []
-    if not needs_reference(objective):
-        return [f"pref.reference={cfg.reference}: train.objective={objective} has no reference model; fix: "
-                "pref.reference=null"]
-    if not os.path.isfile(os.path.join(cfg.reference, "config.json")):
-        return [f"pref.reference={cfg.reference} is not a Hugging Face checkpoint directory (no config.json); fix: "
-                "point it at one of the same architecture as model.init_from, or null for the starting model"]
-    from megaft.models.hf_load import hf_model_config
-
-    try:
-        ref = hf_model_config(cfg.reference, base=model)
-    except (OSError, ValueError) as exc:
-        return [f"pref.reference: {exc}"]
-    differ = [f.name for f in dataclasses.fields(model) if f.name not in ("init_from", "name", "extra")
-              and getattr(ref, f.name) != getattr(model, f.name)]
-    if differ:
-        return [f"pref.reference={cfg.reference} has another architecture than the policy ("
-                + ", ".join(f"{k}: {getattr(ref, k)} against {getattr(model, k)}" for k in differ[:4])
-                + "); fix: a reference of the policy's architecture (e.g. the SFT checkpoint it starts from)"]
-    return []
+def check_preference(objective: str, *, beta: float, label_smoothing: float) -> list[str]:
+    """Every problem of these settings, with its fix (empty: valid)."""
+    if objective not in OBJECTIVES:
+        return [f"objective {objective!r} is unknown; fix: one of {', '.join(OBJECTIVES)}"]
+    problems = []
+    if not beta > 0:
+        problems.append(f"beta={beta} must be > 0 (the objectives divide by it or scale rewards by it)")
+    if label_smoothing and objective not in SMOOTHED:
+        problems.append(f"label_smoothing={label_smoothing} has no meaning for {objective} (TRL ignores it); "
+                        f"fix: 0, or objective one of {', '.join(SMOOTHED)}")
+    elif objective == "robust" and not 0 <= label_smoothing < 0.5:
+        problems.append(f"label_smoothing={label_smoothing}: robust DPO needs a flip probability in [0, 0.5)")
+    elif not 0 <= label_smoothing <= 1:
+        problems.append(f"label_smoothing={label_smoothing} must lie in [0, 1]")
+    return problems

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import List
 
-from megaft.checks import at_least
+from megaft.config.checks import at_least
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 # Largest message when commbench.max_bytes=0. GPUs: nccl-tests' usual 1 GiB, where NVLink

@@ -1,55 +1,20 @@
-"""DataConfig, its validation, and turning it into a tokenizer and examples."""
-
+"""check_data: every problem of `data.*` before any rank starts (each JSONL/Parquet line parsed,
+the tokenizer loaded, the chat template compiled), each with its fix."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
-from tokenizers import Tokenizer
-
-from megaft.data.choices import LongDocs, Packing, TrainOn, VerifyStore
+from megaft.config.data import DataConfig, LongDocs, Packing, TrainOn, data_sources
+from megaft.data.build import build_tokenizer
 from megaft.data.errors import DataError
 from megaft.data.formats import example_texts
-from megaft.data.sources import SourceConfig, mixture, read_source, scan_file, source_files, source_problems
-from megaft.data.tasks import TASKS, Task, make_task, task_tokenizer
+from megaft.data.sources import scan_file, source_files, source_problems
+from megaft.data.tasks import TASKS
 from megaft.data.tokenizer import load_tokenizer
 from megaft.data.untrained import UntrainedConversations
 
 MAX_PROBLEMS = 20  # malformed records reported per check, over all sources
-
-
-@dataclass
-class DataConfig:
-    """Where examples come from and how they are cut into sequences."""
-
-    path: Optional[str] = None  # JSONL train file (see megaft.data.jsonl); None = generated task
-    eval_path: Optional[str] = None  # JSONL eval file; None = task's held-out set (none for files)
-    tokenizer: Optional[str] = None  # tokenizer.json or its dir; None = init_from's, else task's
-    seq_len: int = 64  # tokens per packed training sequence
-    task: str = "addition"  # generated task used when path is None (see megaft.data.tasks.TASKS)
-    task_train_size: int = 20000  # generated training examples (repeats allowed)
-    task_eval_size: int = 256  # generated held-out prompts, never in the training set
-    seed: int = 1234  # generates the task and shuffles each epoch's packing order
-    eval_max_lines: Optional[int] = None  # read at most this many examples of eval_path; None = all
-    # Fine-tuning data (megaft.data.formats/sources/chat/plan/prepare). Defaults keep the demo as it was.
-    sources: list[SourceConfig] = field(default_factory=list)  # [{path, weight}] mixed; instead of path
-    chat_template: str = "auto"  # auto (the checkpoint's) | llama3 | chatml | path to a .jinja file
-    train_on: TrainOn = TrainOn.assistant  # conversation tokens with a loss: assistant | all | last (assistant turn)
-    packing: Packing = Packing.stream  # stream: one continuous stream | docs: documents kept apart | none: one a row
-    # a str checked against LongDocs: an enum member named `split` would hide str.split on the value
-    long_docs: str = "split"  # documents longer than seq_len (packing=docs|none): split | truncate | drop
-    cache_dir: Optional[str] = None  # prepared datasets live here; None = ~/.cache/megaft/prepared
-    prepare_workers: int = 0  # processes tokenizing while preparing; 0 = min(8, CPUs)
-    # a prepared store's check when opened: sizes | full (sha256 + largest token id, once per change)
-    verify_store: VerifyStore = VerifyStore.full
-
-
-def data_sources(cfg: DataConfig) -> list[SourceConfig]:
-    """The training sources: data.sources, else data.path as one source of weight 1."""
-    if cfg.sources:
-        return list(cfg.sources)
-    return [SourceConfig(cfg.path, 1.0)] if cfg.path is not None else []
 
 
 def check_data(cfg: DataConfig, *, init_from: Optional[str] = None,
@@ -195,59 +160,3 @@ def _alphabet_problems(cfg: DataConfig) -> list[str]:
                             f"alphabet ({shown!r}), which its tokenizer maps to <unk>; fix: set "
                             "data.tokenizer or model.init_from")
     return problems
-
-
-def build_tokenizer(cfg: DataConfig, *, init_from: Optional[str] = None) -> Tokenizer:
-    """The run's tokenizer: data.tokenizer, else init_from's tokenizer.json,
-    else the character tokenizer of data.task."""
-    if cfg.tokenizer is not None:
-        return load_tokenizer(cfg.tokenizer)
-    if init_from is not None:
-        return load_tokenizer(init_from)
-    return task_tokenizer(TASKS[cfg.task])
-
-
-def chat_encoder(cfg: DataConfig, tok: Tokenizer, *, init_from: Optional[str] = None):
-    """The run's megaft.data.chat.ChatEncoder for in-memory encoding (encode_examples(...,
-    chat=...)), or None when data.chat_template=auto finds no template."""
-    from megaft.data.chat import ChatEncoder
-    from megaft.data.templates import load_chat_template, tokenizer_dir_of
-
-    template = load_chat_template(cfg.chat_template, tokenizer_dir_of(cfg.tokenizer, init_from))
-    return None if template is None else ChatEncoder(tok, template, cfg.train_on)
-
-
-class Examples(NamedTuple):
-    """The run's examples: train and eval dicts, and the Task when generated."""
-
-    train: list[dict]
-    eval: list[dict]
-    task: Optional[Task]
-
-
-def load_examples(cfg: DataConfig) -> Examples:
-    """Read or generate the examples a DataConfig names.
-
-    train: data.path or data.sources (each source's examples repeated by its
-    weight, the epoch-0 mixture of megaft.data.sources.mixture), else the
-    generated task's train set. eval: data.eval_path (at most eval_max_lines),
-    else the task's held-out set when the task is used for training, else [].
-    Deterministic, so every rank can call it. In memory: large data goes through
-    megaft.data.prepare instead.
-    """
-    task = None
-    if not data_sources(cfg):
-        task = make_task(cfg.task, cfg.task_train_size, cfg.task_eval_size, cfg.seed)
-        train, eval_ = task.train, task.eval
-    else:
-        train, source = [], []
-        for i, s in enumerate(data_sources(cfg)):
-            part = read_source(s.path)
-            train += part
-            source += [i] * len(part)
-        if cfg.sources:  # data.path alone is the file as it is
-            train = [train[j] for j in mixture(source, [s.weight for s in cfg.sources], cfg.seed, 0)]
-        eval_ = []
-    if cfg.eval_path is not None:
-        eval_ = read_source(cfg.eval_path, max_lines=cfg.eval_max_lines)
-    return Examples(train, eval_, task)

@@ -1,24 +1,10 @@
-"""EvalConfig (`eval.*`): what `megaft-eval` runs with lm-eval-harness, and the checks of
-`train.then_eval` done before a run is submitted."""
+"""The checks of `eval.*` and of `train.then_eval`: the task names against the task YAMLs of
+megaft (megaft/eval/tasks), eval.include and lm_eval's index, each problem with its fix."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Optional
 
-
-@dataclass
-class EvalConfig:
-    tasks: list[str] = field(default_factory=list)  # lm_eval task (or group) names, e.g. [megaft_arith,megaft_copy]
-    include: Optional[str] = None  # a folder of extra task YAMLs (searched with megaft's own, megaft/eval/tasks)
-    batch_size: int = 8  # sequences per forward
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
-    dtype: str = "auto"  # the weights' dtype in transformers: auto (as saved) | float32 | bfloat16 | float16
-    limit: Optional[int] = None  # evaluate only the first N documents of each task (smoke tests); null = all
-    num_fewshot: Optional[int] = None  # few-shot examples per prompt; null = each task's own setting
-    # The Slurm job of `train.then_eval` (hydra_plugins/megaft_slurm_launcher): its limit, and its GPUs
-    timeout_min: int = 60  # wall-clock limit of the eval job (--time)
-    gpus: int = -1  # GPUs of the eval job; -1 = one when the training preset has GPUs, else none
+from megaft.config.eval import EvalConfig
 
 
 def tasks_dir() -> str:

@@ -6,14 +6,13 @@ The defaults describe no cluster (zeros): megaft-train never reads `cluster`, an
 megaft-plan asks for a preset (`cluster=h100 cluster.nodes=8`). Bandwidths are per
 device and per direction, in GB/s (1e9 bytes/s); memory sizes are vendor GB (1e9 bytes).
 The device's own facts (peaks, HBM bandwidth, memory) come from megaft.perf.hardware's
-table by `gpu_type` unless a preset or override sets them (> 0); presets hold the node.
+table by `gpu_type` unless a preset or override sets them (> 0: cluster_peak_tflops,
+cluster_hbm_tbps there); presets hold the node.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional
-
-from megaft.perf.hardware import device
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -41,23 +40,9 @@ class ClusterConfig:
     # bandwidth and latency replace nvlink_*/ib_* (megaft.plan.measured); null = the datasheet's
     measured: Optional[str] = None
 
-    def __post_init__(self):
-        # the device's facts from the one hardware table, where the preset leaves them at 0
-        row = device(self.gpu_type) if self.gpu_type else None
-        if row is None:
-            return
-        for precision in PRECISIONS:
-            if not getattr(self, f"peak_tflops_{precision}") and precision in row.peaks:
-                setattr(self, f"peak_tflops_{precision}", row.peaks[precision])
-        if not self.hbm_tbps and row.hbm_tbps:
-            self.hbm_tbps = row.hbm_tbps
-
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
-
-    def peak_tflops(self, precision: str) -> float:
-        return getattr(self, f"peak_tflops_{precision}", 0.0)
 
 
 @dataclass
@@ -78,28 +63,6 @@ class PlanConfig:
     probe: int = 0
     probe_steps: int = 6  # optimizer steps per probe run (the first is warm-up and not measured)
     probe_timeout_min: float = 60.0  # wait at most this long for the probe array, then cancel it
-
-
-def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
-    """Problems of a cluster for planning at `precision`, each with its fix."""
-    if cfg.gpus_per_node < 1:
-        return [f"cluster={cfg.name} has gpus_per_node={cfg.gpus_per_node}; fix: pick a preset, e.g. "
-                "cluster=h100 (conf/cluster/), or set cluster.gpus_per_node"]
-    problems = []
-    if cfg.nodes < 1:
-        problems.append(f"cluster.nodes={cfg.nodes} must be >= 1; fix: e.g. cluster.nodes=8")
-    if precision in PRECISIONS and cfg.peak_tflops(precision) <= 0:
-        problems.append(f"cluster.peak_tflops_{precision}={cfg.peak_tflops(precision)} must be > 0; fix: the "
-                        "device's dense peak from its datasheet")
-    for name in ("matmul_fraction", "comm_fraction"):
-        if not 0 < getattr(cfg, name) <= 1:
-            problems.append(f"cluster.{name}={getattr(cfg, name)} must be in (0, 1]; fix: e.g. 0.7")
-    for name in ("hbm_tbps", "nvlink_gbps", "ib_gbps", "pcie_gbps", "host_memory_gbps"):
-        if getattr(cfg, name) <= 0:
-            problems.append(f"cluster.{name}={getattr(cfg, name)} must be > 0; fix: the datasheet's value")
-    if not cfg.gpu_type and cfg.hbm_gb <= 0:
-        problems.append("cluster.gpu_type is empty and cluster.hbm_gb is 0: no memory budget; fix: set one")
-    return problems
 
 
 def check_plan(cfg: PlanConfig) -> list[str]:

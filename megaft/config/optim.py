@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from megaft.device import resolve_device
-from megaft.kernels.adamw import BACKENDS as FUSED_BACKENDS  # one list: the kernel front's
-
+# the AdamW kernels (megaft.kernels.adamw, which reads this list): cpu is megaft._C, cuda megaft._cuda
+FUSED_BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 Fused = StrEnum("Fused", [(b, b) for b in FUSED_BACKENDS])  # optim.fused's choices, checked by Hydra
 
 
@@ -28,9 +27,9 @@ class OptimConfig:
     master_weights: bool = False
 
 
-def check_optim(cfg: OptimConfig, device: str | None = None) -> list[str]:
-    """Every problem of ``cfg``; ``device`` (the run's auto|cpu|cuda) lets the
-    fused-kernel check say whether an explicit Triton kernel can run there."""
+def check_optim(cfg: OptimConfig) -> list[str]:
+    """Every problem of the values of ``cfg``; whether an explicit fused kernel can run on the
+    run's device is megaft.optim.checks.check_fused's question."""
     errors = []
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
         errors.append(f"optim.lr={cfg.lr}, optim.min_lr={cfg.min_lr}: need 0 <= min_lr <= lr and lr > 0")
@@ -45,31 +44,7 @@ def check_optim(cfg: OptimConfig, device: str | None = None) -> list[str]:
                       "loss_scale > 0 and loss_scale_window >= 1; fix: e.g. 65536 and 1000")
     if cfg.fused not in FUSED_BACKENDS:
         errors.append(f"optim.fused={cfg.fused!r} is unknown; fix: one of {', '.join(FUSED_BACKENDS)}")
-    elif cfg.fused == "triton":
-        errors += _check_fused_triton(device)
-    elif cfg.fused in ("cpu", "cuda"):  # an explicit kernel must exist: no silent fallback
-        from megaft.kernels import _ext
-
-        ext = _ext.C if cfg.fused == "cpu" else _ext.CUDA
-        if not ext.available:
-            errors.append(f"optim.fused={cfg.fused}: {ext.name} is not available ({ext.error}); fix: rebuild "
-                          "with `pip install --no-build-isolation -e .` (MEGAFT_CUDA=1 for CUDA) or optim.fused=auto")
     return errors
-
-
-def _check_fused_triton(device: str | None) -> list[str]:
-    """optim.fused=triton needs triton, and CUDA tensors unless Triton's CPU
-    interpreter is on (tests): never a silent fallback to another kernel."""
-    import torch
-
-    from megaft.kernels import _triton
-
-    on_cuda = resolve_device(device) == "cuda"
-    why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
-    if why is None:
-        return []
-    return [f"optim.fused=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
-            f"{why}. fix: optim.fused=auto (or run on GPUs)"]
 
 
 def check_master_weights(cfg: OptimConfig, *, precision: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaft.checks import at_least
+from megaft.config.checks import at_least
 
 
 @dataclass

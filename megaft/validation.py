@@ -1,112 +1,36 @@
-"""The run's root config, its registration in Hydra's ConfigStore, and validation.
+"""validate(): every problem of a run's config before any rank starts or any job is queued.
 
-Each component owns its dataclass next to its code; this module assembles them,
-registers `base_<group>` schemas (conf/<group>/*.yaml extend them), resolves the
-fields that depend on files (HF config.json, the tokenizer) and validates
-everything once, before any rank starts.
+`validate` = `check_settings` (the values as written: each section's pure check in
+megaft.config, and the checks that read the files and the environment: the data, the
+tokenizer, the chat template, the kernels and fused optimizer on the run's device) ->
+`resolve` (the one step with an effect: the HF architecture and the tokenizer's vocabulary
+filled in) -> `check_resolved` (the architecture against the layout, then the memory
+estimate of megaft.perf). It sits above the sections it checks, so megaft.config itself
+imports nothing of megaft's packages.
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from enum import StrEnum
-from importlib.resources import files
 
-from hydra.core.config_store import ConfigStore
-
-from megaft.commbench.config import CommbenchConfig
-from megaft.data.config import DataConfig, build_tokenizer, check_data
+from megaft.config import Config, Device, Precision
+from megaft.config.launcher import check_launcher
+from megaft.config.lora import check_lora, check_lora_model, check_lora_moe
+from megaft.config.moe import check_moe
+from megaft.config.optim import check_master_weights, check_optim
+from megaft.config.parallel import check_parallel, resolve_dp
+from megaft.config.pref import check_pref, check_pref_run, is_preference
+from megaft.config.train import accumulation_steps, check_train
+from megaft.config.wandb import check_logger
+from megaft.data.build import build_tokenizer
+from megaft.data.checks import check_data
+from megaft.data.prompts import check_samples
 from megaft.device import resolve_device
-from megaft.eval.config import EvalConfig, check_then_eval
-from megaft.kernels.config import KernelsConfig, check_kernels
-from megaft.launch.config import LauncherConfig, check_launcher
-from megaft.models.config import ModelConfig, check_model
-from megaft.models.moe_config import MoEConfig, check_moe
-from megaft.optim.config import OptimConfig, check_master_weights, check_optim
-from megaft.parallel.config import ParallelConfig, check_parallel, resolve_dp
-from megaft.peft.config import LoraConfig, check_lora, check_lora_model, check_lora_moe
-from megaft.plan.config import ClusterConfig, PlanConfig
-from megaft.pref.config import PrefConfig, check_pref, check_pref_run, check_reference, is_preference
-from megaft.training.config import SampleConfig, TrainConfig, accumulation_steps, check_samples, check_train
-from megaft.training.wandb_config import Logger, WandbConfig, check_logger
-from megaft.verify.config import VerifyConfig
-
-
-class Precision(StrEnum):
-    """Compute precision: autocast compute, fp32 weights and loss; fp16 adds loss scaling."""
-
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Device(StrEnum):
-    auto = "auto"  # cuda when available
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (Hydra rejects other values when composing)
-    device: Device = Device.auto  # auto (cuda when available) | cpu | cuda
-    kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    verify: VerifyConfig = field(default_factory=VerifyConfig)  # megaft-verify only
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # megaft-plan only (conf/cluster/)
-    plan: PlanConfig = field(default_factory=PlanConfig)  # megaft-plan only
-    commbench: CommbenchConfig = field(default_factory=CommbenchConfig)  # megaft-commbench only
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA fine-tuning (megaft.peft); rank 0 = off
-    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts routing (megaft.models.moe_config)
-    pref: PrefConfig = field(default_factory=PrefConfig)  # preference objectives (train.objective; megaft.pref)
-    sample: SampleConfig = field(default_factory=SampleConfig)  # samples while training (train.sample_every)
-    # where metrics also go beside metrics.jsonl and TensorBoard (train.tensorboard): none | wandb (settings in
-    # wandb.*; rank 0 sends the scalars, the config and the summary: megaft.training.wandb_log)
-    logger: Logger = Logger.none
-    wandb: WandbConfig = field(default_factory=WandbConfig)  # logger=wandb only
-    eval: EvalConfig = field(default_factory=EvalConfig)  # megaft-eval, and train.then_eval's job
-
-
-class ConfigError(ValueError):
-    """Every problem of a config, one per line, each with its fix."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def register_configs() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for group, node in (("model", ModelConfig), ("parallel", ParallelConfig), ("optim", OptimConfig),
-                        ("data", DataConfig), ("launcher", LauncherConfig), ("kernels", KernelsConfig),
-                        ("verify", VerifyConfig), ("cluster", ClusterConfig),
-                        ("commbench", CommbenchConfig), ("lora", LoraConfig)):
-        cs.store(group=group, name=f"base_{group}", node=node)
-
-
-def conf_dir() -> str:
-    """conf/ of the source tree, or the copy installed as the package megaft.conf: the config
-    tree of megaft-train, which every tool composes its config from."""
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    return source if os.path.isdir(source) else str(files("megaft.conf"))
-
-
-def compose_config(overrides: list[str]) -> Config:
-    """megaft-train's Config for `overrides` (the same config tree and validation of values),
-    for tools that read a config without being a Hydra app (megaft-scale, megaft-report)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    register_configs()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
+from megaft.eval.checks import check_then_eval
+from megaft.kernels.checks import check_kernels
+from megaft.models.checks import check_model
+from megaft.optim.checks import check_fused
+from megaft.pref.checks import check_reference
 
 
 def resolve(cfg: Config) -> Config:
@@ -211,7 +135,7 @@ def check_layout_settings(cfg: Config, world_size: int) -> list[str]:
 def check_fixed_settings(cfg: Config) -> list[str]:
     """The settings' problems that no layout changes: optimizer, data (it parses every
     line of the JSONL files), launcher, precision, device and kernels."""
-    problems = check_optim(cfg.optim, device=cfg.device)
+    problems = check_optim(cfg.optim) + check_fused(cfg.optim, device=cfg.device)
     problems += check_master_weights(cfg.optim, precision=cfg.precision)
     pairs = None
     if is_preference(cfg.train.objective):

@@ -9,7 +9,7 @@ optimizer layout), so a bucket's reduce-scatter lands exactly on the owned chunk
   stage 2: also no full gradient buffer; gradients live as the owned chunks only
            (megaft.parallel.data.buckets moves each .grad into a scratch bucket).
   stage 3: also the parameters: the owned chunks are the only persistent copy, and
-           each layer is gathered just while it runs (megaft.parallel.data.zero3).
+           each layer is gathered just while it runs (megaft.optim.zero3).
 After the update (stages 1, 2) each bucket's params are all-gathered from their owners.
 
 In fp32 the parameters are the master weights (no extra copy), so the bytes held
@@ -34,8 +34,8 @@ from typing import Optional
 
 import torch
 
+from megaft.config.optim import OptimConfig
 from megaft.optim.adamw import adamw_update_, state_bytes
-from megaft.optim.config import OptimConfig
 from megaft.optim.offload import HostAdamW, host_zeros
 from megaft.parallel.comm import Group, all_gather_single, all_reduce, group_rank, group_size
 from megaft.parallel.data.buckets import chunk_range
@@ -59,7 +59,7 @@ class ShardedAdamW:
         # each bucket's sharding group: routed experts split over ep are sharded over their replicas
         self.groups = [expert_group if flat.groups[b.group].expert else dp_group for b in self.buckets]
         self.scaler = None
-        self.gatherer = None  # stage 3: megaft.parallel.data.zero3.ParamGatherer (set by build_optimizer)
+        self.gatherer = None  # stage 3: megaft.optim.zero3.ParamGatherer (set by build_optimizer)
         counted = {id(p) for p in (flat.params if norm_params is None else norm_params)}
         # One flat moment (and, stage 2, grad) tensor per group; per-bucket chunk views into them.
         self.ranges = [chunk_range(b, group_size(g), group_rank(g)) for b, g in zip(self.buckets, self.groups)]
@@ -203,7 +203,7 @@ class ShardedAdamW:
             adamw_update_([(param, grad, m, v, self.flat.groups[b.group].weight_decay)
                            for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr,
                           masters=self.master_chunks or None)
-        if self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.parallel.data.zero3)
+        if self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
             return
         gathers = [(c, g) for c, g in zip(self.chunks, self.groups) if group_size(g) > 1]
         sends = [param.clone() for (_, param, *_), _ in gathers]  # the output overlaps the input: copy it
@@ -224,8 +224,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     `offload="cpu"`: masters and moments on the host (megaft.optim.offload).
     `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state."""
     from megaft.optim.adamw import AdamW
+    from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.data.buckets import GradReducer
-    from megaft.parallel.data.zero3 import ParamGatherer, model_units, unit_params
 
     # Gradients and ZeRO shards span the ranks holding the same parameters: dp×cp (cp replicates them),
     # for routed experts split over ep the dp×cp/ep ranks holding the same experts.

@@ -1,0 +1,36 @@
+"""check_fused: whether an explicit `optim.fused` kernel can run on the run's device (never a
+silent fallback to another kernel); the values' own checks are megaft.config.optim's."""
+from __future__ import annotations
+
+from megaft.config.optim import OptimConfig
+from megaft.device import resolve_device
+
+
+def check_fused(cfg: OptimConfig, device: str | None = None) -> list[str]:
+    """Problems of optim.fused on ``device`` (the run's auto|cpu|cuda): the extension of an
+    explicit cpu/cuda kernel must be built, and Triton must be able to run there."""
+    if cfg.fused == "triton":
+        return _check_fused_triton(device)
+    if cfg.fused in ("cpu", "cuda"):
+        from megaft.kernels import _ext
+
+        ext = _ext.C if cfg.fused == "cpu" else _ext.CUDA
+        if not ext.available:
+            return [f"optim.fused={cfg.fused}: {ext.name} is not available ({ext.error}); fix: rebuild "
+                    "with `pip install --no-build-isolation -e .` (MEGAFT_CUDA=1 for CUDA) or optim.fused=auto"]
+    return []
+
+
+def _check_fused_triton(device: str | None) -> list[str]:
+    """optim.fused=triton needs triton, and CUDA tensors unless Triton's CPU
+    interpreter is on (tests): never a silent fallback to another kernel."""
+    import torch
+
+    from megaft.kernels import _triton
+
+    on_cuda = resolve_device(device) == "cuda"
+    why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
+    if why is None:
+        return []
+    return [f"optim.fused=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
+            f"{why}. fix: optim.fused=auto (or run on GPUs)"]
