@@ -20,10 +20,10 @@ from models.moe_fixture import load_reference, make_hf_moe, router_margins  # Ll
 from multirank import spawn
 from train_cases import read_rows
 
-from megaft.config import resolve, validate
+from megaft.config.pref import PrefConfig
 from megaft.parallel.grid import ParallelGrid
-from megaft.pref.config import PrefConfig
 from megaft.training.summary import RunSummary
+from megaft.validation import resolve, validate
 from pref.pref_train_cases import (
     COMPARED,
     EVALUATED,
@@ -184,14 +184,19 @@ def _against_trl(ckpt: str, pairs: str, steps: int, out, ref: Optional[str] = No
 
 
 def _trl_mismatches(got: list[dict], want: list[dict]) -> list[str]:
+    """Every metric of TRL's log_history that megaft's line does not repeat (1e-4 relative)."""
     bad = []
     for g, w in zip(got, want):
-        for ours, theirs in (("loss", "loss"), ("grad_norm", "grad_norm"), ("rewards/chosen", "rewards/chosen"),
-                             ("rewards/rejected", "rewards/rejected"), ("rewards/margins", "rewards/margins"),
-                             ("rewards/accuracies", "rewards/accuracies"), ("logps/chosen", "logps/chosen"),
-                             ("logps/rejected", "logps/rejected")):
-            if abs(g[ours] - w[theirs]) > 1e-4 * max(abs(w[theirs]), 1e-2):
-                bad.append(f"step {g['step']} {ours}: megaft {g[ours]} TRL {w[theirs]}")
+        keys = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+                "logps/rejected"]
+        # A pair counts as accurate when its chosen reward exceeds the rejected one. While the policy is its
+        # own reference (step 1) both rewards are rounding (~1e-7) and which is larger is a coin toss between
+        # two programs (issue 44: megaft 0.25, TRL 0.0 under ATEN_CPU_CAPABILITY=default); compared after.
+        if max(abs(w["rewards/chosen"]), abs(w["rewards/rejected"])) > 1e-5:
+            keys.append("rewards/accuracies")
+        for key in keys:
+            if abs(g[key] - w[key]) > 1e-4 * max(abs(w[key]), 1e-2):
+                bad.append(f"step {g['step']} {key}: megaft {g[key]} TRL {w[key]}")
     return bad
 
 
