@@ -27,8 +27,8 @@ import torch
 from benchmarks.ranks import on_gloo_ranks
 from benchmarks.train_step.measure import round_orders
 from megaft.config.model import ModelConfig
+from megaft.models.attention.documents import Docs
 from megaft.models.decoder import Decoder
-from megaft.models.docs import Docs
 from megaft.models.init import init_params
 from megaft.models.saved import block_bytes, saved_bytes
 from megaft.parallel.context import context_shard

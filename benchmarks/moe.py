@@ -227,9 +227,9 @@ def grouped_gemm_backends(device: torch.device) -> tuple[list[str], list[str]]:
 def _grouped_mm_on_cpu():
     """megaft's grouped_mm front replaced by the cuda backend's function (torch._grouped_mm),
     which the dispatch refuses on CPU tensors; MoE imports the front at call time (or, once
-    the import is module-level, reads megaft.models.moe.grouped_mm: patched too)."""
+    the import is module-level, reads megaft.models.moe.layer.grouped_mm: patched too)."""
     import megaft.kernels.grouped_gemm as front
-    import megaft.models.moe as moe_module
+    import megaft.models.moe.layer as moe_module
     from megaft.kernels.grouped_gemm import cuda as grouped_cuda
 
     def direct(x, w, counts, backend="auto"):
@@ -260,7 +260,8 @@ def _kernels(backend: str):
 def megaft_layer(shape: Shape, backend: str, device: torch.device, seed: int = 0):
     """megaft's MoE with seeded weights (router and experts N(0, 0.02))."""
     from megaft.config.model import ModelConfig
-    from megaft.models.moe import MoE, RouterLog
+    from megaft.models.moe.layer import MoE
+    from megaft.models.moe.router import RouterLog
 
     cfg = ModelConfig(dim=shape.dim, n_experts=shape.experts, top_k=shape.top_k, moe_ffn_dim=shape.ffn,
                       norm_topk_prob=shape.norm, arch=shape.family)

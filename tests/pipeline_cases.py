@@ -121,7 +121,7 @@ def _tied_copies_equal(trainer: Trainer) -> bool:
 
 def _generate(trainer: Trainer, run_dir: str) -> None:
     """Greedy completions of PROMPTS through the pipeline, written by rank 0."""
-    from megaft.models.generate import pipeline_greedy_generate
+    from megaft.inference.generate import pipeline_greedy_generate
 
     outs = pipeline_greedy_generate(trainer.parts.step.runtime, PROMPTS, max_new_tokens=NEW_TOKENS, eos_id=None)
     if trainer.grid.rank == 0:

@@ -17,7 +17,8 @@ from megaft.parallel.data.compress import PowerSGD, compressible, orthonormalize
 from megaft.parallel.data.flat import FlatParams
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
-from megaft.training.parts import RunParts, build_model
+from megaft.training.model import build_model
+from megaft.training.parts import RunParts
 from megaft.validation import resolve, validate
 
 # ---------------------------------------------------------------- one process

@@ -16,7 +16,8 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import rank_params
 from megaft.perf.hardware import GIB
 from megaft.perf.memory import check_memory, estimate_memory, estimate_ranks
-from megaft.training.parts import RunParts, build_model
+from megaft.training.model import build_model
+from megaft.training.parts import RunParts
 from megaft.validation import validate
 
 CONF = os.path.join(os.path.dirname(__file__), os.pardir, "conf")

@@ -28,6 +28,7 @@ FOLDERS: list[str] = [
     "megaft.layers",  # column/row-parallel linears, vocab-parallel embedding, RMSNorm
     "megaft.models",
     "megaft.peft",
+    "megaft.inference",  # generation and the KV cache: samples, megaft-chat, megaft-eval
     "megaft.optim",  # AdamW over flat buffers and ZeRO (the distributed optimizer), above parallel/
     "megaft.pipeline",
     "megaft.checkpoint",
@@ -137,11 +138,11 @@ def test_the_folder_checker_finds_upward_imports():
                "megaft.parallel.data.zero": {"megaft.optim.adamw"},  # ZeRO in parallel/, over optim's AdamW
                "megaft.config.root": {"megaft.training.config"},  # the config knot (issue 37)
                "megaft.perf.memory": {"megaft.training.optimizer"},  # the perf model reading the trainer
-               "megaft.parallel.context.batch": {"megaft.models.docs"}}  # cp sharding building Docs
+               "megaft.parallel.context.batch": {"megaft.models.attention.documents"}}  # cp sharding building Docs
     assert upward_between_folders(planted) == [
         "megaft.config.root (megaft.config) imports megaft.training.config (megaft.training)",
         "megaft.launch.elastic (megaft.launch) imports megaft.plan.replan (megaft.plan)",
-        "megaft.parallel.context.batch (megaft.parallel) imports megaft.models.docs (megaft.models)",
+        "megaft.parallel.context.batch (megaft.parallel) imports megaft.models.attention.documents (megaft.models)",
         "megaft.parallel.data.zero (megaft.parallel) imports megaft.optim.adamw (megaft.optim)",
         "megaft.perf.memory (megaft.perf) imports megaft.training.optimizer (megaft.training)",
         "megaft.plan.app (megaft.plan) imports megaft.train (megaft.train)",

@@ -11,12 +11,12 @@ from multirank import spawn
 from train_cases import read_rows, small_config
 
 from megaft.config import Config
+from megaft.config import train as train_config
 from megaft.config.kernels import OPS
 from megaft.config.model import ModelConfig
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf import counts as flops
 from megaft.perf import hardware
-from megaft.training import config as train_config
 from megaft.training.loop import Trainer
 from megaft.training.phases import PHASE_KEYS, PhaseTimer
 from megaft.validation import validate

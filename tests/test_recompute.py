@@ -17,9 +17,9 @@ from megaft.config.kernels import KernelsConfig  # noqa: E402
 from megaft.config.model import ModelConfig  # noqa: E402
 from megaft.kernels import _triton  # noqa: E402
 from megaft.models import saved  # noqa: E402
+from megaft.models.attention.documents import Docs  # noqa: E402
 from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder  # noqa: E402
-from megaft.models.docs import Docs  # noqa: E402
 from megaft.models.init import init_params  # noqa: E402
 from megaft.perf.counts import activation_bytes_per_token  # noqa: E402
 from megaft.pipeline.stage import StageModel  # noqa: E402

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from train_cases import read_rows, small_config
 
+from megaft.config import wandb as wandb_config
 from megaft.config.wandb import WandbConfig
 from megaft.parallel.grid import ParallelGrid
-from megaft.training import wandb_config
 from megaft.training.loop import Trainer
 from megaft.training.wandb_log import run_identity
 from megaft.validation import validate

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.kernels.providers import Op, cuda_reason, dtype_size
 from megaft.kernels.rope import reference, rope
-from megaft.models.rope import inv_frequencies, rope_tables
+from megaft.models.attention.rope import inv_frequencies, rope_tables
 
 
 def shapes(small: bool) -> list[tuple]:

@@ -84,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megaft.chat.load import ChatError, locate
     from megaft.chat.session import Session
     from megaft.chat.terminal import answer, chat_loop
-    from megaft.models.generate import Sampling
+    from megaft.inference.generate import Sampling
 
     engine = None
     try:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from megaft.chat.load import ChatError, ChatModel, build_model
-from megaft.models.generate import Sampling, generate
+from megaft.inference.generate import Sampling, generate
 
 OnToken = Callable[[int], None]
 TIMEOUT_S = 600  # a collective that waits longer than this fails (a rank died or hung)

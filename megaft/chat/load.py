@@ -103,7 +103,7 @@ def _stop_ids(hf_dir: str, tokenizer: str, template) -> tuple[int, ...]:
     from tokenizers import Tokenizer
 
     from megaft.data.tokenizer import special_ids
-    from megaft.models.hf_load import read_hf_config
+    from megaft.models.hf.load import read_hf_config
 
     listed = read_hf_config(hf_dir).get("eos_token_id")
     ids = set(listed if isinstance(listed, list) else [listed])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from megaft.models.generate import Sampling
+from megaft.inference.generate import Sampling
 
 HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system message and reset), "
         "/temp X (sampling temperature, 0 = greedy), /quit (or Ctrl-D)")

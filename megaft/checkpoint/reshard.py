@@ -167,7 +167,7 @@ class _Saved:
             return by_tp[0][key]  # replicated over tp
         dim, full, padded = split[:3]
         replicas = split[3] if len(split) > 3 else 1  # older checkpoints: no copied kv heads
-        if replicas > 1:  # kv heads copied over tp > n_kv_heads (megaft.models.kv): one piece per head
+        if replicas > 1:  # kv heads copied over tp > n_kv_heads (megaft.models.attention.kv_heads): one piece per head
             return torch.cat([by_tp[r][key] for r in range(0, self.tp, replicas)], dim)
         local = padded // self.tp
         parts = []

@@ -92,7 +92,7 @@ def check_lora_model(cfg: LoraConfig, *, tie_embeddings: bool, kv_heads: int, tp
                      q_latent: bool = False) -> list[str]:
     """The `lora.*` problems that depend on the resolved architecture and tp (the model
     files are read by then), checked before launch rather than when the model is built.
-    `mla`: multi-head latent attention (DeepSeek-V3, megaft.models.mla), `q_latent` with a query
+    `mla`: multi-head latent attention (DeepSeek-V3, megaft.models.attention.mla), `q_latent` with a query
     latent (q_lora_rank): there q, k, v name no projection, and nothing says so at build time."""
     if cfg.rank <= 0:
         return []

@@ -77,14 +77,14 @@ class ModelConfig:
     mlp_only_layers: List[int] = field(default_factory=list)  # layers kept dense (HF mlp_only_layers)
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the training loss
     router_z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2); 0 = off
-    # DeepSeek-V3 routing (megaft.models.moe.Router): sigmoid scores, a choice among the topk_group best of
+    # DeepSeek-V3 routing (megaft.models.moe.router.Router): sigmoid scores, a choice among the topk_group best of
     # n_group expert groups, a correction bias added for the choice only, weights scaled after normalizing
     router_scoring: str = "softmax"  # softmax (Mixtral, Qwen, OLMoE) | sigmoid (DeepSeek-V3, with a correction bias)
     n_group: int = 1  # expert groups (HF n_group); a token's experts come from its topk_group best groups
     topk_group: int = 1  # groups a token may use (HF topk_group)
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (HF routed_scaling_factor)
     shared_expert_gate: bool = True  # scale the shared expert by sigmoid(gate(x)) (Qwen2-MoE); false: DeepSeek
-    # Multi-head latent attention (DeepSeek-V3, megaft.models.mla); 0 = grouped-query attention. head_dim is
+    # Multi-head latent attention (DeepSeek-V3, megaft.models.attention.mla); 0 = grouped-query attention. head_dim is
     # then the rotary part's width (qk_rope_head_dim, as transformers sets it)
     kv_lora_rank: int = 0  # width of the compressed key/value latent (HF kv_lora_rank)
     q_lora_rank: Optional[int] = None  # width of the query latent; None = one q_proj (HF q_lora_rank)

@@ -12,8 +12,8 @@ which is `model.*`: a checkpoint may resume under other values).
 - `aux_scope`: `micro_batch` (transformers: the load-balancing statistics of each
   micro-batch) or `global_batch` (counts summed over the whole global batch, every dp×cp
   replica and accumulation step, before the product: global-batch balancing, Qiu et al.
-  2025), see megaft.training.global_router.
-- `bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing step (megaft.models.moe_balance);
+  2025), see megaft.models.moe.global_router.
+- `bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing step (megaft.models.moe.balance);
   0 keeps the correction bias as loaded.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class MoEConfig:
     # load-balancing statistics: micro_batch (transformers) | global_batch (summed over the global batch)
     aux_scope: AuxScope = AuxScope.micro_batch
     # DeepSeek-V3's auxiliary-loss-free balancing: after each step every router's correction bias moves
-    # by this * sign(mean load - expert's load) (megaft.models.moe_balance); 0 = frozen (fine-tuning)
+    # by this * sign(mean load - expert's load) (megaft.models.moe.balance); 0 = frozen (fine-tuning)
     bias_update_rate: float = 0.0
 
 

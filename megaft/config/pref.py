@@ -10,7 +10,7 @@ The reference model of dpo, robust and ipo is `pref.reference` (a Hugging Face c
 of the same architecture), by default the model the run starts from (model.init_from, or the
 seeded init; with LoRA the base, since the adapters start at zero): its completion log-probs
 are computed once, before the first step, at the run's own layout, and held per pair
-(megaft.training.pref_step); `pref.reference_mode=online` keeps the reference model instead and
+(megaft.training.objectives.preference.step); `pref.reference_mode=online` keeps the reference model instead and
 scores each step's pairs. simpo and orpo have none.
 """
 from __future__ import annotations

@@ -29,8 +29,8 @@ from megaft.data.batches import IGNORE_INDEX
 from megaft.data.encode import Encoded
 from megaft.data.plan import LONG_DOCS, EpochPlan, epoch_plan
 from megaft.data.sources import mixture
-from megaft.models.docs import Docs, segments
-from megaft.models.docs import document_mask as model_mask
+from megaft.models.attention.documents import Docs, segments
+from megaft.models.attention.documents import document_mask as model_mask
 
 
 class Corpus(Protocol):
@@ -173,12 +173,12 @@ class PackedDocs:
 def cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
     """int32 segment boundaries over doc_ids.flatten() (rows of any slice of a
     DocBatch, e.g. one micro-batch): where the segment index changes or a row starts
-    (the model's varlen boundaries, megaft.models.docs.segments)."""
+    (the model's varlen boundaries, megaft.models.attention.documents.segments)."""
     return segments(doc_ids)[0]
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """Bool [n, seq, seq]: query i may attend key j iff j <= i in the same segment (the
     reference block-causal mask; True = attend, as SDPA's boolean attn_mask): the model's
-    mask (megaft.models.docs.document_mask) without its head dimension."""
+    mask (megaft.models.attention.documents.document_mask) without its head dimension."""
     return model_mask(Docs(torch.zeros_like(doc_ids), doc_ids))[:, 0]

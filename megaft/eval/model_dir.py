@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megaft.models.hf_load import CONFIG, INDEX, SINGLE
+from megaft.models.hf.load import CONFIG, INDEX, SINGLE
 from megaft.run_dir import is_run_dir
 
 EXPORT_DIR = os.path.join("eval", "hf")  # a checkpoint's export, inside the run dir

@@ -12,7 +12,7 @@ from megaft.config.model import (
     Recompute,
 )
 from megaft.models.arch import SPECS
-from megaft.models.rope import ROPE_TYPES
+from megaft.models.attention.rope import ROPE_TYPES
 
 
 def _rope_problems(cfg: ModelConfig) -> list[str]:
@@ -124,7 +124,7 @@ def _routing_problems(cfg: ModelConfig) -> list[str]:
 
 
 def _mla_problems(cfg: ModelConfig) -> list[str]:
-    """Multi-head latent attention's sizes (megaft.models.mla)."""
+    """Multi-head latent attention's sizes (megaft.models.attention.mla)."""
     if cfg.kv_lora_rank == 0:
         return []
     errors = [f"model.{name}={getattr(cfg, name)} must be >= 1 under multi-head latent attention"

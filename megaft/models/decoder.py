@@ -33,13 +33,14 @@ from megaft.layers import ColumnParallelLinear, RMSNorm, VocabParallelEmbedding
 from megaft.layers.dropout import sliced_dropout
 from megaft.layers.linear import column_input
 from megaft.models import recompute
-from megaft.models.attention import Attention, op_backend
-from megaft.models.docs import Docs
-from megaft.models.mla import MLAttention
+from megaft.models.attention.documents import Docs
+from megaft.models.attention.gqa import Attention, op_backend
+from megaft.models.attention.mla import MLAttention
+from megaft.models.attention.rope import rope_init, rope_tables
+from megaft.models.attention.softcap import softcap
 from megaft.models.mlp import MLP
-from megaft.models.moe import GlobalCounts, MoE, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
-from megaft.models.rope import rope_init, rope_tables
-from megaft.models.softcap import softcap
+from megaft.models.moe.layer import MoE
+from megaft.models.moe.router import GlobalCounts, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
 from megaft.parallel.comm import Group, group_rank, group_size
 
 
@@ -265,7 +266,7 @@ class Decoder(nn.Module):
     def blocks(self, input_ids: torch.Tensor, docs: Optional[Docs] = None, *,
                router_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The last block's output of the whole decoder; `docs`: packed documents kept apart
-        (megaft.models.docs); `router_valid`: the micro-batch's positions a mixture of experts'
+        (megaft.models.attention.documents); `router_valid`: the micro-batch's positions a mixture of experts'
         router statistics count (see `start_router_log`)."""
         self.start_router_log(input_ids.shape[1], docs, router_valid)
         x, docs = self.embed(input_ids, docs), self.prepare_docs(docs)

@@ -16,7 +16,7 @@ from megaft.kernels.swiglu import swiglu
 from megaft.layers import ColumnParallelLinear, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
-from megaft.models.attention import op_backend
+from megaft.models.attention.gqa import op_backend
 from megaft.parallel.comm import Group
 
 

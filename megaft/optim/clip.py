@@ -34,7 +34,7 @@ def grad_norm(params: list[torch.nn.Parameter], tp_group: Group, pp_group: Group
             ep_group = split.group
         elif spec is None:
             replicated += sq
-        else:  # kv heads copied over tp > n_kv_heads (megaft.models.kv) count once, not once per copy
+        else:  # kv heads copied over tp > n_kv_heads (megaft.models.attention.kv_heads) count once, not once per copy
             sharded += sq / getattr(spec, "replicas", 1)
     if ep_group is not None:  # every rank of an ep group holds the same layers: all call it
         split_tp, whole_tp = all_reduce(experts, ep_group).unbind()

@@ -4,7 +4,7 @@
 down projections. For a stacked weight W [E, out, in] the adapter is A [E, r, in],
 B [E, out, r] and, for the rows routed to e, y = W_e x + s B_e A_e x. The two low-rank GEMMs
 are grouped GEMMs over the same sorted rows and counts as the weight's own
-(megaft.models.moe.Experts calls `ExpertLora.project`), so each row's result depends on its row
+(megaft.models.moe.layer.Experts calls `ExpertLora.project`), so each row's result depends on its row
 and its expert alone, as without adapters: every layout equals the single process.
 
 Splits follow the expert weight's (megaft.peft.lora's rule for the dense linears):
@@ -39,7 +39,8 @@ from torch import nn
 
 from megaft.config.lora import LoraConfig, LoraInit
 from megaft.kernels.grouped_gemm import grouped_mm
-from megaft.models.moe import Experts, Router
+from megaft.models.moe.layer import Experts
+from megaft.models.moe.router import Router
 from megaft.parallel.tensor.shard import (
     expert_slice_of,
     full_shape,
@@ -105,7 +106,7 @@ class ExpertLora(nn.Module):
 
 
 class RouterAdapter(nn.Module):
-    """s B A x on the router's input, added to its fp32 logits (megaft.models.moe.Router).
+    """s B A x on the router's input, added to its fp32 logits (megaft.models.moe.router.Router).
     Named and exported like a dense adapter (megaft.peft.lora.adapters yields it)."""
 
     def __init__(self, router: Router, cfg: LoraConfig, *, sequence_parallel: bool):

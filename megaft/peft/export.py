@@ -6,7 +6,7 @@
 whole: gathered over tp, padding cropped, collected over pp), `target_modules` in HF's
 module names, `r`, `lora_alpha`, `use_rslora`, `lora_dropout`. `export_merged` writes
 the base with s * B A added to every adapted weight, as an HF checkpoint of the model's
-own family (megaft.models.hf_export, one weight merged at a time on this rank's shard).
+own family (megaft.models.hf.export, one weight merged at a time on this rank's shard).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from torch import nn
 
 from megaft.config.lora import TARGET_MODULES, LoraConfig
 from megaft.config.model import ModelConfig
-from megaft.models.hf_export import copy_tokenizer, export_hf, gather_full
-from megaft.models.hf_load import hf_name
+from megaft.models.hf.export import copy_tokenizer, export_hf, gather_full
+from megaft.models.hf.load import hf_name
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.peft.experts import RouterAdapter, expert_adapters
 from megaft.peft.lora import adapters, merged_weight

@@ -30,7 +30,7 @@ import math
 import torch
 
 from megaft.config.lora import LoraConfig
-from megaft.models.hf_export import gather_full
+from megaft.models.hf.export import gather_full
 from megaft.parallel.comm import Group
 from megaft.peft.experts import ExpertLora
 

@@ -97,7 +97,7 @@ def _attention_matmul_params(m: ModelConfig) -> int:
     return m.dim * q + 2 * m.dim * kv + q * m.dim
 
 
-# Multi-head latent attention (DeepSeek-V3, megaft.models.mla): the down projections q_a_proj
+# Multi-head latent attention (DeepSeek-V3, megaft.models.attention.mla): the down projections q_a_proj
 # [q_lora, dim] and kv_a_proj_with_mqa [kv_lora + rope, dim] are replicated over tp; q_b_proj
 # [heads * qk, q_lora] (or q_proj [heads * qk, dim]), kv_b_proj [heads * (nope + v), kv_lora] and
 # o_proj [dim, heads * v] are split by heads; the latent norms [q_lora], [kv_lora] are replicated.

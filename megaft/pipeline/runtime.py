@@ -37,8 +37,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megaft.models.moe import RouterSums, router_terms, wire_size
-from megaft.models.moe_stats import StepRouterStats
+from megaft.models.moe.router import RouterSums, router_terms, wire_size
+from megaft.models.moe.stats import StepRouterStats
 from megaft.pipeline.actions import Action, ActionKind, message_of, rank_of
 from megaft.pipeline.comm_plan import nccl_problems, plan
 from megaft.pipeline.schedules import build_schedule
@@ -108,7 +108,7 @@ class PipelineRuntime:
         self.wait_s = 0.0  # seconds the last train_step spent blocked on peers (benchmarks/pipeline)
         self.extra = wire_size(model.cfg)  # router statistics appended to every message (0: dense)
         self.moe_layers = sum(model.cfg.is_moe(i) for i in range(model.cfg.n_layers))
-        self.router_stats = StepRouterStats.of(model)  # the last train_step's (megaft.training.moe_metrics)
+        self.router_stats = StepRouterStats.of(model)  # the last train_step's (megaft.models.moe.metrics)
         # The action (or batch of sends/receives) train_step is executing, None between steps: the
         # hang report's "pipeline action" (megaft.launch.trace.CollectiveTrace.action_of).
         self.current_action: Optional[Action | list[Action]] = None
@@ -256,9 +256,9 @@ class PipelineRuntime:
                    router_valid: Optional[list] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in the params.
         Returns this rank's summed token loss (fp64; zero unless it holds the last stage).
-        `docs`: each micro-batch's packed-document layout (megaft.models.docs.Docs), or None.
+        `docs`: each micro-batch's packed-document layout (megaft.models.attention.documents.Docs), or None.
         `router_weight`: a mixture of experts' router losses' weight, in token-loss units
-        (n_targets / the global batch's micro-batches: megaft.training.moe_metrics). `head(mb, logits)`:
+        (n_targets / the global batch's micro-batches: megaft.models.moe.metrics). `head(mb, logits)`:
         the last stage's loss sum of micro-batch `mb` from this tp rank's vocabulary slice of its
         logits, instead of the token loss against `labels` (a preference objective's). `router_valid`:
         per micro-batch [rows, seq] True at the positions a mixture of experts' router statistics

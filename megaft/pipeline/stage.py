@@ -55,7 +55,7 @@ class StageModel(Decoder):
         """Stage `stage` on `x` (input ids on stage 0, activations otherwise); the last
         stage returns `Decoder.head_out`: the summed token loss against `labels` (as
         `Decoder.loss_sum`), or without labels the logits of this tp rank's vocabulary slice.
-        `docs`: packed documents kept apart (megaft.models.docs), the micro-batch's. The stage's
+        `docs`: packed documents kept apart (megaft.models.attention.documents), the micro-batch's. The stage's
         MoE layers log their router statistics (`router_sums` reads them); `seq_len`: the
         micro-batch's length, for the sequence-parallel padding (default: stage 0's ids');
         `router_valid`: the micro-batch's [rows, seq_len] positions those statistics count (None: all)."""

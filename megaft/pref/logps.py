@@ -20,9 +20,9 @@ import torch
 from megaft.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from megaft.kernels.cross_entropy.reference import IGNORE_INDEX
 from megaft.layers.linear import column_input
-from megaft.models.attention import op_backend
+from megaft.models.attention.documents import Docs
+from megaft.models.attention.gqa import op_backend
 from megaft.models.decoder import Decoder
-from megaft.models.docs import Docs
 from megaft.parallel.comm import Group, group_rank
 
 

@@ -2,7 +2,7 @@
 once per pair (pref.share_prompt).
 
 Unshared: a pair is two documents, prompt + chosen and prompt + rejected, each with its own
-positions from 0 (megaft.models.docs), labels as in its unpacked row. Shared: the prompt
+positions from 0 (megaft.models.attention.documents), labels as in its unpacked row. Shared: the prompt
 without its last token is one document S; each answer is a document that starts with that
 last prompt token (at the position it has in the prompt) and sees S as its prefix, so the
 token predicting the answer's first token is there once per answer, every label is one
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megaft.data.batches import IGNORE_INDEX
-from megaft.models.docs import Docs
+from megaft.models.attention.documents import Docs
 from megaft.pref.data import Pair
 
 

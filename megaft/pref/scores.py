@@ -1,6 +1,6 @@
 """The reference log-probs of a run's pairs, stored for the runs after it (pref.scores=DIR).
 
-A run with a reference scores every pair once before step 1 (megaft.training.pref_step).
+A run with a reference scores every pair once before step 1 (megaft.training.objectives.preference.step).
 With `pref.scores` the result is kept in DIR under the fingerprint of everything it depends
 on, and a run with the same fingerprint reads it instead of scoring: the points of a sweep
 over beta, the learning rate or the layout share one scoring. The fingerprint covers the

@@ -13,8 +13,8 @@ import torch
 from tokenizers import Tokenizer
 
 from megaft.data import Task, count_targets
+from megaft.inference.generate import greedy_generate, pipeline_greedy_generate
 from megaft.models.decoder import Decoder
-from megaft.models.generate import greedy_generate, pipeline_greedy_generate
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 

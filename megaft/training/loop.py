@@ -22,14 +22,15 @@ import torch
 from tqdm import tqdm
 
 from megaft.config import Config
-from megaft.models.attention import attention_record
+from megaft.models.attention.gqa import attention_record
+from megaft.models.moe.metrics import moe_record
 from megaft.optim import lr_at
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import flops_per_token, mfu
 from megaft.perf.hardware import device_peak_tflops
 from megaft.training.evaluate import eval_accuracy
-from megaft.training.moe_metrics import moe_record
-from megaft.training.parts import TrainSpec, model_params
+from megaft.training.model import model_params
+from megaft.training.parts import TrainSpec
 from megaft.training.samples import Sampler, opening
 from megaft.training.stop import NONE, REQUEUE, PreemptFlag
 from megaft.training.summary import RunSummary

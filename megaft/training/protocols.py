@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from megaft.config.kernels import KernelsConfig
     from megaft.data import Task
-    from megaft.models.docs import Docs
+    from megaft.models.attention.documents import Docs
     from megaft.training.summary import RunSummary
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

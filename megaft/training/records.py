@@ -14,13 +14,13 @@ from typing import Any
 from megaft import checkpoint
 from megaft.config import Config
 from megaft.config.train import use_tensorboard
+from megaft.models.moe.metrics import ROUTER_KEYS
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft.base import lora_record
 from megaft.pref.losses import METRICS as PREF_METRICS
 from megaft.pref.losses import ORPO_METRICS
 from megaft.training.guards import BadStepGuard, model_signature
 from megaft.training.metrics import MetricsLog
-from megaft.training.moe_metrics import ROUTER_KEYS
 from megaft.training.phases import PHASE_KEYS
 from megaft.training.protocols import RunParts
 from megaft.training.run_config import ran_config, write_run_config

@@ -6,7 +6,7 @@ is (as a prompt/completion example's prompt is), `{"messages": [...]}` is render
 the run's chat template and its generation prompt (transformers'
 apply_chat_template(..., add_generation_prompt=True)). At step 0 (when the run did not
 resume), every `train.sample_every` steps and at the last step, every rank generates
-every prompt (megaft.models.generate: KV cache, greedy or sampled with
+every prompt (megaft.inference.generate: KV cache, greedy or sampled with
 `sample.temperature`/`sample.top_p`, the draws seeded by (sample.seed, step), identical
 on every rank) through the model as it trains: tp, sequence parallel, pp stages, cp
 replicas, LoRA adapters; under ZeRO-3 with the whole layers gathered, as evaluation
@@ -22,8 +22,8 @@ from typing import Callable, Optional, Union
 from megaft.checkpoint.state import trim_metrics
 from megaft.config.train import SampleConfig
 from megaft.data.prompts import read_prompts, render_prompt
+from megaft.inference.generate import Sampling, generate, pipeline_generate
 from megaft.models.decoder import Decoder
-from megaft.models.generate import Sampling, generate, pipeline_generate
 
 
 def opening(text: str, words: int = 6) -> str:

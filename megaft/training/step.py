@@ -14,15 +14,15 @@ import torch
 from megaft.config import Config
 from megaft.config.train import accumulation_steps
 from megaft.models.decoder import Decoder
-from megaft.models.moe_balance import update_correction_biases
-from megaft.models.moe_stats import StepRouterStats
+from megaft.models.moe.balance import update_correction_biases
+from megaft.models.moe.global_router import global_counts
+from megaft.models.moe.metrics import router_weight
+from megaft.models.moe.stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel, sync_tied_grads
 from megaft.training.evaluate import eval_loss, pipeline_eval_loss
-from megaft.training.global_router import global_counts
-from megaft.training.moe_metrics import router_weight
 from megaft.training.phases import PhaseTimer
 from megaft.training.protocols import Autocast, Batches, OptimPart, RunParts, StepBatch
 
@@ -46,7 +46,7 @@ class _Step:
     def finish_step(self) -> None:
         """After the optimizer step and `step_metrics`: DeepSeek-V3's routing correction biases move by
         moe.bias_update_rate from the step's expert loads over the global batch (the same on every
-        rank; a pipeline stage moves its own layers'), megaft.models.moe_balance."""
+        rank; a pipeline stage moves its own layers'), megaft.models.moe.balance."""
         rate = getattr(self.model.routing, "bias_update_rate", 0.0)
         counts = self.stats.step_counts if rate else None
         if counts:
@@ -75,15 +75,15 @@ class PlainStep(_Step):
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(loss) / divisor over the micro-batches (plus, for a mixture of
         experts, the router terms averaged over the global batch's micro-batches,
-        megaft.training.moe_metrics); returns the loss sum (fp64)."""
+        megaft.models.moe.metrics); returns the loss sum (fp64)."""
         device, phase = self.grid.device, self.phases.phase
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.router_stats = StepRouterStats.of(self.model)
         weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
         if self.model.routing.aux_scope == "global_batch" and self.model.cfg.n_experts > 0:
             with phase("forward"):
-                self.model.global_counts = global_counts(self.model.router_counts, batch, self.grid,
-                                                         self.model.cfg.n_experts, self.autocast)
+                self.model.global_counts = global_counts(self.model.router_counts, batch.inputs, batch.docs,
+                                                         self.grid, self.model.cfg.n_experts, self.autocast)
         for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
@@ -134,8 +134,8 @@ class PipelineStep(_Step):
         if self.model.routing.aux_scope == "global_batch" and self.model.cfg.n_experts > 0:
             with self.phases.phase("forward"):
                 self.model.global_counts = global_counts(
-                    lambda ids, docs: self.runtime.router_counts(ids, self.autocast, docs), batch, self.grid,
-                    self.model.cfg.n_experts, self.autocast)
+                    lambda ids, docs: self.runtime.router_counts(ids, self.autocast, docs), batch.inputs,
+                    batch.docs, self.grid, self.model.cfg.n_experts, self.autocast)
         return self.run_schedule(batch, divisor, router_weight=weight)
 
     def run_schedule(self, batch: StepBatch, divisor: float, **kwargs) -> torch.Tensor:
@@ -170,8 +170,8 @@ class PipelineStep(_Step):
 
 
 def build_step(parts: RunParts) -> PlainStep | PipelineStep:
-    """The pipeline step when pp > 1, else the plain one (a preference objective's:
-    megaft.training.parts.build_step_part)."""
+    """sft's step: the pipeline step when pp > 1, else the plain one (the preference steps
+    extend them: megaft.training.objectives.preference)."""
     cfg, grid = parts.cfg, parts.grid
     autocast = precision_autocast(cfg.precision, grid.device)
     if grid.pp_size > 1:

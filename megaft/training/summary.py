@@ -77,7 +77,7 @@ class RunSummary:
     # config.json keys read as metadata on the user's word (model.hf_ignore_keys), when there are any
     hf_ignore_keys: Optional[list] = field(default=None, **_SOMETIMES)
     # a mixture of experts: experts, top_k, its MoE layers, the grouped GEMM and the token dispatch
-    # (megaft.training.moe_metrics.moe_record)
+    # (megaft.models.moe.metrics.moe_record)
     moe: Optional[dict] = field(default=None, **_SOMETIMES)
     # a preference objective with a reference (dpo, robust, ipo): seconds scoring its log-probs before step 1
     reference_s: Optional[float] = field(default=None, **_SOMETIMES)

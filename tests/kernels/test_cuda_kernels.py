@@ -22,7 +22,7 @@ from megaft.kernels.rope import reference as rope_ref
 from megaft.kernels.rope import rope
 from megaft.kernels.swiglu import reference as swiglu_ref
 from megaft.kernels.swiglu import swiglu
-from megaft.models.rope import inv_frequencies, rope_tables
+from megaft.models.attention.rope import inv_frequencies, rope_tables
 
 _WHY = ("no CUDA GPU" if not torch.cuda.is_available()
         else dispatch.cuda_unavailable_reason("rmsnorm", torch.device("cuda")))

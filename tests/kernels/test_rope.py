@@ -18,7 +18,7 @@ import torch
 
 from megaft.kernels import _triton
 from megaft.kernels.rope import reference, resolve_backend, rope
-from megaft.models.rope import apply_rope, inv_frequencies, rope_tables
+from megaft.models.attention.rope import apply_rope, inv_frequencies, rope_tables
 
 DTYPES = [
     pytest.param(torch.float32, (1e-5, 1e-5), id="fp32"),

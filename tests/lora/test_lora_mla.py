@@ -1,4 +1,4 @@
-"""LoRA on multi-head latent attention (DeepSeek-V3, megaft.models.mla): its projections are
+"""LoRA on multi-head latent attention (DeepSeek-V3, megaft.models.attention.mla): its projections are
 q_a_proj/q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj, so the attention
 targets q, k, v of lora.targets' default name nothing there (only o would adapt). validate()
 refuses them before launch, and apply_lora refuses a model built without validate(), each

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaft.inference.generate import full_logits
 from megaft.models import Decoder
-from megaft.models.generate import full_logits
 from megaft.models.hf import export_hf, hf_model_config, load_hf_weights
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import local_from_full, shard_of

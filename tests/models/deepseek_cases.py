@@ -9,9 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from megaft.inference.generate import full_logits
 from megaft.models import Decoder
-from megaft.models.docs import Docs
-from megaft.models.generate import full_logits
+from megaft.models.attention.documents import Docs
 from megaft.models.hf import export_hf, hf_model_config, load_hf_weights
 from megaft.parallel.context.batch import context_shard
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
@@ -89,7 +89,7 @@ def check_ep(path: str) -> list[str]:
 
 def check_cp(path: str) -> list[str]:
     """cp=2: each rank holds two zig-zag chunks of every row; the ring attends over the row (the
-    values zero-padded to the query width, megaft.models.mla)."""
+    values zero-padded to the query width, megaft.models.attention.mla)."""
     failures = []
     ref, model = _model(path), _model(path)
     ids = sample_ids(4)[:, :16]  # 2 * cp equal chunks

@@ -55,7 +55,8 @@ def router_margins():
     layout moves the scores only by rounding, so a gap far above it means no token's experts
     differ between layouts (issue 44: a near-tie that a reordered sum breaks would change the
     routing, not only round it). Single-process runs: positions are the rows' own."""
-    from megaft.models.moe import MoE, Router
+    from megaft.models.moe.layer import MoE
+    from megaft.models.moe.router import Router
 
     gaps: list[float] = []
     valid: list = [None]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from multirank import spawn
 
+from megaft.inference.generate import full_logits
 from megaft.models import Decoder
-from megaft.models.generate import full_logits
 from megaft.models.hf import hf_model_config, load_hf_weights
 from models.arch_cases import check_tp, pp2_rank_fn, raise_failures, tp_rank_fn, wide_tp_rank_fn
 from models.arch_fixture import ARCHS, MODEL_TYPE, make_hf, sample_ids
@@ -77,7 +77,7 @@ def test_tp4_replicated_kv_heads_equal_tp1(arch_dirs, tmp_path):
 
 
 def test_summary_names_the_attention_each_run_computes_with(arch_dirs):
-    from megaft.models.attention import attention_record
+    from megaft.models.attention.gqa import attention_record
 
     cpu = torch.device("cpu")
     mistral, llama = hf_model_config(arch_dirs["mistral"]), hf_model_config(arch_dirs["llama3"])  # window 6, none

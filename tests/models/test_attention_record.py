@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-import megaft.models.docs as docs_mod
+import megaft.models.attention.documents as docs_mod
 from megaft.config.model import ModelConfig
-from megaft.models.attention import attention_record
-from megaft.models.docs import attend, kernel_name
+from megaft.models.attention.documents import attend, kernel_name
+from megaft.models.attention.gqa import attention_record
 from megaft.pref.data import Pair
 from megaft.pref.packing import pack_pairs
 

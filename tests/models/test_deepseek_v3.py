@@ -17,11 +17,11 @@ from multirank import spawn
 from safetensors.torch import load_file, save_file
 
 from megaft.config.moe import MoEConfig, check_moe
+from megaft.models.attention.documents import Docs
 from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder
-from megaft.models.docs import Docs
 from megaft.models.hf import HFCheckpointError, export_hf, hf_model_config, load_hf_weights
-from megaft.models.moe_balance import correction_biases, update_correction_bias, update_correction_biases
+from megaft.models.moe.balance import correction_biases, update_correction_bias, update_correction_biases
 from models.deepseek_fixture import VARIANTS, labels_of, load_reference, make_hf_deepseek, sample_ids
 from models.hf_fixture import checkpoint_tensors
 from models.moe_fixture import hf_grad_of
@@ -114,7 +114,7 @@ def test_export_round_trips_and_the_prediction_layers_are_skipped(ckpts, tmp_pat
            if k.startswith("model.layers.2.")}
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file({**tensors, **mtp}, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with caplog.at_level(logging.WARNING, logger="megaft.models.hf_load"):
+    with caplog.at_level(logging.WARNING, logger="megaft.models.hf.load"):
         model = _megaft(str(src))
     skipped = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
     assert len(skipped) == 1 and f"skipped {len(mtp)} tensors" in skipped[0], skipped

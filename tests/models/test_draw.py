@@ -1,11 +1,11 @@
-"""Sampled draws (megaft.models.generate.draw) happen on the logits' device with a generator
+"""Sampled draws (megaft.inference.generate.draw) happen on the logits' device with a generator
 seeded by (seed, step): on the CPU the same tokens as the former host draw, reproducible."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megaft.models.generate import Sampling, draw, draw_generator, top_p_filter
+from megaft.inference.generate import Sampling, draw, draw_generator, top_p_filter
 
 SAMPLING = Sampling(temperature=0.8, top_p=0.9, seed=2)
 

@@ -1,4 +1,4 @@
-"""Decoding (megaft.models.generate) with the KV cache (megaft.models.kv_cache) against
+"""Decoding (megaft.inference.generate) with the KV cache (megaft.inference.kv_cache) against
 transformers' `generate(do_sample=False)` on the same random Llama (GQA: 4 query heads over
 2 kv heads, odd vocabulary): single process, and in one spawned 2-rank group at tp=2 (with
 and without sequence parallel, and over one kv head replicated on both ranks) and pp=2;
@@ -14,10 +14,10 @@ import torch.distributed as dist
 import transformers
 from multirank import spawn
 
+from megaft.inference.generate import Sampling, generate, pipeline_generate, top_p_filter
+from megaft.inference.kv_cache import kv_cache
 from megaft.models import Decoder
-from megaft.models.generate import Sampling, generate, pipeline_generate, top_p_filter
 from megaft.models.hf import hf_model_config, load_hf_weights
-from megaft.models.kv_cache import kv_cache
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel
@@ -52,7 +52,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_kv_head(tmp_path_factory):
-    """The same shape with one kv head: at tp=2 each rank holds a replica of it (megaft.models.kv)."""
+    """The same shape with one kv head: at tp=2 each rank holds a replica of it (megaft.models.attention.kv_heads)."""
     path = str(tmp_path_factory.mktemp("hf_llama_kv1"))
     torch.manual_seed(2)
     config = hf_config()

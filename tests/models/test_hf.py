@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from multirank import spawn
 from safetensors.torch import load_file, save_file
 
+from megaft.inference.generate import full_logits
 from megaft.models import Decoder, ModelConfig
-from megaft.models.generate import full_logits
 from megaft.models.hf import HFCheckpointError, checkpoint_files, export_hf, hf_model_config, load_hf_weights
 from models.hf_fixture import LLAMA3_ROPE, VOCAB, checkpoint_tensors, load_reference, make_hf_llama, padded_lines
 

@@ -1,13 +1,13 @@
-"""The KV cache's buffers (megaft.models.kv_cache): written in place, sized at the prompt by
-the decoding loop (megaft.models.generate), the same keys and values as appending with torch.cat."""
+"""The KV cache's buffers (megaft.inference.kv_cache): written in place, sized at the prompt by
+the decoding loop (megaft.inference.generate), the same keys and values as appending with torch.cat."""
 from __future__ import annotations
 
 import torch
 
-import megaft.models.generate as gen
+import megaft.inference.generate as gen
 from megaft.config.model import ModelConfig
+from megaft.inference.kv_cache import DecodeState, LayerCache
 from megaft.models import Decoder
-from megaft.models.kv_cache import DecodeState, LayerCache
 
 CPU = torch.device("cpu")
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from megaft.config import Config
 from megaft.config.model import ModelConfig
 from megaft.config.moe import MoEConfig, check_moe
-from megaft.models.moe import MoE, RouterLog
+from megaft.models.moe.layer import MoE
+from megaft.models.moe.router import RouterLog
 from megaft.validation import validate
 from models.layout_runs import Case, run_cases
 from models.layout_runs import report as layout_report

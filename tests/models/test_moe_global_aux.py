@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megaft.config.moe import MoEConfig, check_moe
-from megaft.models.moe import GlobalCounts
+from megaft.models.moe.router import GlobalCounts
 from models.layout_runs import Case, run_cases
 from models.layout_runs import report as layout_report
 from models.moe_fixture import hf_grad_of, load_reference, make_hf_moe, sample_ids

@@ -1,4 +1,4 @@
-"""The text model of a multimodal Gemma 3 checkpoint (megaft.models.multimodal): a tiny
+"""The text model of a multimodal Gemma 3 checkpoint (megaft.models.hf.multimodal): a tiny
 Gemma3ForConditionalGeneration saved by transformers, extracted (whole and in 2+ shards
 with an index), loads in megaft and in transformers' Gemma3ForCausalLM with the
 multimodal model's logits on text; a changed text model merged back gives a multimodal
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from megaft.models.arch.spec import HFCheckpointError
 from megaft.models.decoder import Decoder
 from megaft.models.hf import hf_model_config, load_hf_weights
-from megaft.models.multimodal import extract_text_model, main, merge_text_model
+from megaft.models.hf.multimodal import extract_text_model, main, merge_text_model
 from models.arch_fixture import make_hf, sample_ids
 from models.hf_fixture import VOCAB, write_char_tokenizer
 

@@ -3,7 +3,7 @@ from a public repository that vendors it, as SOURCES.md says: no network here, a
 weights are not needed) read into the models they describe: no harmless key is refused,
 each family's features come through, and what megaft cannot run is refused with the reason.
 The multimodal Gemma 3 configs (whose text_config may list only what differs from
-transformers' defaults) become complete text configs first, as `megaft.models.multimodal
+transformers' defaults) become complete text configs first, as `megaft.models.hf.multimodal
 text` does."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import re
 import pytest
 
 from megaft.models.hf import HFCheckpointError, hf_model_config
-from megaft.models.multimodal import MULTIMODAL, text_config
+from megaft.models.hf.multimodal import MULTIMODAL, text_config
 
 HERE = os.path.join(os.path.dirname(__file__), "real_configs")
 FILES = sorted(f[:-len(".json")] for f in os.listdir(HERE) if f.endswith(".json"))

@@ -27,8 +27,8 @@ from multirank import spawn
 from tokenizers import Tokenizer
 
 from megaft.config import compose_config
+from megaft.inference.generate import full_logits, greedy_generate
 from megaft.models import Decoder
-from megaft.models.generate import full_logits, greedy_generate
 from megaft.models.hf import hf_model_config, load_hf_weights
 from megaft.parallel.grid import ParallelGrid
 from megaft.train import prepare_data

@@ -1,4 +1,4 @@
-"""megaft.models.rope.rope_init against transformers' ROPE_INIT_FUNCTIONS (the
+"""megaft.models.attention.rope.rope_init against transformers' ROPE_INIT_FUNCTIONS (the
 specification) for every supported rope_type, on the parameter sets real checkpoints
 use and the corner cases of yarn (mscale pairs, no truncation, factor from the context
 ratio). Same float ops in the same order: the tables must be bit-identical."""
@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from megaft.models.rope import rope_init
+from megaft.models.attention.rope import rope_init
 
 HEAD_DIM, MAX_POS = 64, 4096
 CASES = [

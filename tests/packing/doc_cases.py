@@ -11,8 +11,8 @@ import torch
 from megaft.config.model import ModelConfig
 from megaft.data import EncodedCorpus, PackedDocs
 from megaft.data.encode import Encoded
+from megaft.models.attention.documents import Docs
 from megaft.models.decoder import Decoder
-from megaft.models.docs import Docs
 from megaft.models.init import init_params
 
 SEQ = 24  # packed row length: several documents per row

@@ -9,7 +9,7 @@ import pytest
 import torch
 from multirank import spawn
 
-from megaft.models.docs import Docs, document_mask, mask_mod
+from megaft.models.attention.documents import Docs, document_mask, mask_mod
 from packing import doc_cases as C
 
 # fp32: only the summation order differs (one row vs several, masked softmax): ~1e-7.
@@ -117,7 +117,7 @@ def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window_size):
 
 def test_varlen_path_lays_documents_out_as_flash_attn_expects():
     from megaft.data import cu_seqlens
-    from megaft.models.docs import segments, varlen_attend
+    from megaft.models.attention.documents import segments, varlen_attend
 
     ids, labels, docs, _ = C.packed()
     cu, longest = segments(docs.doc_ids)
@@ -134,7 +134,7 @@ def test_varlen_path_lays_documents_out_as_flash_attn_expects():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's varlen kernel needs a CUDA GPU")
 def test_flash_attn_varlen_equals_sdpa_on_gpu():
-    from megaft.models.docs import flash_available, varlen_attend
+    from megaft.models.attention.documents import flash_available, varlen_attend
 
     if not flash_available(torch.device("cuda")):
         pytest.skip(reason="flash-attn is not installed")

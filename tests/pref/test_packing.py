@@ -97,7 +97,7 @@ def test_packed_and_shared_prompts_give_the_unpacked_log_probs_and_gradients():
 
 
 def test_the_tree_mask_lets_an_answer_see_its_prompt_and_not_the_other_answer():
-    from megaft.models.docs import document_mask
+    from megaft.models.attention.documents import document_mask
 
     packed = pack_pairs(PAIRS[:1], 16, 0, share_prompt=True)
     mask = document_mask(packed.docs)[0, 0]

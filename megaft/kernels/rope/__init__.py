@@ -1,7 +1,7 @@
 """Rotary position embedding on q and k (GQA: k may have fewer heads), with a
 choice of backend.
 
-    torch   reference.py: torch ops, the specification (= megaft.models.rope.apply_rope)
+    torch   reference.py: torch ops, the specification (= megaft.models.attention.rope.apply_rope)
     triton  triton.py: one program per (batch, position) rotating all q and k heads
     cuda    cuda.py: torch.ops.megaft.rope_fwd (csrc/cuda/rope.cu), out of place
 
@@ -27,7 +27,7 @@ resolve_backend = functools.partial(dispatch.resolve, "rope")
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          backend: str = "auto", *, inplace: bool = False):
     """(rope(q), rope(k)). q: [batch, heads, seq, head_dim], k: [batch, kv_heads, seq,
-    head_dim], head_dim even; cos, sin: [seq, head_dim] as megaft.models.rope.rope_tables
+    head_dim], head_dim even; cos, sin: [seq, head_dim] as megaft.models.attention.rope.rope_tables
     makes them (sliced to seq). ``inplace=True`` lets the triton backend overwrite q
     and k (their last dim must be contiguous); the torch and cuda backends always
     return new tensors."""

@@ -1,5 +1,5 @@
 """Rotary position embedding in torch: the specification the other backends are
-tested against. The formula and rounding of :func:`megaft.models.rope.apply_rope`
+tested against. The formula and rounding of :func:`megaft.models.attention.rope.apply_rope`
 (HF Llama's rotate_half convention): ``x * cos + rotate_half(x) * sin`` with cos and
 sin cast to ``x.dtype``, applied to q and k (GQA: k may have fewer heads)."""
 

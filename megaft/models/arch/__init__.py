@@ -3,7 +3,7 @@
 Each module says what its family changes in the Llama block (as ModelConfig fields the
 model code reads), the HF parameter names and the config.json fields read and written.
 Mixtures of experts: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 (megaft.models.moe; DeepSeek-V3's
-latent attention: megaft.models.mla). Everything else (GPT-2, DeepSeek-V2, multimodal Gemma 3, ...) is
+latent attention: megaft.models.attention.mla). Everything else (GPT-2, DeepSeek-V2, multimodal Gemma 3, ...) is
 refused by name.
 """
 from megaft.models.arch import (

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 (DeepseekV3ForCausalLM): multi-head latent attention (megaft.models.mla) and a
+"""DeepSeek-V3 / R1 (DeepseekV3ForCausalLM): multi-head latent attention (megaft.models.attention.mla) and a
 mixture of n_routed_experts experts of moe_intermediate_size on every layer from
 first_k_dense_replace on (the first ones: a dense MLP of intermediate_size), plus
 n_shared_experts shared experts (one MLP of n_shared_experts × moe_intermediate_size, no gate);
@@ -9,7 +9,7 @@ megaft's router_aux_loss_coef is 0.
 
 The published checkpoints carry num_nextn_predict_layers multi-token-prediction layers as
 `model.layers.{num_hidden_layers + i}.*`: megaft trains next-token prediction only, so the
-import skips them (megaft.models.hf_load) and the export writes num_nextn_predict_layers 0.
+import skips them (megaft.models.hf.load) and the export writes num_nextn_predict_layers 0.
 Their FP8 release (quantization_config quant_method fp8) is read for planning, and refused
 for training and weight loading (dequantize to bf16 first)."""
 from megaft.models.arch.spec import NO_GEMMA23, ArchSpec, HFConfigError, ModelConfig, get, refuse_unless

@@ -2,7 +2,7 @@
 embeddings, plus the sandwich norms, query_pre_attn_scalar and windowed layers it shares
 with Gemma 3 (every other layer slides by default, from the first), one RoPE for all
 layers, and logit soft-capping: attention scores cap · tanh(s / cap) (50 by default, the
-explicit attention of megaft.models.softcap) and the final logits (30)."""
+explicit attention of megaft.models.attention.softcap) and the final logits (30)."""
 from megaft.models.arch.gemma3 import WINDOW_FIELDS, sandwich_read, sandwich_write
 from megaft.models.arch.spec import ArchSpec, HFConfigError, ModelConfig, refuse_unless, window_field
 

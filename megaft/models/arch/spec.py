@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from megaft.config.model import ModelConfig
-from megaft.models.rope import ROPE_TYPES
+from megaft.models.attention.rope import ROPE_TYPES
 
 
 class HFCheckpointError(ValueError):
@@ -60,7 +60,7 @@ ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor", "origin
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                       "mscale", "mscale_all_dim", "truncate")}
-# Our stacked expert weights (megaft.models.moe.Experts), in the order of ArchSpec.expert_proj.
+# Our stacked expert weights (megaft.models.moe.layer.Experts), in the order of ArchSpec.expert_proj.
 EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 ACT_ALIASES = {"gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh", "silu": "silu",
                "swish": "silu"}

@@ -6,7 +6,7 @@
 - `ring`: ring attention over the cp group, K/V travelling with asynchronous p2p.
 
 Attention reaches the ring through the micro-batch's `Docs.cp` (megaft.models.attention);
-the packed-document masks that are not cp-specific stay in megaft.models.docs.
+the packed-document masks that are not cp-specific stay in megaft.models.attention.documents.
 """
 from megaft.parallel.context.batch import context_shard
 from megaft.parallel.context.layout import ContextShard, chunk_index

@@ -18,7 +18,7 @@ def context_shard(input_ids: torch.Tensor, labels: torch.Tensor, docs, group: Gr
     """(input_ids, labels, position_ids, doc_ids, shard): this cp rank's tokens of a
     micro-batch of whole rows [b, seq] (its two chunks), their positions for RoPE (global
     ones, or each document's own under packing) and document ids, and the ContextShard.
-    `docs`: the rows' packed-document layout (megaft.models.docs.Docs: its `position_ids`
+    `docs`: the rows' packed-document layout (megaft.models.attention.documents.Docs: its `position_ids`
     and `doc_ids`), None for one causal sequence per row. The caller wraps the last three
     into the micro-batch's Docs, which attention reads."""
     b, seq = input_ids.shape

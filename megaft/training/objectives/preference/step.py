@@ -1,6 +1,6 @@
 """The step part of a preference run (train.objective = dpo | robust | ipo | simpo | orpo).
 
-Each micro-batch's rows (megaft.training.pref_data) go through the model once; the
+Each micro-batch's rows (megaft.training.objectives.preference.data) go through the model once; the
 completion log-probs come from the vocab-parallel cross-entropy (megaft.pref.logps), summed
 per row (under cp over the cp ranks' chunks, a sum whose backward is the identity: each
 rank then back-propagates its own tokens); the objective (megaft.pref.losses, TRL's
@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from megaft.config.pref import needs_reference
-from megaft.models.attention import op_backend
-from megaft.models.hf_load import hf_model_config
-from megaft.models.moe_stats import StepRouterStats
+from megaft.models.attention.gqa import op_backend
+from megaft.models.hf.load import hf_model_config
+from megaft.models.moe.metrics import router_weight
+from megaft.models.moe.stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
@@ -42,8 +43,7 @@ from megaft.pref.logps import SequenceLogps, decoder_token_logps, sequence_logps
 from megaft.pref.losses import METRICS, ORPO_METRICS, preference_loss
 from megaft.pref.packing import segment_sums
 from megaft.pref.scores import fingerprint_parts, load_scores, save_scores, scores_path
-from megaft.training.moe_metrics import router_weight
-from megaft.training.pref_data import PairBatch, context_chunks, row_length
+from megaft.training.objectives.preference.data import PairBatch, context_chunks, row_length
 from megaft.training.protocols import RunParts
 from megaft.training.step import PipelineStep, PlainStep, precision_autocast
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
-from megaft.models.docs import Docs
+from megaft.models.attention.documents import Docs
 from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid
 from megaft.pref.batches import PairRows

@@ -1,6 +1,6 @@
 """A step's router statistics on one rank (mixtures of experts, megaft.models.moe): the aux and
 z values of its micro-batches and the tokens each expert got, per MoE layer; `record` turns
-them into the metrics line's fields (megaft.training.moe_metrics)."""
+them into the metrics line's fields (megaft.models.moe.metrics)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from megaft.config.model import ModelConfig
-from megaft.models.moe import RouterLosses
+from megaft.models.moe.router import RouterLosses
 from megaft.parallel.comm import all_reduce, group_size
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from megaft.config.model import ModelConfig
 from megaft.models.arch import SPECS, spec_for
 from megaft.models.arch.spec import HFCheckpointError, read_common, readable_quantized, screen
-from megaft.models.kv import local_rows
+from megaft.models.attention.kv_heads import local_rows
 from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of
 
 CONFIG = "config.json"

@@ -6,7 +6,7 @@ MoE layer's routing correction bias moves each expert by a fixed `rate` towards 
 
 with load_e the step's top-k assignments to expert e summed over the whole global batch (every
 micro-batch, dp×cp replica and, under sequence parallel, tp rank: `metrics`' moe/N/tokens
-counts). The bias changes the choice of experts only, never their weights (megaft.models.moe.Router),
+counts). The bias changes the choice of experts only, never their weights (megaft.models.moe.router.Router),
 and no gradient reaches it. `moe.bias_update_rate` = 0 (the fine-tuning default) keeps it frozen.
 """
 from __future__ import annotations

@@ -38,9 +38,9 @@ from megaft.kernels.rope import rope
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
-from megaft.models.attention import op_backend
-from megaft.models.docs import Docs, attend, rope_at
-from megaft.models.rope import rope_kind
+from megaft.models.attention.documents import Docs, attend, rope_at
+from megaft.models.attention.gqa import op_backend
+from megaft.models.attention.rope import rope_kind
 from megaft.parallel.comm import Group, group_size
 from megaft.parallel.context.ring import ring_attention
 from megaft.parallel.tensor.shard import mark_sequence_parallel
@@ -101,7 +101,7 @@ class MLAttention(nn.Module):
                 if proj is not None:
                     mark_sequence_parallel(proj.weight)
         self.lin = lin
-        self.cache = None  # a LayerCache while generating (megaft.models.kv_cache.kv_cache)
+        self.cache = None  # a LayerCache while generating (megaft.inference.kv_cache.kv_cache)
 
     def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [b, s, heads * qk] of this rank's heads, kv latent [b, s, kv_lora], rotary key [b, s, rot]),
@@ -129,7 +129,7 @@ class MLAttention(nn.Module):
             q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
         if docs is not None:
             q_rot, k_rot = rope_at(q_rot.contiguous(), k_rot.contiguous(), cos, sin, docs, self.rope_backend)
-        else:  # generating (megaft.models.kv_cache): only the new positions
+        else:  # generating (megaft.inference.kv_cache): only the new positions
             at = self.cache.positions(s, cos.shape[0], x.device) if self.cache is not None else slice(0, s)
             q_rot, k_rot = rope(q_rot.contiguous(), k_rot.contiguous(), cos[at], sin[at], self.rope_backend)
         kv = self.kv_b_proj(kv).view(b, s, self.n_heads, self.nope + self.v).transpose(1, 2)

@@ -2,7 +2,7 @@
 stages (`pipeline_generate`), greedy or sampled, with a KV cache; and user-visible logits.
 
 Prompts are batched by length (no padding or masks needed). With the cache
-(megaft.models.kv_cache: every attention kind megaft builds) the prompt runs through the
+(megaft.inference.kv_cache: every attention kind megaft builds) the prompt runs through the
 model once and each new token alone after it; with `cache=False` every step reruns the
 whole sequence (the reference the cache is tested against). Generation stops at eos, after
 `max_new_tokens` or at model.max_seq_len tokens in all.
@@ -25,8 +25,8 @@ from typing import Callable, Collection, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megaft.inference.kv_cache import kv_cache
 from megaft.models.decoder import Decoder
-from megaft.models.kv_cache import kv_cache
 from megaft.parallel.comm import all_gather, group_size
 from megaft.parallel.tensor.comm import gather_from_tp
 

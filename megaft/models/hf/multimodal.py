@@ -4,9 +4,9 @@ Gemma 3 4B, 12B and 27B are published as Gemma3ForConditionalGeneration (model_t
 gemma3: a vision tower, a projector and a Gemma 3 text model). megaft fine-tunes the text
 model:
 
-    python -m megaft.models.multimodal text  /ckpt/gemma-3-12b-it /ckpt/gemma-3-12b-it-text
+    python -m megaft.models.hf.multimodal text  /ckpt/gemma-3-12b-it /ckpt/gemma-3-12b-it-text
     megaft-train model.init_from=/ckpt/gemma-3-12b-it-text train.export_hf=true ...
-    python -m megaft.models.multimodal merge /ckpt/gemma-3-12b-it RUN_DIR/hf /ckpt/gemma-3-12b-it-ft
+    python -m megaft.models.hf.multimodal merge /ckpt/gemma-3-12b-it RUN_DIR/hf /ckpt/gemma-3-12b-it-ft
 
 `text` writes the text model as transformers' Gemma3ForCausalLM would save it: config.json
 is the `text_config` with model_type gemma3_text; the language model's tensors
@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaft.models.arch.spec import HFCheckpointError
-from megaft.models.hf_export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer_files
-from megaft.models.hf_load import CONFIG, INDEX, SINGLE, checkpoint_files, read_hf_config
+from megaft.models.hf.export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer_files
+from megaft.models.hf.load import CONFIG, INDEX, SINGLE, checkpoint_files, read_hf_config
 
 # multimodal model_type -> (text model_type, text architecture)
 MULTIMODAL = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
@@ -115,7 +115,7 @@ def merge_text_model(multimodal: str, text: str, dst: str, max_shard_bytes: int 
     if kind != want:
         raise HFCheckpointError(f"{os.path.join(text, CONFIG)}: model_type {kind!r}, not the {want!r} text model of "
                                 f"{multimodal}; fix: pass the folder megaft exported (RUN_DIR/hf) from a run that "
-                                f"started from `python -m megaft.models.multimodal text {multimodal} ...`")
+                                f"started from `python -m megaft.models.hf.multimodal text {multimodal} ...`")
     text_files = checkpoint_files(text)
     text_names = {n: n for n in text_files}
     mine = {new for new in names.values() if new is not None}
@@ -216,7 +216,7 @@ def _new_folder(dst: str) -> Iterator[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megaft.models.multimodal", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megaft.models.hf.multimodal", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     text = sub.add_parser("text", help="write the text model of a multimodal checkpoint")
     text.add_argument("src", help="the multimodal checkpoint folder (config.json + *.safetensors)")

@@ -1,5 +1,5 @@
 """The keys and values of the tokens decoded so far, so that each new token runs one position
-through the model (megaft.models.generate).
+through the model (megaft.inference.generate).
 
 `kv_cache(model)` gives every `Attention` and `MLAttention` of `model` (a `Decoder`, or a pipeline
 rank's `StageModel`: each rank caches its own layers) a `LayerCache` over one shared
@@ -26,9 +26,9 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from megaft.models.attention import Attention
-from megaft.models.mla import MLAttention
-from megaft.models.softcap import softcap_attention
+from megaft.models.attention.gqa import Attention
+from megaft.models.attention.mla import MLAttention
+from megaft.models.attention.softcap import softcap_attention
 
 
 @dataclass
@@ -99,7 +99,7 @@ class LayerCache:
         and scaled) over the cache extended by the new k, v; `window`: a sliding-window layer's
         (each query sees its last `window` positions, itself included, as in training); `scale`:
         SDPA's (latent attention's own; None: head_dim^-1/2); `softcap`: soft-capped scores
-        (Gemma 2), computed as training computes them (megaft.models.softcap)."""
+        (Gemma 2), computed as training computes them (megaft.models.attention.softcap)."""
         pos, s = self.state.pos, q.shape[2]
         k, v = self.extend(k, v)
         n = k.shape[2]

@@ -15,26 +15,26 @@ the training pass does only without dropout, which validation requires.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from megaft.models.moe import GlobalCounts
+from megaft.models.moe.router import GlobalCounts
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
-from megaft.training.protocols import StepBatch
 
 
-def global_counts(count: Callable[[torch.Tensor, Optional[object]], torch.Tensor], batch: StepBatch,
-                  grid: ParallelGrid, n_experts: int, autocast) -> GlobalCounts:
-    """The global batch's GlobalCounts; `count(ids, docs)`: one micro-batch's assignments per
-    expert over this rank's MoE layers (Decoder.router_counts, PipelineRuntime.router_counts).
+def global_counts(count: Callable[[torch.Tensor, Optional[object]], torch.Tensor], inputs: Sequence[torch.Tensor],
+                  docs: Optional[Sequence], grid: ParallelGrid, n_experts: int, autocast) -> GlobalCounts:
+    """The global batch's GlobalCounts from this rank's micro-batches `inputs` (and their document
+    layouts `docs`, or None); `count(ids, docs)`: one micro-batch's assignments per expert over
+    this rank's MoE layers (Decoder.router_counts, PipelineRuntime.router_counts).
     Collective over pp and dp."""
     totals = torch.zeros(n_experts + 1, dtype=torch.float64, device=grid.device)
-    for i, ids in enumerate(batch.inputs):
+    for i, ids in enumerate(inputs):
         with autocast():
-            totals[:n_experts] += count(ids.to(grid.device), batch.docs[i] if batch.docs else None).double()
+            totals[:n_experts] += count(ids.to(grid.device), docs[i] if docs else None).double()
         totals[n_experts] += ids.numel() * grid.cp_size  # under cp this rank holds 1/cp of each row
     all_reduce(totals[:n_experts], grid.pp_group)  # each stage counted its own layers
     all_reduce(totals, grid.dp_group)  # cp ranks share their micro-batches (counted whole already)
-    return GlobalCounts(totals[:n_experts].float(), totals[n_experts].float(), len(batch.inputs) * grid.dp_size)
+    return GlobalCounts(totals[:n_experts].float(), totals[n_experts].float(), len(inputs) * grid.dp_size)

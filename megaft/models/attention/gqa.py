@@ -8,10 +8,10 @@
 * sliding window (`sliding_window`, `layer_types`, Mistral/Qwen2): query i sees keys
   j with i - window < j <= i (transformers' sliding_window_overlay), a boolean mask
   for SDPA; RoPE goes through the rope kernel front either way;
-* tp wider than the kv heads: kv heads replicated (megaft.models.kv);
+* tp wider than the kv heads: kv heads replicated (megaft.models.attention.kv_heads);
 * `query_pre_attn_scalar` (Gemma 2/3): the scores' scale, applied to q;
-* `attn_softcap` (Gemma 2): soft-capped scores, explicit attention (megaft.models.softcap);
-* generation's KV cache (`cache`, set by megaft.models.kv_cache while decoding).
+* `attn_softcap` (Gemma 2): soft-capped scores, explicit attention (megaft.models.attention.softcap);
+* generation's KV cache (`cache`, set by megaft.inference.kv_cache while decoding).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.layers.norm import WidthRMSNorm
 from megaft.models import recompute
-from megaft.models.docs import Docs, attend, kernel_name, rope_at
-from megaft.models.kv import mark_replicated, replica_sum
-from megaft.models.softcap import softcap_attention
+from megaft.models.attention.documents import Docs, attend, kernel_name, rope_at
+from megaft.models.attention.kv_heads import mark_replicated, replica_sum
+from megaft.models.attention.softcap import softcap_attention
 from megaft.parallel.comm import Group, group_size
 from megaft.parallel.context.ring import ring_attention
 
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads // tp, cfg.kv_heads * self.replicas // tp, hd
         self.window = cfg.window(layer)
         self.selective = selective
-        self.cache = None  # a LayerCache while generating (megaft.models.kv_cache.kv_cache)
+        self.cache = None  # a LayerCache while generating (megaft.inference.kv_cache.kv_cache)
         lin = op_backend(kernels, "linear")
         col = dict(group=group, bias=cfg.attention_bias or cfg.qkv_bias, sequence_parallel=sequence_parallel,
                    shared_input=True, backend=lin)
@@ -102,7 +102,7 @@ class Attention(nn.Module):
         # multiplied by sqrt(head_dim / it) so every attention path (SDPA, documents, ring) keeps its scale
         qpas = cfg.query_pre_attn_scalar
         self.q_scale = math.sqrt(hd / qpas) if qpas is not None and qpas != hd else None
-        self.softcap = cfg.attn_softcap  # Gemma 2: the explicit form (megaft.models.softcap), cp refused
+        self.softcap = cfg.attn_softcap  # Gemma 2: the explicit form (megaft.models.attention.softcap), cp refused
         self.q_norm = self.k_norm = None
         self.full_qk_norm = cfg.qk_norm and cfg.qk_norm_width == "full"
         if self.full_qk_norm:  # OLMoE: over the whole q (k) projection, each rank's heads a slice of it
@@ -121,7 +121,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Docs] = None) -> torch.Tensor:
-        """`docs`: packed documents kept apart (megaft.models.docs), positions restarting
+        """`docs`: packed documents kept apart (megaft.models.attention.documents), positions restarting
         in each; None = one causal sequence per row."""
         x = column_input(x, self.group, self.sp)
         b, s, _ = x.shape
@@ -144,7 +144,7 @@ class Attention(nn.Module):
             else:
                 out = recompute.run(attend, q, k, v, docs, self.window, self.n_kv != self.n_heads,
                                     enabled=self.selective)
-        elif self.cache is not None:  # generating (megaft.models.kv_cache): only the new positions
+        elif self.cache is not None:  # generating (megaft.inference.kv_cache): only the new positions
             at = self.cache.positions(s, cos.shape[0], x.device)
             q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[at], sin[at], self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale

@@ -20,8 +20,8 @@ Rope parameters: transformers 5 writes `rope_parameters: {rope_type, rope_theta,
 export writes both, so transformers 4 and 5 load the result.
 """
 from megaft.models.arch.spec import HFConfigError
-from megaft.models.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf, hf_config_dict
-from megaft.models.hf_load import (
+from megaft.models.hf.export import DEFAULT_MAX_SHARD_BYTES, export_hf, hf_config_dict
+from megaft.models.hf.load import (
     HFCheckpointError,
     checkpoint_files,
     hf_model_config,

@@ -5,7 +5,7 @@ Objective (megaft.models.moe): the token-weighted cross-entropy of the global ba
 router_aux_loss_coef x aux + router_z_loss_coef x z averaged over the global batch's
 micro-batches (accumulation x dp), as Megatron averages its aux loss; each micro-batch's
 value is transformers' for that micro-batch, whatever its split over tp, sp and cp. Under
-moe.aux_scope=global_batch, aux and z are the global batch's (megaft.training.global_router).
+moe.aux_scope=global_batch, aux and z are the global batch's (megaft.models.moe.global_router).
 """
 from __future__ import annotations
 

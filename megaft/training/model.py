@@ -1,0 +1,66 @@
+"""The model part of a run: the kernels it uses and this rank's shard of it (HF weights or a
+tp-independent init, LoRA adapters), and its parameter count."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megaft.kernels.autotune import decide_kernels
+from megaft.models.decoder import Decoder
+from megaft.parallel.comm import all_reduce
+from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.tensor.shard import full_shape
+from megaft.peft import apply_lora
+from megaft.pipeline.stage import StageModel
+from megaft.training.protocols import Kernels, RunParts
+
+
+def choose_kernels(parts: RunParts) -> Kernels:
+    """kernels.backend=auto on CUDA set to the backends measured fastest (rank 0 decides for
+    all ranks), and each op's backend and its source for summary.json
+    (megaft.kernels.autotune.decide_kernels)."""
+    cfg, grid = parts.cfg, parts.grid
+    return Kernels(*decide_kernels(cfg.kernels, cfg.model, tp=grid.tp_size, batch=cfg.train.micro_batch_size,
+                                   seq=cfg.data.seq_len, precision=cfg.precision, device=grid.device,
+                                   rank=grid.rank, master_weights=cfg.optim.master_weights))
+
+
+def build_model(parts: RunParts) -> Decoder | StageModel:
+    """The sharded model on this rank's device: HF weights or a tp-independent init.
+    Under pp > 1 it is this rank's pipeline stages (`StageModel`, same parameter names).
+    Built with parts.kernels (choose_kernels when not built yet)."""
+    cfg, grid = parts.cfg, parts.grid
+    par = cfg.parallel
+    kernels = (parts.kernels or choose_kernels(parts)).config
+    if grid.pp_size > 1:
+        model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
+                           group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
+                           ep_group=grid.ep_group, routing=cfg.moe)
+    else:
+        model = Decoder(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
+                        ep_group=grid.ep_group, routing=cfg.moe)
+    if cfg.model.init_from:
+        from megaft.models.hf import load_hf_weights
+
+        load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size,
+                        strict=grid.pp_size == 1)
+    else:
+        from megaft.models.init import init_params
+
+        init_params(model, cfg.model, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    if cfg.lora.rank > 0:  # LoRA: freeze the base, attach seeded adapters (megaft.peft)
+        apply_lora(model, cfg.lora, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    return model.to(grid.device)
+
+
+def model_params(model: torch.nn.Module, grid: ParallelGrid, *, trainable: bool = False) -> int:
+    """Parameters of the whole (unsharded, unpadded) model; `trainable`: only those the
+    optimizer updates (LoRA: the adapters). Under pp a sum over the stages (a collective)."""
+    copy = model.embed_tokens.weight if getattr(model, "tied_copy", False) else None
+    local = sum(math.prod(full_shape(p, grid.tp_size)) for p in model.parameters()
+                if p is not copy and (p.requires_grad or not trainable))
+    if grid.pp_size == 1:
+        return local
+    total = torch.tensor(float(local), dtype=torch.float64, device=grid.device)
+    return int(all_reduce(total, grid.pp_group).item())
