@@ -104,7 +104,7 @@ def rank_startup(path: str) -> tuple[float, float, float, int]:
 
 
 def prepare(data: str, ckpt: str, cache: str, workers: int) -> tuple[str, float]:
-    from megaft.data import DataConfig
+    from megaft.config.data import DataConfig
     from megaft.data.prepare import prepare_dataset
 
     cfg = DataConfig(path=data, chat_template="chatml", cache_dir=cache, prepare_workers=workers, seq_len=2048)

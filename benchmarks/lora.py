@@ -46,13 +46,14 @@ import torch
 from benchmarks.train_step.measure import model_config, round_orders, split_steps, timed_steps
 from megaft.config import Config
 from megaft.config.kernels import KernelsConfig
+from megaft.config.lora import LoraConfig
 from megaft.config.model import ModelConfig
 from megaft.config.optim import OptimConfig
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from megaft.optim.adamw import AdamW
 from megaft.parallel.data.flat import FlatParams
-from megaft.peft import LoraConfig, apply_lora
+from megaft.peft.lora import apply_lora
 from megaft.perf.memory import estimate_ranks
 
 VARIANTS = ("full", "lora")

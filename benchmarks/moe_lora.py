@@ -55,9 +55,9 @@ import torch
 from benchmarks import lora as lora_bench
 from benchmarks.kernels.harness import load_average, quantile
 from megaft.config.kernels import KernelsConfig
+from megaft.config.lora import LoraConfig
 from megaft.config.model import ModelConfig
 from megaft.models.checks import check_model
-from megaft.peft import LoraConfig
 
 VARIANTS = lora_bench.VARIANTS  # ("full", "lora"): full is the reference
 STATE = lora_bench.STATE  # params, grads, optimizer

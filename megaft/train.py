@@ -22,8 +22,9 @@ def prepare_data(cfg: Config, *, progress: bool) -> None:
     """Tokenize file data for packing=docs|none, or preference pairs, into the prepared store once, before any rank
     joins a collective: here in the launcher, or (torchrun/srun) in every rank's process,
     where a file lock lets one prepare and the others wait (megaft.data.prepare)."""
+    from megaft.config.data import data_sources
     from megaft.config.pref import is_preference
-    from megaft.data import data_sources, prepare_dataset
+    from megaft.data.prepare import prepare_dataset
 
     if not data_sources(cfg.data):
         return

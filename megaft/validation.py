@@ -25,7 +25,6 @@ from megaft.config.wandb import check_logger
 from megaft.data.build import build_tokenizer
 from megaft.data.checks import check_data
 from megaft.data.prompts import check_samples
-from megaft.device import resolve_device
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
@@ -37,7 +36,7 @@ def resolve(cfg: Config) -> Config:
     """Fill the fields that come from files: the HF architecture of model.init_from and
     the vocabulary size of the tokenizer. Call after the files were validated."""
     if cfg.model.init_from:
-        from megaft.models.hf import hf_model_config
+        from megaft.models.hf.config import hf_model_config
 
         # Shape fields from config.json; dropout, init and padding stay as configured.
         cfg.model = hf_model_config(cfg.model.init_from, base=cfg.model)
@@ -153,7 +152,7 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     if cfg.device not in set(Device):
         problems.append(f"device={cfg.device!r} is unknown; fix: auto, cpu or cuda")
     else:
-        problems += check_kernels(cfg.kernels, resolve_device(cfg.device))
+        problems += check_kernels(cfg.kernels, cfg.device)
     return problems
 
 

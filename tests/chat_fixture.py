@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 
 from megaft.config import Config
 from megaft.config.data import Packing
+from megaft.config.lora import LoraConfig
 from megaft.parallel.grid import ParallelGrid
-from megaft.peft import LoraConfig
 from megaft.training.loop import Trainer
 from megaft.validation import resolve
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from megaft.optim import OptimConfig
+from megaft.config.optim import OptimConfig
 from megaft.optim.zero import build_optimizer
 from megaft.parallel.data.flat import FlatParams, plan_buckets
 from megaft.parallel.grid import ParallelGrid

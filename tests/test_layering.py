@@ -224,3 +224,14 @@ def test_only_megaft_perf_counts_flops_and_bytes():
     planted = ("PEAK_TFLOPS = ()\ndef flops_per_token(m, seq):\n"
                "    return 6.0 * m.n_layers + 12.0 * m.n_heads * seq\ndef layer_params(m, tp): pass\n")
     assert len(counting_sites(planted)) == 5, counting_sites(planted)
+
+
+def test_docs_architecture_draws_the_folders_in_order():
+    # docs/architecture.md's table is drawn from FOLDERS: one row per folder (or group of tools), lowest first
+    path = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
+    drawn = []
+    for line in open(path):
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            drawn += [f"megaft.{name.rstrip('/')}" for name in re.findall(r"`([\w/]+)`", first)]
+    assert drawn == [f for f in FOLDERS if f != "megaft"]

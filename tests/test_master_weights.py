@@ -242,7 +242,8 @@ def test_step_equals_torch_adamw_on_the_masters():
     """The optimizer alone: masters equal torch.optim.AdamW run in fp32 on the rounded init with
     the bf16 grads upcast, bit for bit (the torch kernel is torch's own op sequence), and every
     bf16 param equals its master rounded to nearest even."""
-    from megaft.optim import AdamW, OptimConfig
+    from megaft.config.optim import OptimConfig
+    from megaft.optim.adamw import AdamW
     from megaft.parallel.data import FlatParams
 
     torch.manual_seed(0)

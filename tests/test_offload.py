@@ -10,7 +10,7 @@ from multirank import spawn
 from torch import nn
 from train_cases import DP_STEPS, dp_config, read_rows
 
-from megaft.optim import OptimConfig
+from megaft.config.optim import OptimConfig
 from megaft.optim.zero import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer

@@ -98,9 +98,8 @@ def test_export_and_generation_under_pp(runs, name):
 
     from megaft.inference.generate import greedy_generate
     from megaft.models.decoder import Decoder
-    from megaft.models.hf import load_hf_weights
     from megaft.models.hf.export import export_hf
-    from megaft.models.hf.load import checkpoint_files
+    from megaft.models.hf.load import checkpoint_files, load_hf_weights
 
     spec = dict(ALL_RUNS[name])
     hf_dir = os.path.join(runs, name, "hf")

@@ -334,3 +334,21 @@ def test_cli_exits_2_on_a_bad_config(tmp_path, args, message):
 def test_user_overrides_keep_what_megaft_train_needs():
     assert user_overrides(["cluster=h100", "cluster.nodes=8", "+plan.top_k=3", "parallel.tp=2", "hydra.run.dir=x",
                            "model.init_from=/m", "data.seq_len=8192"]) == ["model.init_from=/m", "data.seq_len=8192"]
+
+
+def test_the_planner_and_cfg_job_import_no_torch(tmp_path):
+    # A planner and a config print need no torch (issue 37): megaft-plan on Llama-3.1-70B's config.json
+    # and `megaft-train --cfg job`, each run whole in a fresh interpreter, never import it.
+    import subprocess
+    import sys
+
+    ckpt = checkpoint(tmp_path, "70B")
+    for entry, args in (("plan", [f"model.init_from={ckpt}", "cluster=h100", "cluster.nodes=8",
+                                  f"hydra.run.dir={tmp_path / 'plan'}"]),
+                        ("train", ["--cfg", "job"])):
+        code = ("import sys; import megaft.cli as c; sys.argv = ['x'] + sys.argv[1:]\n"
+                "try:\n    c." + entry + "()\nexcept SystemExit:\n    pass\n"
+                "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path)
+        assert out.stdout.strip().endswith("NO TORCH"), (entry, out.stdout[-2000:], out.stderr[-2000:])
+    assert (tmp_path / "plan" / "plan.json").is_file()  # the plan really ran

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from megaft.optim import OptimConfig
+from megaft.config.optim import OptimConfig
 from megaft.optim.zero import build_optimizer
 from megaft.parallel.grid import ParallelGrid
 

@@ -88,7 +88,7 @@ class RanksEngine:
     """The model tensor-parallel over `nproc` spawned local ranks (module docstring)."""
 
     def __init__(self, chat: ChatModel, nproc: int, device_setting: str):
-        from megaft.models.hf import hf_model_config
+        from megaft.models.hf.config import hf_model_config
 
         self.max_len = hf_model_config(chat.hf_dir).max_seq_len
         ctx = multiprocessing.get_context("spawn")

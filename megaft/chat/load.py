@@ -103,7 +103,7 @@ def _stop_ids(hf_dir: str, tokenizer: str, template) -> tuple[int, ...]:
     from tokenizers import Tokenizer
 
     from megaft.data.tokenizer import special_ids
-    from megaft.models.hf.load import read_hf_config
+    from megaft.models.hf.config import read_hf_config
 
     listed = read_hf_config(hf_dir).get("eos_token_id")
     ids = set(listed if isinstance(listed, list) else [listed])
@@ -118,7 +118,8 @@ def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=No
                 device: torch.device = torch.device("cpu")):
     """This tp rank's Decoder of `chat.hf_dir` (its slice of every sharded weight), in eval mode."""
     from megaft.models.decoder import Decoder
-    from megaft.models.hf import hf_model_config, load_hf_weights
+    from megaft.models.hf.config import hf_model_config
+    from megaft.models.hf.load import load_hf_weights
 
     model = Decoder(hf_model_config(chat.hf_dir), group=group)
     load_hf_weights(model, chat.hf_dir, tp_rank=tp_rank, tp_size=tp_size)

@@ -34,7 +34,7 @@ from megaft.checkpoint import io
 from megaft.checkpoint.adapters import check_lora_base
 from megaft.checkpoint.io import CheckpointWarning
 from megaft.checkpoint.reshard import load_resharded, moment_ranges, restore_buffers
-from megaft.optim import AdamW
+from megaft.optim.adamw import AdamW
 from megaft.parallel.data import FlatParams
 from megaft.parallel.grid import ParallelGrid
 

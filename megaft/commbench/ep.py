@@ -53,7 +53,7 @@ ZIPF_EXPONENT = 0.5
 def model_shape(cfg: Config) -> ModelConfig:
     """The model's shape: config.json's under model.init_from (as megaft-train resolves it), else model.*."""
     if cfg.model.init_from:
-        from megaft.models.hf.load import hf_model_config
+        from megaft.models.hf.config import hf_model_config
 
         return hf_model_config(cfg.model.init_from, base=cfg.model)
     return cfg.model

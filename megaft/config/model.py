@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Dict, List, Optional
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")  # transformers' rope_type values megaft computes
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations of the gated MLP (SwiGLU, GeGLU)
 ROUTER_SCORING = ("softmax", "sigmoid")  # router scores: softmax over the experts, or each expert's sigmoid
 QK_NORM_WIDTHS = ("head", "full")  # what model.qk_norm normalizes: each head, or all heads at once (OLMoE)
@@ -134,6 +135,12 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """`size` rounded up to a multiple of `multiple`: the vocabulary padded to make_vocab_size_divisible_by * tp,
+    as the parallel embedding and head hold it (megaft.layers) and the performance model counts it."""
+    return -(-size // multiple) * multiple
 
 
 def kv_replicas(cfg: ModelConfig, tp: int) -> int:

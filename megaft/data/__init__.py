@@ -23,39 +23,3 @@ that keeps documents apart:
     batch = stream.doc_batch(step, n)    # + position_ids, doc_ids, cu_seqlens of the same rows
     chat = chat_encoder(cfg, tok, init_from=...)                # in-memory: encode_examples(..., chat=chat)
 """
-
-from megaft.config.data import DataConfig, SourceConfig, data_sources
-from megaft.data.batches import IGNORE_INDEX, PackedStream, count_targets, eval_batches
-from megaft.data.build import Examples, build_tokenizer, chat_encoder, load_examples
-from megaft.data.checks import check_data
-from megaft.data.encode import Encoded, encode_example, encode_examples
-from megaft.data.errors import DataError
-from megaft.data.formats import parse_record
-from megaft.data.jsonl import jsonl_problems, parse_example, read_jsonl
-from megaft.data.packed import DocBatch, EncodedCorpus, PackedDocs, cu_seqlens, document_mask
-from megaft.data.plan import EpochPlan, epoch_plan, first_fit
-from megaft.data.sources import mixture, read_source, source_files
-from megaft.data.store import PreparedDataset
-from megaft.data.tasks import TASKS, Task, TaskSpec, exact_match, make_task, task_tokenizer
-from megaft.data.tokenizer import char_tokenizer, load_tokenizer, special_ids
-
-__all__ = [
-    "IGNORE_INDEX", "PackedStream", "count_targets", "eval_batches",
-    "DataConfig", "Examples", "build_tokenizer", "chat_encoder", "check_data", "data_sources", "load_examples",
-    "Encoded", "encode_example", "encode_examples",
-    "DataError",
-    "parse_record", "jsonl_problems", "parse_example", "read_jsonl",
-    "DocBatch", "EncodedCorpus", "PackedDocs", "cu_seqlens", "document_mask",
-    "EpochPlan", "epoch_plan", "first_fit",
-    "SourceConfig", "mixture", "read_source", "source_files",
-    "PreparedDataset", "prepare_dataset",
-    "TASKS", "Task", "TaskSpec", "exact_match", "make_task", "task_tokenizer",
-    "char_tokenizer", "load_tokenizer", "special_ids",
-]
-
-
-def prepare_dataset(*args, **kwargs):
-    """megaft.data.prepare.prepare_dataset (imported on use: it pulls in jinja2 and multiprocessing)."""
-    from megaft.data.prepare import prepare_dataset as prepare
-
-    return prepare(*args, **kwargs)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megaft.models.hf.load import CONFIG, INDEX, SINGLE
+from megaft.models.hf.config import CONFIG, INDEX, SINGLE
 from megaft.run_dir import is_run_dir
 
 EXPORT_DIR = os.path.join("eval", "hf")  # a checkpoint's export, inside the run dir
@@ -93,7 +93,7 @@ def export_checkpoint(run_dir: str, ckpt_dir: str, out_dir: str) -> str:
 
     from megaft.checkpoint.reshard import named_tensors
     from megaft.models.decoder import Decoder
-    from megaft.models.hf import export_hf
+    from megaft.models.hf.export import export_hf
     from megaft.training.run_config import read_run_config
 
     run = read_run_config(run_dir)
@@ -103,7 +103,7 @@ def export_checkpoint(run_dir: str, ckpt_dir: str, out_dir: str) -> str:
     cfg = run.config
     model = Decoder(cfg.model, routing=cfg.moe)
     if cfg.model.init_from:
-        from megaft.models.hf import load_hf_weights
+        from megaft.models.hf.load import load_hf_weights
 
         load_hf_weights(model, cfg.model.init_from, tp_rank=0, tp_size=1)
     else:
@@ -111,7 +111,7 @@ def export_checkpoint(run_dir: str, ckpt_dir: str, out_dir: str) -> str:
 
         init_params(model, cfg.model, seed=cfg.train.seed, tp_rank=0, tp_size=1)
     if cfg.lora.rank > 0:
-        from megaft.peft import apply_lora
+        from megaft.peft.lora import apply_lora
 
         apply_lora(model, cfg.lora, seed=cfg.train.seed, tp_rank=0, tp_size=1)
     saved = named_tensors(ckpt_dir)

@@ -3,14 +3,12 @@ and the autotune cache's path, each problem with its fix (megaft.kernels.dispatc
 from __future__ import annotations
 
 from megaft.config.kernels import BACKENDS, CUDA_OPS, OPS, KernelsConfig
+from megaft.device import resolve_device
 
 
-def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:
-    """Every problem of `cfg` for a run on `device_type` ("cpu" or "cuda"), with its fix."""
-    import torch
-
-    from megaft.kernels import dispatch
-
+def check_kernels(cfg: KernelsConfig, device: str) -> list[str]:
+    """Every problem of `cfg` for a run on `device` (the setting: auto | cpu | cuda), with its fix.
+    The device is resolved, and torch imported, only when an op asks for an explicit backend."""
     problems = []
     for name in ("backend",) + OPS:
         value = getattr(cfg, name)
@@ -21,17 +19,22 @@ def check_kernels(cfg: KernelsConfig, device_type: str) -> list[str]:
     if cfg.ce_chunk_tokens < 1:
         problems.append(f"kernels.ce_chunk_tokens={cfg.ce_chunk_tokens} must be >= 1")
     problems += _cache_problems(cfg)
-    device = torch.device(device_type)
+    explicit = [op for op in OPS if cfg.for_op(op) not in ("auto", "torch")]
+    if not explicit:  # nothing the device could refuse
+        return problems
+    import torch
+
+    from megaft.kernels import dispatch
+
+    device_type = resolve_device(device)
     blocked: dict[tuple[str, str, str], list[str]] = {}  # (source, backend, why) -> ops: one line each
-    for op in OPS:
+    for op in explicit:
         asked = cfg.for_op(op)
-        if asked in ("auto", "torch"):
-            continue
         source = f"kernels.{op}" if getattr(cfg, op) else "kernels.backend"
         if asked == "cuda" and op not in CUDA_OPS:
             problems.append(f"{source}=cuda: {op} has no CUDA C++ kernel; fix: kernels.{op}=triton, auto or torch")
             continue
-        why = dispatch.unavailable_reason(op, asked, device)
+        why = dispatch.unavailable_reason(op, asked, torch.device(device_type))
         if why is not None:
             blocked.setdefault((source, asked, why), []).append(op)
     for (source, asked, why), ops in blocked.items():

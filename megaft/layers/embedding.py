@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaft.config.model import padded_size
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.parallel.tensor.comm import reduce_from_tp, reduce_scatter_to_sp
-from megaft.parallel.tensor.shard import mark_sharded, padded_size
+from megaft.parallel.tensor.shard import mark_sharded
 
 
 class VocabParallelEmbedding(nn.Module):

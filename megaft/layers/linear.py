@@ -20,11 +20,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megaft.config.model import padded_size
 from megaft.kernels.linear import EPILOGUE_BACKENDS, layer_linear, resolve_backend
 from megaft.kernels.linear.main_grad import compute_dtype
 from megaft.parallel.comm import Group, group_size
 from megaft.parallel.tensor.comm import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
-from megaft.parallel.tensor.shard import mark_sequence_parallel, mark_sharded, padded_size
+from megaft.parallel.tensor.shard import mark_sequence_parallel, mark_sharded
 
 
 def column_input(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:

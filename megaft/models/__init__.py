@@ -1,6 +1,3 @@
-"""Models built from megaft.layers, their configs, initialization and HF interop."""
-from megaft.config.model import ModelConfig
-from megaft.models.checks import check_model
-from megaft.models.decoder import Decoder
-
-__all__ = ["Decoder", "ModelConfig", "check_model"]
+"""Models built from megaft.layers: the `Decoder` (decoder.py) for every family (arch/), its
+attention (attention/), mixtures of experts (moe/), HF import and export (hf/), initialization
+and recompute. Import the modules directly."""

@@ -7,12 +7,12 @@ from megaft.config.model import (
     DEEPSEEK_ONLY,
     LAYER_TYPES,
     QK_NORM_WIDTHS,
+    ROPE_TYPES,
     ROUTER_SCORING,
     ModelConfig,
     Recompute,
 )
 from megaft.models.arch import SPECS
-from megaft.models.attention.rope import ROPE_TYPES
 
 
 def _rope_problems(cfg: ModelConfig) -> list[str]:

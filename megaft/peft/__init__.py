@@ -3,8 +3,3 @@
 exported by megaft.peft.moe_export), their settings (megaft.config.lora), the base checkpoint's
 fingerprint that adapter-only checkpoints record (megaft.peft.base) and the export
 in peft's adapter format or as merged weights (megaft.peft.export)."""
-from megaft.config.lora import LoraConfig, check_lora
-from megaft.peft.lora import LoraAdapter, adapter_parameters, adapters, apply_lora, merged_weight
-
-__all__ = ["LoraAdapter", "LoraConfig", "adapter_parameters", "adapters", "apply_lora", "check_lora",
-           "merged_weight"]

@@ -23,8 +23,8 @@ from torch import nn
 
 from megaft.config.lora import TARGET_MODULES, LoraConfig
 from megaft.config.model import ModelConfig
+from megaft.models.hf.config import hf_name
 from megaft.models.hf.export import copy_tokenizer, export_hf, gather_full
-from megaft.models.hf.load import hf_name
 from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.peft.experts import RouterAdapter, expert_adapters
 from megaft.peft.lora import adapters, merged_weight

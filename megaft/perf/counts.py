@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, TypeVar
 
 from megaft.config.lora import LoraConfig
-from megaft.config.model import ModelConfig, kv_replicas
-from megaft.parallel.tensor.shard import padded_size
+from megaft.config.model import ModelConfig, kv_replicas, padded_size
 from megaft.pipeline.partition import stage_layer_counts, stage_layers
 
 T = TypeVar("T")

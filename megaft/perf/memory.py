@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megaft.config.model import padded_size
 from megaft.device import resolve_device
-from megaft.parallel.tensor.shard import padded_size
 from megaft.perf.counts import (
     BF16,
     FP32,

@@ -48,7 +48,7 @@ def planning_model(cfg: Config):
     with the tokenizer's vocabulary when vocab_size is 0."""
     m = cfg.model
     if m.init_from:
-        from megaft.models.hf import hf_model_config
+        from megaft.models.hf.config import hf_model_config
 
         if not os.path.isfile(os.path.join(m.init_from, "config.json")):
             return m, [f"model.init_from={m.init_from!r} has no config.json; fix: point it at a Hugging Face "

@@ -19,7 +19,7 @@ def check_reference(cfg: PrefConfig, objective: str, model) -> list[str]:
     if not os.path.isfile(os.path.join(cfg.reference, "config.json")):
         return [f"pref.reference={cfg.reference} is not a Hugging Face checkpoint directory (no config.json); fix: "
                 "point it at one of the same architecture as model.init_from, or null for the starting model"]
-    from megaft.models.hf.load import hf_model_config
+    from megaft.models.hf.config import hf_model_config
 
     try:
         ref = hf_model_config(cfg.reference, base=model)

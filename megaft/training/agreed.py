@@ -5,7 +5,8 @@ from typing import Callable
 
 import torch
 
-from megaft.data import DataError, prepare_dataset
+from megaft.data.errors import DataError
+from megaft.data.prepare import prepare_dataset
 from megaft.parallel.grid import ParallelGrid
 
 

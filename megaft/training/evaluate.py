@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
-from megaft.data import Task, count_targets
+from megaft.data.batches import count_targets
+from megaft.data.tasks import Task
 from megaft.inference.generate import greedy_generate, pipeline_greedy_generate
 from megaft.models.decoder import Decoder
 from megaft.parallel.comm import all_reduce

@@ -32,7 +32,7 @@ class HFExport:
         return None
 
     def write(self) -> None:
-        from megaft.models.hf import export_hf
+        from megaft.models.hf.export import export_hf
 
         cfg, grid = self.cfg, self.grid
         tok_json = self._tokenizer_json()

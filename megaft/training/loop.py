@@ -24,7 +24,7 @@ from tqdm import tqdm
 from megaft.config import Config
 from megaft.models.attention.gqa import attention_record
 from megaft.models.moe.metrics import moe_record
-from megaft.optim import lr_at
+from megaft.optim.schedule import lr_at
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import flops_per_token, mfu
 from megaft.perf.hardware import device_peak_tflops

@@ -11,7 +11,7 @@ from megaft.models.decoder import Decoder
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.shard import full_shape
-from megaft.peft import apply_lora
+from megaft.peft.lora import apply_lora
 from megaft.pipeline.stage import StageModel
 from megaft.training.protocols import Kernels, RunParts
 
@@ -41,7 +41,7 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
         model = Decoder(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
                         ep_group=grid.ep_group, routing=cfg.moe)
     if cfg.model.init_from:
-        from megaft.models.hf import load_hf_weights
+        from megaft.models.hf.load import load_hf_weights
 
         load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size,
                         strict=grid.pp_size == 1)

@@ -19,7 +19,9 @@ import torch
 
 from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
-from megaft.optim import AdamW, LossScaler, clip_grad_norm_
+from megaft.optim.adamw import AdamW
+from megaft.optim.clip import clip_grad_norm_
+from megaft.optim.scaler import LossScaler
 from megaft.optim.zero import ShardedAdamW, build_optimizer
 from megaft.parallel.data import FlatParams, GradReducer
 from megaft.parallel.grid import ParallelGrid

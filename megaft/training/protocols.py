@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from megaft.config.kernels import KernelsConfig
-    from megaft.data import Task
+    from megaft.data.tasks import Task
     from megaft.models.attention.documents import Docs
     from megaft.training.summary import RunSummary
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megaft.data import Encoded, PackedStream, count_targets, eval_batches
+from megaft.data.batches import PackedStream, count_targets, eval_batches
+from megaft.data.encode import Encoded
 
 
 # Example k starts with the unique id 100 + k, so the stream can be parsed back into

@@ -2,8 +2,8 @@
 import pytest
 from tokenizers import Tokenizer
 
-from megaft.data import DataError
 from megaft.data.chat import ChatEncoder, assistant_mask
+from megaft.data.errors import DataError
 from megaft.data.templates import BUILTIN, CHATML, LLAMA3, ChatTemplate, load_chat_template, special_tokens
 from tests.data.chat_fixture import (
     CHATML_PLAIN,

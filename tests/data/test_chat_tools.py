@@ -9,9 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from megaft.data import DataError, parse_record, read_jsonl, read_source
 from megaft.data.chat import ChatEncoder
-from megaft.data.sources import scan_file, source_files
+from megaft.data.errors import DataError
+from megaft.data.formats import parse_record
+from megaft.data.jsonl import read_jsonl
+from megaft.data.sources import read_source, scan_file, source_files
 from megaft.data.templates import load_chat_template
 from megaft.data.untrained import UntrainedConversations
 from tests.data.chat_fixture import hf_tokenizer, make_checkpoint, tokenizer_json
@@ -359,7 +361,9 @@ def test_prepare_warns_once_counts_and_refuses_a_source_that_trains_nothing(tmp_
     records the count in the manifest; check_data and prepare refuse a source that trains nothing."""
     import logging
 
-    from megaft.data import DataConfig, SourceConfig, check_data, prepare_dataset
+    from megaft.config.data import DataConfig, SourceConfig
+    from megaft.data.checks import check_data
+    from megaft.data.prepare import prepare_dataset
 
     ckpt = make_checkpoint(str(tmp_path / "ckpt"), QWEN25)
     prompt_only = {"messages": [{"role": "user", "content": "hi"}]}

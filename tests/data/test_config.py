@@ -2,7 +2,11 @@
 
 import json
 
-from megaft.data import DataConfig, build_tokenizer, char_tokenizer, check_data, load_examples, make_task
+from megaft.config.data import DataConfig
+from megaft.data.build import build_tokenizer, load_examples
+from megaft.data.checks import check_data
+from megaft.data.tasks import make_task
+from megaft.data.tokenizer import char_tokenizer
 
 
 def write(path, lines):

@@ -2,7 +2,8 @@
 
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from megaft.data import Encoded, char_tokenizer, encode_example, encode_examples
+from megaft.data.encode import Encoded, encode_example, encode_examples
+from megaft.data.tokenizer import char_tokenizer
 
 TOK = char_tokenizer("0123456789+=abc ")
 EOS = TOK.token_to_id("<eos>")

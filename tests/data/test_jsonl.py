@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from megaft.data import DataError, jsonl_problems, read_jsonl
+from megaft.data.errors import DataError
+from megaft.data.jsonl import jsonl_problems, read_jsonl
 
 
 def write(tmp_path, lines, name="d.jsonl"):

@@ -3,8 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from megaft.data import Encoded, EncodedCorpus, PackedDocs, cu_seqlens, document_mask, epoch_plan, first_fit, mixture
-from megaft.data.plan import pieces
+from megaft.data.encode import Encoded
+from megaft.data.packed import EncodedCorpus, PackedDocs, cu_seqlens, document_mask
+from megaft.data.plan import epoch_plan, first_fit, pieces
+from megaft.data.sources import mixture
 
 SEQ = 16
 

@@ -16,19 +16,13 @@ import torch
 from tokenizers import Tokenizer
 
 import megaft.data.prepare as prep
-from megaft.data import (
-    DataConfig,
-    DataError,
-    EncodedCorpus,
-    PackedDocs,
-    PreparedDataset,
-    SourceConfig,
-    chat_encoder,
-    encode_examples,
-    load_examples,
-)
+from megaft.config.data import DataConfig, SourceConfig
+from megaft.data.build import chat_encoder, load_examples
+from megaft.data.encode import encode_examples
+from megaft.data.errors import DataError
+from megaft.data.packed import EncodedCorpus, PackedDocs
 from megaft.data.prepare import prepare_dataset, prepared_path
-from megaft.data.store import is_complete
+from megaft.data.store import PreparedDataset, is_complete
 from tests.data.chat_fixture import CHATML_PLAIN, CONVERSATIONS, make_checkpoint
 
 RECORDS = [{"text": "two plus two"}, {"prompt": "The capital of", "completion": " France"},

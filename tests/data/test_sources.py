@@ -10,16 +10,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megaft.data import (
-    DataConfig,
-    DataError,
-    SourceConfig,
-    check_data,
-    encode_examples,
-    load_examples,
-    read_source,
-    source_files,
-)
+from megaft.config.data import DataConfig, SourceConfig
+from megaft.data.build import load_examples
+from megaft.data.checks import check_data
+from megaft.data.encode import encode_examples
+from megaft.data.errors import DataError
+from megaft.data.sources import read_source, source_files
 from megaft.data.tokenizer import char_tokenizer
 from tests.data.chat_fixture import CHATML_PLAIN, CONVERSATIONS, make_checkpoint
 
@@ -64,7 +60,7 @@ def test_source_path_errors(tmp_path):
 
 
 def test_sharegpt_maps_roles():
-    from megaft.data import parse_record
+    from megaft.data.formats import parse_record
 
     conv = [{"from": "system", "value": "s"}, {"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]
     assert parse_record({"conversations": conv, "id": 3}) == {"messages": [
@@ -188,7 +184,7 @@ def test_datasets_save_to_disk_directories_are_read_with_pyarrow(tmp_path):
     # ... and prepared like any other source.
     from tokenizers import Tokenizer
 
-    from megaft.data import chat_encoder
+    from megaft.data.build import chat_encoder
     from megaft.data.prepare import prepare_dataset
 
     ckpt = make_checkpoint(str(tmp_path / "ckpt"), CHATML_PLAIN)

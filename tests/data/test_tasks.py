@@ -2,7 +2,10 @@
 
 import pytest
 
-from megaft.data import TASKS, DataError, encode_example, make_task, special_ids, task_tokenizer
+from megaft.data.encode import encode_example
+from megaft.data.errors import DataError
+from megaft.data.tasks import TASKS, make_task, task_tokenizer
+from megaft.data.tokenizer import special_ids
 
 
 def test_registry_has_more_than_one_task():

@@ -3,7 +3,8 @@
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from megaft.data import DataError, char_tokenizer, load_tokenizer, special_ids
+from megaft.data.errors import DataError
+from megaft.data.tokenizer import char_tokenizer, load_tokenizer, special_ids
 
 
 def test_char_tokenizer_one_id_per_char_and_decode_without_spaces():

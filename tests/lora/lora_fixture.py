@@ -6,10 +6,12 @@ import json
 
 import torch
 
+from megaft.config.lora import LoraConfig
 from megaft.models.decoder import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
-from megaft.peft import LoraConfig, adapters, apply_lora
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from megaft.peft.export import peft_name
+from megaft.peft.lora import adapters, apply_lora
 
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 

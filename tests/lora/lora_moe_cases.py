@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from megaft.config import Config
+from megaft.config.lora import LoraConfig
 from megaft.parallel.grid import ParallelGrid
-from megaft.peft import LoraConfig
 from megaft.training.loop import Trainer
 from megaft.validation import validate
 

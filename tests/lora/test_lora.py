@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 from lora.lora_fixture import TARGETS, lora_config, megaft_lora_model, peft_state, randomize_adapters, write_data
 from megaft.checkpoint.adapters import BaseMismatchError
 from megaft.config import Config
-from megaft.models.hf import hf_name
+from megaft.config.lora import check_lora
+from megaft.models.hf.config import hf_name
 from megaft.parallel.grid import ParallelGrid
-from megaft.peft import adapters, check_lora
 from megaft.peft.export import peft_name
+from megaft.peft.lora import adapters
 from megaft.perf.counts import matmul_params
 from megaft.perf.memory import estimate_memory
 from megaft.training.loop import Trainer

@@ -11,7 +11,7 @@ from models.deepseek_fixture import make_hf_deepseek
 from lora.lora_fixture import lora_config, megaft_lora_model, write_data
 from megaft.config import Config
 from megaft.config.lora import check_lora_model
-from megaft.peft import adapters
+from megaft.peft.lora import adapters
 from megaft.validation import validate
 
 MODEL = dict(tie_embeddings=False, kv_heads=4, tp=1)

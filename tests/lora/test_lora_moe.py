@@ -26,9 +26,8 @@ from safetensors.torch import load_file
 
 from lora.lora_fixture import megaft_lora_model, write_data
 from lora.lora_moe_cases import LAYOUTS, STEPS, layouts_rank, lora_moe_config
-from megaft.config.lora import check_lora_moe
+from megaft.config.lora import LoraConfig, check_lora, check_lora_moe
 from megaft.parallel.grid import ParallelGrid
-from megaft.peft import LoraConfig, check_lora
 from megaft.perf.memory import estimate_ranks
 from megaft.training.loop import Trainer
 from megaft.verify.compare import compare

@@ -15,8 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megaft.inference.generate import full_logits
-from megaft.models import Decoder
-from megaft.models.hf import export_hf, hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.export import export_hf
+from megaft.models.hf.load import load_hf_weights
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import local_from_full, shard_of
 from megaft.pipeline.stage import StageModel

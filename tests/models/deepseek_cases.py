@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megaft.inference.generate import full_logits
-from megaft.models import Decoder
 from megaft.models.attention.documents import Docs
-from megaft.models.hf import export_hf, hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.export import export_hf
+from megaft.models.hf.load import load_hf_weights
 from megaft.parallel.context.batch import context_shard
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import expert_slice_of, local_from_full

@@ -9,7 +9,7 @@ import transformers
 from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-from megaft.models.hf import checkpoint_files
+from megaft.models.hf.load import checkpoint_files
 
 VOCAB = 61  # odd: tp=2 pads the vocabulary to 62, so padding rows are exercised
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345"  # 58 + 3 specials = 61

@@ -11,8 +11,9 @@ import torch
 from multirank import spawn
 
 from megaft.inference.generate import full_logits
-from megaft.models import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from models.arch_cases import check_tp, pp2_rank_fn, raise_failures, tp_rank_fn, wide_tp_rank_fn
 from models.arch_fixture import ARCHS, MODEL_TYPE, make_hf, sample_ids
 

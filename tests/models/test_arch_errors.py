@@ -10,7 +10,9 @@ import pytest
 
 from megaft.config.model import ModelConfig
 from megaft.models.checks import check_model
-from megaft.models.hf import HFCheckpointError, hf_config_dict, hf_model_config
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.export import hf_config_dict
+from megaft.models.hf.load import HFCheckpointError
 from models.arch_fixture import hf_config
 
 SUPPORTED = ("megaft imports llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe, "

@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 from megaft.config.kernels import KernelsConfig  # noqa: E402
 from megaft.inference.generate import full_logits  # noqa: E402
 from megaft.kernels import _triton  # noqa: E402
-from megaft.models import Decoder  # noqa: E402
-from megaft.models.hf import hf_model_config, load_hf_weights  # noqa: E402
+from megaft.models.decoder import Decoder  # noqa: E402
+from megaft.models.hf.config import hf_model_config  # noqa: E402
+from megaft.models.hf.load import load_hf_weights
 from models.arch_cases import batch  # noqa: E402
 from models.arch_fixture import load_reference, make_hf, sample_ids  # noqa: E402
 

@@ -20,7 +20,9 @@ from megaft.config.moe import MoEConfig, check_moe
 from megaft.models.attention.documents import Docs
 from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder
-from megaft.models.hf import HFCheckpointError, export_hf, hf_model_config, load_hf_weights
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.export import export_hf
+from megaft.models.hf.load import HFCheckpointError, load_hf_weights
 from megaft.models.moe.balance import correction_biases, update_correction_bias, update_correction_biases
 from models.deepseek_fixture import VARIANTS, labels_of, load_reference, make_hf_deepseek, sample_ids
 from models.hf_fixture import checkpoint_tensors

@@ -16,8 +16,9 @@ from multirank import spawn
 
 from megaft.inference.generate import Sampling, generate, pipeline_generate, top_p_filter
 from megaft.inference.kv_cache import kv_cache
-from megaft.models import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from megaft.parallel.grid import ParallelGrid
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pipeline.stage import StageModel

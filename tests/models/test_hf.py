@@ -16,9 +16,12 @@ import torch.nn.functional as F
 from multirank import spawn
 from safetensors.torch import load_file, save_file
 
+from megaft.config.model import ModelConfig
 from megaft.inference.generate import full_logits
-from megaft.models import Decoder, ModelConfig
-from megaft.models.hf import HFCheckpointError, checkpoint_files, export_hf, hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.export import export_hf
+from megaft.models.hf.load import HFCheckpointError, checkpoint_files, load_hf_weights
 from models.hf_fixture import LLAMA3_ROPE, VOCAB, checkpoint_tensors, load_reference, make_hf_llama, padded_lines
 
 # fp32 on both sides; the only differences are summation orders (sdpa vs eager

@@ -7,7 +7,7 @@ import torch
 import megaft.inference.generate as gen
 from megaft.config.model import ModelConfig
 from megaft.inference.kv_cache import DecodeState, LayerCache
-from megaft.models import Decoder
+from megaft.models.decoder import Decoder
 
 CPU = torch.device("cpu")
 

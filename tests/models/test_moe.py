@@ -11,9 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from megaft.config.model import ModelConfig
+from megaft.models.arch.spec import HFConfigError
 from megaft.models.checks import check_model
 from megaft.models.decoder import Decoder
-from megaft.models.hf import HFConfigError, export_hf, hf_model_config, load_hf_weights
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.export import export_hf
+from megaft.models.hf.load import load_hf_weights
 from models.hf_fixture import checkpoint_tensors
 from models.moe_fixture import MOE_ARCHS, hf_grad_of, load_reference, make_hf_moe, sample_ids
 

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from megaft.models.arch.spec import HFCheckpointError
 from megaft.models.decoder import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from megaft.models.hf.multimodal import extract_text_model, main, merge_text_model
 from models.arch_fixture import make_hf, sample_ids
 from models.hf_fixture import VOCAB, write_char_tokenizer

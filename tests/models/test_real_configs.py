@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from megaft.models.hf import HFCheckpointError, hf_model_config
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import HFCheckpointError
 from megaft.models.hf.multimodal import MULTIMODAL, text_config
 
 HERE = os.path.join(os.path.dirname(__file__), "real_configs")

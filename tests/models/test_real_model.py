@@ -28,8 +28,9 @@ from tokenizers import Tokenizer
 
 from megaft.config import compose_config
 from megaft.inference.generate import full_logits, greedy_generate
-from megaft.models import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from megaft.parallel.grid import ParallelGrid
 from megaft.train import prepare_data
 from megaft.training.loop import Trainer

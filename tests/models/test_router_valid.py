@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megaft.models.decoder import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from megaft.pipeline.stage import StageModel
 from models.moe_fixture import SEQ, load_reference, make_hf_moe, sample_ids
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from megaft.config.model import ModelConfig
-from megaft.data import EncodedCorpus, PackedDocs
 from megaft.data.encode import Encoded
+from megaft.data.packed import EncodedCorpus, PackedDocs
 from megaft.models.attention.documents import Docs
 from megaft.models.decoder import Decoder
 from megaft.models.init import init_params

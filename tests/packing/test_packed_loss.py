@@ -116,7 +116,7 @@ def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window_size):
 
 
 def test_varlen_path_lays_documents_out_as_flash_attn_expects():
-    from megaft.data import cu_seqlens
+    from megaft.data.packed import cu_seqlens
     from megaft.models.attention.documents import segments, varlen_attend
 
     ids, labels, docs, _ = C.packed()

@@ -4,9 +4,10 @@ import torch
 import torch.nn.functional as F
 from multirank import spawn
 
+from megaft.config.model import ModelConfig
 from megaft.inference.generate import full_logits
 from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
-from megaft.models import Decoder, ModelConfig
+from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from parallel import tp_cases
 

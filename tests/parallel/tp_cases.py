@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megaft.config.model import ModelConfig
 from megaft.inference.generate import full_logits
 from megaft.kernels.cross_entropy.reference import vocab_parallel_cross_entropy
-from megaft.models import Decoder, ModelConfig
+from megaft.models.decoder import Decoder
 from megaft.models.init import init_params
 from megaft.parallel.comm import group_rank, group_size, split
 from megaft.parallel.grid import ParallelGrid

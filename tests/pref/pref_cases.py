@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 from megaft.config.kernels import KernelsConfig
-from megaft.models import Decoder
-from megaft.models.hf import hf_model_config, load_hf_weights
+from megaft.models.decoder import Decoder
+from megaft.models.hf.config import hf_model_config
+from megaft.models.hf.load import load_hf_weights
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import local_from_full
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, next_token_labels, sequence_logps

@@ -15,7 +15,7 @@ from trl.data_utils import extract_prompt as trl_extract_prompt
 from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
 from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
 
-from megaft.data import DataError
+from megaft.data.errors import DataError
 from megaft.data.templates import load_chat_template
 from megaft.pref.data import (
     Pair,

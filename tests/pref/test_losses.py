@@ -25,7 +25,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from megaft.config.kernels import KernelsConfig
 from megaft.config.pref import check_preference
-from megaft.models.hf import hf_name
+from megaft.models.hf.config import hf_name
 from megaft.pref.logps import SequenceLogps, decoder_token_logps, next_token_labels, sequence_logps
 from megaft.pref.losses import preference_loss
 from pref.pref_cases import ATOL, RTOL, megaft_model, sequence_of, tp2_rank

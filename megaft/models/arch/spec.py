@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from megaft.config.model import ModelConfig
-from megaft.models.attention.rope import ROPE_TYPES
+from megaft.config.model import ROPE_TYPES, ModelConfig
 
 
 class HFCheckpointError(ValueError):

@@ -14,8 +14,6 @@ from typing import Any, Optional
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")  # transformers' rope_type values megaft computes
-
 
 def rope_kind(scaling: Optional[dict[str, Any]]) -> str:
     s = scaling or {}

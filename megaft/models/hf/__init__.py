@@ -5,8 +5,8 @@ An HF checkpoint is a directory with config.json, model.safetensors (or shards
 listed in model.safetensors.index.json) and tokenizer.json. Parameter names map
 one to one: ours plus a `model.` prefix, except `lm_head.weight` (absent when the
 embeddings are tied); each family's spec owns its map (ArchSpec.hf_name). Import
-reads each rank's slice only (hf_load.py); export gathers over tp and one rank
-writes (hf_export.py); kv heads replicated over tp > n_kv_heads are written once.
+reads each rank's slice only (load.py); export gathers over tp and one rank
+writes (export.py); kv heads replicated over tp > n_kv_heads are written once.
 
     cfg = hf_model_config(path, base=cfg)            # shapes from config.json
     model = Decoder(cfg, group=grid.tp_group)
@@ -19,18 +19,3 @@ Rope parameters: transformers 5 writes `rope_parameters: {rope_type, rope_theta,
 ...}`; older configs have top-level `rope_theta` and `rope_scaling`. Both are read;
 export writes both, so transformers 4 and 5 load the result.
 """
-from megaft.models.arch.spec import HFConfigError
-from megaft.models.hf.export import DEFAULT_MAX_SHARD_BYTES, export_hf, hf_config_dict
-from megaft.models.hf.load import (
-    HFCheckpointError,
-    checkpoint_files,
-    hf_model_config,
-    hf_name,
-    load_hf_weights,
-    read_hf_config,
-)
-
-__all__ = [
-    "DEFAULT_MAX_SHARD_BYTES", "HFCheckpointError", "HFConfigError", "checkpoint_files", "export_hf", "hf_config_dict",
-    "hf_model_config", "hf_name", "load_hf_weights", "read_hf_config",
-]

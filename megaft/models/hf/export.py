@@ -30,7 +30,7 @@ from megaft.config.model import ModelConfig
 from megaft.models.arch import spec_for
 from megaft.models.arch.spec import write_common
 from megaft.models.attention.kv_heads import ReplicatedShard, dedupe_gathered
-from megaft.models.hf.load import CONFIG, INDEX, SINGLE
+from megaft.models.hf.config import CONFIG, INDEX, SINGLE
 from megaft.models.hf.load import tensors as model_tensors
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
 from megaft.parallel.tensor.shard import expert_slice_of, full_shape, shard_of

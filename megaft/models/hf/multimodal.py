@@ -33,8 +33,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megaft.models.arch.spec import HFCheckpointError
+from megaft.models.hf.config import CONFIG, INDEX, SINGLE, read_hf_config
 from megaft.models.hf.export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer_files
-from megaft.models.hf.load import CONFIG, INDEX, SINGLE, checkpoint_files, read_hf_config
+from megaft.models.hf.load import checkpoint_files
 
 # multimodal model_type -> (text model_type, text architecture)
 MULTIMODAL = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM")}

@@ -59,10 +59,6 @@ def expert_slice_of(param: torch.Tensor) -> Optional[ExpertSlice]:
     return getattr(param, "_expert_slice", None)
 
 
-def padded_size(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
-
-
 def mark_sharded(param: torch.nn.Parameter, dim: int, full: int, padded: int) -> torch.nn.Parameter:
     param._tp_shard = TPShard(dim, full, padded)
     return param

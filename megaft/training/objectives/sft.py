@@ -13,22 +13,14 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
-from megaft.data import (
-    EncodedCorpus,
-    Examples,
-    PackedDocs,
-    PackedStream,
-    Task,
-    build_tokenizer,
-    chat_encoder,
-    count_targets,
-    data_sources,
-    encode_examples,
-    eval_batches,
-    load_examples,
-    read_source,
-    special_ids,
-)
+from megaft.config.data import data_sources
+from megaft.data.batches import PackedStream, count_targets, eval_batches
+from megaft.data.build import Examples, build_tokenizer, chat_encoder, load_examples
+from megaft.data.encode import encode_examples
+from megaft.data.packed import EncodedCorpus, PackedDocs
+from megaft.data.sources import read_source
+from megaft.data.tasks import Task
+from megaft.data.tokenizer import special_ids
 from megaft.models.attention.documents import Docs
 from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megaft.config.pref import needs_reference
 from megaft.models.attention.gqa import op_backend
-from megaft.models.hf.load import hf_model_config
+from megaft.models.hf.config import hf_model_config
 from megaft.models.moe.metrics import router_weight
 from megaft.models.moe.stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
