@@ -11,3 +11,19 @@ torch.set_num_threads(1)
 # first import; some test modules import peft/transformers, which may import triton, at collection.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After a passing session, silence the interpreter's shutdown stderr: Triton's nanobind
+    bindings report "leaked function ..." objects when libtriton is torn down at exit (nanobind's
+    leak check; Triton's own compile workers silence it the same way, triton/_compile_warmup_pool.py).
+    A failing session keeps it: shutdown output may then be part of the story."""
+    if exitstatus == 0:
+        import atexit
+
+        def silence_stderr():
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+
+        atexit.register(silence_stderr)

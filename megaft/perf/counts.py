@@ -31,6 +31,8 @@ BF16 = 2
 def per_block(m: ModelConfig, count: Callable[[int], T]) -> list[T]:
     """`count(layer)` for every decoder block, evaluated once per kind of block: every count
     here depends on a block only through whether it is a mixture of experts (m.is_moe)."""
+    if m.n_experts == 0:  # every block dense: one count (the planner asks this thousands of times)
+        return [count(0)] * m.n_layers
     kinds: dict = {}
     return [kinds[kind] if (kind := m.is_moe(i)) in kinds else kinds.setdefault(kind, count(i))
             for i in range(m.n_layers)]

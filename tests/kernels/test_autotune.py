@@ -266,17 +266,18 @@ def test_decided_kernels_fill_in_the_auto_ops(monkeypatch, tmp_path):
     autotune.decide_kernels(kernels, TINY, timer=fake_timer({"cuda": 0.1, "torch": 0.2}),
                             **dict(kw, precision="bf16"), master_weights=True)
     assert seen == [True]
-    # training passes its optim.master_weights (megaft.training.parts.choose_kernels)
+    # training passes its optim.master_weights (megaft.training.model.choose_kernels)
     from megaft.config import Config
     from megaft.parallel.grid import ParallelGrid
-    from megaft.training import parts
+    from megaft.training import model
+    from megaft.training.protocols import RunParts
 
     passed = []
-    monkeypatch.setattr(parts, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]) or (None, {}))
+    monkeypatch.setattr(model, "decide_kernels", lambda *a, **k: passed.append(k["master_weights"]) or (None, {}))
     cfg = Config()
     for flag in (False, True):
         cfg.optim.master_weights = flag
-        parts.choose_kernels(parts.RunParts(cfg, ParallelGrid.single()))
+        model.choose_kernels(RunParts(cfg, ParallelGrid.single()))
     assert passed == [False, True]
 
 
