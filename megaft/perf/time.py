@@ -254,8 +254,13 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     # the routed experts' share of `params`, which ZeRO moves over the dp×cp/ep expert replicas
     experts = per_block(m, lambda i: expert_params(m, i, tp, ep) if ep > 1 and not lora else 0)
 
+    seen: dict = {}  # the same block moves the same bytes: price each distinct collective once
+
     def zero_s(collective, count: float, expert: float, nbytes: int) -> float:
-        return _over_replicas(collective, count, expert, nbytes, cluster, par, dp)
+        key = (collective, count, expert, nbytes)
+        if key not in seen:
+            seen[key] = _over_replicas(collective, count, expert, nbytes, cluster, par, dp)
+        return seen[key]
 
     if lora:
         head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
@@ -264,10 +269,11 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     else:
         head_b = 2 * head_f
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
+    block_colls = per_block(m, lambda i: _block_collectives(m, i))
     out = []
     for s, ids in enumerate(stage_layers(m.n_layers, stages, par.pp_layers)):
         first, last, n = s == 0, s == stages - 1, len(ids)
-        colls = sum(_block_collectives(m, i) for i in ids)
+        colls = sum(block_colls[i] for i in ids)
         c = {"f_compute": sum(f[i] for i in ids) + (head_f if last else 0.0)}
         # model.recompute runs (part of) the forward again
         c["b_compute"] = sum(b[i] + again[i] for i in ids) + (head_b if last else 0.0)
