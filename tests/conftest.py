@@ -11,3 +11,9 @@ torch.set_num_threads(1)
 # first import; some test modules import peft/transformers, which may import triton, at collection.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_sessionfinish(session):
+    """Stop tests/multirank.py's pooled rank processes (its atexit hook would, later)."""
+    if "multirank" in sys.modules:
+        sys.modules["multirank"].shutdown()
