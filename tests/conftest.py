@@ -15,5 +15,6 @@ if not torch.cuda.is_available():
 
 def pytest_sessionfinish(session):
     """Stop tests/multirank.py's pooled rank processes (its atexit hook would, later)."""
-    if "multirank" in sys.modules:
-        sys.modules["multirank"].shutdown()
+    for name in ("multirank", "tests.multirank"):  # imported under either name
+        if name in sys.modules:
+            sys.modules[name].shutdown()

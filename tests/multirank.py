@@ -43,6 +43,10 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails the rank
 CALL_TIMEOUT_S = 900.0  # a whole spawn() call; the slowest takes ~40 s on an idle 2-core machine
 GRACE_S = 2.0  # after one rank failed: how long the others get to report before they are killed
+# A worker past either limit after a call is replaced (with its whole pool) before the next one. Trainers
+# are not freed: megaft's DP grad hooks (register_post_accumulate_grad_hook, held from C++ where gc cannot
+# see the cycle) keep every run's model, optimizer and gloo groups alive, ~5 fds and a thread per run.
+MAX_RSS_MB, MAX_THREADS = 1536, 400
 _DIED = object()
 _SIGNALS = [s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
@@ -163,12 +167,22 @@ def _serve(rank: int, world: int, conn) -> None:
         try:
             clean.restore()
         except BaseException:  # report it, and end this worker: the next call starts a new pool
-            conn.send((result or "") + "\nrestoring the pooled worker failed:\n" + traceback.format_exc())
+            conn.send(((result or "") + "\nrestoring the pooled worker failed:\n" + traceback.format_exc(), True))
             break
-        conn.send(result)
+        conn.send((result, _worn()))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # see _worker: no interpreter finalization racing gloo's threads
+
+
+def _worn() -> bool:
+    """Whether this process grew past MAX_RSS_MB or MAX_THREADS (Linux; elsewhere never)."""
+    try:
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f)
+        return int(status["VmRSS"].split()[0]) > MAX_RSS_MB * 1024 or int(status["Threads"]) > MAX_THREADS
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 class _Pool:
@@ -199,8 +213,8 @@ class _Pool:
 
     def _collect(self, timeout: float) -> dict[int, str]:
         """Wait for every rank's result: {rank: traceback, or what happened to it} for those that failed.
-        Closes the pool when a worker died or had to be killed."""
-        waiting, errors = set(range(self.world)), {}
+        Closes the pool when a worker died, had to be killed or grew past the limits."""
+        waiting, errors, worn = set(range(self.world)), {}, False
         deadline = time.monotonic() + timeout
         while waiting:
             handles = {self.conns[r]: r for r in waiting} | {self.procs[r].sentinel: r for r in waiting}
@@ -210,9 +224,10 @@ class _Pool:
                 return errors
             for rank in sorted({handles[h] for h in ready}):
                 try:
-                    result = self.conns[rank].recv() if self.conns[rank].poll() else _DIED
+                    result, tired = self.conns[rank].recv() if self.conns[rank].poll() else (_DIED, True)
                 except (EOFError, OSError):
-                    result = _DIED
+                    result, tired = _DIED, True
+                worn |= tired
                 if result is _DIED:
                     self.procs[rank].join(5)
                     result = f"its process died ({_exit_status(self.procs[rank].exitcode)}) without a result"
@@ -221,7 +236,7 @@ class _Pool:
                     errors[rank] = result
             if errors and waiting:  # the others most likely wait on the failed rank: a short grace
                 deadline = min(deadline, time.monotonic() + GRACE_S)
-        if not self.alive():
+        if worn or not self.alive():
             self.close()
         return errors
 

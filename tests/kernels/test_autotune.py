@@ -16,12 +16,12 @@ import types
 
 import pytest
 import torch
+from multirank import spawn
 
 from megaft.kernels import _ext, _triton, autotune, cases
 from megaft.kernels.config import OPS, KernelsConfig, check_kernels
 from megaft.models.config import ModelConfig
 from tests.kernels.test_triton_compile import compile_without_interpreter
-from tests.multirank import spawn
 
 CPU = torch.device("cpu")
 _WHY = _triton.unavailable_reason(CPU)
