@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    import slurm_stream  # tests/slurm beside the rest of the session, in a second pytest process
+
+    slurm_stream.configure(config)
+
+
 def pytest_sessionfinish(session):
     """Stop tests/multirank.py's pooled rank processes (its atexit hook would, later)."""
     for name in ("multirank", "tests.multirank"):  # imported under either name
