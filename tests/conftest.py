@@ -13,11 +13,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    import slurm_stream  # tests/slurm beside the rest of the session, in a second pytest process
+
+    slurm_stream.configure(config)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """After a passing session, silence the interpreter's shutdown stderr: Triton's nanobind
-    bindings report "leaked function ..." objects when libtriton is torn down at exit (nanobind's
-    leak check; Triton's own compile workers silence it the same way, triton/_compile_warmup_pool.py).
-    A failing session keeps it: shutdown output may then be part of the story."""
+    """Stop tests/multirank.py's pooled rank processes (its atexit hook would, later). After a
+    passing session, silence the interpreter's shutdown stderr: Triton's nanobind bindings report
+    "leaked function ..." objects when libtriton is torn down at exit (nanobind's leak check;
+    Triton's own compile workers silence it the same way, triton/_compile_warmup_pool.py). A
+    failing session keeps it: shutdown output may then be part of the story."""
+    for name in ("multirank", "tests.multirank"):  # imported under either name
+        if name in sys.modules:
+            sys.modules[name].shutdown()
     if exitstatus == 0:
         import atexit
 

@@ -190,12 +190,12 @@ def test_cp2_at_half_precision_equals_the_single_process_at_it(tmp_path, precisi
     tolerances for that precision: the ring merges half-precision blocks in fp32 (log-sum-exp),
     and with selective recompute of the first block only (recompute_layers=1), so cp=2 stays
     far inside them."""
-    from megaft.verify.run import run_verify
+    from models.layout_runs import verify  # megaft-verify, its layout on the pooled ranks
 
     cfg = cp_config(cp=2, recompute="selective")
     cfg.model.recompute_layers = 1
     cfg.launcher.nproc, cfg.verify.steps, cfg.verify.precision = 2, 5, precision
-    report = run_verify(cfg, str(tmp_path))
+    report = verify(cfg, str(tmp_path))
     print(report.format())  # docs/parallelism-context.md's figures: pytest -s -k half_precision
     assert report.passed, report.format()
     assert max(r.loss_rel for r in report.rows) <= 1e-3, report.format()

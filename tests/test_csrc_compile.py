@@ -89,33 +89,92 @@ def _compile_as_c(src, code: str, *warnings: str) -> None:
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
 
 
+def _cuda_homes() -> list:
+    return [os.environ.get("CUDA_HOME"), Path(NVCC).resolve().parents[1], "/usr/local/cuda"]
+
+
 def _cuda_include() -> Path:
     """The toolkit's include dir (nvcc may be a wrapper script outside the toolkit)."""
-    homes = [os.environ.get("CUDA_HOME"), Path(NVCC).resolve().parents[1], "/usr/local/cuda"]
-    for home in filter(None, homes):
+    for home in filter(None, _cuda_homes()):
         if (Path(home) / "include" / "cuda_runtime_api.h").exists():
             return Path(home) / "include"
-    pytest.fail(f"no CUDA include dir with cuda_runtime_api.h among {homes}; set CUDA_HOME")
+    pytest.fail(f"no CUDA include dir with cuda_runtime_api.h among {_cuda_homes()}; set CUDA_HOME")
 
 
-@needs_nvcc
-def test_cuda_binding_compiles_against_torch_headers(tmp_path):
-    """csrc/cuda/bindings.cpp (the torch side of megaft._cuda) type-checks with the host
-    compiler. A CPU build of torch lacks one generated CUDA header; an empty stand-in
-    is enough for a syntax and type check (nothing is linked)."""
+def _binding_check(tmp: Path) -> list[str]:
+    """The command that type-checks csrc/cuda/bindings.cpp against torch's headers (stubs in `tmp`)."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
 
-    stub = tmp_path / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
+    stub = tmp / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True, exist_ok=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    cuda_include = _cuda_include()
     root = CUDA_DIR.parent
-    cmd = ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *(f"-I{p}" for p in include_paths()),
-           f"-I{sysconfig.get_paths()['include']}", f"-I{cuda_include}", f"-I{root / 'include'}",
-           f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", str(CUDA_DIR / "bindings.cpp")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    return ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp}", *(f"-I{p}" for p in include_paths()),
+            f"-I{sysconfig.get_paths()['include']}", f"-I{_cuda_include()}", f"-I{root / 'include'}",
+            f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", str(CUDA_DIR / "bindings.cpp")]
+
+
+def _kernel_ops_check(tmp: Path) -> list[str]:
+    """The command that type-checks csrc/cuda/kernel_ops.cpp like bindings.cpp, with torch's own
+    ATen/cuda/CUDAContextLight.h included where the cuBLAS headers are found (see the test)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    stub = tmp / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True, exist_ok=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    (tmp / "cusparse.h").write_text("#pragma once\ntypedef struct cusparseContext* cusparseHandle_t;\n")
+    (tmp / "cusolverDn.h").write_text("#pragma once\ntypedef struct cusolverDnContext* cusolverDnHandle_t;\n")
+    cublas = _cublas_include()
+    torch_decls = [f"-I{cublas}", "-include", "ATen/cuda/CUDAContextLight.h"] if cublas else []
+    root = CUDA_DIR.parent
+    return ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp}", *(f"-I{p}" for p in include_paths()),
+            f"-I{sysconfig.get_paths()['include']}", f"-I{_cuda_include()}", f"-I{root / 'include'}",
+            f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", *torch_decls, str(CUDA_DIR / "kernel_ops.cpp")]
+
+
+HEADER_CHECKS = {"test_cuda_binding_compiles_against_torch_headers": _binding_check,
+                 "test_kernel_ops_binding_compiles_against_torch_headers": _kernel_ops_check}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def header_checks(request, tmp_path_factory):
+    """The two torch-header type checks (~30 s of one core) start as this module begins, in the
+    background, so they run beside the nvcc compiles of the tests before them (CI has 2 cores);
+    their tests wait for them: {test name: (command, process)}. A check that cannot start here
+    (no nvcc, no CUDA include dir) runs in its test as before."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    started = {}
+    for name, check in HEADER_CHECKS.items():
+        if NVCC and name in selected and any((Path(h) / "include" / "cuda_runtime_api.h").exists()
+                                             for h in filter(None, _cuda_homes())):
+            cmd = check(tmp_path_factory.mktemp(name[:30]))
+            started[name] = cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield started
+    for _, proc in started.values():  # a test that never waited (deselected, interrupted)
+        proc.kill()
+        proc.communicate()
+
+
+def _header_check(header_checks: dict, name: str, tmp_path: Path) -> tuple[list[str], subprocess.CompletedProcess]:
+    """(command, result) of the header check `name`: the background one, else run here."""
+    if name in header_checks:
+        cmd, proc = header_checks[name]
+        stdout, stderr = proc.communicate()
+        return cmd, subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    cmd = HEADER_CHECKS[name](tmp_path)
+    return cmd, subprocess.run(cmd, capture_output=True, text=True)
+
+
+@needs_nvcc
+def test_cuda_binding_compiles_against_torch_headers(tmp_path, header_checks):
+    """csrc/cuda/bindings.cpp (the torch side of megaft._cuda) type-checks with the host
+    compiler. A CPU build of torch lacks one generated CUDA header; an empty stand-in
+    is enough for a syntax and type check (nothing is linked)."""
+    cmd, result = _header_check(header_checks, "test_cuda_binding_compiles_against_torch_headers", tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
 
 
@@ -132,7 +191,7 @@ def test_kernels_abi_header_is_plain_c(tmp_path):
 
 
 @needs_nvcc
-def test_kernel_ops_binding_compiles_against_torch_headers(tmp_path):
+def test_kernel_ops_binding_compiles_against_torch_headers(tmp_path, header_checks):
     """csrc/cuda/kernel_ops.cpp (torch.ops.megaft.*) type-checks like bindings.cpp does above.
 
     kernel_ops.cpp declares torch's cuBLAS handle/workspace getters itself (to avoid the
@@ -141,24 +200,9 @@ def test_kernel_ops_binding_compiles_against_torch_headers(tmp_path):
     (seen only on a GPU machine). Where the cuBLAS headers are found, torch's own
     ATen/cuda/CUDAContextLight.h is compiled into the same file (cuSPARSE/cuSOLVER stubbed),
     so such a mismatch is a conflicting redeclaration or an ambiguous call here."""
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-
-    stub = tmp_path / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    (tmp_path / "cusparse.h").write_text("#pragma once\ntypedef struct cusparseContext* cusparseHandle_t;\n")
-    (tmp_path / "cusolverDn.h").write_text("#pragma once\ntypedef struct cusolverDnContext* cusolverDnHandle_t;\n")
-    cublas = _cublas_include()
-    torch_decls = [f"-I{cublas}", "-include", "ATen/cuda/CUDAContextLight.h"] if cublas else []
-    root = CUDA_DIR.parent
-    cmd = ["c++", "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *(f"-I{p}" for p in include_paths()),
-           f"-I{sysconfig.get_paths()['include']}", f"-I{_cuda_include()}", f"-I{root / 'include'}",
-           f"-I{CUDA_DIR}", "-DTORCH_EXTENSION_NAME=_cuda", *torch_decls, str(CUDA_DIR / "kernel_ops.cpp")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    cmd, result = _header_check(header_checks, "test_kernel_ops_binding_compiles_against_torch_headers", tmp_path)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
-    if not cublas:
+    if not _cublas_include():
         pytest.skip(reason="compiled, but torch's declarations were not checked: no cuBLAS headers "
                     "(CUDA toolkit include dir, or pip install nvidia-cublas)")
     # the check has teeth: the declaration kernel_ops.cpp had before (no `bool setup`) fails it

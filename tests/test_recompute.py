@@ -12,19 +12,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels, interpreted on CPU
 
+from models.layout_runs import verify  # noqa: E402  (megaft-verify, its layout on the pooled ranks)
+
 from megaft.config import Config  # noqa: E402
 from megaft.config.kernels import KernelsConfig  # noqa: E402
 from megaft.config.model import ModelConfig  # noqa: E402
 from megaft.kernels import _triton  # noqa: E402
 from megaft.models import saved  # noqa: E402
 from megaft.models.attention.documents import Docs  # noqa: E402
-from megaft.models.checks import check_model
+from megaft.models.checks import check_model  # noqa: E402
 from megaft.models.decoder import Decoder  # noqa: E402
 from megaft.models.init import init_params  # noqa: E402
 from megaft.perf.counts import activation_bytes_per_token  # noqa: E402
 from megaft.pipeline.stage import StageModel  # noqa: E402
-from megaft.validation import validate
-from megaft.verify.run import run_verify  # noqa: E402
+from megaft.validation import validate  # noqa: E402
 
 MODES = ("selective", "full")
 
@@ -157,5 +158,5 @@ def test_recompute_trains_like_the_single_process(tmp_path, layout):
         cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, True
     else:
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = 1, 2, 1
-    report = run_verify(cfg, str(tmp_path))
+    report = verify(cfg, str(tmp_path))  # megaft-verify, its layout on the pooled ranks
     assert report.passed, report.format()

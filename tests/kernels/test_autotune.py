@@ -16,13 +16,13 @@ import types
 
 import pytest
 import torch
+from multirank import spawn
 
 from megaft.config.kernels import OPS, KernelsConfig
 from megaft.config.model import ModelConfig
 from megaft.kernels import _ext, _triton, autotune, cases
 from megaft.kernels.checks import check_kernels
 from tests.kernels.test_triton_compile import compile_without_interpreter
-from tests.multirank import spawn
 
 CPU = torch.device("cpu")
 _WHY = _triton.unavailable_reason(CPU)
@@ -294,9 +294,15 @@ def _torch_as_cuda(op_cases):
 
 
 def _ranks_agree(rank, world, cache_dir):
-    # every rank would measure differently; all must end with rank 0's choice
-    autotune.ops_to_measure = lambda kernels, device: {"rmsnorm": ["cuda"], "swiglu": ["cuda"]}
-    autotune.model_cases = lambda *a, **k: _torch_as_cuda(cases.model_cases(*a, **k))
+    # every rank would measure differently; all must end with rank 0's choice. MonkeyPatch undoes the
+    # patches: the rank processes are pooled (tests/multirank.py) and run other tests afterwards.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autotune, "ops_to_measure", lambda kernels, device: {"rmsnorm": ["cuda"], "swiglu": ["cuda"]})
+        patch.setattr(autotune, "model_cases", lambda *a, **k: _torch_as_cuda(cases.model_cases(*a, **k)))
+        _agree_on_rank0(rank, cache_dir)
+
+
+def _agree_on_rank0(rank, cache_dir):
     ms = {"cuda": 0.1, "torch": 0.2} if rank == 0 else {"cuda": 0.3, "torch": 0.2}
     out, record = autotune.decide_kernels(KernelsConfig(), TINY, tp=1, batch=1, seq=8, precision="fp32",
                                           device=CPU, rank=rank, timer=fake_timer(ms),

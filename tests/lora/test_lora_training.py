@@ -33,6 +33,8 @@ import shutil
 import pytest
 import torch
 from models.arch_fixture import make_hf
+from models.layout_runs import Case, run_cases, verify  # megaft-verify/-train ranks from the pool
+from models.layout_runs import check as check_case
 
 from lora.lora_fixture import TARGETS, lora_config, write_data
 from megaft.config import Config
@@ -41,7 +43,6 @@ from megaft.perf.memory import estimate_ranks
 from megaft.training.loop import Trainer
 from megaft.training.parts import RunParts, TrainSpec, build_optim
 from megaft.validation import validate
-from megaft.verify.run import run_verify
 
 # fp32: the layouts only reorder sums (~1e-7 relative); issue 15 asks for 1e-5 on the losses.
 LOSS_RTOL = 1e-5
@@ -80,7 +81,7 @@ def check(report) -> None:
 
 def test_tp2_sequence_parallel_with_dropout_equals_single_process(tmp_path, base):
     cfg = layout_config(base, tp=2, sp=True, dropout=0.1)
-    report = run_verify(cfg, str(tmp_path / "verify"))
+    report = verify(cfg, str(tmp_path / "verify"))
     check(report)
     names = {n for n, _ in report.grads}
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
@@ -130,10 +131,10 @@ def record_state(out_dir: str, parts: RunParts):
 
 
 def run_measured(cfg: Config, tmp_path):
-    """run_verify with every layout rank's state bytes recorded: (report, records by rank)."""
+    """verify with every layout rank's state bytes recorded: (report, records by rank)."""
     out = tmp_path / "state"
     out.mkdir()
-    report = run_verify(cfg, str(tmp_path / "verify"), spec=TrainSpec(optim=functools.partial(record_state, str(out))))
+    report = verify(cfg, str(tmp_path / "verify"), spec=TrainSpec(optim=functools.partial(record_state, str(out))))
     records = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(cfg.launcher.nproc)]
     return report, records
 
@@ -181,7 +182,7 @@ def test_dp2_zero1_equals_single_process_and_state_bytes_equal_the_formula(tmp_p
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="4 gloo ranks need at least 2 cores to finish in time")
 def test_tp2_pp2_equals_single_process(tmp_path, base):
-    check(run_verify(layout_config(base, tp=2, pp=2, rslora=True), str(tmp_path / "verify")))
+    check(verify(layout_config(base, tp=2, pp=2, rslora=True), str(tmp_path / "verify")))
 
 
 def test_pp2_interleaved_equals_single_process(tmp_path, base):
@@ -190,7 +191,7 @@ def test_pp2_interleaved_equals_single_process(tmp_path, base):
     make_hf(ckpt, "llama3", num_hidden_layers=4)
     cfg = layout_config((ckpt, base[1]), tp=1, pp=2)
     cfg.parallel.vpp, cfg.parallel.schedule = 2, "interleaved"
-    report = run_verify(cfg, str(tmp_path / "verify"))
+    report = verify(cfg, str(tmp_path / "verify"))
     check(report)
     assert {n.split(".")[1] for n, _ in report.grads} == {"0", "1", "2", "3"}  # every layer's adapters
 
@@ -201,10 +202,9 @@ def test_export_at_tp2_and_pp2_equals_the_single_process_export(tmp_path, base):
     weights, to fp32 rounding of the layouts' training."""
     from safetensors.torch import load_file
 
-    from megaft.launch.local import launch_local
-
-    out = {}
-    for name, (tp, pp) in {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}.items():
+    out, layouts = {}, {"single": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+    cases = []
+    for name, (tp, pp) in layouts.items():
         cfg = layout_config(base, tp=tp, pp=pp, export_merged=True)
         t = cfg.train
         t.max_steps, t.eval_every, t.save_every, t.export_hf, t.progress, t.tensorboard = 3, 3, 0, True, False, "false"
@@ -213,8 +213,13 @@ def test_export_at_tp2_and_pp2_equals_the_single_process_export(tmp_path, base):
         if tp * pp == 1:
             os.makedirs(run_dir)
             Trainer(cfg, ParallelGrid.single(), run_dir).fit()
-        else:
-            launch_local(cfg, run_dir)
+        else:  # megaft-train's rank body on pooled ranks (models.layout_runs), both layouts in one spawn
+            cases.append(Case(name, cfg, run_dir, verify=False))
+    run_cases(str(tmp_path / "ranks"), cases)
+    for name in layouts:
+        if name != "single":
+            check_case(str(tmp_path / "ranks"), name)  # a failed rank's traceback
+        run_dir = str(tmp_path / name)
         # (pp writes the merged weights one shard per stage, with an index: read every shard)
         out[name] = {kind: {k: v for f in sorted(glob.glob(os.path.join(run_dir, kind, "*.safetensors")))
                             for k, v in load_file(f).items()} for kind in ("hf", "hf_merged")}
@@ -235,7 +240,7 @@ def test_tp2_with_an_lm_head_adapter_on_other_families_equals_single_process(tmp
     (qk-norm, head_dim 24) and a Mistral (window) checkpoint."""
     ckpt = str(tmp_path / "ckpt")
     make_hf(ckpt, family)
-    report = run_verify(layout_config((ckpt, base[1]), tp=2, targets=[*TARGETS, "lm_head"]),
+    report = verify(layout_config((ckpt, base[1]), tp=2, targets=[*TARGETS, "lm_head"]),
                         str(tmp_path / "verify"))
     check(report)
     names = {n for n, _ in report.grads}
@@ -248,7 +253,7 @@ def test_cp2_equals_single_process_with_adapter_dropout_off(tmp_path, base):
     megaft-verify turns lora.dropout off on both sides and says so."""
     cfg = layout_config(base, tp=1, dropout=0.1)
     cfg.parallel.cp, cfg.launcher.nproc = 2, 2
-    report = run_verify(cfg, str(tmp_path / "verify"))
+    report = verify(cfg, str(tmp_path / "verify"))
     check(report)
     assert report.notes == [n for n in report.notes if n.startswith("lora.dropout=0.1 set to 0 on both sides: at cp=2")]
     assert len(report.notes) == 1
@@ -274,7 +279,7 @@ def test_recompute_replays_adapter_dropout_and_tp2_sp_full_recompute_equals_sing
             assert abs(curves[mode][step] - loss) <= 1e-6 * abs(loss), (mode, step, curves[mode][step], loss)
     cfg = layout_config(base, tp=2, sp=True, dropout=0.1)
     cfg.model.recompute = "full"
-    check(run_verify(cfg, str(tmp_path / "verify")))
+    check(verify(cfg, str(tmp_path / "verify")))
 
 
 def test_fp16_with_loss_scaling_tp2_sp_equals_single_process_at_fp16(tmp_path, base):
@@ -283,7 +288,7 @@ def test_fp16_with_loss_scaling_tp2_sp_equals_single_process_at_fp16(tmp_path, b
     measured here: loss within 1.2e-4, step-1 adapter grads within 1.6e-3."""
     cfg = layout_config(base, tp=2, sp=True)
     cfg.precision = cfg.verify.precision = "fp16"
-    report = run_verify(cfg, str(tmp_path / "verify"))
+    report = verify(cfg, str(tmp_path / "verify"))
     print(report.format())  # docs/lora.md's figures: pytest -s -k fp16
     assert report.passed, report.format()
     assert [r.step for r in report.rows] == list(range(1, 11)) and max(r.loss_rel for r in report.rows) <= 1e-3

@@ -12,12 +12,12 @@ import shutil
 
 import pytest
 from data.chat_fixture import CONVERSATIONS, make_checkpoint
+from models.layout_runs import verify  # megaft-verify, its layout on the pooled ranks
 
 from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
 from megaft.validation import validate
-from megaft.verify.run import run_verify
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ LAYOUTS = {"tp2_sp": dict(tp=2, dp=1, sequence_parallel=True), "pp2": dict(tp=1,
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_chat_finetune_with_packed_documents_equals_the_single_process(tmp_path, chat_data, layout):
     parallel = LAYOUTS[layout]
-    report = run_verify(chat_config(*chat_data, **parallel), str(tmp_path))
+    report = verify(chat_config(*chat_data, **parallel), str(tmp_path))
     assert report.passed, report.format()
     summary = json.load(open(os.path.join(tmp_path, "layout", "summary.json")))
     assert summary["packing"] == "docs" and summary["attention"] == "sdpa_mask"

@@ -157,15 +157,16 @@ def wrapped_job(env, tmp_path, name, run, *sbatch_args, extra=()):
 
 
 def test_time_limit_hit_mid_run_requeues_and_finishes_the_same_curve(slurm_cluster, reference, tmp_path):
-    """--time=2 (minutes) with USR1 60 s before it: a first attempt at 2 s per step (40 steps)
+    """--time=2 (minutes) with USR1 80 s before it: a first attempt at 2 s per step (40 steps)
     cannot finish, so the time-limit signal stops it; the requeued attempt runs at full speed
-    (and, for a loaded machine, with a 10-minute limit); about 2 minutes on an idle machine."""
+    (and, for a loaded machine, with a 10-minute limit); about 1.5 minutes on an idle machine."""
     run = tmp_path / "run"
     env = dict(slurm_cluster, MEGAFT_TEST_SLEEP_S="2")
     # --time=2 replaces submit()'s --time=5 (the last one wins). slurmctld checks time limits every
-    # 30 s and sends the signal at the first check after (limit - 60 s - 30 s), here 30-60 s in;
-    # with --time=1 it came 4 s after the start, before the imports were done.
-    job = wrapped_job(env, tmp_path, "megaft-test-timelimit", run, "--requeue", "--time=2", "--signal=USR1@60",
+    # 30 s and sends the signal at the first check after (limit - 80 s - 30 s), here 10-40 s in (a
+    # 60 s lead: 30-60 s, the same test half a minute longer); with --time=1 it came 4 s after the
+    # start, before the imports were done (the wrapper now blocks it until the handlers exist).
+    job = wrapped_job(env, tmp_path, "megaft-test-timelimit", run, "--requeue", "--time=2", "--signal=USR1@80",
                       extra=["launcher.max_requeue=1"])
     started = time.monotonic()
 
