@@ -22,6 +22,8 @@ import torch
 from megaft.kernels import _ext
 from megaft.kernels.adamw import adamw_step_, reference, resolve_backend
 
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
 # 1 and 7: tails only; 4099: vector body + tail; 100_003: several at::parallel_for
 # chunks (grain 32768) split at odd offsets; 1_000_003: large, still fast.
 SIZES = [1, 7, 4099, 100_003, 1_000_003]

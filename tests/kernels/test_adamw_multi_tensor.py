@@ -21,6 +21,8 @@ from megaft.kernels import _ext, _triton
 from megaft.kernels.adamw import adamw_multi_tensor_, adamw_step_, resolve_backend
 from megaft.kernels.adamw.tensor_lists import make_lists
 
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
 # Odd sizes, an empty tensor, and one spanning several Triton chunks of 16384 and a
 # partial CUDA chunk; kept small because the Triton interpreter is slow.
 SIZE_LISTS = [[1], [7, 0, 4099, 33, 1000], [16384 + 5, 3, 2048]]

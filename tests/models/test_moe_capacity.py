@@ -24,6 +24,8 @@ from models.layout_runs import report as layout_report
 from models.moe_fixture import make_hf_moe
 from models.test_moe_training import data, moe_config  # noqa: F401 (the data fixture)
 
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
 
 def _layer(policy: str, factor: float) -> MoE:
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, ffn_dim=24, vocab_size=32, n_experts=4, top_k=2, arch="mixtral")

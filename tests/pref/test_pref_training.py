@@ -39,6 +39,8 @@ from pref.pref_train_cases import (
     write_pairs,
 )
 
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
