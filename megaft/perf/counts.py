@@ -17,6 +17,7 @@ ones (total_params, matmul_params, FLOPs) do not; a2a_bytes counts the tokens it
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence, TypeVar
 
 from megaft.config.lora import LoraConfig
@@ -159,8 +160,13 @@ def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None, ep: int =
 
 def rank_layer_ids(m: ModelConfig, *, pp: int, vpp: int, pp_layers=None) -> list[list[int]]:
     """The decoder blocks (global indices) each pp rank holds: its virtual stages r, r + pp, ..."""
-    stages = stage_layers(m.n_layers, pp * vpp, pp_layers)
-    return [[i for c in range(vpp) for i in stages[r + c * pp]] for r in range(pp)]
+    return [list(ids) for ids in _rank_layer_ids(m.n_layers, pp, vpp, tuple(pp_layers) if pp_layers else None)]
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for the same few splits thousands of times
+def _rank_layer_ids(n_layers: int, pp: int, vpp: int, pp_layers: Optional[tuple]) -> tuple[tuple[int, ...], ...]:
+    stages = stage_layers(n_layers, pp * vpp, pp_layers)
+    return tuple(tuple(i for c in range(vpp) for i in stages[r + c * pp]) for r in range(pp))
 
 
 def rank_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None, ep: int = 1) -> list[int]:
@@ -169,7 +175,7 @@ def rank_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None, e
     and head on the last (a tied head is a copy when pp > 1)."""
     vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * tp) // tp * m.dim
     blocks = per_block(m, lambda i: layer_params(m, tp, i, ep))
-    out = [sum(blocks[i] for i in ids) for ids in rank_layer_ids(m, pp=pp, vpp=vpp, pp_layers=pp_layers)]
+    out = [sum(map(blocks.__getitem__, ids)) for ids in rank_layer_ids(m, pp=pp, vpp=vpp, pp_layers=pp_layers)]
     out[0] += vocab
     out[-1] += m.dim + (vocab if not m.tie_embeddings or pp > 1 else 0)
     return out

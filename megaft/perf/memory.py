@@ -136,8 +136,12 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         again = set() if m.recompute == "none" else {
             i for c in range(par.vpp) for i in list(stages[r + c * par.pp])[:m.recompute_layers]}
         full = m.recompute == "full"
-        held = sum(kept[i] if i in again else every[i] for i in ids[r]) * tokens
-        held += sum(expert_copies[i] for i in ids[r] if not (full and i in again))  # full: none kept
+        if again:
+            held = sum(kept[i] if i in again else every[i] for i in ids[r]) * tokens
+            held += sum(expert_copies[i] for i in ids[r] if not (full and i in again))  # full: none kept
+        else:  # the same sums in the same order, at the planner's thousands of layouts
+            held = sum(map(every.__getitem__, ids[r])) * tokens
+            held += sum(map(expert_copies.__getitem__, ids[r]))
         activations = held * live
         if full and again:  # the block being recomputed in backward (the fullest of them)
             activations += max(every[i] * tokens + expert_copies[i] for i in again)

@@ -270,19 +270,20 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         head_b = 2 * head_f
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
     block_colls = per_block(m, lambda i: _block_collectives(m, i))
+    b_again = [x + y for x, y in zip(b, again)]  # model.recompute runs (part of) the forward again
     out = []
     for s, ids in enumerate(stage_layers(m.n_layers, stages, par.pp_layers)):
         first, last, n = s == 0, s == stages - 1, len(ids)
-        colls = sum(block_colls[i] for i in ids)
-        c = {"f_compute": sum(f[i] for i in ids) + (head_f if last else 0.0)}
-        # model.recompute runs (part of) the forward again
-        c["b_compute"] = sum(b[i] + again[i] for i in ids) + (head_b if last else 0.0)
+        span = slice(ids.start, ids.stop)  # a stage's blocks are consecutive: slices sum in the same order
+        colls = sum(block_colls[span])
+        c = {"f_compute": sum(f[span]) + (head_f if last else 0.0)}
+        c["b_compute"] = sum(b_again[span]) + (head_b if last else 0.0)
         c["f_tp"] = tp_one * (colls + first + (last and par.sequence_parallel)) + (
             3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
         c["b_tp"] = tp_one * (colls + last) + (tp_one * colls if m.recompute == "full" else 0.0)
         c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
         c["b_cp"] = n * ring_b
-        moe = sum(m.is_moe(i) for i in ids)  # full recompute: the forward's all-to-alls run again in backward
+        moe = sum(map(m.is_moe, ids))  # full recompute: the forward's all-to-alls run again in backward
         c["f_ep"], c["b_ep"] = moe * a2a, moe * a2a * (2 if m.recompute == "full" else 1)
         c["f_zero"] = c["b_zero"] = 0.0
         if par.zero == 3 and dp > 1:  # prefetch hides a block's gather behind the previous block's compute
@@ -294,12 +295,12 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             c["b_zero"] = agrs[-1] + sum(max(0.0, agrs[j] - 2 * f[ids[j + 1]]) for j in range(n - 1)) + 2 * ends
         elif par.zero == 2 and dp > 1:  # every micro-batch reduce-scatters its grads during backward
             if lora:
-                count = sum(trained[i] for i in ids) + (head_adapters if last else 0)
+                count = sum(trained[span]) + (head_adapters if last else 0)
             else:
-                count = sum(params[i] for i in ids) + (m.vocab_size * m.dim / tp if first or last else 0)
+                count = sum(params[span]) + (m.vocab_size * m.dim / tp if first or last else 0)
             grads = count * gbytes
             bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
-            c["b_zero"] = max(bucket, zero_s(gather_s, count, sum(experts[i] for i in ids), gbytes) - c["b_compute"])
+            c["b_zero"] = max(bucket, zero_s(gather_s, count, sum(experts[span]), gbytes) - c["b_compute"])
         out.append(c)
     return out
 

@@ -8,6 +8,7 @@ final norm, the head and the loss on the last one.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 from megaft.pipeline.schedules import SCHEDULES
@@ -29,11 +30,16 @@ def stage_layer_counts(n_layers: int, stages: int, pp_layers: Optional[Sequence[
 
 def stage_layers(n_layers: int, stages: int, pp_layers: Optional[Sequence[int]] = None) -> list[range]:
     """The global layer indices of every virtual stage."""
+    return list(_stage_layers(n_layers, stages, tuple(pp_layers) if pp_layers else None))
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for the same few splits ~15,000 times
+def _stage_layers(n_layers: int, stages: int, pp_layers: Optional[tuple]) -> tuple[range, ...]:
     out, start = [], 0
     for count in stage_layer_counts(n_layers, stages, pp_layers):
         out.append(range(start, start + count))
         start += count
-    return out
+    return tuple(out)
 
 
 def check_split(n_layers: int, stages: int, counts: Sequence[int]) -> list[str]:
