@@ -29,6 +29,8 @@ from megaft.checkpoint import (
 from megaft.config.train import TrainConfig, check_train
 from megaft.parallel.grid import ParallelGrid
 
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
