@@ -174,19 +174,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
     try:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            file = SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {}
-            for name, p in shard:
-                local = transform(name, p.detach()) if transform else None
-                full = _full(p, tp_group, local)  # collective: every rank gathers, the writer keeps it
-                if is_writer:
-                    tensors.update(hf_tensors(name, full.to("cpu", dtype or full.dtype), cfg))
-            if is_writer:
-                save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(tensors, file))
-                total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map, total = _write_shards(shards, 0, len(shards), tmp, tp_group, dtype, cfg, transform)
         if is_writer:
             with open(os.path.join(tmp, CONFIG), "w") as f:
                 json.dump(hf_config_dict(cfg, dtype or params[0][1].dtype), f, indent=2)
@@ -207,11 +195,11 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, *, tokenizer_jso
 
 def _write_shards(shards, first: int, total_files: int, tmp: Optional[str], tp_group: Group,
                   dtype: Optional[torch.dtype], cfg: ModelConfig, transform=None) -> tuple[dict[str, str], int]:
-    """Gather and (on a writer, `tmp` set) save `shards` as files first+1.. of total_files;
-    returns (weight map, bytes written)."""
+    """Gather and (on a writer, `tmp` set) save `shards` as files first+1.. of total_files
+    (model.safetensors when it is the only one); returns (weight map, bytes written)."""
     weight_map, nbytes = {}, 0
     for i, shard in enumerate(shards):
-        file = f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
+        file = SINGLE if total_files == 1 else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors"
         tensors = {}
         for name, p in shard:
             full = _full(p, tp_group, transform(name, p.detach()) if transform else None)  # collective over tp
