@@ -19,8 +19,6 @@ group's TIMEOUT catches those inside one) gets SIGABRT, so faulthandler prints w
 rank is, and fails; a failure that leaves ranks behind, a dead worker (os._exit, a
 segfault) or a timeout tears the pool down and the next call starts a new one. The pools
 stop at exit (tests/conftest.py calls shutdown() at the end of the session).
-
-fresh=True runs the call on newly started processes instead, as before the pool.
 """
 from __future__ import annotations
 
@@ -62,39 +60,6 @@ def _run(rank: int, world: int, init_file: str, fn, args, group: bool) -> None:
         dist.barrier()  # no rank tears its group down while a peer may still have traffic in flight
     finally:
         dist.destroy_process_group()
-
-
-def _worker(rank: int, world: int, init_file: str, errors, fn, args, group: bool = True):
-    """A fresh process's whole life (fresh=True)."""
-    faulthandler.enable()
-    torch.set_num_threads(1)
-    try:
-        _run(rank, world, init_file, fn, args, group)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
-    # A rank once died of SIGABRT in CI with no Python error (tests/models/test_arch.py, pp=2). If
-    # that was interpreter finalization (C++ static destructors racing gloo's threads), exiting
-    # here skips it; if not, faulthandler above prints where it was.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _spawn_fresh(world: int, fn, args, group: bool) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        try:
-            mp.start_processes(_worker, args=(world, init_file, errors, fn, args, group), nprocs=world,
-                               join=True, start_method="spawn")
-        except Exception as exc:
-            reports = []
-            while not errors.empty():
-                rank, tb = errors.get()
-                reports.append(f"--- rank {rank} ---\n{tb}")
-            raise AssertionError("multi-rank test failed:\n" + "\n".join(reports)) from exc
 
 
 # ---- the pooled worker ----
@@ -172,7 +137,10 @@ def _serve(rank: int, world: int, conn) -> None:
         conn.send((result, _worn()))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # see _worker: no interpreter finalization racing gloo's threads
+    # A rank once died of SIGABRT in CI with no Python error (tests/models/test_arch.py, pp=2). If
+    # that was interpreter finalization (C++ static destructors racing gloo's threads), exiting
+    # here skips it; if not, faulthandler above prints where it was.
+    os._exit(0)
 
 
 def _worn() -> bool:
@@ -305,13 +273,9 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def spawn(world: int, fn, *args, group: bool = True, fresh: bool = False, timeout: float = CALL_TIMEOUT_S) -> None:
+def spawn(world: int, fn, *args, group: bool = True, timeout: float = CALL_TIMEOUT_S) -> None:
     """Run fn(rank, world, *args) on `world` gloo ranks; fn must be importable (top level).
-    group=False: no process group around fn (it starts its own, e.g. one per training run).
-    fresh=True: on new processes instead of the pool's."""
-    if fresh:
-        _spawn_fresh(world, fn, args, group)
-        return
+    group=False: no process group around fn (it starts its own, e.g. one per training run)."""
     pool = _POOLS.get(world)
     if pool is None or not pool.alive():
         if pool is not None:
