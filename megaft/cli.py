@@ -7,6 +7,7 @@ without a checkpoint. Blocked from the first line, it stays pending until the ha
 PreemptFlag.install() in a rank (megaft.training.stop) and the local launcher's forwarding
 unblock it, and it is delivered then. Spawned ranks inherit the mask, so they are covered too.
 """
+import gc
 import importlib
 import signal
 
@@ -36,7 +37,10 @@ def commbench():
 
 
 def plan():
-    """`megaft-plan`: starts no rank, but behaves like every other entry point."""
+    """`megaft-plan`: starts no rank, but behaves like every other entry point. A short-lived
+    command that makes millions of small acyclic objects: the cycle collector's passes over
+    them (imports, composition, search) find nothing, so it stays off."""
+    gc.disable()
     return _run("megaft.plan.app")
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, conf_dir, register_configs
+from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
 from megaft.config.pref import check_pref, is_preference
 
 register_configs()
@@ -84,7 +84,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _hydra_main()
+    compose_once(_hydra_main, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import megaft
 
 FOLDERS: list[str] = [
     # base: stdlib-only helpers and the config schema
-    "megaft.fileio", "megaft.signals", "megaft.cli_args", "megaft.device", "megaft.run_dir", "megaft.config",
+    "megaft.fileio", "megaft.signals", "megaft.cli_args", "megaft.device", "megaft.run_dir", "megaft.forks",
+    "megaft.config",
     # the grid and the parallel concepts (tensor, context, expert, data: the dp gradient reduction)
     "megaft.parallel",
     "megaft.kernels",

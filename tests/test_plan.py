@@ -324,6 +324,7 @@ def test_measured_links_from_a_real_commbench_run(tmp_path):
     (["cluster.nodes=0"], "cluster.nodes=0 must be >= 1"),
     (["model.init_from=/nonexistent/dir"], "has no config.json"),
     (["data.seq_len=4096"], "data.seq_len=4096 > model.max_seq_len"),
+    (["plan.workers=-1"], "plan.workers=-1 must be >= 0"),
 ])
 def test_cli_exits_2_on_a_bad_config(tmp_path, args, message):
     out = run_cli(args + [f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
@@ -352,3 +353,48 @@ def test_the_planner_and_cfg_job_import_no_torch(tmp_path):
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path)
         assert out.stdout.strip().endswith("NO TORCH"), (entry, out.stdout[-2000:], out.stderr[-2000:])
     assert (tmp_path / "plan" / "plan.json").is_file()  # the plan really ran
+
+
+@pytest.mark.parametrize("config_name, overrides", [
+    ("train", []), ("train", ["hydra/launcher=slurm"]), ("megaft_plan", ["cluster=h100"])])
+def test_conf_sets_no_hydra_mode(config_name, overrides):
+    # megaft.config.compose_once skips Hydra's first composition, which only reads hydra.mode:
+    # sound while no file of conf/ sets it (what that composition would then return)
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    assert cfg.hydra.mode is None
+
+
+def test_the_planner_composes_its_config_once(tmp_path, monkeypatch):
+    """@hydra.main composes the config twice (Hydra.get_mode, then the run); megaft's entry
+    points once, unless the command line sets hydra.mode. The plan is the same either way."""
+    from hydra._internal.hydra import Hydra
+
+    calls = []
+    compose_config, get_mode = Hydra.compose_config, Hydra.get_mode
+    monkeypatch.setattr(Hydra, "compose_config", lambda self, *a, **k: calls.append(1) or compose_config(self, *a, **k))
+    ckpt, plans = checkpoint(tmp_path, "8B"), []
+    for extra, composes in (([], 1), (["hydra.mode=RUN"], 2)):
+        run, calls[:] = tmp_path / f"run{composes}", []
+        monkeypatch.setattr(sys, "argv", ["megaft-plan", f"model.init_from={ckpt}", "cluster=h100", "cluster.nodes=1",
+                                          f"hydra.run.dir={run}", *extra])
+        with pytest.raises(SystemExit) as exit_:
+            megaft.plan.app.main()
+        assert exit_.value.code == 0 and len(calls) == composes, (extra, len(calls))
+        assert Hydra.get_mode is get_mode  # restored after the call
+        assert (run / ".hydra" / "config.yaml").is_file()
+        plans.append(json.loads((run / "plan.json").read_text()))
+    assert plans[0]["layouts"] and plans[0] == plans[1]
+
+
+def test_the_search_over_workers_is_the_search_in_one_process(tmp_path):
+    """plan.workers: the layouts checked and costed in forked processes (megaft.forks) give the
+    same ranking, costs, memory and rejections, in the same order, as one process: on a space
+    with pipelines (70B on 2 nodes), so whole schedule groups are shared out."""
+    cfg, shaped, one = plan_for(tmp_path, "70B", 2)
+    assert any(c.layout.pp > 1 for c in one.ranked) and any(c.layout.pp == 1 for c in one.ranked)
+    for workers in (2, 3):
+        many = search(shaped, cfg.cluster, cfg.plan, workers=workers)
+        assert [(c.layout, c.memory, c.cost) for c in many.ranked] == [(c.layout, c.memory, c.cost) for c in one.ranked]
+        assert (many.considered, list(many.rejected.items()), list(many.examples.items()), list(many.reasons.items())) == (
+            one.considered, list(one.rejected.items()), list(one.examples.items()), list(one.reasons.items()))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from megaft.commbench.ep import ep_problems
 from megaft.commbench.report import format_table
 from megaft.commbench.verdict import verdict
-from megaft.config import Config, ConfigError, conf_dir, register_configs
+from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
 from megaft.config.commbench import check_commbench
 from megaft.config.launcher import check_launcher
 from megaft.config.parallel import check_parallel
@@ -109,7 +109,7 @@ SLURM_TASK_BODY = slurm_body  # what each Slurm task runs under hydra/launcher=s
 
 
 def main() -> None:
-    _hydra_main()
+    compose_once(_hydra_main, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ stack. Checks that read files, need a model family's spec or the performance mod
 it (megaft.validation.validate).
 
     config/root.py      Config, Precision, Device, ConfigError
-    config/compose.py   register_configs, conf_dir, compose_config
+    config/compose.py   register_configs, conf_dir, compose_config, compose_once
     config/<section>.py model, moe, parallel, optim, data, train (+ sample), launcher, kernels,
                         verify, cluster (+ plan), commbench, lora, pref, wandb, eval
 """
-from megaft.config.compose import compose_config, conf_dir, register_configs
+from megaft.config.compose import compose_config, compose_once, conf_dir, register_configs
 from megaft.config.root import Config, ConfigError, Device, Precision
 
-__all__ = ["Config", "ConfigError", "Device", "Precision", "compose_config", "conf_dir", "register_configs"]
+__all__ = ["Config", "ConfigError", "Device", "Precision", "compose_config", "compose_once", "conf_dir", "register_configs"]

@@ -58,6 +58,9 @@ class PlanConfig:
     max_micro_batch_size: int = 8  # largest train.micro_batch_size tried (divisors of the global batch)
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])  # parallel.zero values tried
     offload: bool = True  # also try parallel.offload=cpu
+    # processes the search checks and costs layouts in (forked, same result as one);
+    # 0 = the CPUs this process may use, at most 8 (beyond, forking costs more than it saves)
+    workers: int = 0
     # plan.probe=K: run the top K as one short Slurm array and re-rank by measured throughput
     # (megaft.plan.probe; the launcher is megaft-plan's hydra/launcher=..., default slurm); 0 = don't
     probe: int = 0
@@ -73,6 +76,8 @@ def check_plan(cfg: PlanConfig) -> list[str]:
     if cfg.probe < 0 or cfg.probe_steps < 2 or cfg.probe_timeout_min <= 0:
         problems.append(f"plan.probe={cfg.probe} must be >= 0, plan.probe_steps={cfg.probe_steps} >= 2 (the first "
                         f"step is warm-up) and plan.probe_timeout_min={cfg.probe_timeout_min} > 0")
+    if cfg.workers < 0:
+        problems.append(f"plan.workers={cfg.workers} must be >= 0 (0 = the CPUs this process may use)")
     if cfg.max_tp < 0:
         problems.append(f"plan.max_tp={cfg.max_tp} must be >= 0 (0 = gpus_per_node)")
     bad = [z for z in cfg.zero_stages if z not in (0, 1, 2, 3)]

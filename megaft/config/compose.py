@@ -47,3 +47,23 @@ def compose_config(overrides: list[str]) -> Config:
     register_configs()
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
+def compose_once(hydra_main, argv: list[str]) -> None:
+    """Run a @hydra.main function composing the config once, not twice.
+
+    Before it runs an app, Hydra composes the whole config a first time only to read
+    `hydra.mode` (Hydra.get_mode); no file of conf/ sets it (tests/test_config_compose.py
+    checks), so unless the command line does, that composition can only answer None, which
+    Hydra then reads as --run, or --multirun with -m. It is a fifth of megaft-plan's wall
+    time. Skipped here for this call only; a command line that sets hydra.mode keeps it."""
+    from hydra._internal.hydra import Hydra
+
+    if any(a.lstrip("+~").startswith("hydra.mode") for a in argv):
+        return hydra_main()
+    get_mode = Hydra.get_mode
+    Hydra.get_mode = lambda self, config_name, overrides: None
+    try:
+        return hydra_main()
+    finally:
+        Hydra.get_mode = get_mode

@@ -25,8 +25,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, conf_dir, register_configs
+from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
 from megaft.fileio import write_json_atomic
+from megaft.forks import usable_cpus
 from megaft.plan.measured import apply_measured
 from megaft.plan.report import (
     columns,
@@ -46,6 +47,7 @@ register_configs()
 # megaft-train's root config with a cluster preset (conf/train.yaml's `cluster` default is null).
 ConfigStore.instance().store(name="megaft_plan", node={"defaults": ["train", {"override cluster": "h100"}, "_self_"]})
 
+MAX_WORKERS = 8  # plan.workers=0: the usable CPUs, at most this many
 LAYOUT_KEYS = ("parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp", "parallel.ep", "parallel.vpp",
                "parallel.schedule", "parallel.sequence_parallel", "parallel.zero", "parallel.offload",
                "parallel.pp_layers", "train.micro_batch_size", "launcher.nproc", "launcher.world_size")
@@ -75,16 +77,18 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
         print(f"megaft-plan: links: {note}")
     # the search allocates millions of small, acyclic objects (reference counting frees them):
     # the cycle collector's passes over them found nothing and cost a fifth of the search
+    collecting = gc.isenabled()  # off already under the megaft-plan command (megaft.cli.plan)
     gc.disable()
     try:
         start = time.perf_counter()
-        result = search(shaped, cluster, plan)
+        result = search(shaped, cluster, plan, workers=plan.workers or min(usable_cpus(), MAX_WORKERS))
         rule = rule_of_thumb(shaped, cluster)
         explanation = explain_rule(result, rule, shaped, cluster)
         experts = explain_experts(result, shaped, cluster)  # None for a dense model
         searched_s = time.perf_counter() - start
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
     out = plan_json(result, shaped, cluster, user_overrides=user_overrides(overrides), top_k=plan.top_k,
                     explanation=explanation, experts=experts)
     m = shaped.model
@@ -134,7 +138,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _hydra_main()
+    compose_once(_hydra_main, sys.argv[1:])
 
 
 if __name__ == "__main__":

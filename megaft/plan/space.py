@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from megaft.forks import deal, fork_map, undeal
 from megaft.perf.counts import total_params
 from megaft.perf.hardware import GIB, gpu_type_memory
 from megaft.perf.memory import MemoryEstimate, check_memory, estimate_memory
@@ -205,21 +206,28 @@ def reason_of(problem: str) -> str:
     return problem.split(" ", 1)[0].split("=", 1)[0]  # the config key the problem names
 
 
-def search(cfg, cluster, plan) -> SearchResult:
+def search(cfg, cluster, plan, workers: int = 1) -> SearchResult:
     """Every layout of the space checked and costed; valid ones ranked by predicted step
-    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, no cp, smaller ep, less memory)."""
+    time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, no cp, smaller ep, less memory).
+    `workers` > 1: checked and costed over that many processes (megaft.forks), with the
+    same result: every layout's check and cost depends on that layout alone."""
     world, budget = cluster.world_size, memory_target(cluster)
     result = SearchResult(ranked=[], budget=budget)
     lowest_zero = min(plan.zero_stages)
-    valid = []
+    todo = []  # (layout, its config or None when it is a no-op ZeRO stage)
     for layout in layouts(cfg, cluster, plan):
         result.considered += 1
-        if layout.dp * layout.cp == 1 and layout.zero != lowest_zero:  # ZeRO shards over dp×cp
+        noop = layout.dp * layout.cp == 1 and layout.zero != lowest_zero  # ZeRO shards over dp×cp
+        todo.append((layout, None if noop else apply_layout(cfg, layout)))
+    cands = [cand for _, cand in todo if cand is not None]
+    found = iter(undeal(fork_map(lambda hand: [checked(c, world, budget) for c in hand], deal(cands, workers))))
+    valid = []
+    for layout, cand in todo:  # in the space's order: the first example of each reason is the same
+        if cand is None:
             problems = [f"parallel.zero={layout.zero} with dp=1 does what zero={lowest_zero} does"]
             reason = NOOP_ZERO
         else:
-            cand = apply_layout(cfg, layout)
-            problems, memory = checked(cand, world, budget)
+            problems, memory = next(found)
             reason = reason_of(problems[0]) if problems else ""
         if problems:
             result.rejected[reason] += 1
@@ -228,7 +236,7 @@ def search(cfg, cluster, plan) -> SearchResult:
             continue
         valid.append((layout, cand, memory))
     # costed together: layouts that share a pipeline schedule share one replay
-    costs = step_costs([cand for _, cand, _ in valid], cluster, world)
+    costs = step_costs([cand for _, cand, _ in valid], cluster, world, workers)
     result.ranked = [Candidate(layout, cand, memory, cost) for (layout, cand, memory), cost in zip(valid, costs)]
     result.ranked.sort(key=lambda c: (round(c.cost.step_s, 6), c.layout.zero, c.layout.offload != "none",
                                       c.layout.pp * c.layout.vpp, c.layout.tp, c.layout.cp, c.layout.ep,

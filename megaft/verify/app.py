@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from megaft.config import Config, ConfigError, conf_dir, register_configs
+from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
 from megaft.verify.run import run_verify, slurm_body, write_report
 
 register_configs()
@@ -40,7 +40,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _hydra_main()
+    compose_once(_hydra_main, sys.argv[1:])
 
 
 if __name__ == "__main__":
