@@ -14,4 +14,5 @@ it (megaft.validation.validate).
 from megaft.config.compose import compose_config, compose_once, conf_dir, register_configs
 from megaft.config.root import Config, ConfigError, Device, Precision
 
-__all__ = ["Config", "ConfigError", "Device", "Precision", "compose_config", "compose_once", "conf_dir", "register_configs"]
+__all__ = ["Config", "ConfigError", "Device", "Precision", "compose_config", "compose_once", "conf_dir",
+           "register_configs"]

@@ -1,0 +1,69 @@
+"""Group-relative advantages, exactly as TRL 1.16's GRPOTrainer computes them
+(trl/trainer/grpo_trainer.py `_generate_and_score_completions`, multi_objective_aggregation
+"sum_then_normalize", its default).
+
+The rewards of the whole generation batch come in, every rank the same ([completions,
+functions], NaN where a function returned None): a group's mean and std span its G
+completions wherever they train, and `scale_rewards="batch"` takes one std over every
+completion (TRL#3991 computed it per group; tests/rl checks the batch std is one number).
+"""
+from __future__ import annotations
+
+import torch
+
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4  # TRL's: advantages = (r - mean) / (std + 1e-4)
+
+
+def nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Bessel-corrected std ignoring NaNs (TRL's trl.trainer.utils.nanstd): NaN with < 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(count, float("nan"), dtype=x.dtype))
+    variance = variance * correction
+    if not keepdim:
+        variance = variance.squeeze(dim) if dim is not None else variance.reshape(())
+    return torch.sqrt(variance)
+
+
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """(advantages [completions], TRL's reward metrics) for rewards [completions, functions], completions
+    ordered group by group (G consecutive completions of one prompt).
+
+    A completion every function declined (all NaN) is unscorable: left out of its group's mean
+    and std, and its advantage is 0, as TRL does."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"rl.scale_rewards={scale_rewards!r}; fix: one of {', '.join(SCALE_REWARDS)}")
+    if rewards_per_func.dim() != 2 or rewards_per_func.shape[0] % num_generations:
+        raise ValueError(f"rewards of shape {tuple(rewards_per_func.shape)} are not whole groups of "
+                         f"{num_generations} completions")
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations, dim=0)
+    if scale_rewards in ("group", "none"):  # "none" keeps the group std for the zero-std count only
+        std = (nanstd(grouped, dim=1).repeat_interleave(num_generations, dim=0) if num_generations > 1
+               else torch.zeros_like(rewards))
+    else:
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
+    advantages = torch.nan_to_num(advantages, nan=0.0)
+    logged = (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
+    logged[unscorable] = torch.nan
+    metrics = {"reward": torch.nanmean(logged).item(), "reward_std": nanstd(logged).item(),
+               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
+    return advantages, metrics
+
+
+def function_metrics(rewards_per_func: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """TRL's rewards/<name>/mean and /std: over the completions each function scored."""
+    out = {}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    return out
