@@ -30,7 +30,7 @@ from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
 from megaft.optim.checks import check_fused
-from megaft.pref.checks import check_reference
+from megaft.pref.checks import check_reference, reference_dir_problems
 
 
 def resolve(cfg: Config) -> Config:
@@ -225,6 +225,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)
     problems += check_rl_run(cfg.rl, cfg.train.objective, has_data_file=cfg.data.path is not None or
                              bool(cfg.data.sources), n_experts=cfg.model.n_experts, packing=cfg.data.packing)
+    if cfg.train.objective == "grpo" and cfg.rl.beta > 0 and cfg.rl.reference:
+        problems += reference_dir_problems(cfg.rl.reference, "rl.reference", cfg.model)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")
     if cfg.data.seq_len > cfg.model.max_seq_len:

@@ -18,6 +18,9 @@ class RLConfig:
     max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
     temperature: float = 1.0  # the policy's log-probs are of logits / temperature, as the rollouts were sampled
     beta: float = 0.0  # the KL coefficient; 0 (TRL's default): no KL term and no reference model
+    # beta > 0: a Hugging Face checkpoint of the same architecture the KL term compares with; null = the
+    # model the run starts from (model.init_from or the seeded init; with LoRA the base, as TRL)
+    reference: Optional[str] = None
     epsilon: float = 0.2  # the clip range's lower side: ratios below 1 - epsilon stop pulling
     epsilon_high: Optional[float] = None  # its upper side (DAPO: 0.28); null = epsilon
     delta: Optional[float] = None  # two-sided clipping: the ratio capped at delta (null = off)
@@ -69,9 +72,9 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
     if has_data_file:
         problems.append("train.objective=grpo reads its prompts and completions from rl.rollouts, and data.path/"
                         "data.sources are set; fix: drop them (data= keeps the tokenizer settings)")
-    if cfg.beta != 0.0:
-        problems.append(f"rl.beta={cfg.beta}: the reference model of the KL term is not built for grpo yet; fix: "
-                        "rl.beta=0 (TRL's default: no KL term)")
+    if cfg.reference and cfg.beta == 0.0:
+        problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
+                        "(e.g. 0.04) or rl.reference=null")
     if cfg.temperature != 1.0:
         problems.append(f"rl.temperature={cfg.temperature}: the log-probs of logits / temperature are not built "
                         "into the cross-entropy kernels yet; fix: rl.temperature=1 (rollouts sampled at 1)")

@@ -22,7 +22,14 @@ LAYOUTS = {
     "grpo_cp2": (dict(cp=2), "grpo"),
     "dr_grpo_tp2": (dict(tp=2), "dr_grpo"),
     "bnpo_pp2": (dict(pp=2), "bnpo"),
+    # rl.beta > 0: the KL term against rl.reference (another checkpoint), or the starting model
+    "dapo_kl_ref_dp2_zero3": (dict(dp=2, zero=3), "dapo"),
+    "dapo_kl_ref_tp2_sp": (dict(tp=2, sequence_parallel=True), "dapo"),
+    "grpo_kl_ref_pp2": (dict(pp=2), "grpo"),
+    "dapo_kl_ref_cp2": (dict(cp=2), "dapo"),
+    "dapo_kl_lora_tp2": (dict(tp=2), "dapo"),
 }
+BETA = 0.04
 
 
 def write_rollouts(path: str, vocab: int, n: int = 6, seed: int = 0) -> None:
@@ -53,9 +60,34 @@ def grpo_config(ckpt: str, rollouts: str, loss_type: str = "dapo", steps: int = 
     return cfg
 
 
+def reference_of(ckpt: str) -> str:
+    """The other checkpoint the fixture saves beside `ckpt` (rl.reference's tests)."""
+    return os.path.join(os.path.dirname(ckpt), "ref")
+
+
+def single_name(name: str) -> str:
+    """The single-process run a layout compares with."""
+    _, loss_type = LAYOUTS[name]
+    kl = "_kl_ref" if "_kl_ref" in name else "_kl_lora" if "_kl_lora" in name else ""
+    return f"single_{loss_type}{kl}"
+
+
+def kl_config(ckpt: str, rollouts: str, loss_type: str, kl: str, micro: int = 4) -> Config:
+    """grpo_config with the KL term: kl "_kl_ref" against rl.reference, "_kl_lora" LoRA against its base."""
+    cfg = grpo_config(ckpt, rollouts, loss_type, micro=micro)
+    if kl:
+        cfg.rl.beta = BETA
+    if kl == "_kl_ref":
+        cfg.rl.reference = reference_of(ckpt)
+    if kl == "_kl_lora":
+        cfg.lora.rank, cfg.lora.alpha = 4, 8.0
+    return cfg
+
+
 def layout_config(ckpt: str, rollouts: str, name: str, *, single: bool) -> Config:
     par, loss_type = LAYOUTS[name]
-    cfg = grpo_config(ckpt, rollouts, loss_type, micro=2 if par.get("dp") else 4)
+    kl = single_name(name)[len(f"single_{loss_type}"):]
+    cfg = kl_config(ckpt, rollouts, loss_type, kl, micro=2 if par.get("dp") else 4)
     if not single:
         for k, v in par.items():
             setattr(cfg.parallel, k, v)

@@ -10,9 +10,16 @@ give each completion's loss c_i (megaft.rl.losses.completion_losses), summed and
 global batch's completions, so the dp-reduced, accumulated gradient is the single process's.
 Under pp the last stage computes it from its logits. On-policy (rl.num_iterations = 1): the
 log-probs the rollouts were sampled with are these weights', so the ratio is 1 with gradient.
+
+rl.beta > 0: the KL term's reference model (rl.reference, or the starting model built again;
+with LoRA the base without adapters, as TRL's) is kept beside the policy at the same tp/pp
+layout, whole under ZeRO (it is only read), in eval mode, and scores each micro-batch's rows
+before the policy's forward (under pp: its own pass of the schedule's forwards).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,13 +28,16 @@ import torch
 from megaft.config.rl import RLConfig
 from megaft.data.build import build_tokenizer
 from megaft.data.tokenizer import special_ids
+from megaft.models.hf.config import hf_model_config
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
+from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import decoder_token_logps
 from megaft.rl.advantages import function_metrics, group_advantages
 from megaft.rl.losses import GlobalCounts, GrpoStats, completion_losses, grpo_terms
 from megaft.rl.rollouts import Group, group_rows, read_rollouts, step_groups
+from megaft.training.model import build_model
 from megaft.training.objectives.preference.data import context_chunks, row_length
 from megaft.training.objectives.preference.step import PreferenceStep, logits_scorer
 from megaft.training.protocols import RunParts, StepBatch, StepPart
@@ -118,11 +128,11 @@ class GrpoObjective:
     def start(self, batch: RolloutBatch) -> None:
         self.batch, self.stats = batch, None
 
-    def losses(self, logps: torch.Tensor, i: int) -> torch.Tensor:
+    def losses(self, logps: torch.Tensor, i: int, ref_logps: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each completion's loss c_i of micro-batch `i` (its metric sums kept)."""
         batch, device = self.batch, self.grid.device
         labels = batch.labels[i].to(device)
-        sums, table = grpo_terms(logps, None, None, batch.advantages[i].to(device), labels != -100,
+        sums, table = grpo_terms(logps, None, ref_logps, batch.advantages[i].to(device), labels != -100,
                                  **self.settings)
         if self.grid.cp_size > 1:  # each cp rank holds chunks of every row: whole-completion sums
             sums = reduce_from_tp(sums, self.grid.cp_group)
@@ -153,6 +163,19 @@ def _extreme(x: torch.Tensor, group, op) -> None:
         torch.distributed.all_reduce(x, op=op, group=group)
 
 
+def reference_model(parts: RunParts) -> Optional[torch.nn.Module]:
+    """rl.beta > 0: the reference at this rank's layout, without adapters, frozen in eval mode
+    (rl.reference's checkpoint, or the starting model built again); None at rl.beta = 0."""
+    cfg = parts.cfg
+    if cfg.rl.beta == 0.0:
+        return None
+    ref = copy.deepcopy(cfg)
+    if cfg.rl.reference is not None:
+        ref.model = hf_model_config(cfg.rl.reference, base=cfg.model)  # validated: the policy's architecture
+    ref.lora.rank = 0
+    return build_model(dataclasses.replace(parts, cfg=ref)).eval().requires_grad_(False)
+
+
 class GrpoStep(PlainStep):
     """Forward and backward of a step's completions under GRPO (pp = 1)."""
 
@@ -160,6 +183,15 @@ class GrpoStep(PlainStep):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.objective = GrpoObjective(cfg.rl, grid)
+        self.reference = reference_model(parts)
+
+    def _ref_logps(self, batch: RolloutBatch, i: int) -> Optional[torch.Tensor]:
+        if self.reference is None:
+            return None
+        device = self.grid.device
+        with torch.no_grad(), self.autocast():
+            return decoder_token_logps(self.reference, batch.inputs[i].to(device), batch.labels[i].to(device),
+                                       batch.docs[i] if batch.docs else None)
 
     def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(c_i) / divisor over the micro-batches; the c_i sum (fp64)."""
@@ -169,10 +201,12 @@ class GrpoStep(PlainStep):
         for i in range(len(batch.inputs)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
-            with phase("forward"), self.autocast():
-                logps = decoder_token_logps(self.model, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                            batch.docs[i] if batch.docs else None)
-                losses = self.objective.losses(logps, i)
+            with phase("forward"):
+                ref = self._ref_logps(batch, i)
+                with self.autocast():
+                    logps = decoder_token_logps(self.model, batch.inputs[i].to(device), batch.labels[i].to(device),
+                                                batch.docs[i] if batch.docs else None)
+                    losses = self.objective.losses(logps, i, ref)
             with phase("backward"):
                 (losses.sum() / divisor).backward()
             loss_sum += losses.detach().double().sum()
@@ -197,13 +231,30 @@ class PipelineGrpoStep(PipelineStep):
         super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.logps = logits_scorer(self.model, grid)
         self.objective = GrpoObjective(cfg.rl, grid)
+        reference = reference_model(parts)
+        self.reference: Optional[PipelineRuntime] = None if reference is None else PipelineRuntime(
+            reference, grid, cfg.parallel.schedule, self.runtime.m, cfg.parallel.vpp)
+
+    def _ref_logps(self, batch: RolloutBatch) -> list[Optional[torch.Tensor]]:
+        """Each micro-batch's reference log-probs on the last stage (None elsewhere, or at rl.beta = 0)."""
+        if self.reference is None:
+            return [None] * len(batch.inputs)
+        out, device = [], self.grid.device
+        with torch.no_grad():
+            for i, inputs in enumerate(batch.inputs):
+                logits = self.reference.forward_logits(inputs.to(device), self.autocast,
+                                                       batch.docs[i] if batch.docs else None)
+                out.append(None if logits is None else self.logps(logits, batch.labels[i].to(device)))
+        return out
 
     def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
         device = self.grid.device
         self.objective.start(batch)
+        with self.phases.phase("forward"):
+            refs = self._ref_logps(batch)
 
         def head(i: int, logits: torch.Tensor) -> torch.Tensor:
-            return self.objective.losses(self.logps(logits, batch.labels[i].to(device)), i).sum()
+            return self.objective.losses(self.logps(logits, batch.labels[i].to(device)), i, refs[i]).sum()
         return self.run_schedule(batch, divisor, head=head)
 
     total_loss = GrpoStep.total_loss
