@@ -265,11 +265,18 @@ def _rollout_problems(cfg: Config) -> list[str]:
         return []
     if not os.path.isfile(cfg.rl.rollouts):
         return [f"rl.rollouts={cfg.rl.rollouts} is not a file; fix: the path of a rollouts JSONL (docs/rl.md)"]
+    from megaft.rl.rewards import load_reward
     from megaft.rl.rollouts import read_rollouts
 
+    problems = []
+    for spec in cfg.rl.reward:  # each imports here, before any rank starts
+        try:
+            load_reward(spec, cfg.rl.format_pattern)
+        except ValueError as exc:
+            problems.append(str(exc))
     try:
         read_rollouts(cfg.rl.rollouts, cfg.rl.num_generations, cfg.rl.max_completion_length, cfg.data.seq_len,
-                      cfg.model.vocab_size)
+                      cfg.model.vocab_size, scored=bool(cfg.rl.reward))
     except ValueError as exc:
-        return [str(exc)]
-    return []
+        problems.append(str(exc))
+    return problems

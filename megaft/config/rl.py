@@ -2,11 +2,12 @@
 names them (docs/rl.md). The definitions are TRL 1.16's GRPOTrainer (megaft.rl)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # megaft.rl.losses
 SCALE_REWARDS = ("group", "batch", "none")  # megaft.rl.advantages
+THINK_FORMAT = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # TRL's think_format_reward pattern
 
 
 @dataclass
@@ -14,6 +15,11 @@ class RLConfig:
     # JSONL of logged rollouts, one prompt a line: {"prompt_ids": [...], "completion_ids": [[...] x G],
     # "rewards": [G floats]}; read instead of generating (TRL's rollout_func role)
     rollouts: Optional[str] = None
+    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, or
+    # package.module:function with TRL's signature; set, the rollouts carry no "rewards" of their own
+    reward: List[str] = field(default_factory=list)
+    reward_weights: Optional[List[float]] = None  # one per rl.reward; null = 1 each
+    format_pattern: str = THINK_FORMAT  # the built-in `format` reward's pattern (re.match, DOTALL, MULTILINE)
     num_generations: int = 8  # G: completions per prompt, one group (train.global_batch_size counts completions)
     max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
     temperature: float = 1.0  # the policy's log-probs are of logits / temperature, as the rollouts were sampled
@@ -45,6 +51,9 @@ def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_bat
     elif global_batch_size % cfg.num_generations:
         problems.append(f"train.global_batch_size={global_batch_size} completions is not whole groups of "
                         f"rl.num_generations={cfg.num_generations}; fix: a multiple of {cfg.num_generations}")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward):
+        problems.append(f"rl.reward_weights has {len(cfg.reward_weights)} weights for {len(cfg.reward)} rl.reward "
+                        "functions; fix: one weight each, or null for 1 each")
     if cfg.max_completion_length < 1:
         problems.append(f"rl.max_completion_length={cfg.max_completion_length} must be >= 1")
     if cfg.beta < 0:

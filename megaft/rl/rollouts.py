@@ -5,9 +5,11 @@ and for exact tests. One prompt a line:
 
 G = rl.num_generations completions of the prompt with their rewards (null: the reward function
 declined the completion, as a TRL reward function returning None; a completion every function
-declined has advantage 0). A step's global batch is whole groups, taken in the file's order
-and from its start again when it runs out: a pure function of the step, so a resumed run
-reads what the uninterrupted one did.
+declined has advantage 0). With rl.reward set the lines carry no "rewards": the functions score
+the decoded completions, each extra field of the line (e.g. "answer") passed to them.
+
+A step's global batch is whole groups, taken in the file's order and from its start again when
+it runs out: a pure function of the step, so a resumed run reads what the uninterrupted one did.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ class Group:
 
     prompt_ids: list[int]
     completion_ids: list[list[int]]
-    rewards: list[Optional[float]]
+    rewards: Optional[list[Optional[float]]]  # None: scored by rl.reward
+    extras: dict  # the line's other fields, for the reward functions
 
 
 def _ids(value, what: str) -> list[int]:
@@ -36,17 +39,23 @@ def _ids(value, what: str) -> list[int]:
     return value
 
 
+KEYS = ("prompt_ids", "completion_ids", "rewards")
+
+
 def parse_group(line: str, num_generations: int, max_completion_length: int, seq_len: int,
-                vocab_size: Optional[int] = None) -> Group:
-    """One line's group; ValueError naming what is wrong."""
+                vocab_size: Optional[int] = None, scored: bool = False) -> Group:
+    """One line's group; ValueError naming what is wrong. `scored`: rl.reward scores it (no "rewards")."""
     record = json.loads(line)
     if not isinstance(record, dict):
         raise ValueError("a line must be a JSON object")
-    missing = [k for k in ("prompt_ids", "completion_ids", "rewards") if k not in record]
+    missing = [k for k in KEYS[:2] + (() if scored else KEYS[2:]) if k not in record]
     if missing:
-        raise ValueError(f"missing {', '.join(missing)}")
+        raise ValueError(f"missing {', '.join(missing)}" + ("" if scored else " (or name rl.reward functions)"))
+    if scored and "rewards" in record:
+        raise ValueError('has "rewards" and rl.reward scores the completions too; fix: drop one of them')
     prompt = _ids(record["prompt_ids"], "prompt_ids")
-    completions, rewards = record["completion_ids"], record["rewards"]
+    completions = record["completion_ids"]
+    rewards = [0.0] * num_generations if scored else record["rewards"]
     if not isinstance(completions, list) or len(completions) != num_generations:
         raise ValueError(f"completion_ids must hold rl.num_generations={num_generations} completions")
     if not isinstance(rewards, list) or len(rewards) != num_generations:
@@ -63,11 +72,12 @@ def parse_group(line: str, num_generations: int, max_completion_length: int, seq
         top = max(max(prompt), *(max(c) for c in completions))
         if top >= vocab_size:
             raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab_size}")
-    return Group(prompt, completions, [None if r is None else float(r) for r in rewards])
+    extras = {k: v for k, v in record.items() if k not in KEYS}
+    return Group(prompt, completions, None if scored else [None if r is None else float(r) for r in rewards], extras)
 
 
 def read_rollouts(path: str, num_generations: int, max_completion_length: int, seq_len: int,
-                  vocab_size: Optional[int] = None) -> list[Group]:
+                  vocab_size: Optional[int] = None, scored: bool = False) -> list[Group]:
     """Every group of `path`; ValueError listing the first problems with their line numbers."""
     groups, problems = [], []
     with open(path) as f:
@@ -75,7 +85,7 @@ def read_rollouts(path: str, num_generations: int, max_completion_length: int, s
             if not line.strip():
                 continue
             try:
-                groups.append(parse_group(line, num_generations, max_completion_length, seq_len, vocab_size))
+                groups.append(parse_group(line, num_generations, max_completion_length, seq_len, vocab_size, scored))
             except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
                 problems.append(f"{path}:{n}: {exc}")
                 if len(problems) == 5:
@@ -95,11 +105,25 @@ def step_groups(n_groups: int, step: int, groups_per_step: int) -> list[int]:
     return [(start + j) % n_groups for j in range(groups_per_step)]
 
 
-def group_rows(groups: list[Group], seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(inputs, labels, rewards) of the groups' completions [G x groups rows, seq_len], in group order:
-    prompt + completion, the labels on the completion's tokens only (megaft.pref.batches.row_of);
-    rewards [rows] with NaN where declined."""
+def group_rows(groups: list[Group], seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of the groups' completions [G x groups rows, seq_len], in group order:
+    prompt + completion, the labels on the completion's tokens only (megaft.pref.batches.row_of)."""
     rows = [row_of(g.prompt_ids, c, seq_len, pad_id) for g in groups for c in g.completion_ids]
-    rewards = torch.tensor([math.nan if r is None else r for g in groups for r in g.rewards], dtype=torch.float32)
-    return (torch.tensor([r[0] for r in rows], dtype=torch.long), torch.tensor([r[1] for r in rows], dtype=torch.long),
-            rewards)
+    return torch.tensor([r[0] for r in rows], dtype=torch.long), torch.tensor([r[1] for r in rows], dtype=torch.long)
+
+
+def logged_rewards(groups: list[Group]) -> torch.Tensor:
+    """The lines' own rewards [completions, 1] in group order, NaN where declined."""
+    return torch.tensor([[math.nan if r is None else r] for g in groups for r in g.rewards], dtype=torch.float32)
+
+
+def scored_rewards(groups: list[Group], functions: list, decode) -> torch.Tensor:
+    """[completions, functions] rewards of rl.reward's functions (megaft.rl.rewards.score) on the decoded
+    prompts and completions, each line's extra fields repeated for its G completions."""
+    from megaft.rl.rewards import score
+
+    prompts = [decode(g.prompt_ids) for g in groups for _ in g.completion_ids]
+    completions = [decode(c) for g in groups for c in g.completion_ids]
+    keys = sorted({k for g in groups for k in g.extras})
+    extras = {k: [g.extras.get(k) for g in groups for _ in g.completion_ids] for k in keys}
+    return score(functions, prompts, completions, [c for g in groups for c in g.completion_ids], extras)

@@ -176,18 +176,18 @@ def test_validation_names_what_grpo_cannot_do_yet(inputs, tmp_path):
 
 
 def test_rollout_rows_put_labels_on_the_completion_only(inputs):
-    from megaft.rl.rollouts import group_rows, read_rollouts
+    from megaft.rl.rollouts import group_rows, logged_rewards, read_rollouts
 
     _, rollouts, _ = inputs
     groups = read_rollouts(rollouts, G, 8, 16)
-    inputs_, labels, rewards = group_rows(groups[:1], 16, 0)
+    inputs_, labels = group_rows(groups[:1], 16, 0)
     g = groups[0]
     for row, completion in enumerate(g.completion_ids):
         ids = g.prompt_ids + completion
         assert inputs_[row, :len(ids)].tolist() == ids
         targets = labels[row][labels[row] != -100].tolist()
         assert targets == completion  # every completion token is predicted once, no prompt token
-    assert rewards.tolist() == g.rewards
+    assert logged_rewards(groups[:1]).squeeze(1).tolist() == g.rewards
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(inputs, singles, tmp_path):

@@ -36,7 +36,8 @@ from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import decoder_token_logps
 from megaft.rl.advantages import function_metrics, group_advantages
 from megaft.rl.losses import GlobalCounts, GrpoStats, completion_losses, grpo_terms
-from megaft.rl.rollouts import Group, group_rows, read_rollouts, step_groups
+from megaft.rl.rewards import load_reward, reward_name
+from megaft.rl.rollouts import Group, group_rows, logged_rewards, read_rollouts, scored_rewards, step_groups
 from megaft.training.model import build_model
 from megaft.training.objectives.preference.data import context_chunks, row_length
 from megaft.training.objectives.preference.step import PreferenceStep, logits_scorer
@@ -44,7 +45,7 @@ from megaft.training.protocols import RunParts, StepBatch, StepPart
 from megaft.training.step import PipelineStep, PlainStep, precision_autocast
 
 __all__ = ["build_data", "build_step"]
-REWARD_NAME = "rollouts"  # the logged rewards' name in rewards/<name>/mean (TRL names each function)
+REWARD_NAME = "rollouts"  # the lines' own rewards' name in rewards/<name>/mean (TRL names each function)
 
 
 @dataclass
@@ -64,6 +65,8 @@ class RolloutData:
     tokenizer: object
     eos_id: Optional[int]
     groups: list[Group]
+    rewards: torch.Tensor  # [groups, G, functions]: every completion's rewards (NaN: declined)
+    names: list[str]  # the reward functions' names (rewards/<name>/mean)
     rl: RLConfig
     grid: ParallelGrid
     seq_len: int
@@ -79,14 +82,17 @@ class RolloutData:
 
     def batch(self, step: int) -> RolloutBatch:
         g = self.rl.num_generations
-        groups = [self.groups[i] for i in step_groups(len(self.groups), step, self.global_batch_size // g)]
-        inputs, labels, rewards = group_rows(groups, self.seq_len, self.pad_id)
-        advantages, metrics = group_advantages(rewards.unsqueeze(1), torch.ones(1), g, self.rl.scale_rewards)
-        metrics.update(function_metrics(rewards.unsqueeze(1), [REWARD_NAME]))
+        ids = step_groups(len(self.groups), step, self.global_batch_size // g)
+        groups = [self.groups[i] for i in ids]
+        inputs, labels = group_rows(groups, self.seq_len, self.pad_id)
+        rewards = self.rewards[ids].reshape(-1, len(self.names))
+        weights = torch.tensor(self.rl.reward_weights or [1.0] * len(self.names))
+        advantages, metrics = group_advantages(rewards, weights, g, self.rl.scale_rewards)
+        metrics.update(function_metrics(rewards, self.names))
         mask = labels != -100
-        counts = GlobalCounts(completions=len(rewards), tokens=float(mask.sum()),
+        counts = GlobalCounts(completions=len(advantages), tokens=float(mask.sum()),
                               max_completion_length=self.rl.max_completion_length)
-        share = len(rewards) // self.grid.dp_size
+        share = len(advantages) // self.grid.dp_size
         mine = slice(self.grid.dp_rank * share, (self.grid.dp_rank + 1) * share)
         micro = [list(x[mine].split(self.micro_batch_size)) for x in (inputs, labels, advantages)]
         ends = [row_length(lab, self.multiple) for lab in micro[1]]
@@ -98,7 +104,7 @@ class RolloutData:
             if docs is not None:
                 docs.append(d)
         tokens = sum(len(grp.prompt_ids) + len(c) for grp in groups for c in grp.completion_ids)
-        return RolloutBatch(micro[0], micro[1], docs, len(rewards), tokens, advantages=micro[2], counts=counts,
+        return RolloutBatch(micro[0], micro[1], docs, len(advantages), tokens, advantages=micro[2], counts=counts,
                             reward_metrics=metrics)
 
 
@@ -107,12 +113,20 @@ def build_data(parts: RunParts) -> RolloutData:
     cfg, grid = parts.cfg, parts.grid
     tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
     eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
-    groups = read_rollouts(cfg.rl.rollouts, cfg.rl.num_generations, cfg.rl.max_completion_length, cfg.data.seq_len,
-                           cfg.model.vocab_size)
+    rl = cfg.rl
+    groups = read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
+                           cfg.model.vocab_size, scored=bool(rl.reward))
+    if rl.reward:  # scored once: the file and the functions fix every completion's rewards
+        functions = [(spec, load_reward(spec, rl.format_pattern)) for spec in rl.reward]
+        rewards = scored_rewards(groups, functions, lambda ids: tok.decode(ids, skip_special_tokens=True))
+        names = [reward_name(spec) for spec in rl.reward]
+    else:
+        rewards, names = logged_rewards(groups), [REWARD_NAME]
     par = cfg.parallel
     multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
-    return RolloutData(tok, eos_id, groups, cfg.rl, grid, cfg.data.seq_len, pad_id, cfg.train.global_batch_size,
-                       cfg.train.micro_batch_size, multiple, same_length=par.pp > 1)
+    return RolloutData(tok, eos_id, groups, rewards.view(len(groups), rl.num_generations, -1), names, rl, grid,
+                       cfg.data.seq_len, pad_id, cfg.train.global_batch_size, cfg.train.micro_batch_size, multiple,
+                       same_length=par.pp > 1)
 
 
 class GrpoObjective:
