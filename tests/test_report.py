@@ -337,7 +337,7 @@ def test_loss_curves_of_a_two_point_sweep(tmp_path, monkeypatch):
         lines = [json.loads(line) for line in (sweep / run["run"] / "metrics.jsonl").read_text().splitlines()]
         assert run["train"] == [[m["step"], m["loss"]] for m in lines if "loss" in m] and len(run["train"]) == 4
         assert run["eval"] == [[m["step"], m["eval_loss"]] for m in lines if "eval_loss" in m]
-        assert [s for s, _ in run["eval"]] == [0, 2, 4]
+        assert [s for s, _ in run["eval"]] == [0, 2, 4] and "reward" not in run  # GRPO runs only
         (wb,) = [r["run"] for r in read_wandb_records(str(sweep / run["run"])) if r["type"] == "run"]
         assert wb["display_name"] == run["label"]  # the override the sweep varies
         assert (wb["project"], wb["run_group"]) == ("curves", "day/sweep")

@@ -4,7 +4,8 @@ run, named by the overrides that set it apart), beside report.png (and scaling.p
 The plotted points are stored with the figure, as scaling.png's are: in its PNG text chunk
 `megaft-curves`, and in curves.json beside it: {"common": the overrides every run shares,
 "runs": [{"run", "label", "train": [[step, loss], ...], "eval": [[step, eval_loss], ...]}]},
-read from each run's metrics.jsonl (runs without one are left out).
+read from each run's metrics.jsonl (runs without one are left out). A GRPO run (train.objective=
+grpo) also has "reward": [[step, mean reward], ...], drawn in a third panel.
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def curve_points(rows: list[dict[str, Any]], root: str) -> dict[str, Any]:
         metrics = read_jsonl(os.path.join(os.path.abspath(root), row["run"], "metrics.jsonl"))
         train = [[m["step"], m["loss"]] for m in metrics if "loss" in m and "step" in m]
         evals = [[m["step"], m["eval_loss"]] for m in metrics if "eval_loss" in m and "step" in m]
+        rewards = [[m["step"], m["reward"]] for m in metrics if "reward" in m and "step" in m]
         if train or evals:
-            runs.append({"run": row["run"], "label": label or row["run"], "train": train, "eval": evals})
+            runs.append({"run": row["run"], "label": label or row["run"], "train": train, "eval": evals,
+                         **({"reward": rewards} if rewards else {})})
     return {"common": common, "runs": runs}
 
 
@@ -44,15 +47,17 @@ def plot_curves(rows: list[dict[str, Any]], root: str, out_dir: str) -> list[str
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    rewards = any("reward" in run for run in data["runs"])
+    fig, axes = plt.subplots(1, 3 if rewards else 2, figsize=(16 if rewards else 11, 4.5))
+    panels = list(zip(axes, ("train", "eval", "reward"), ("training loss", "eval loss", "mean reward (GRPO)")))
     for i, run in enumerate(data["runs"]):
-        color = f"C{i % 10}"  # the same run has the same color in both panels
-        for ax, key in ((left, "train"), (right, "eval")):
-            if run[key]:
-                steps, losses = zip(*run[key])
-                ax.plot(steps, losses, "-" if key == "train" else "o-", color=color, label=run["label"], ms=3)
-    for ax, title in ((left, "training loss"), (right, "eval loss")):
-        ax.set(xlabel="step", ylabel="loss", title=title)
+        color = f"C{i % 10}"  # the same run has the same color in every panel
+        for ax, key, _ in panels:
+            if run.get(key):
+                steps, values = zip(*run[key])
+                ax.plot(steps, values, "o-" if key == "eval" else "-", color=color, label=run["label"], ms=3)
+    for ax, key, title in panels:
+        ax.set(xlabel="step", ylabel="reward" if key == "reward" else "loss", title=title)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
         if ax.lines:

@@ -205,3 +205,25 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(inputs, singles, tmp_path):
     assert [line["step"] for line in got] == [1, 2, 3]
     for key in COMPARED:
         assert got[2][key] == want[2][key], key  # one process, the same operations: bit for bit
+
+
+def test_megaft_report_plots_the_reward(singles, tmp_path, monkeypatch):
+    """megaft-report on two GRPO runs: curves.png gains a reward panel, whose points (curves.json
+    and the PNG's text chunk) are each run's metrics.jsonl rewards (tests/test_report.py: an SFT
+    sweep's have no reward)."""
+    import shutil
+
+    from megaft import report
+    from megaft.report.curves import PNG_KEY
+    from test_report import png_text
+
+    sweep = tmp_path / "sweep"
+    for i, name in enumerate(("single_dapo", "single_grpo")):
+        shutil.copytree(singles / name, sweep / str(i))
+    monkeypatch.setattr(report.status, "squeue_states", lambda: None)
+    assert report.main([str(sweep)]) == 0
+    stored = json.loads((sweep / "curves.json").read_text())
+    assert json.loads(dict(png_text(sweep / "curves.png"))[PNG_KEY]) == stored
+    for run in stored["runs"]:
+        lines = [json.loads(x) for x in (sweep / run["run"] / "metrics.jsonl").read_text().splitlines()]
+        assert run["reward"] == [[m["step"], m["reward"]] for m in lines if "reward" in m] and len(run["reward"]) == 3
