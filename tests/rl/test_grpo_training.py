@@ -213,9 +213,10 @@ def test_megaft_report_plots_the_reward(singles, tmp_path, monkeypatch):
     sweep's have no reward)."""
     import shutil
 
+    from test_report import png_text
+
     from megaft import report
     from megaft.report.curves import PNG_KEY
-    from test_report import png_text
 
     sweep = tmp_path / "sweep"
     for i, name in enumerate(("single_dapo", "single_grpo")):
@@ -224,6 +225,7 @@ def test_megaft_report_plots_the_reward(singles, tmp_path, monkeypatch):
     assert report.main([str(sweep)]) == 0
     stored = json.loads((sweep / "curves.json").read_text())
     assert json.loads(dict(png_text(sweep / "curves.png"))[PNG_KEY]) == stored
-    for run in stored["runs"]:
-        lines = [json.loads(x) for x in (sweep / run["run"] / "metrics.jsonl").read_text().splitlines()]
-        assert run["reward"] == [[m["step"], m["reward"]] for m in lines if "reward" in m] and len(run["reward"]) == 3
+    for curve in stored["runs"]:
+        lines = [json.loads(x) for x in (sweep / curve["run"] / "metrics.jsonl").read_text().splitlines()]
+        assert curve["reward"] == [[m["step"], m["reward"]] for m in lines if "reward" in m]
+        assert len(curve["reward"]) == 3
