@@ -215,14 +215,15 @@ class ShardedAdamW:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, bucket_mb: float, grid,
                     norm_params: Optional[list] = None, compression=None, offload: str = "none",
-                    scaler=None):
+                    scaler=None, make_adamw=None):
     """(FlatParams, optimizer, GradReducer) of one rank for ZeRO stage `zero` (0 to 3);
     stage 3 also installs the per-layer parameter gathering (`optimizer.gatherer`).
 
     `norm_params`: the params the grad norm counts (pp: all but a tied copy).
     `compression`: the ParallelConfig whose grad_compression/powersgd_* the reducer uses.
     `offload="cpu"`: masters and moments on the host (megaft.optim.offload).
-    `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state."""
+    `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state.
+    `make_adamw`: stage 0's optimizer class in AdamW's place (optim.name=muon: megaft.optim.muon)."""
     from megaft.optim.adamw import AdamW
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.data.buckets import GradReducer
@@ -241,7 +242,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
                       dtype=torch.bfloat16 if cfg.master_weights else torch.float32,
                       expert_multiple=grid.expert_replicas if zero else 1)
     if zero == 0:
-        optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
+        optimizer = (make_adamw or AdamW)(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
         optimizer.scaler = scaler
         return flat, optimizer, GradReducer(flat, grid.replica_group, clock=lambda: optimizer.step_count,
                                             **options, **experts)

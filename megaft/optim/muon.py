@@ -1,0 +1,122 @@
+"""Muon (Keller Jordan 2024; torch.optim.Muon) on the hidden 2-D weights, AdamW on the rest.
+
+Which parameters take Muon (`muon_split`): every 2-D weight of the decoder layers (attention
+and MLP projections). AdamW keeps the embedding and the head (their rows are per-token
+lookups and logits, not a linear map whose singular values Muon equalises; Moonlight and
+torch.optim.Muon's docs keep them on AdamW), norms and biases (1-D: no matrix), and MoE
+routers (a small logit map whose per-expert scale the load balance reads). MoE and LoRA
+are refused until their layouts are done (docs/optimizers.md).
+
+The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
+buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
+`ns_steps` quintic Newton-Schulz iterations in bf16, then p <- p (1 - lr wd) - lr' U with
+lr' = lr * sqrt(max(1, rows/cols)) (scale=original) or lr * 0.2 sqrt(max(rows, cols))
+(scale=match_rms_adamw).
+
+State layout: the momentum buffer of a Muon weight lives in AdamW's exp_avg slot of the same
+flat elements, so checkpoints (and their resharding) carry it as they carry exp_avg; those
+elements' exp_avg_sq stays zero (the memory estimate's one-buffer rule is not done yet).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megaft.config.optim import OptimConfig
+from megaft.optim.adamw import AdamW, adamw_update_
+
+_ADAMW_PREFIXES = ("embed_tokens.", "lm_head.")  # the vocabulary-sized matrices
+
+
+def takes_muon(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether parameter `name` is a hidden 2-D weight (module docstring)."""
+    return param.dim() == 2 and not name.startswith(_ADAMW_PREFIXES) and "router" not in name
+
+
+def muon_split(model: torch.nn.Module) -> dict[str, dict]:
+    """{"muon": {name: param}, "adamw": {name: param}} of the trainable parameters."""
+    out = {"muon": {}, "adamw": {}}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out["muon" if takes_muon(name, p) else "adamw"][name] = p
+    return out
+
+
+def check_muon_layout(cfg) -> list[str]:
+    """optim.name=muon's layouts: those this version runs exactly (docs/optimizers.md)."""
+    if cfg.optim.name != "muon":
+        return []
+    par = cfg.parallel
+    todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("tp", "pp", "cp", "ep") if getattr(par, k) != 1]
+    todo += [(f"parallel.zero={par.zero}", "parallel.zero=0")] if par.zero else []
+    todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
+    todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
+    todo += [(f"lora.rank={cfg.lora.rank}", "lora.rank=0")] if cfg.lora.rank else []
+    todo += [(f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)")] if cfg.model.n_experts else []
+    return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]
+
+
+def zeropower_via_newtonschulz(g: torch.Tensor, a: float, b: float, c: float, steps: int,
+                               eps: float) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of the matrix `g`, the same ops in the same order:
+    bf16, the wide orientation, normalised to spectral norm <= 1, then `steps` quintic steps."""
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def update_scale(shape: torch.Size, rule: str) -> float:
+    """The factor on lr of a Muon update of a `shape` matrix (module docstring)."""
+    rows, cols = shape[:2]
+    return math.sqrt(max(1, rows / cols)) if rule == "original" else 0.2 * math.sqrt(max(rows, cols))
+
+
+@torch.no_grad()
+def muon_update_(items, cfg: OptimConfig, *, lr: float) -> None:
+    """One Muon step on every (param, grad, momentum) matrix (module docstring)."""
+    mu = cfg.muon
+    decay = cfg.weight_decay if mu.weight_decay is None else mu.weight_decay
+    for param, grad, buf in items:
+        buf.lerp_(grad, 1 - mu.momentum)
+        update = grad.lerp(buf, mu.momentum) if mu.nesterov else buf
+        update = zeropower_via_newtonschulz(update, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
+        param.mul_(1 - lr * decay)
+        param.add_(update, alpha=-lr * update_scale(param.shape, mu.scale))
+
+
+class MuonAdamW(AdamW):
+    """AdamW's flat buffers and state (plain dp, ZeRO stage 0), with `split["muon"]`'s
+    parameters (muon_split) updated by Muon: their momentum in exp_avg's elements, AdamW on
+    every other element range of the buffers (one multi-tensor call, as AdamW's)."""
+
+    def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], **kw):
+        super().__init__(flat, cfg, **kw)
+        muon = {id(p) for p in split["muon"].values()}
+        # summary.json's `optimizer` (the peers' silent fallback to AdamW shows here as a count)
+        self.record = {"name": "muon", **{f"{k}_params": len(v) for k, v in split.items()},
+                       **{f"{k}_numel": sum(p.numel() for p in v.values()) for k, v in split.items()},
+                       **{k: sorted(v) for k, v in split.items()}}
+        self.matrices, self.pieces = [], []  # (param, grad, momentum) views; (data, grad, m, v, decay) ranges
+        for g, m, v in zip(flat.groups, self.exp_avg, self.exp_avg_sq):
+            cuts = [0]  # element ranges between the Muon matrices
+            for p in sorted(g.params, key=lambda p: p.data.data_ptr()):
+                lo = (p.data.data_ptr() - g.data.data_ptr()) // g.data.element_size()
+                if id(p) in muon:
+                    self.matrices.append((p.data, p.grad, m[lo:lo + p.numel()].view_as(p)))
+                    cuts += [lo, lo + p.numel()]
+            cuts.append(g.data.numel())
+            self.pieces += [(g.data[a:z], g.grad[a:z], m[a:z], v[a:z], g.weight_decay)
+                            for a, z in zip(cuts[::2], cuts[1::2]) if z > a]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        adamw_update_(self.pieces, self.cfg, step=self.step_count, lr=lr)
+        muon_update_(self.matrices, self.cfg, lr=lr)

@@ -1,0 +1,199 @@
+"""optim.name=muon (issue 41): the split (hidden 2-D weights on Muon, the rest on AdamW), every
+weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(foreach=False) on a
+copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
+are torch.optim.Muon's: exact), dp=2 at ZeRO 0 equal to one process, summary.json's split, and
+the layouts not done yet refused in validation."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+from multirank import spawn
+from train_cases import read_metrics, small_config
+
+from megaft.config import Config
+from megaft.config.model import ModelConfig
+from megaft.config.optim import OptimConfig
+from megaft.models.decoder import Decoder
+from megaft.models.init import init_params
+from megaft.optim.muon import MuonAdamW, muon_split, update_scale
+from megaft.optim.schedule import lr_at
+from megaft.parallel.data import FlatParams
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.loop import Trainer
+from megaft.training.summary import RunSummary
+from megaft.validation import validate
+
+STEPS = 4
+LRS = [0.02, 0.015, 0.01, 0.005]  # a changing lr: each step's lr reaches both optimizers
+VARIANTS = {  # optim.muon overrides
+    "default": {},
+    "moonlight": dict(scale="match_rms_adamw", weight_decay=0.05),
+    "plain_momentum": dict(nesterov=False, momentum=0.9, ns_steps=3),
+}
+
+
+def tiny_model() -> Decoder:
+    """Qwen2's q/k/v biases (1-D: AdamW) beside the projections; untied embedding and head."""
+    cfg = ModelConfig(qkv_bias=True, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=40,
+                      max_seq_len=16)
+    model = Decoder(cfg)
+    init_params(model, cfg, seed=3, tp_rank=0, tp_size=1)
+    return model
+
+
+def batches():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 40, (2, 12), generator=gen) for _ in range(STEPS)]
+
+
+def run_megaft(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
+    split = muon_split(model)
+    flat = FlatParams(model, weight_decay=optim.weight_decay, device=torch.device("cpu"))
+    opt = MuonAdamW(flat, optim, split=split)
+    for ids, lr in zip(batches(), LRS):
+        model.loss_sum(ids, ids).backward()
+        opt.step(lr)
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_torch(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
+    """The same model's hidden matrices on torch.optim.Muon, the rest on torch.optim.AdamW with
+    megaft's decay classes (matrices decayed, vectors not)."""
+    split, mu = muon_split(model), optim.muon
+    muon = torch.optim.Muon(list(split["muon"].values()), lr=LRS[0], momentum=mu.momentum, nesterov=mu.nesterov,
+                            weight_decay=optim.weight_decay if mu.weight_decay is None else mu.weight_decay,
+                            ns_coefficients=(mu.ns_a, mu.ns_b, mu.ns_c), eps=mu.eps, ns_steps=mu.ns_steps,
+                            adjust_lr_fn=str(mu.scale))
+    rest = list(split["adamw"].values())
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=LRS[0], betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
+    for ids, lr in zip(batches(), LRS):
+        model.loss_sum(ids, ids).backward()
+        for opt in (muon, adamw):
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_split_names_the_hidden_matrices():
+    split = muon_split(tiny_model())
+    assert sorted(split["adamw"]) == sorted(
+        ["embed_tokens.weight", "lm_head.weight", "norm.weight"]
+        + [f"layers.{i}.{n}" for i in range(2) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                                          "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                          "self_attn.v_proj.bias")])
+    assert sorted(split["muon"]) == sorted(f"layers.{i}.{m}.{n}_proj.weight" for i in range(2)
+                                           for m, ns in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                                           for n in ns)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_equals_torch_muon_and_adamw(variant):
+    optim = OptimConfig(name="muon", fused="torch", weight_decay=0.1)
+    for k, v in VARIANTS[variant].items():
+        setattr(optim.muon, k, v)
+    model = tiny_model()
+    want = run_torch(copy.deepcopy(model), optim)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    got = run_megaft(model, optim)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+        assert not torch.equal(got[name], start[name]), name  # every weight moved
+
+
+def test_muon_is_not_adamw():
+    """The Muon matrices move differently from an all-AdamW run (the test above could not pass
+    with Muon silently replaced by AdamW; here the reverse is checked directly)."""
+    model = tiny_model()
+    optim = OptimConfig(name="muon", fused="torch")
+    got = run_megaft(copy.deepcopy(model), optim)
+    optim.muon.momentum = 0.0  # a different Muon: the momentum must matter
+    other = run_megaft(model, optim)
+    for name in muon_split(tiny_model())["muon"]:
+        assert not torch.equal(got[name], other[name]), name
+
+
+def _muon_config(**par) -> Config:
+    cfg = small_config(steps=6, micro=4)
+    cfg.optim.name = "muon"
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str) -> None:
+    """Train, and (rank 0) save the final weights as weights.pt."""
+    trainer = Trainer(cfg, grid, root)
+    trainer.fit()
+    if grid.rank == 0:
+        torch.save({n: p.detach().clone() for n, p in trainer.parts.model.named_parameters()},
+                   os.path.join(root, "weights.pt"))
+
+
+def _train_dp2(rank: int, world: int, root: str) -> None:
+    _fit_and_save(_muon_config(dp=2, bucket_mb=0.01), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), root)
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon")
+    single, dp2 = str(root / "single"), str(root / "dp2")
+    os.makedirs(single)
+    os.makedirs(dp2)
+    _fit_and_save(_muon_config(), ParallelGrid.single(), single)
+    spawn(2, _train_dp2, dp2)
+    return single, dp2
+
+
+def test_dp2_zero0_equals_single_process(dp_runs):
+    """dp=2 (2 micro-batches each, several buckets): every rank orthogonalises the same reduced
+    gradient. The reduction adds the micro-batch gradients in another order than one process,
+    so the losses agree to fp32 rounding (tests/test_dp.py's 1e-5). The weights: Newton-Schulz
+    runs in bf16 (torch.optim.Muon's choice), where an fp32 rounding difference of its input
+    flips bf16 roundings that its 5 matmul iterations carry on, so a Muon matrix may differ by a
+    fraction of one step's update lr_t * scale per step; we allow a quarter of their sum
+    (measured: 0.03). A wrong orthogonalisation (a shard, a stale momentum, AdamW in Muon's
+    place) moves weights by whole steps. The AdamW tensors differ only through the gradients
+    the Muon matrices give them: 1% of the summed lr (measured: 0.002)."""
+    (single, _), (dp2, _) = (read_metrics(d) for d in dp_runs)
+    assert len(single) == len(dp2) == 6
+    assert dp2 == pytest.approx(single, rel=1e-5)
+    cfg = _muon_config()
+    lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
+    want, got = (torch.load(os.path.join(d, "weights.pt")) for d in dp_runs)
+    with open(os.path.join(dp_runs[0], "summary.json")) as f:
+        muon = set(json.load(f)["optimizer"]["muon"])
+    assert len(muon) == 14
+    for name, w in want.items():
+        bound = 0.25 * lr_sum * update_scale(w.shape, "original") if name in muon else 0.01 * lr_sum
+        assert (got[name] - w).abs().max() <= bound, name
+
+
+def test_summary_records_the_split(dp_runs):
+    for run_dir in dp_runs:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            rec = json.load(f)["optimizer"]
+        assert rec["name"] == "muon" and rec["muon_params"] == 14 and rec["adamw_params"] == 7  # 2 layers x 7
+        assert rec["muon_params"] == len(rec["muon"]) and "lm_head.weight" in rec["adamw"]
+
+
+def test_adamw_summary_has_no_optimizer_record():
+    """AdamW runs' summary.json stays as it was: the field is left out when unset."""
+    assert "optimizer" not in RunSummary().to_json()
+    assert RunSummary(optimizer={"name": "muon"}).to_json()["optimizer"] == {"name": "muon"}
+
+
+def test_layouts_not_done_are_refused():
+    for key, value in (("tp", 2), ("pp", 2), ("zero", 1), ("zero", 3)):
+        cfg = _muon_config(**{key: value})
+        problems = [p for p in validate(cfg, 2) if p.startswith("optim.name=muon")]
+        assert len(problems) == 1 and f"parallel.{key}={value}" in problems[0] and "fix:" in problems[0], problems
+        cfg.optim.name = "adamw"
+        assert not [p for p in validate(cfg, 2) if "muon" in p]
