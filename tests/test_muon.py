@@ -1,8 +1,8 @@
 """optim.name=muon (issue 41): the split (hidden 2-D weights on Muon, the rest on AdamW), every
 weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(foreach=False) on a
 copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
-are torch.optim.Muon's: exact), dp=2 at ZeRO 0 equal to one process, summary.json's split, and
-the layouts not done yet refused in validation."""
+are torch.optim.Muon's: exact), dp=2 at ZeRO 0 and tp=2 equal to one process, summary.json's
+split, and the layouts not done yet refused in validation."""
 import copy
 import json
 import os
@@ -21,6 +21,7 @@ from megaft.optim.muon import MuonAdamW, muon_split, update_scale
 from megaft.optim.schedule import lr_at
 from megaft.parallel.data import FlatParams
 from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.tensor.shard import shard_of
 from megaft.training.loop import Trainer
 from megaft.training.summary import RunSummary
 from megaft.validation import validate
@@ -137,47 +138,72 @@ def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str) -> None:
                    os.path.join(root, "weights.pt"))
 
 
-def _train_dp2(rank: int, world: int, root: str) -> None:
-    _fit_and_save(_muon_config(dp=2, bucket_mb=0.01), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), root)
+def _train_parallel(rank: int, world: int, root: str) -> None:
+    """dp=2 (ZeRO 0, several buckets) and tp=2 (column and row shards), one after the other."""
+    _fit_and_save(_muon_config(dp=2, bucket_mb=0.01), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
+                  os.path.join(root, "dp2"))
+    grid = ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu")
+    trainer = Trainer(_muon_config(tp=2), grid, os.path.join(root, "tp2"))
+    trainer.fit()
+    shards = {}
+    for name, p in trainer.parts.model.named_parameters():  # this rank's rows or columns of the whole
+        spec = shard_of(p)
+        shards[name] = (p.detach().clone(), None if spec is None else (spec.dim, spec.full))
+    torch.save(shards, os.path.join(root, "tp2", f"shards{grid.tp_rank}.pt"))
 
 
 @pytest.fixture(scope="module")
-def dp_runs(tmp_path_factory):
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    single, dp2 = str(root / "single"), str(root / "dp2")
-    os.makedirs(single)
-    os.makedirs(dp2)
-    _fit_and_save(_muon_config(), ParallelGrid.single(), single)
-    spawn(2, _train_dp2, dp2)
-    return single, dp2
+    for name in ("single", "dp2", "tp2"):
+        os.makedirs(root / name)
+    _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
+    spawn(2, _train_parallel, str(root))
+    return {name: str(root / name) for name in ("single", "dp2", "tp2")}
 
 
-def test_dp2_zero0_equals_single_process(dp_runs):
-    """dp=2 (2 micro-batches each, several buckets): every rank orthogonalises the same reduced
-    gradient. The reduction adds the micro-batch gradients in another order than one process,
-    so the losses agree to fp32 rounding (tests/test_dp.py's 1e-5). The weights: Newton-Schulz
+def _tp2_weights(run_dir: str) -> dict[str, torch.Tensor]:
+    """The whole weights from both tp ranks' shards, less the vocabulary's padding (replicated
+    tensors: rank 0's, checked equal)."""
+    ranks = [torch.load(os.path.join(run_dir, f"shards{r}.pt")) for r in range(2)]
+    out = {}
+    for name, (t0, where) in ranks[0].items():
+        t1 = ranks[1][name][0]
+        if where is None:
+            assert torch.equal(t0, t1), name
+        out[name] = t0 if where is None else torch.cat([t0, t1], dim=where[0]).narrow(where[0], 0, where[1])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_layout_equals_single_process(runs, layout):
+    """dp=2 (2 micro-batches each): every rank orthogonalises the same reduced gradient; tp=2:
+    each shard's update gathered whole over tp, orthogonalised, the rank's part kept. dp adds
+    the micro-batch gradients in another order than one process and tp splits the matmuls, so
+    the losses agree to fp32 rounding (tests/test_dp.py's 1e-5). The weights: Newton-Schulz
     runs in bf16 (torch.optim.Muon's choice), where an fp32 rounding difference of its input
     flips bf16 roundings that its 5 matmul iterations carry on, so a Muon matrix may differ by a
     fraction of one step's update lr_t * scale per step; we allow a quarter of their sum
-    (measured: 0.03). A wrong orthogonalisation (a shard, a stale momentum, AdamW in Muon's
-    place) moves weights by whole steps. The AdamW tensors differ only through the gradients
-    the Muon matrices give them: 1% of the summed lr (measured: 0.002)."""
-    (single, _), (dp2, _) = (read_metrics(d) for d in dp_runs)
-    assert len(single) == len(dp2) == 6
-    assert dp2 == pytest.approx(single, rel=1e-5)
+    (measured: dp2 0.031, tp2 0.046). A wrong orthogonalisation (a shard alone, a stale momentum, AdamW in
+    Muon's place) moves weights by whole steps. The AdamW tensors differ only through the
+    gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020, 0.0032)."""
+    (single, _), (got_loss, _) = read_metrics(runs["single"]), read_metrics(runs[layout])
+    assert len(single) == len(got_loss) == 6
+    assert got_loss == pytest.approx(single, rel=1e-5)
     cfg = _muon_config()
     lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
-    want, got = (torch.load(os.path.join(d, "weights.pt")) for d in dp_runs)
-    with open(os.path.join(dp_runs[0], "summary.json")) as f:
+    want = torch.load(os.path.join(runs["single"], "weights.pt"))
+    got = _tp2_weights(runs["tp2"]) if layout == "tp2" else torch.load(os.path.join(runs["dp2"], "weights.pt"))
+    with open(os.path.join(runs["single"], "summary.json")) as f:
         muon = set(json.load(f)["optimizer"]["muon"])
-    assert len(muon) == 14
+    assert len(muon) == 14 and got.keys() == want.keys()
     for name, w in want.items():
         bound = 0.25 * lr_sum * update_scale(w.shape, "original") if name in muon else 0.01 * lr_sum
         assert (got[name] - w).abs().max() <= bound, name
 
 
-def test_summary_records_the_split(dp_runs):
-    for run_dir in dp_runs:
+def test_summary_records_the_split(runs):
+    for run_dir in runs.values():
         with open(os.path.join(run_dir, "summary.json")) as f:
             rec = json.load(f)["optimizer"]
         assert rec["name"] == "muon" and rec["muon_params"] == 14 and rec["adamw_params"] == 7  # 2 layers x 7
@@ -191,9 +217,13 @@ def test_adamw_summary_has_no_optimizer_record():
 
 
 def test_layouts_not_done_are_refused():
-    for key, value in (("tp", 2), ("pp", 2), ("zero", 1), ("zero", 3)):
-        cfg = _muon_config(**{key: value})
-        problems = [p for p in validate(cfg, 2) if p.startswith("optim.name=muon")]
-        assert len(problems) == 1 and f"parallel.{key}={value}" in problems[0] and "fix:" in problems[0], problems
+    """pp, ZeRO 1-3 and copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix;
+    the same layouts under AdamW get no Muon problem."""
+    for par, world, named in ((dict(pp=2), 2, "parallel.pp=2"), (dict(zero=1), 2, "parallel.zero=1"),
+                              (dict(zero=3), 2, "parallel.zero=3"), (dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads")):
+        cfg = _muon_config(**par)
+        problems = [p for p in validate(cfg, world) if p.startswith("optim.name=muon")]
+        assert len(problems) == 1 and named in problems[0] and "fix:" in problems[0], problems
         cfg.optim.name = "adamw"
-        assert not [p for p in validate(cfg, 2) if "muon" in p]
+        assert not [p for p in validate(cfg, world) if "muon" in p]
+    assert not [p for p in validate(_muon_config(tp=2), 2) if "muon" in p]

@@ -23,8 +23,11 @@ import math
 
 import torch
 
+from megaft.config.model import kv_replicas
 from megaft.config.optim import OptimConfig
 from megaft.optim.adamw import AdamW, adamw_update_
+from megaft.parallel.comm import Group, all_gather, group_rank, group_size
+from megaft.parallel.tensor.shard import shard_of
 
 _ADAMW_PREFIXES = ("embed_tokens.", "lm_head.")  # the vocabulary-sized matrices
 
@@ -48,7 +51,9 @@ def check_muon_layout(cfg) -> list[str]:
     if cfg.optim.name != "muon":
         return []
     par = cfg.parallel
-    todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("tp", "pp", "cp", "ep") if getattr(par, k) != 1]
+    todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("pp", "cp", "ep") if getattr(par, k) != 1]
+    if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
+        todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
     todo += [(f"parallel.zero={par.zero}", "parallel.zero=0")] if par.zero else []
     todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
     todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
@@ -78,17 +83,30 @@ def update_scale(shape: torch.Size, rule: str) -> float:
     return math.sqrt(max(1, rows / cols)) if rule == "original" else 0.2 * math.sqrt(max(rows, cols))
 
 
+def orthogonalise(update: torch.Tensor, spec, tp_group: Group, mu) -> tuple[torch.Tensor, torch.Size]:
+    """(this rank's rows or columns of the whole matrix's Newton-Schulz result, the whole shape).
+    A tp shard (`spec`, megaft.parallel.tensor.shard) is gathered over tp first: the
+    orthogonalisation needs the whole matrix (every tp rank computes it; module docstring)."""
+    tp = group_size(tp_group)
+    whole = all_gather(update, spec.dim, tp_group) if spec is not None and tp > 1 else update
+    out = zeropower_via_newtonschulz(whole, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
+    if whole is not update:
+        lo, hi = spec.bounds(group_rank(tp_group), tp)
+        out = out.narrow(spec.dim, lo, hi - lo)
+    return out, whole.shape
+
+
 @torch.no_grad()
-def muon_update_(items, cfg: OptimConfig, *, lr: float) -> None:
-    """One Muon step on every (param, grad, momentum) matrix (module docstring)."""
+def muon_update_(items, cfg: OptimConfig, *, lr: float, tp_group: Group = None) -> None:
+    """One Muon step on every (param, grad, momentum) matrix (module docstring); tp shards are
+    orthogonalised whole (`orthogonalise`)."""
     mu = cfg.muon
     decay = cfg.weight_decay if mu.weight_decay is None else mu.weight_decay
-    for param, grad, buf in items:
+    for param, grad, buf, spec in items:
         buf.lerp_(grad, 1 - mu.momentum)
-        update = grad.lerp(buf, mu.momentum) if mu.nesterov else buf
-        update = zeropower_via_newtonschulz(update, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
+        update, shape = orthogonalise(grad.lerp(buf, mu.momentum) if mu.nesterov else buf, spec, tp_group, mu)
         param.mul_(1 - lr * decay)
-        param.add_(update, alpha=-lr * update_scale(param.shape, mu.scale))
+        param.add_(update, alpha=-lr * update_scale(shape, mu.scale))
 
 
 class MuonAdamW(AdamW):
@@ -96,20 +114,22 @@ class MuonAdamW(AdamW):
     parameters (muon_split) updated by Muon: their momentum in exp_avg's elements, AdamW on
     every other element range of the buffers (one multi-tensor call, as AdamW's)."""
 
-    def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], **kw):
+    def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], tp_group: Group = None, **kw):
         super().__init__(flat, cfg, **kw)
+        self.tp_group = tp_group
         muon = {id(p) for p in split["muon"].values()}
         # summary.json's `optimizer` (the peers' silent fallback to AdamW shows here as a count)
         self.record = {"name": "muon", **{f"{k}_params": len(v) for k, v in split.items()},
                        **{f"{k}_numel": sum(p.numel() for p in v.values()) for k, v in split.items()},
                        **{k: sorted(v) for k, v in split.items()}}
-        self.matrices, self.pieces = [], []  # (param, grad, momentum) views; (data, grad, m, v, decay) ranges
+        # (param, grad, momentum, TPShard) views; the (data, grad, m, v, decay) ranges between them
+        self.matrices, self.pieces = [], []
         for g, m, v in zip(flat.groups, self.exp_avg, self.exp_avg_sq):
             cuts = [0]  # element ranges between the Muon matrices
             for p in sorted(g.params, key=lambda p: p.data.data_ptr()):
                 lo = (p.data.data_ptr() - g.data.data_ptr()) // g.data.element_size()
                 if id(p) in muon:
-                    self.matrices.append((p.data, p.grad, m[lo:lo + p.numel()].view_as(p)))
+                    self.matrices.append((p.data, p.grad, m[lo:lo + p.numel()].view_as(p), shard_of(p)))
                     cuts += [lo, lo + p.numel()]
             cuts.append(g.data.numel())
             self.pieces += [(g.data[a:z], g.grad[a:z], m[a:z], v[a:z], g.weight_decay)
@@ -119,4 +139,4 @@ class MuonAdamW(AdamW):
     def step(self, lr: float) -> None:
         self.step_count += 1
         adamw_update_(self.pieces, self.cfg, step=self.step_count, lr=lr)
-        muon_update_(self.matrices, self.cfg, lr=lr)
+        muon_update_(self.matrices, self.cfg, lr=lr, tp_group=self.tp_group)

@@ -110,7 +110,7 @@ def build_optim(parts: RunParts) -> OptimParts:
     cfg, grid, model = parts.cfg, parts.grid, parts.model
     scaler, make_adamw = None, None
     if cfg.optim.name == "muon":  # the split is fixed before FlatParams moves the params into buffers
-        make_adamw = partial(MuonAdamW, split=muon_split(model))
+        make_adamw = partial(MuonAdamW, split=muon_split(model), tp_group=grid.tp_group)
     if cfg.precision == "fp16":
         scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
     flat, optimizer, reducer = build_optimizer(
