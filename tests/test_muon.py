@@ -1,7 +1,7 @@
 """optim.name=muon (issue 41): the split (hidden 2-D weights on Muon, the rest on AdamW), every
 weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(foreach=False) on a
 copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
-are torch.optim.Muon's: exact), dp=2 at ZeRO 0 and tp=2 equal to one process, summary.json's
+are torch.optim.Muon's: exact), dp=2 at ZeRO 0-3 and tp=2 equal to one process, summary.json's
 split, and the layouts not done yet refused in validation."""
 import copy
 import json
@@ -133,15 +133,23 @@ def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str) -> None:
     """Train, and (rank 0) save the final weights as weights.pt."""
     trainer = Trainer(cfg, grid, root)
     trainer.fit()
+    with trainer.parts.optim.whole_params():  # ZeRO-3: every rank gathers
+        weights = {n: p.detach().clone() for n, p in trainer.parts.model.named_parameters()}
     if grid.rank == 0:
-        torch.save({n: p.detach().clone() for n, p in trainer.parts.model.named_parameters()},
-                   os.path.join(root, "weights.pt"))
+        torch.save(weights, os.path.join(root, "weights.pt"))
+
+
+DP2 = {f"dp2_zero{z}": dict(dp=2, zero=z, bucket_mb=0.01) for z in (0, 1, 2)}
+DP2["dp2_zero3"] = dict(dp=2, zero=3)  # one bucket per layer and decay class
+LAYOUTS = [*DP2, "tp2"]
 
 
 def _train_parallel(rank: int, world: int, root: str) -> None:
-    """dp=2 (ZeRO 0, several buckets) and tp=2 (column and row shards), one after the other."""
-    _fit_and_save(_muon_config(dp=2, bucket_mb=0.01), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
-                  os.path.join(root, "dp2"))
+    """dp=2 at ZeRO 0-3 (several buckets: matrices straddle two ranks' chunks) and tp=2 (column and
+    row shards), one after the other."""
+    for name, par in DP2.items():
+        _fit_and_save(_muon_config(**par), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
+                      os.path.join(root, name))
     grid = ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu")
     trainer = Trainer(_muon_config(tp=2), grid, os.path.join(root, "tp2"))
     trainer.fit()
@@ -155,11 +163,11 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    for name in ("single", "dp2", "tp2"):
+    for name in ("single", *LAYOUTS):
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
     spawn(2, _train_parallel, str(root))
-    return {name: str(root / name) for name in ("single", "dp2", "tp2")}
+    return {name: str(root / name) for name in ("single", *LAYOUTS)}
 
 
 def _tp2_weights(run_dir: str) -> dict[str, torch.Tensor]:
@@ -175,25 +183,27 @@ def _tp2_weights(run_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_equals_single_process(runs, layout):
-    """dp=2 (2 micro-batches each): every rank orthogonalises the same reduced gradient; tp=2:
+    """dp=2 (2 micro-batches each): at ZeRO 0 every rank orthogonalises the same reduced gradient,
+    at ZeRO 1-3 the owners of a matrix's chunks orthogonalise its all-gathered update; tp=2:
     each shard's update gathered whole over tp, orthogonalised, the rank's part kept. dp adds
     the micro-batch gradients in another order than one process and tp splits the matmuls, so
     the losses agree to fp32 rounding (tests/test_dp.py's 1e-5). The weights: Newton-Schulz
     runs in bf16 (torch.optim.Muon's choice), where an fp32 rounding difference of its input
     flips bf16 roundings that its 5 matmul iterations carry on, so a Muon matrix may differ by a
     fraction of one step's update lr_t * scale per step; we allow a quarter of their sum
-    (measured: dp2 0.031, tp2 0.046). A wrong orthogonalisation (a shard alone, a stale momentum, AdamW in
-    Muon's place) moves weights by whole steps. The AdamW tensors differ only through the
-    gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020, 0.0032)."""
+    (measured: 0.031-0.048 over these layouts). A wrong orthogonalisation (a shard alone, a stale
+    momentum, AdamW in Muon's place) moves weights by whole steps (measured: the peers' ZeRO-3
+    bug, every matrix on AdamW, 1.09, and its losses 6e-2 apart). The AdamW tensors differ only
+    through the gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020-0.0032)."""
     (single, _), (got_loss, _) = read_metrics(runs["single"]), read_metrics(runs[layout])
     assert len(single) == len(got_loss) == 6
     assert got_loss == pytest.approx(single, rel=1e-5)
     cfg = _muon_config()
     lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
     want = torch.load(os.path.join(runs["single"], "weights.pt"))
-    got = _tp2_weights(runs["tp2"]) if layout == "tp2" else torch.load(os.path.join(runs["dp2"], "weights.pt"))
+    got = _tp2_weights(runs["tp2"]) if layout == "tp2" else torch.load(os.path.join(runs[layout], "weights.pt"))
     with open(os.path.join(runs["single"], "summary.json")) as f:
         muon = set(json.load(f)["optimizer"]["muon"])
     assert len(muon) == 14 and got.keys() == want.keys()
@@ -217,10 +227,10 @@ def test_adamw_summary_has_no_optimizer_record():
 
 
 def test_layouts_not_done_are_refused():
-    """pp, ZeRO 1-3 and copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix;
+    """pp, offload and copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix;
     the same layouts under AdamW get no Muon problem."""
-    for par, world, named in ((dict(pp=2), 2, "parallel.pp=2"), (dict(zero=1), 2, "parallel.zero=1"),
-                              (dict(zero=3), 2, "parallel.zero=3"), (dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads")):
+    for par, world, named in ((dict(pp=2), 2, "parallel.pp=2"), (dict(offload="cpu", zero=1), 2, "parallel.offload"),
+                              (dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads")):
         cfg = _muon_config(**par)
         problems = [p for p in validate(cfg, world) if p.startswith("optim.name=muon")]
         assert len(problems) == 1 and named in problems[0] and "fix:" in problems[0], problems

@@ -5,7 +5,10 @@ and MLP projections). AdamW keeps the embedding and the head (their rows are per
 lookups and logits, not a linear map whose singular values Muon equalises; Moonlight and
 torch.optim.Muon's docs keep them on AdamW), norms and biases (1-D: no matrix), and MoE
 routers (a small logit map whose per-expert scale the load balance reads). MoE and LoRA
-are refused until their layouts are done (docs/optimizers.md).
+are refused until their layouts are done (docs/optimizers.md). Layouts: any dp at ZeRO 0 (every
+rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
+(`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
+rank, the rank's rows or columns kept); pp, cp, ep, offload, master weights and LoRA not yet.
 
 The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
@@ -46,6 +49,14 @@ def muon_split(model: torch.nn.Module) -> dict[str, dict]:
     return out
 
 
+def split_record(split: dict[str, dict]) -> dict:
+    """summary.json's `optimizer`: counts, sizes and names of each side (the peers' silent
+    fallback to AdamW would show here as fewer Muon matrices than at one process)."""
+    return {"name": "muon", **{f"{k}_params": len(v) for k, v in split.items()},
+            **{f"{k}_numel": sum(p.numel() for p in v.values()) for k, v in split.items()},
+            **{k: sorted(v) for k, v in split.items()}}
+
+
 def check_muon_layout(cfg) -> list[str]:
     """optim.name=muon's layouts: those this version runs exactly (docs/optimizers.md)."""
     if cfg.optim.name != "muon":
@@ -54,11 +65,11 @@ def check_muon_layout(cfg) -> list[str]:
     todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("pp", "cp", "ep") if getattr(par, k) != 1]
     if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
         todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
-    todo += [(f"parallel.zero={par.zero}", "parallel.zero=0")] if par.zero else []
     todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
     todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
     todo += [(f"lora.rank={cfg.lora.rank}", "lora.rank=0")] if cfg.lora.rank else []
-    todo += [(f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)")] if cfg.model.n_experts else []
+    if cfg.model.n_experts:  # 3-D expert stacks: a batched Newton-Schulz per expert is not done yet
+        todo.append((f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)"))
     return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]
 
 
@@ -116,12 +127,8 @@ class MuonAdamW(AdamW):
 
     def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], tp_group: Group = None, **kw):
         super().__init__(flat, cfg, **kw)
-        self.tp_group = tp_group
+        self.tp_group, self.record = tp_group, split_record(split)
         muon = {id(p) for p in split["muon"].values()}
-        # summary.json's `optimizer` (the peers' silent fallback to AdamW shows here as a count)
-        self.record = {"name": "muon", **{f"{k}_params": len(v) for k, v in split.items()},
-                       **{f"{k}_numel": sum(p.numel() for p in v.values()) for k, v in split.items()},
-                       **{k: sorted(v) for k, v in split.items()}}
         # (param, grad, momentum, TPShard) views; the (data, grad, m, v, decay) ranges between them
         self.matrices, self.pieces = [], []
         for g, m, v in zip(flat.groups, self.exp_avg, self.exp_avg_sq):

@@ -24,6 +24,7 @@ from megaft.checkpoint.reshard import param_index
 from megaft.optim.adamw import AdamW
 from megaft.optim.clip import clip_grad_norm_
 from megaft.optim.muon import MuonAdamW, muon_split
+from megaft.optim.muon_zero import ShardedMuon
 from megaft.optim.scaler import LossScaler
 from megaft.optim.zero import ShardedAdamW, build_optimizer
 from megaft.parallel.data import FlatParams, GradReducer
@@ -108,16 +109,17 @@ def build_optim(parts: RunParts) -> OptimParts:
     """The optimizer of parts.model: ZeRO stage, buckets, compression and offload from
     cfg.parallel, AdamW from cfg.optim, a loss scaler under fp16."""
     cfg, grid, model = parts.cfg, parts.grid, parts.model
-    scaler, make_adamw = None, None
+    scaler, classes = None, None
     if cfg.optim.name == "muon":  # the split is fixed before FlatParams moves the params into buffers
-        make_adamw = partial(MuonAdamW, split=muon_split(model), tp_group=grid.tp_group)
+        muon = dict(split=muon_split(model), tp_group=grid.tp_group)
+        classes = partial(MuonAdamW, **muon), partial(ShardedMuon, **muon)
     if cfg.precision == "fp16":
         scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
     flat, optimizer, reducer = build_optimizer(
         model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
         norm_params=model.norm_params() if grid.pp_size > 1 else None, compression=cfg.parallel,
-        offload=cfg.parallel.offload, scaler=scaler, make_adamw=make_adamw)
-    if make_adamw is not None and grid.rank == 0:  # the split, once (also summary.json's `optimizer`)
+        offload=cfg.parallel.offload, scaler=scaler, classes=classes)
+    if classes is not None and grid.rank == 0:  # the split, once (also summary.json's `optimizer`)
         rec = optimizer.record
         print(f"optim.name=muon: {rec['muon_params']} matrices ({rec['muon_numel']} params) on Muon, "
               f"{rec['adamw_params']} tensors ({rec['adamw_numel']} params) on AdamW: {', '.join(rec['adamw'])}",
