@@ -8,7 +8,8 @@ routers (a small logit map whose per-expert scale the load balance reads). MoE a
 are refused until their layouts are done (docs/optimizers.md). Layouts: any dp at ZeRO 0 (every
 rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
-rank, the rank's rows or columns kept); pp, cp, ep, offload, master weights and LoRA not yet.
+rank, the rank's rows or columns kept), pp (each stage's matrices are whole); cp, ep, offload,
+master weights and LoRA not yet.
 
 The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
@@ -23,6 +24,7 @@ elements' exp_avg_sq stays zero (the memory estimate's one-buffer rule is not do
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -49,12 +51,26 @@ def muon_split(model: torch.nn.Module) -> dict[str, dict]:
     return out
 
 
-def split_record(split: dict[str, dict]) -> dict:
-    """summary.json's `optimizer`: counts, sizes and names of each side (the peers' silent
-    fallback to AdamW would show here as fewer Muon matrices than at one process)."""
-    return {"name": "muon", **{f"{k}_params": len(v) for k, v in split.items()},
-            **{f"{k}_numel": sum(p.numel() for p in v.values()) for k, v in split.items()},
-            **{k: sorted(v) for k, v in split.items()}}
+def split_sizes(split: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """{"muon": {name: numel}, "adamw": {name: numel}} of a muon_split."""
+    return {k: {n: p.numel() for n, p in v.items()} for k, v in split.items()}
+
+
+def split_record(sizes: dict[str, dict[str, int]], pp_group: Group = None, *, log: bool = False) -> dict:
+    """summary.json's `optimizer` from split_sizes, united over the pp stages (a tied copy once):
+    counts, sizes and names of each side, the same at every layout (the peers' silent fallback
+    to AdamW would show as fewer Muon matrices than at one process). `log`: print it to stderr."""
+    if group_size(pp_group) > 1:
+        stages = [None] * group_size(pp_group)
+        torch.distributed.all_gather_object(stages, sizes, group=pp_group)
+        sizes = {k: {n: m for st in stages for n, m in st[k].items()} for k in sizes}
+    rec = {"name": "muon", **{f"{k}_params": len(v) for k, v in sizes.items()},
+           **{f"{k}_numel": sum(v.values()) for k, v in sizes.items()}, **{k: sorted(v) for k, v in sizes.items()}}
+    if log:
+        print(f"optim.name=muon: {rec['muon_params']} matrices ({rec['muon_numel']} params) on Muon, "
+              f"{rec['adamw_params']} tensors ({rec['adamw_numel']} params) on AdamW: {', '.join(rec['adamw'])}",
+              file=sys.stderr, flush=True)
+    return rec
 
 
 def check_muon_layout(cfg) -> list[str]:
@@ -62,7 +78,7 @@ def check_muon_layout(cfg) -> list[str]:
     if cfg.optim.name != "muon":
         return []
     par = cfg.parallel
-    todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("pp", "cp", "ep") if getattr(par, k) != 1]
+    todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("cp", "ep") if getattr(par, k) != 1]
     if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
         todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
     todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
@@ -127,7 +143,7 @@ class MuonAdamW(AdamW):
 
     def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], tp_group: Group = None, **kw):
         super().__init__(flat, cfg, **kw)
-        self.tp_group, self.record = tp_group, split_record(split)
+        self.tp_group = tp_group
         muon = {id(p) for p in split["muon"].values()}
         # (param, grad, momentum, TPShard) views; the (data, grad, m, v, decay) ranges between them
         self.matrices, self.pieces = [], []

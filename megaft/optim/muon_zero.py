@@ -20,7 +20,7 @@ import torch
 
 from megaft.config.optim import OptimConfig
 from megaft.optim.adamw import adamw_update_
-from megaft.optim.muon import orthogonalise, split_record, update_scale
+from megaft.optim.muon import orthogonalise, update_scale
 from megaft.optim.zero import ShardedAdamW
 from megaft.parallel.comm import Group, all_gather_single, group_size
 from megaft.parallel.tensor.shard import shard_of
@@ -33,7 +33,7 @@ class ShardedMuon(ShardedAdamW):
     def __init__(self, flat, cfg: OptimConfig, dp_group: Group, *, split: dict[str, dict], tp_group: Group = None,
                  **kw):
         super().__init__(flat, cfg, dp_group, **kw)
-        self.tp_group, self.record = tp_group, split_record(split)
+        self.tp_group = tp_group
         muon = {id(p) for p in split["muon"].values()}
         self.pieces, self.matrices = [], []  # AdamW ranges; per chunk: its bucket's Muon matrices
         for (b, param, grad, m, v), (lo, hi) in zip(self.chunks, self.ranges):

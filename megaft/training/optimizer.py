@@ -12,7 +12,6 @@ the dp sum, so the order above is the one the exactness tests pin down.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -23,7 +22,7 @@ from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.optim.adamw import AdamW
 from megaft.optim.clip import clip_grad_norm_
-from megaft.optim.muon import MuonAdamW, muon_split
+from megaft.optim.muon import MuonAdamW, muon_split, split_record, split_sizes
 from megaft.optim.muon_zero import ShardedMuon
 from megaft.optim.scaler import LossScaler
 from megaft.optim.zero import ShardedAdamW, build_optimizer
@@ -111,17 +110,15 @@ def build_optim(parts: RunParts) -> OptimParts:
     cfg, grid, model = parts.cfg, parts.grid, parts.model
     scaler, classes = None, None
     if cfg.optim.name == "muon":  # the split is fixed before FlatParams moves the params into buffers
-        muon = dict(split=muon_split(model), tp_group=grid.tp_group)
-        classes = partial(MuonAdamW, **muon), partial(ShardedMuon, **muon)
+        split = muon_split(model)
+        classes = (partial(MuonAdamW, split=split, tp_group=grid.tp_group),
+                   partial(ShardedMuon, split=split, tp_group=grid.tp_group))
     if cfg.precision == "fp16":
         scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
     flat, optimizer, reducer = build_optimizer(
         model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
         norm_params=model.norm_params() if grid.pp_size > 1 else None, compression=cfg.parallel,
         offload=cfg.parallel.offload, scaler=scaler, classes=classes)
-    if classes is not None and grid.rank == 0:  # the split, once (also summary.json's `optimizer`)
-        rec = optimizer.record
-        print(f"optim.name=muon: {rec['muon_params']} matrices ({rec['muon_numel']} params) on Muon, "
-              f"{rec['adamw_params']} tensors ({rec['adamw_numel']} params) on AdamW: {', '.join(rec['adamw'])}",
-              file=sys.stderr, flush=True)
+    if classes is not None:  # summary.json's `optimizer`, over every pp stage; printed once
+        optimizer.record = split_record(split_sizes(split), grid.pp_group, log=grid.rank == 0)
     return OptimParts(flat, optimizer, reducer, scaler, model, grid, parts.phases, clip_grad=cfg.optim.clip_grad)
