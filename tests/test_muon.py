@@ -1,8 +1,9 @@
 """optim.name=muon (issue 41): the split (hidden 2-D weights on Muon, the rest on AdamW), every
 weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(foreach=False) on a
 copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
-are torch.optim.Muon's: exact), dp=2 at ZeRO 0-3, tp=2 and pp=2 equal to one process, summary.json's
-split, and the layouts not done yet refused in validation."""
+are torch.optim.Muon's: exact), dp=2 at ZeRO 0-3, tp=2 and pp=2 equal to one process, resume bit
+for bit (the momentum in the checkpoint), summary.json's split, and the layouts not done yet
+refused in validation."""
 import copy
 import json
 import os
@@ -129,8 +130,12 @@ def _muon_config(**par) -> Config:
     return cfg
 
 
-def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str) -> None:
-    """Train, and save this rank's final weights (tp shards with their split) as weights{rank}.pt."""
+def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str, *, resume_at: int = 0) -> None:
+    """Train, and save this rank's final weights (tp shards with their split) as weights{rank}.pt.
+    `resume_at`: stop after that step's checkpoint, then finish in a fresh Trainer."""
+    if resume_at:
+        cfg.train.save_every = resume_at
+        Trainer(cfg, grid, root).fit(stop_after=resume_at)
     trainer = Trainer(cfg, grid, root)
     trainer.fit()
     weights = {}
@@ -164,6 +169,7 @@ DP2 = {f"dp2_zero{z}": dict(dp=2, zero=z, bucket_mb=0.01) for z in (0, 1, 2)}
 DP2["dp2_zero3"] = dict(dp=2, zero=3)  # one bucket per layer and decay class
 MP2 = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
 LAYOUTS = [*DP2, *MP2]
+RESUMED = {"single_resumed": dict(), "dp2_zero1_resumed": dict(dp=2, zero=1, bucket_mb=0.01)}  # after step 3
 
 
 def _train_parallel(rank: int, world: int, root: str) -> None:
@@ -172,16 +178,20 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
     for name, par in {**DP2, **MP2}.items():
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), device="cpu")
         _fit_and_save(_muon_config(**par), grid, os.path.join(root, name))
+    _fit_and_save(_muon_config(**RESUMED["dp2_zero1_resumed"]), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
+                  os.path.join(root, "dp2_zero1_resumed"), resume_at=3)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    for name in ("single", *LAYOUTS):
+    names = ("single", *LAYOUTS, *RESUMED)
+    for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
+    _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
     spawn(2, _train_parallel, str(root))
-    return {name: str(root / name) for name in ("single", *LAYOUTS)}
+    return {name: str(root / name) for name in names}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -211,6 +221,15 @@ def test_layout_equals_single_process(runs, layout):
     for name, w in want.items():
         bound = 0.25 * lr_sum * update_scale(w.shape, "original") if name in muon else 0.01 * lr_sum
         assert (got[name] - w).abs().max() <= bound, name
+
+
+@pytest.mark.parametrize("resumed,straight", [("single_resumed", "single"), ("dp2_zero1_resumed", "dp2_zero1")])
+def test_resume_is_bitwise(runs, resumed, straight):
+    """Stopped after step 3's checkpoint and finished in a fresh Trainer: the Muon momentum (in
+    the checkpoint's exp_avg) comes back, so the curve and every weight equal the straight run's."""
+    assert read_metrics(runs[resumed])[0] == read_metrics(runs[straight])[0]  # steps 1-3 logged before the stop
+    got, want = _whole_weights(runs[resumed]), _whole_weights(runs[straight])
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_summary_records_the_split(runs):
