@@ -8,8 +8,8 @@ routers (a small logit map whose per-expert scale the load balance reads). MoE a
 are refused until their layouts are done (docs/optimizers.md). Layouts: any dp at ZeRO 0 (every
 rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
-rank, the rank's rows or columns kept), pp (each stage's matrices are whole); cp, ep, offload,
-master weights and LoRA not yet.
+rank, the rank's rows or columns kept), pp (each stage's matrices are whole), cp (replicated
+weights, as dp); ep, offload, master weights and LoRA not yet.
 
 The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
@@ -78,7 +78,7 @@ def check_muon_layout(cfg) -> list[str]:
     if cfg.optim.name != "muon":
         return []
     par = cfg.parallel
-    todo = [(f"parallel.{k}={getattr(par, k)}", f"parallel.{k}=1") for k in ("cp", "ep") if getattr(par, k) != 1]
+    todo = [(f"parallel.ep={par.ep}", "parallel.ep=1")] if par.ep != 1 else []
     if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
         todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
     todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
