@@ -20,6 +20,7 @@ from megaft.config.moe import check_moe
 from megaft.config.optim import check_master_weights, check_optim
 from megaft.config.parallel import check_parallel, resolve_dp
 from megaft.config.pref import check_pref, check_pref_run, is_preference
+from megaft.config.rl import check_rl, check_rl_run
 from megaft.config.train import accumulation_steps, check_train
 from megaft.config.wandb import check_logger
 from megaft.data.build import build_tokenizer
@@ -30,7 +31,7 @@ from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
 from megaft.optim.checks import check_fused
 from megaft.optim.muon import check_muon_layout
-from megaft.pref.checks import check_reference
+from megaft.pref.checks import check_reference, reference_dir_problems
 
 
 def resolve(cfg: Config) -> Config:
@@ -143,6 +144,8 @@ def check_fixed_settings(cfg: Config) -> list[str]:
         from megaft.pref.data import pair_source_problems as pairs
     problems += check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
     problems += check_pref(cfg.pref, cfg.train.objective)
+    problems += check_rl(cfg.rl, cfg.train.objective, global_batch_size=cfg.train.global_batch_size,
+                         micro_batch_size=cfg.train.micro_batch_size)
     problems += check_launcher(cfg.launcher)
     problems += check_samples(cfg.sample, cfg.train.sample_every, lambda: _chat_template(cfg))
     problems += check_logger(cfg.logger, cfg.wandb)
@@ -222,6 +225,10 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                                capacity=cfg.moe.capacity_factor is not None,
                                global_aux=cfg.moe.aux_scope == "global_batch")
     problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)
+    problems += check_rl_run(cfg.rl, cfg.train.objective, has_data_file=cfg.data.path is not None or
+                             bool(cfg.data.sources), n_experts=cfg.model.n_experts, packing=cfg.data.packing)
+    if cfg.train.objective == "grpo" and cfg.rl.beta > 0 and cfg.rl.reference:
+        problems += reference_dir_problems(cfg.rl.reference, "rl.reference", cfg.model)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")
     if cfg.data.seq_len > cfg.model.max_seq_len:
@@ -251,4 +258,27 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
             resolve(cfg)
         except (OSError, ValueError) as exc:
             return problems + [str(exc)]
-    return problems + check_resolved(cfg, world_size, gpu_budget=gpu_budget)
+    return problems + check_resolved(cfg, world_size, gpu_budget=gpu_budget) + _rollout_problems(cfg)
+
+
+def _rollout_problems(cfg: Config) -> list[str]:
+    """rl.rollouts parsed whole, once, with the resolved vocabulary and data.seq_len (train.objective=grpo)."""
+    if cfg.train.objective != "grpo" or not cfg.rl.rollouts:
+        return []
+    if not os.path.isfile(cfg.rl.rollouts):
+        return [f"rl.rollouts={cfg.rl.rollouts} is not a file; fix: the path of a rollouts JSONL (docs/rl.md)"]
+    from megaft.rl.rewards import load_reward
+    from megaft.rl.rollouts import read_rollouts
+
+    problems = []
+    for spec in cfg.rl.reward:  # each imports here, before any rank starts
+        try:
+            load_reward(spec, cfg.rl.format_pattern)
+        except ValueError as exc:
+            problems.append(str(exc))
+    try:
+        read_rollouts(cfg.rl.rollouts, cfg.rl.num_generations, cfg.rl.max_completion_length, cfg.data.seq_len,
+                      cfg.model.vocab_size, scored=bool(cfg.rl.reward))
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems

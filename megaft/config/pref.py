@@ -21,7 +21,7 @@ from typing import Optional
 OBJECTIVES = ("dpo", "robust", "ipo", "simpo", "orpo")  # the preference objectives (megaft.pref.losses)
 REFERENCE_FREE = ("simpo", "orpo")
 SMOOTHED = ("dpo", "robust", "simpo")  # the objectives that read label_smoothing
-OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES
+OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES + ("grpo",)  # grpo: megaft.config.rl
 REFERENCE_MODES = ("precompute", "online")
 
 
@@ -49,8 +49,8 @@ class PrefConfig:
 
 
 def is_preference(objective: str) -> bool:
-    """Whether `objective` trains on pairs (anything but sft)."""
-    return objective != "sft"
+    """Whether `objective` trains on pairs (the preference family)."""
+    return objective in OBJECTIVES
 
 
 def needs_reference(objective: str) -> bool:
@@ -83,8 +83,8 @@ def check_pref_run(objective: str, *, has_file: bool, packing: str, n_experts: i
                    capacity: bool = False, global_aux: bool = False) -> list[str]:
     """What a preference run cannot do yet in this layout or with this data, each with its fix."""
     if not is_preference(objective):
-        return ["pref.share_prompt=true shares preference pairs' prompts, and train.objective=sft has no pairs; "
-                "fix: pref.share_prompt=false"] if share_prompt else []
+        return [f"pref.share_prompt=true shares preference pairs' prompts, and train.objective={objective} has no "
+                "pairs; fix: pref.share_prompt=false"] if share_prompt else []
     problems = []
     what = f"train.objective={objective}"
     if not has_file:

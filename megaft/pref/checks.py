@@ -16,19 +16,25 @@ def check_reference(cfg: PrefConfig, objective: str, model) -> list[str]:
     if not needs_reference(objective):
         return [f"pref.reference={cfg.reference}: train.objective={objective} has no reference model; fix: "
                 "pref.reference=null"]
-    if not os.path.isfile(os.path.join(cfg.reference, "config.json")):
-        return [f"pref.reference={cfg.reference} is not a Hugging Face checkpoint directory (no config.json); fix: "
+    return reference_dir_problems(cfg.reference, "pref.reference", model)
+
+
+def reference_dir_problems(path: str, key: str, model) -> list[str]:
+    """A reference checkpoint `path` (the setting `key`) against the resolved policy config `model`:
+    a Hugging Face checkpoint of the same architecture (pref.reference, rl.reference)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"{key}={path} is not a Hugging Face checkpoint directory (no config.json); fix: "
                 "point it at one of the same architecture as model.init_from, or null for the starting model"]
     from megaft.models.hf.config import hf_model_config
 
     try:
-        ref = hf_model_config(cfg.reference, base=model)
+        ref = hf_model_config(path, base=model)
     except (OSError, ValueError) as exc:
-        return [f"pref.reference: {exc}"]
+        return [f"{key}: {exc}"]
     differ = [f.name for f in dataclasses.fields(model) if f.name not in ("init_from", "name", "extra")
               and getattr(ref, f.name) != getattr(model, f.name)]
     if differ:
-        return [f"pref.reference={cfg.reference} has another architecture than the policy ("
+        return [f"{key}={path} has another architecture than the policy ("
                 + ", ".join(f"{k}: {getattr(ref, k)} against {getattr(model, k)}" for k in differ[:4])
                 + "); fix: a reference of the policy's architecture (e.g. the SFT checkpoint it starts from)"]
     return []

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-SCALE_REWARDS = ("group", "batch", "none")
+from megaft.config.rl import SCALE_REWARDS
+
 STD_EPS = 1e-4  # TRL's: advantages = (r - mean) / (std + 1e-4)
 
 

@@ -18,11 +18,14 @@ tokens (what TRL's formulas reduce to with one process and no accumulation):
     dr_grpo  sum l m / (N * max_completion_length)
     dapo     sum l m / max(T, 1)                          TRL: over the generation batch's tokens
 
-Each micro-batch returns its share (its sums over these global counts), so the shares of all
-micro-batches and ranks add up to the loss and their gradients to its gradient at any dp, cp,
-pp, tp and accumulation. TRL's token means are per device or per micro-batch (TRL#3938,
-#5619; verl#906, #5625, #5798 for the same class of bug): they equal these only with one
-process and no accumulation, which is how tests/rl compares them.
+As a per-completion loss c_i whose mean over the N completions is the step's loss
+(`completion_losses`: grpo S_i / n_i, dr_grpo S_i / L, bnpo and dapo S_i N / T, with S_i and n_i
+completion i's masked sum and token count), every micro-batch and rank adds its completions'
+c_i and the step divides by N, as for preference pairs: the same loss and gradient at any dp,
+cp (S_i and n_i summed over the cp ranks first), pp, tp and accumulation. TRL's token means
+are per device or per micro-batch (TRL#3938, #5619; verl#906, #5625, #5798 for the same class
+of bug): they equal these only with one process and no accumulation, which is how tests/rl
+compares them.
 
 Metrics carry TRL's names (kl, entropy, clip_ratio/low_mean, high_mean, region_mean, low_min,
 high_max); `GrpoStats` holds the sums that make them global means once added over ranks.
@@ -34,7 +37,12 @@ from typing import Optional
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from megaft.config.rl import LOSS_TYPES
+
+COLUMNS = ("tokens", "kl", "entropy", "low", "high", "region")  # per completion, summed over its tokens
+# a GRPO step's metrics line (TRL's names; rewards/<function>/mean and /std beside them)
+METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean",
+           "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
 
 
 @dataclass(frozen=True)
@@ -43,69 +51,22 @@ class GlobalCounts:
 
     completions: int  # N: completions in the optimizer step
     tokens: float  # T: their completion tokens under the loss mask
-    max_completion_length: int  # dr_grpo's constant length
+    max_completion_length: int  # L, dr_grpo's constant length
 
 
-@dataclass
-class GrpoStats:
-    """Sums over a micro-batch's completion tokens (detached tensors: no host sync until the
-    step logs), added over micro-batches and ranks; `metrics()` gives TRL's numbers."""
-
-    tokens: torch.Tensor
-    kl: torch.Tensor
-    entropy: torch.Tensor
-    low: torch.Tensor
-    high: torch.Tensor
-    region: torch.Tensor
-    low_per_completion: torch.Tensor  # each completion's share of clipped-low tokens (NaN: no tokens)
-    high_per_completion: torch.Tensor
-
-    SUMS = ("tokens", "kl", "entropy", "low", "high", "region")
-
-    def add(self, other: "GrpoStats") -> "GrpoStats":
-        sums = {name: getattr(self, name) + getattr(other, name) for name in self.SUMS}
-        return GrpoStats(**sums, low_per_completion=torch.cat([self.low_per_completion, other.low_per_completion]),
-                         high_per_completion=torch.cat([self.high_per_completion, other.high_per_completion]))
-
-    def metrics(self, beta: float) -> dict[str, float]:
-        n = max(float(self.tokens), 1.0)
-        out = {"kl": float(self.kl) / n} if beta != 0.0 else {}
-        out.update({"entropy": float(self.entropy) / n, "clip_ratio/low_mean": float(self.low) / n,
-                    "clip_ratio/high_mean": float(self.high) / n, "clip_ratio/region_mean": float(self.region) / n})
-        low = self.low_per_completion[~torch.isnan(self.low_per_completion)]  # TRL's nanmin / nanmax
-        high = self.high_per_completion[~torch.isnan(self.high_per_completion)]
-        out["clip_ratio/low_min"] = float(low.min()) if low.numel() else float("nan")
-        out["clip_ratio/high_max"] = float(high.max()) if high.numel() else float("nan")
-        return out
-
-
-def check_loss(loss_type: str, beta: float, epsilon: float, epsilon_high: Optional[float]) -> list[str]:
-    problems = []
-    if loss_type not in LOSS_TYPES:
-        problems.append(f"rl.loss_type={loss_type!r} is unknown; fix: one of {', '.join(LOSS_TYPES)}")
-    if beta < 0:
-        problems.append(f"rl.beta={beta} must be >= 0 (0: no KL term and no reference model)")
-    if not 0 < epsilon < 1 or (epsilon_high is not None and epsilon_high <= 0):
-        problems.append(f"rl.epsilon={epsilon} must be in (0, 1) and rl.epsilon_high={epsilon_high} > 0 "
-                        "(the clip range is [1 - epsilon, 1 + epsilon_high])")
-    return problems
-
-
-def grpo_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
-              advantages: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts, *, loss_type: str = "dapo",
-              beta: float = 0.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
-              delta: Optional[float] = None, bias_corrected_kl: bool = True,
-              entropies: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, GrpoStats]:
-    """This micro-batch's share of the step's loss, and its metric sums.
+def grpo_terms(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
+               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float = 0.0, epsilon: float = 0.2,
+               epsilon_high: Optional[float] = None, delta: Optional[float] = None, bias_corrected_kl: bool = True,
+               entropies: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S [completions]: each completion's masked sum of per-token losses, with its graph;
+    table [completions, len(COLUMNS)]: its metric sums, detached).
 
     logps, old_logps, ref_logps, mask, entropies: [completions, tokens] (old None: the rollouts
-    came from these weights, so old = logps detached; ref None when beta = 0); advantages:
+    came from these weights, old = logps detached; ref None when beta = 0); advantages:
     [completions]. Padding positions must be finite (their mask is 0)."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(check_loss(loss_type, beta, epsilon, epsilon_high)[0])
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
-    adv = advantages.unsqueeze(1)
+    adv = advantages.to(logps.dtype).unsqueeze(1)
     old = logps.detach() if old_logps is None else old_logps
     coef_1 = torch.exp(logps - old)
     if beta != 0.0:
@@ -119,22 +80,69 @@ def grpo_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps:
     per_token = -torch.min(capped * adv, coef_2 * adv)
     if beta != 0.0:
         per_token = per_token + beta * kl
-    masked = per_token * mask
-    if loss_type == "grpo":
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / counts.completions
-    elif loss_type == "dr_grpo":
-        loss = masked.sum() / (counts.completions * counts.max_completion_length)
-    else:  # bnpo, dapo
-        loss = masked.sum() / max(counts.tokens, 1.0)
     with torch.no_grad():
-        zero = mask.new_zeros(())
         low = ((coef_1 < 1 - epsilon) & (adv < 0)).to(mask.dtype)
         high = ((coef_1 > 1 + eps_high) & (adv > 0)).to(mask.dtype)
-        region = torch.clamp(low + high, max=1.0)
-        per_completion = mask.sum(-1)  # 0 tokens: NaN, which the min/max skip (TRL's nanmin/nanmax)
-        stats = GrpoStats(tokens=mask.sum(), kl=(kl * mask).sum() if beta != 0.0 else zero,
-                          entropy=(entropies * mask).sum() if entropies is not None else zero,
-                          low=(low * mask).sum(), high=(high * mask).sum(), region=(region * mask).sum(),
-                          low_per_completion=(low * mask).sum(-1) / per_completion,
-                          high_per_completion=(high * mask).sum(-1) / per_completion)
-    return loss, stats
+        zero = torch.zeros_like(mask)
+        columns = (torch.ones_like(mask), kl.detach() if beta != 0.0 else zero,
+                   entropies if entropies is not None else zero, low, high, torch.clamp(low + high, max=1.0))
+        table = torch.stack([(c * mask).sum(-1) for c in columns], dim=1)
+    return (per_token * mask).sum(-1), table
+
+
+def completion_losses(sums: torch.Tensor, tokens: torch.Tensor, counts: GlobalCounts, loss_type: str) -> torch.Tensor:
+    """Each completion's loss c_i, whose sum over the global batch divided by its N completions
+    is the step's loss under `loss_type` (`sums`, `tokens`: S_i and n_i over the whole completion)."""
+    if loss_type == "grpo":
+        return sums / tokens.clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return sums / counts.max_completion_length
+    if loss_type in ("bnpo", "dapo"):
+        return sums * (counts.completions / max(counts.tokens, 1.0))
+    raise ValueError(f"rl.loss_type={loss_type!r} is unknown; fix: one of {', '.join(LOSS_TYPES)}")
+
+
+@dataclass
+class GrpoStats:
+    """The metric sums of completions (COLUMNS) and the per-completion clip extremes, added over
+    micro-batches (`add`) and ranks (`reduce_over`); `metrics()` gives TRL's numbers. Detached
+    tensors: nothing syncs with the host until the step logs."""
+
+    sums: torch.Tensor  # [len(COLUMNS)]
+    low_min: torch.Tensor  # the smallest per-completion share of clipped-low tokens (inf: none yet)
+    high_max: torch.Tensor  # the largest of clipped-high (-inf: none yet)
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> "GrpoStats":
+        """From a table of completions (over their whole length); completions without tokens
+        count in no extreme, as TRL's nanmin/nanmax skip them."""
+        tokens = table[:, 0]
+        some = tokens > 0
+        inf = torch.full_like(tokens, float("inf"))
+        low = torch.where(some, table[:, 3] / tokens.clamp(min=1.0), inf).min() if len(table) else inf.sum()
+        high = torch.where(some, table[:, 4] / tokens.clamp(min=1.0), -inf).max() if len(table) else -inf.sum()
+        return cls(table.sum(0), low, high)
+
+    def add(self, other: "GrpoStats") -> "GrpoStats":
+        return GrpoStats(self.sums + other.sums, torch.minimum(self.low_min, other.low_min),
+                         torch.maximum(self.high_max, other.high_max))
+
+    def metrics(self, beta: float) -> dict[str, float]:
+        sums = dict(zip(COLUMNS, self.sums.tolist()))
+        n = max(sums["tokens"], 1.0)
+        out = {"kl": sums["kl"] / n} if beta != 0.0 else {}
+        out.update({"entropy": sums["entropy"] / n, "clip_ratio/low_mean": sums["low"] / n,
+                    "clip_ratio/high_mean": sums["high"] / n, "clip_ratio/region_mean": sums["region"] / n})
+        low, high = float(self.low_min), float(self.high_max)
+        out["clip_ratio/low_min"] = low if low != float("inf") else float("nan")
+        out["clip_ratio/high_max"] = high if high != float("-inf") else float("nan")
+        return out
+
+
+def grpo_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
+              advantages: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts, *, loss_type: str = "dapo",
+              **settings) -> tuple[torch.Tensor, GrpoStats]:
+    """These completions' share of the step's loss (sum of c_i over N) and their metric sums:
+    grpo_terms and completion_losses in one process, whole completions (no cp split)."""
+    sums, table = grpo_terms(logps, old_logps, ref_logps, advantages, mask, **settings)
+    return completion_losses(sums, table[:, 0], counts, loss_type).sum() / counts.completions, GrpoStats.of(table)

@@ -19,6 +19,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.peft.base import lora_record
 from megaft.pref.losses import METRICS as PREF_METRICS
 from megaft.pref.losses import ORPO_METRICS
+from megaft.rl.losses import METRICS as RL_METRICS
 from megaft.training.guards import BadStepGuard, model_signature
 from megaft.training.metrics import MetricsLog
 from megaft.training.phases import PHASE_KEYS
@@ -28,8 +29,9 @@ from megaft.training.stop import StepBoundary
 from megaft.training.stragglers import StragglerMonitor
 from megaft.training.summary import RunSummary
 
-# the step part's own metrics beside `loss` (MoE router terms, preference rewards; per MoE layer: moe/<layer>/...)
-STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS
+# the step part's own metrics beside `loss` (MoE router terms, preference rewards, GRPO's; per MoE layer:
+# moe/<layer>/...; per GRPO reward function: rewards/<name>/mean and std)
+STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS + RL_METRICS
 
 
 class Records:
@@ -76,7 +78,7 @@ class Records:
         self.metrics.write(step=step, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
                            tokens_per_s=out["tokens"] / seconds, comm_bytes=comm_bytes,
                            **{k: out[k] for k in ("loss_scale", "skipped_steps") if k in out},
-                           **{k: v for k, v in out.items() if k in STEP_KEYS or k.startswith("moe/")},
+                           **{k: v for k, v in out.items() if k in STEP_KEYS or k.startswith(("moe/", "rewards/"))},
                            **mfu, **{k: out[k] for k in PHASE_KEYS if k in out}, **spread)
         self.guard.observe(step, out)
 

@@ -5,15 +5,16 @@ An `Objective` brings its data part (what a step's micro-batches are: sequences,
 of rows) and its step part (how a micro-batch becomes a loss and gradients, plain or
 pipelined). `sft` is next-token cross-entropy (megaft.training.objectives.sft); dpo, robust,
 ipo, simpo and orpo are the preference family (megaft.training.objectives.preference, TRL's
-definitions in megaft.pref.losses). The registry's names are megaft.config.pref's
-OBJECTIVE_CHOICES, which validation checks before any rank starts.
+definitions in megaft.pref.losses); grpo is online RL from verifiable rewards, on logged
+rollouts (megaft.training.objectives.grpo, TRL's definitions in megaft.rl). The registry's
+names are megaft.config.pref's OBJECTIVE_CHOICES, which validation checks before any rank starts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megaft.config.pref import OBJECTIVES as PREFERENCE_OBJECTIVES
-from megaft.training.objectives import preference, sft
+from megaft.training.objectives import grpo, preference, sft
 from megaft.training.protocols import Builder, DataPart, StepPart
 
 
@@ -29,6 +30,7 @@ class Objective:
 REGISTRY: dict[str, Objective] = {
     "sft": Objective("sft", sft.build_data, sft.build_step),
     **{name: Objective(name, preference.build_data, preference.build_step) for name in PREFERENCE_OBJECTIVES},
+    "grpo": Objective("grpo", grpo.build_data, grpo.build_step),
 }
 
 

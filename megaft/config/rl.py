@@ -1,0 +1,95 @@
+"""`rl.*`: online RL from verifiable rewards (train.objective=grpo), named as TRL's GRPOConfig
+names them (docs/rl.md). The definitions are TRL 1.16's GRPOTrainer (megaft.rl)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # megaft.rl.losses
+SCALE_REWARDS = ("group", "batch", "none")  # megaft.rl.advantages
+THINK_FORMAT = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # TRL's think_format_reward pattern
+
+
+@dataclass
+class RLConfig:
+    # JSONL of logged rollouts, one prompt a line: {"prompt_ids": [...], "completion_ids": [[...] x G],
+    # "rewards": [G floats]}; read instead of generating (TRL's rollout_func role)
+    rollouts: Optional[str] = None
+    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, or
+    # package.module:function with TRL's signature; set, the rollouts carry no "rewards" of their own
+    reward: List[str] = field(default_factory=list)
+    reward_weights: Optional[List[float]] = None  # one per rl.reward; null = 1 each
+    format_pattern: str = THINK_FORMAT  # the built-in `format` reward's pattern (re.match, DOTALL, MULTILINE)
+    num_generations: int = 8  # G: completions per prompt, one group (train.global_batch_size counts completions)
+    max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
+    temperature: float = 1.0  # the policy's log-probs are of logits / temperature, as the rollouts were sampled
+    beta: float = 0.0  # the KL coefficient; 0 (TRL's default): no KL term and no reference model
+    # beta > 0: a Hugging Face checkpoint of the same architecture the KL term compares with; null = the
+    # model the run starts from (model.init_from or the seeded init; with LoRA the base, as TRL)
+    reference: Optional[str] = None
+    epsilon: float = 0.2  # the clip range's lower side: ratios below 1 - epsilon stop pulling
+    epsilon_high: Optional[float] = None  # its upper side (DAPO: 0.28); null = epsilon
+    delta: Optional[float] = None  # two-sided clipping: the ratio capped at delta (null = off)
+    scale_rewards: str = "group"  # group | batch | none: the std advantages are divided by
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default): how token losses are averaged
+    use_bias_correction_kl: bool = True  # the k3 KL times the importance ratio (TRL's default)
+
+
+def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_batch_size: int) -> list[str]:
+    """Problems of rl.* on their own, each with its fix (none unless train.objective=grpo)."""
+    if objective != "grpo":
+        return [f"rl.rollouts={cfg.rollouts} is read by train.objective=grpo only; fix: train.objective=grpo or "
+                "drop rl.rollouts"] if cfg.rollouts else []
+    problems = []
+    if cfg.loss_type not in LOSS_TYPES:
+        problems.append(f"rl.loss_type={cfg.loss_type!r} is unknown; fix: one of {', '.join(LOSS_TYPES)}")
+    if cfg.scale_rewards not in SCALE_REWARDS:
+        problems.append(f"rl.scale_rewards={cfg.scale_rewards!r} is unknown; fix: one of {', '.join(SCALE_REWARDS)}")
+    if cfg.num_generations < 2:
+        problems.append(f"rl.num_generations={cfg.num_generations}: a group needs at least 2 completions to compare "
+                        "(its advantages are relative to its mean); fix: rl.num_generations >= 2")
+    elif global_batch_size % cfg.num_generations:
+        problems.append(f"train.global_batch_size={global_batch_size} completions is not whole groups of "
+                        f"rl.num_generations={cfg.num_generations}; fix: a multiple of {cfg.num_generations}")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward):
+        problems.append(f"rl.reward_weights has {len(cfg.reward_weights)} weights for {len(cfg.reward)} rl.reward "
+                        "functions; fix: one weight each, or null for 1 each")
+    if cfg.max_completion_length < 1:
+        problems.append(f"rl.max_completion_length={cfg.max_completion_length} must be >= 1")
+    if cfg.beta < 0:
+        problems.append(f"rl.beta={cfg.beta} must be >= 0 (0: no KL term and no reference model)")
+    if not 0 < cfg.epsilon < 1 or (cfg.epsilon_high is not None and cfg.epsilon_high <= 0):
+        problems.append(f"rl.epsilon={cfg.epsilon} must be in (0, 1) and rl.epsilon_high={cfg.epsilon_high} > 0 "
+                        "(the clip range is [1 - epsilon, 1 + epsilon_high])")
+    if cfg.delta is not None and cfg.delta <= 1 + (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high):
+        problems.append(f"rl.delta={cfg.delta} caps the ratio below the clip range's top; fix: rl.delta > 1 + "
+                        "rl.epsilon_high (DeepSeek-V3.2 uses 10) or null")
+    if cfg.temperature <= 0:
+        problems.append(f"rl.temperature={cfg.temperature} must be > 0")
+    return problems
+
+
+def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_experts: int, packing: str) -> list[str]:
+    """What train.objective=grpo cannot do yet here, each with its fix (docs/rl.md: what is built)."""
+    if objective != "grpo":
+        return []
+    problems = []
+    if not cfg.rollouts:
+        problems.append("train.objective=grpo trains on logged rollouts in this release and rl.rollouts is unset "
+                        "(generation at the training layout is not built yet); fix: rl.rollouts=FILE.jsonl "
+                        '(one {"prompt_ids", "completion_ids", "rewards"} object a line, docs/rl.md)')
+    if has_data_file:
+        problems.append("train.objective=grpo reads its prompts and completions from rl.rollouts, and data.path/"
+                        "data.sources are set; fix: drop them (data= keeps the tokenizer settings)")
+    if cfg.reference and cfg.beta == 0.0:
+        problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
+                        "(e.g. 0.04) or rl.reference=null")
+    if cfg.temperature != 1.0:
+        problems.append(f"rl.temperature={cfg.temperature}: the log-probs of logits / temperature are not built "
+                        "into the cross-entropy kernels yet; fix: rl.temperature=1 (rollouts sampled at 1)")
+    if n_experts > 0:
+        problems.append("train.objective=grpo with a mixture of experts: the router's aux loss is not wired into "
+                        "the GRPO step yet; fix: a dense model")
+    if packing == "docs":
+        problems.append("train.objective=grpo gives each completion a row of its own; fix: data.packing=none")
+    return problems

@@ -1,0 +1,284 @@
+"""train.objective = grpo: GRPO (and Dr. GRPO, DAPO, BNPO) on logged rollouts (rl.rollouts), as
+TRL 1.16's GRPOTrainer defines the loss (megaft.rl.losses) and the advantages (megaft.rl.advantages).
+
+`data`: each step's whole groups (megaft.rl.rollouts), every completion a row (prompt + completion,
+the labels on the completion), the advantages computed over the global batch on every rank, then
+split over dp into micro-batches of train.micro_batch_size completions, each as long as its
+longest row. `step`: each micro-batch's rows through the model once; the per-token log-probs
+(vocab-parallel under tp; each cp rank its chunks, their per-completion sums added over cp)
+give each completion's loss c_i (megaft.rl.losses.completion_losses), summed and divided by the
+global batch's completions, so the dp-reduced, accumulated gradient is the single process's.
+Under pp the last stage computes it from its logits. On-policy (rl.num_iterations = 1): the
+log-probs the rollouts were sampled with are these weights', so the ratio is 1 with gradient.
+
+rl.beta > 0: the KL term's reference model (rl.reference, or the starting model built again;
+with LoRA the base without adapters, as TRL's) is kept beside the policy at the same tp/pp
+layout, whole under ZeRO (it is only read), in eval mode, and scores each micro-batch's rows
+before the policy's forward (under pp: its own pass of the schedule's forwards).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megaft.config.rl import RLConfig
+from megaft.data.build import build_tokenizer
+from megaft.data.tokenizer import special_ids
+from megaft.models.hf.config import hf_model_config
+from megaft.parallel.comm import all_reduce
+from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.tensor.comm import reduce_from_tp
+from megaft.pipeline.runtime import PipelineRuntime
+from megaft.pref.logps import decoder_token_logps
+from megaft.rl.advantages import function_metrics, group_advantages
+from megaft.rl.losses import GlobalCounts, GrpoStats, completion_losses, grpo_terms
+from megaft.rl.rewards import load_reward, reward_name
+from megaft.rl.rollouts import Group, group_rows, logged_rewards, read_rollouts, scored_rewards, step_groups
+from megaft.training.model import build_model
+from megaft.training.objectives.preference.data import context_chunks, row_length
+from megaft.training.objectives.preference.step import PreferenceStep, logits_scorer
+from megaft.training.protocols import RunParts, StepBatch, StepPart
+from megaft.training.step import PipelineStep, PlainStep, precision_autocast
+
+__all__ = ["build_data", "build_step"]
+REWARD_NAME = "rollouts"  # the lines' own rewards' name in rewards/<name>/mean (TRL names each function)
+
+
+@dataclass
+class RolloutBatch(StepBatch):
+    """A step's completions on this rank: StepBatch's rows (n_targets = the global batch's
+    completions), each micro-batch's advantages, the global counts and the reward metrics."""
+
+    advantages: Optional[list[torch.Tensor]] = None
+    counts: Optional[GlobalCounts] = None
+    reward_metrics: Optional[dict[str, float]] = None
+
+
+@dataclass
+class RolloutData:
+    """The data part of a GRPO run on logged rollouts (megaft.training.protocols.DataPart)."""
+
+    tokenizer: object
+    eos_id: Optional[int]
+    groups: list[Group]
+    rewards: torch.Tensor  # [groups, G, functions]: every completion's rewards (NaN: declined)
+    names: list[str]  # the reward functions' names (rewards/<name>/mean)
+    rl: RLConfig
+    grid: ParallelGrid
+    seq_len: int
+    pad_id: int
+    global_batch_size: int  # completions
+    micro_batch_size: int  # completions
+    multiple: int = 1  # a micro-batch's length is a multiple of this (sequence parallel: tp; cp: 2 cp tp)
+    same_length: bool = False  # pp > 1: every micro-batch of a step as long as the longest
+    task = None
+    eval_batches = []
+    packing = "none"
+    untrained = None
+
+    def batch(self, step: int) -> RolloutBatch:
+        g = self.rl.num_generations
+        ids = step_groups(len(self.groups), step, self.global_batch_size // g)
+        groups = [self.groups[i] for i in ids]
+        inputs, labels = group_rows(groups, self.seq_len, self.pad_id)
+        rewards = self.rewards[ids].reshape(-1, len(self.names))
+        weights = torch.tensor(self.rl.reward_weights or [1.0] * len(self.names))
+        advantages, metrics = group_advantages(rewards, weights, g, self.rl.scale_rewards)
+        metrics.update(function_metrics(rewards, self.names))
+        mask = labels != -100
+        counts = GlobalCounts(completions=len(advantages), tokens=float(mask.sum()),
+                              max_completion_length=self.rl.max_completion_length)
+        share = len(advantages) // self.grid.dp_size
+        mine = slice(self.grid.dp_rank * share, (self.grid.dp_rank + 1) * share)
+        micro = [list(x[mine].split(self.micro_batch_size)) for x in (inputs, labels, advantages)]
+        ends = [row_length(lab, self.multiple) for lab in micro[1]]
+        if self.same_length and ends:
+            ends = [max(ends)] * len(ends)
+        docs = [] if self.grid.cp_size > 1 else None
+        for i, n in enumerate(ends):
+            micro[0][i], (micro[1][i],), d = context_chunks(micro[0][i][:, :n], [micro[1][i][:, :n]], self.grid)
+            if docs is not None:
+                docs.append(d)
+        tokens = sum(len(grp.prompt_ids) + len(c) for grp in groups for c in grp.completion_ids)
+        return RolloutBatch(micro[0], micro[1], docs, len(advantages), tokens, advantages=micro[2], counts=counts,
+                            reward_metrics=metrics)
+
+
+def build_data(parts: RunParts) -> RolloutData:
+    """rl.rollouts' groups (read in every rank: validation parsed the file before any started)."""
+    cfg, grid = parts.cfg, parts.grid
+    tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
+    eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
+    rl = cfg.rl
+    groups = read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
+                           cfg.model.vocab_size, scored=bool(rl.reward))
+    if rl.reward:  # scored once: the file and the functions fix every completion's rewards
+        functions = [(spec, load_reward(spec, rl.format_pattern)) for spec in rl.reward]
+        rewards = scored_rewards(groups, functions, lambda ids: tok.decode(ids, skip_special_tokens=True))
+        names = [reward_name(spec) for spec in rl.reward]
+    else:
+        rewards, names = logged_rewards(groups), [REWARD_NAME]
+    par = cfg.parallel
+    multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
+    return RolloutData(tok, eos_id, groups, rewards.view(len(groups), rl.num_generations, -1), names, rl, grid,
+                       cfg.data.seq_len, pad_id, cfg.train.global_batch_size, cfg.train.micro_batch_size, multiple,
+                       same_length=par.pp > 1)
+
+
+class GrpoObjective:
+    """The policy loss of a micro-batch's token log-probs, and the step's TRL metrics."""
+
+    def __init__(self, rl: RLConfig, grid: ParallelGrid):
+        self.rl, self.grid = rl, grid
+        self.settings = dict(beta=rl.beta, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, delta=rl.delta,
+                             bias_corrected_kl=rl.use_bias_correction_kl)
+        self.stats: Optional[GrpoStats] = None
+        self.batch: Optional[RolloutBatch] = None
+
+    def start(self, batch: RolloutBatch) -> None:
+        self.batch, self.stats = batch, None
+
+    def losses(self, logps: torch.Tensor, i: int, ref_logps: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each completion's loss c_i of micro-batch `i` (its metric sums kept)."""
+        batch, device = self.batch, self.grid.device
+        labels = batch.labels[i].to(device)
+        sums, table = grpo_terms(logps, None, ref_logps, batch.advantages[i].to(device), labels != -100,
+                                 **self.settings)
+        if self.grid.cp_size > 1:  # each cp rank holds chunks of every row: whole-completion sums
+            sums = reduce_from_tp(sums, self.grid.cp_group)
+            table = all_reduce(table.clone(), self.grid.cp_group)
+        stats = GrpoStats.of(table)
+        self.stats = stats if self.stats is None else self.stats.add(stats)
+        return completion_losses(sums, table[:, 0], batch.counts, self.rl.loss_type)
+
+    def record(self) -> dict[str, float]:
+        """TRL's metrics of the step over its global batch (the last pp stage's, over dp)."""
+        stats = self.stats
+        if stats is None:  # a pipeline stage before the last: neutral values for the reductions
+            stats = GrpoStats(torch.zeros(6, dtype=torch.float32, device=self.grid.device),
+                              torch.tensor(float("inf"), device=self.grid.device),
+                              torch.tensor(float("-inf"), device=self.grid.device))
+        sums, low, high = stats.sums.clone(), stats.low_min.clone(), stats.high_max.clone()
+        for group in ([self.grid.pp_group] if self.grid.pp_size > 1 else []) + [self.grid.dp_group]:
+            all_reduce(sums, group)  # the last stage's values over pp, then every dp rank's completions
+            _extreme(low, group, torch.distributed.ReduceOp.MIN)
+            _extreme(high, group, torch.distributed.ReduceOp.MAX)
+        out = GrpoStats(sums, low, high).metrics(self.rl.beta)
+        del out["entropy"]  # the vocab-parallel entropy is not computed yet
+        return {**self.batch.reward_metrics, **out}
+
+
+def _extreme(x: torch.Tensor, group, op) -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(x, op=op, group=group)
+
+
+def reference_model(parts: RunParts) -> Optional[torch.nn.Module]:
+    """rl.beta > 0: the reference at this rank's layout, without adapters, frozen in eval mode
+    (rl.reference's checkpoint, or the starting model built again); None at rl.beta = 0."""
+    cfg = parts.cfg
+    if cfg.rl.beta == 0.0:
+        return None
+    ref = copy.deepcopy(cfg)
+    if cfg.rl.reference is not None:
+        ref.model = hf_model_config(cfg.rl.reference, base=cfg.model)  # validated: the policy's architecture
+    ref.lora.rank = 0
+    return build_model(dataclasses.replace(parts, cfg=ref)).eval().requires_grad_(False)
+
+
+class GrpoStep(PlainStep):
+    """Forward and backward of a step's completions under GRPO (pp = 1)."""
+
+    def __init__(self, parts: RunParts):
+        cfg, grid = parts.cfg, parts.grid
+        super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
+        self.objective = GrpoObjective(cfg.rl, grid)
+        self.reference = reference_model(parts)
+
+    def _ref_logps(self, batch: RolloutBatch, i: int) -> Optional[torch.Tensor]:
+        if self.reference is None:
+            return None
+        device = self.grid.device
+        with torch.no_grad(), self.autocast():
+            return decoder_token_logps(self.reference, batch.inputs[i].to(device), batch.labels[i].to(device),
+                                       batch.docs[i] if batch.docs else None)
+
+    def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
+        """Backpropagate sum(c_i) / divisor over the micro-batches; the c_i sum (fp64)."""
+        phase, device = self.phases.phase, self.grid.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.objective.start(batch)
+        for i in range(len(batch.inputs)):
+            if i == len(batch.inputs) - 1:
+                self.optim.arm_reduction()  # buckets reduce during the last backward only
+            with phase("forward"):
+                ref = self._ref_logps(batch, i)
+                with self.autocast():
+                    logps = decoder_token_logps(self.model, batch.inputs[i].to(device), batch.labels[i].to(device),
+                                                batch.docs[i] if batch.docs else None)
+                    losses = self.objective.losses(logps, i, ref)
+            with phase("backward"):
+                (losses.sum() / divisor).backward()
+            loss_sum += losses.detach().double().sum()
+        return loss_sum
+
+    # the global batch's c_i sum: over dp only (every cp rank holds the same completions' losses)
+    total_loss = PreferenceStep.total_loss
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.objective.record()
+
+    def eval_loss(self, batches) -> Optional[float]:
+        return None  # no held-out rollouts yet
+
+
+class PipelineGrpoStep(PipelineStep):
+    """GRPO through the rank's pipeline schedule (pp > 1): the last stage turns each micro-batch's
+    logits into its completions' losses."""
+
+    def __init__(self, parts: RunParts):
+        cfg, grid = parts.cfg, parts.grid
+        super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
+        self.logps = logits_scorer(self.model, grid)
+        self.objective = GrpoObjective(cfg.rl, grid)
+        reference = reference_model(parts)
+        self.reference: Optional[PipelineRuntime] = None if reference is None else PipelineRuntime(
+            reference, grid, cfg.parallel.schedule, self.runtime.m, cfg.parallel.vpp)
+
+    def _ref_logps(self, batch: RolloutBatch) -> list[Optional[torch.Tensor]]:
+        """Each micro-batch's reference log-probs on the last stage (None elsewhere, or at rl.beta = 0)."""
+        if self.reference is None:
+            return [None] * len(batch.inputs)
+        out, device = [], self.grid.device
+        with torch.no_grad():
+            for i, inputs in enumerate(batch.inputs):
+                logits = self.reference.forward_logits(inputs.to(device), self.autocast,
+                                                       batch.docs[i] if batch.docs else None)
+                out.append(None if logits is None else self.logps(logits, batch.labels[i].to(device)))
+        return out
+
+    def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
+        device = self.grid.device
+        self.objective.start(batch)
+        with self.phases.phase("forward"):
+            refs = self._ref_logps(batch)
+
+        def head(i: int, logits: torch.Tensor) -> torch.Tensor:
+            return self.objective.losses(self.logps(logits, batch.labels[i].to(device)), i, refs[i]).sum()
+        return self.run_schedule(batch, divisor, head=head)
+
+    total_loss = GrpoStep.total_loss
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.objective.record()
+
+    def eval_loss(self, batches) -> Optional[float]:
+        return None
+
+
+def build_step(parts: RunParts) -> StepPart:
+    return PipelineGrpoStep(parts) if parts.grid.pp_size > 1 else GrpoStep(parts)

@@ -1,0 +1,107 @@
+"""Configs and rank functions of the GRPO training tests (tests/rl/test_grpo_training.py), in a
+module without TRL's imports: the spawned ranks import only this."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from megaft.config import Config
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.loop import Trainer
+from megaft.validation import resolve
+
+G = 4  # completions per prompt
+# name -> parallel settings (and loss_type), every one on 2 ranks in one spawn
+LAYOUTS = {
+    "dapo_dp2_zero3": (dict(dp=2, zero=3), "dapo"),
+    "dapo_tp2_sp": (dict(tp=2, sequence_parallel=True), "dapo"),
+    "dapo_cp2": (dict(cp=2), "dapo"),
+    "dapo_pp2": (dict(pp=2), "dapo"),
+    "grpo_dp2": (dict(dp=2, zero=1), "grpo"),
+    "grpo_cp2": (dict(cp=2), "grpo"),
+    "dr_grpo_tp2": (dict(tp=2), "dr_grpo"),
+    "bnpo_pp2": (dict(pp=2), "bnpo"),
+    # rl.beta > 0: the KL term against rl.reference (another checkpoint), or the starting model
+    "dapo_kl_ref_dp2_zero3": (dict(dp=2, zero=3), "dapo"),
+    "dapo_kl_ref_tp2_sp": (dict(tp=2, sequence_parallel=True), "dapo"),
+    "grpo_kl_ref_pp2": (dict(pp=2), "grpo"),
+    "dapo_kl_ref_cp2": (dict(cp=2), "dapo"),
+    "dapo_kl_lora_tp2": (dict(tp=2), "dapo"),
+}
+BETA = 0.04
+
+
+def write_rollouts(path: str, vocab: int, n: int = 6, seed: int = 0) -> None:
+    """`n` prompts with G completions of very different lengths and rewards (one declined)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 5))]
+            completions = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 8))] for _ in range(G)]
+            rewards = [float(rng.randint(0, 3)) for _ in range(G)]
+            if i == 2:
+                rewards[1] = None
+            f.write(json.dumps({"prompt_ids": prompt, "completion_ids": completions, "rewards": rewards}) + "\n")
+
+
+def grpo_config(ckpt: str, rollouts: str, loss_type: str = "dapo", steps: int = 3, micro: int = 4) -> Config:
+    """GRPO on the tiny checkpoint: 8 completions (2 groups) a step, constant LR, no weight decay."""
+    cfg = Config()
+    cfg.model.init_from, cfg.data.seq_len, cfg.device = ckpt, 16, "cpu"
+    cfg.rl.rollouts, cfg.rl.num_generations, cfg.rl.max_completion_length = rollouts, G, 8
+    cfg.rl.loss_type, cfg.rl.epsilon_high = loss_type, 0.28
+    t = cfg.train
+    t.objective, t.max_steps, t.global_batch_size, t.micro_batch_size = "grpo", steps, 2 * G, micro
+    t.progress, t.eval_every, t.tensorboard, t.log_phases = False, 1000, "false", False
+    o = cfg.optim
+    o.lr = o.min_lr = 1e-2
+    o.warmup_steps, o.weight_decay, o.eps = 0, 0.0, 1e-4  # eps: see tests/pref/pref_train_cases.py
+    return cfg
+
+
+def reference_of(ckpt: str) -> str:
+    """The other checkpoint the fixture saves beside `ckpt` (rl.reference's tests)."""
+    return os.path.join(os.path.dirname(ckpt), "ref")
+
+
+def single_name(name: str) -> str:
+    """The single-process run a layout compares with."""
+    _, loss_type = LAYOUTS[name]
+    kl = "_kl_ref" if "_kl_ref" in name else "_kl_lora" if "_kl_lora" in name else ""
+    return f"single_{loss_type}{kl}"
+
+
+def kl_config(ckpt: str, rollouts: str, loss_type: str, kl: str, micro: int = 4) -> Config:
+    """grpo_config with the KL term: kl "_kl_ref" against rl.reference, "_kl_lora" LoRA against its base."""
+    cfg = grpo_config(ckpt, rollouts, loss_type, micro=micro)
+    if kl:
+        cfg.rl.beta = BETA
+    if kl == "_kl_ref":
+        cfg.rl.reference = reference_of(ckpt)
+    if kl == "_kl_lora":
+        cfg.lora.rank, cfg.lora.alpha = 4, 8.0
+    return cfg
+
+
+def layout_config(ckpt: str, rollouts: str, name: str, *, single: bool) -> Config:
+    par, loss_type = LAYOUTS[name]
+    kl = single_name(name)[len(f"single_{loss_type}"):]
+    cfg = kl_config(ckpt, rollouts, loss_type, kl, micro=2 if par.get("dp") else 4)
+    if not single:
+        for k, v in par.items():
+            setattr(cfg.parallel, k, v)
+    return resolve(cfg)
+
+
+def run(cfg: Config, grid: ParallelGrid, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    Trainer(cfg, grid, run_dir).fit()
+
+
+def layouts_rank(rank: int, world: int, ckpt: str, rollouts: str, root: str) -> None:
+    for name, (par, _) in LAYOUTS.items():
+        cfg = layout_config(ckpt, rollouts, name, single=False)
+        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
+                                  device="cpu")
+        run(cfg, grid, os.path.join(root, name))
