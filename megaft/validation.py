@@ -30,6 +30,7 @@ from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
 from megaft.optim.checks import check_fused
+from megaft.optim.muon import check_muon_layout
 from megaft.pref.checks import check_reference, reference_dir_problems
 
 
@@ -117,6 +118,7 @@ def check_layout_settings(cfg: Config, world_size: int) -> list[str]:
     problems += check_train(cfg.train, resolve_dp(par, world_size))
     problems += check_lora(cfg.lora, precision=cfg.precision, zero=par.zero, export_hf=cfg.train.export_hf,
                            fused_linear_cross_entropy=cfg.kernels.fused_linear_cross_entropy)
+    problems += check_muon_layout(cfg)
     if par.zero in (2, 3) and par.pp > 1 and cfg.model.tie_embeddings:
         problems.append(f"parallel.zero={par.zero} with parallel.pp>1 and model.tie_embeddings: the tied "
                         "copies' grads are summed before the dp reduction, which zero>=2 does not keep; "

@@ -1,16 +1,38 @@
-"""OptimConfig (`optim.*`): AdamW, warmup + cosine schedule, clipping, kernel choice."""
+"""OptimConfig (`optim.*`): AdamW or Muon, warmup + cosine schedule, clipping, kernel choice."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Optional
 
 # the AdamW kernels (megaft.kernels.adamw, which reads this list): cpu is megaft._C, cuda megaft._cuda
 FUSED_BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 Fused = StrEnum("Fused", [(b, b) for b in FUSED_BACKENDS])  # optim.fused's choices, checked by Hydra
 
+Optimizer = StrEnum("Optimizer", [(n, n) for n in ("adamw", "muon")])  # optim.name's choices
+# Muon's update scale (torch.optim.Muon's adjust_lr_fn): original sqrt(max(1, rows/cols)) (Keller
+# Jordan's), match_rms_adamw 0.2*sqrt(max(rows, cols)) (Moonlight's: reuses AdamW's lr and decay)
+MuonScale = StrEnum("MuonScale", [(n, n) for n in ("original", "match_rms_adamw")])
+
+
+@dataclass
+class MuonConfig:
+    """optim.name=muon: the hidden 2-D weights' update (megaft.optim.muon; docs/optimizers.md)."""
+
+    momentum: float = 0.95  # mu of the momentum buffer B <- mu B + (1 - mu) g (torch.optim.Muon's lerp)
+    nesterov: bool = True  # orthogonalise (1 - mu) g + mu B instead of B
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_a: float = 3.4445  # the quintic's coefficients: X <- a X + (b A + c A^2) X, A = X X^T
+    ns_b: float = -4.7750  # (Keller Jordan's, torch.optim.Muon's defaults)
+    ns_c: float = 2.0315
+    eps: float = 1e-7  # the update is divided by max(its Frobenius norm, eps) before Newton-Schulz
+    scale: MuonScale = MuonScale.original  # the update's factor on lr: original | match_rms_adamw (Moonlight)
+    weight_decay: Optional[float] = None  # decoupled; None: optim.weight_decay
+
 
 @dataclass
 class OptimConfig:
+    name: Optimizer = Optimizer.adamw  # muon: Muon on hidden 2-D weights, AdamW on the rest
     lr: float = 3e-3  # peak learning rate, reached after warmup
     min_lr: float = 3e-4  # floor of the cosine decay
     warmup_steps: int = 20  # linear warmup from lr/warmup_steps to lr
@@ -25,6 +47,7 @@ class OptimConfig:
     # precision=bf16 only: bf16 params and grads in the model, fp32 master weights and moments in the
     # optimizer (the ZeRO paper's 2 + 2 + 12 bytes/param); false: the params are the fp32 masters (4 + 4 + 8)
     master_weights: bool = False
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 def check_optim(cfg: OptimConfig) -> list[str]:
@@ -44,6 +67,21 @@ def check_optim(cfg: OptimConfig) -> list[str]:
                       "loss_scale > 0 and loss_scale_window >= 1; fix: e.g. 65536 and 1000")
     if cfg.fused not in FUSED_BACKENDS:
         errors.append(f"optim.fused={cfg.fused!r} is unknown; fix: one of {', '.join(FUSED_BACKENDS)}")
+    return errors + check_muon(cfg)
+
+
+def check_muon(cfg: OptimConfig) -> list[str]:
+    """optim.name and optim.muon.*'s values (the layouts Muon runs under: megaft.optim.muon)."""
+    mu, errors = cfg.muon, []
+    if cfg.name not in set(Optimizer):
+        errors.append(f"optim.name={cfg.name!r} is unknown; fix: adamw or muon")
+    if not 0 <= mu.momentum < 1 or not 1 <= mu.ns_steps < 100 or mu.eps <= 0:
+        errors.append(f"optim.muon: momentum={mu.momentum}, ns_steps={mu.ns_steps}, eps={mu.eps}: need "
+                      "0 <= momentum < 1, 1 <= ns_steps < 100 and eps > 0; fix: e.g. 0.95, 5 and 1e-7")
+    if mu.scale not in set(MuonScale):
+        errors.append(f"optim.muon.scale={mu.scale!r} is unknown; fix: original or match_rms_adamw")
+    if mu.weight_decay is not None and mu.weight_decay < 0:
+        errors.append(f"optim.muon.weight_decay={mu.weight_decay} must be >= 0 (or null: optim.weight_decay)")
     return errors
 
 

@@ -203,8 +203,11 @@ class ShardedAdamW:
             adamw_update_([(param, grad, m, v, self.flat.groups[b.group].weight_decay)
                            for b, param, grad, m, v in self.chunks], self.cfg, step=self.step_count, lr=lr,
                           masters=self.master_chunks or None)
-        if self.stage == 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
-            return
+        if self.stage < 3:  # stage 3 gathers each layer when it runs (megaft.optim.zero3)
+            self.gather_params()
+
+    def gather_params(self) -> None:
+        """All-gather every bucket's params from their owners (after a stage 1 or 2 update)."""
         gathers = [(c, g) for c, g in zip(self.chunks, self.groups) if group_size(g) > 1]
         sends = [param.clone() for (_, param, *_), _ in gathers]  # the output overlaps the input: copy it
         works = [all_gather_single(self.flat.groups[b.group].data[b.start:b.stop], send, group=g, async_op=True)
@@ -215,14 +218,16 @@ class ShardedAdamW:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, bucket_mb: float, grid,
                     norm_params: Optional[list] = None, compression=None, offload: str = "none",
-                    scaler=None):
+                    scaler=None, classes=None):
     """(FlatParams, optimizer, GradReducer) of one rank for ZeRO stage `zero` (0 to 3);
     stage 3 also installs the per-layer parameter gathering (`optimizer.gatherer`).
 
     `norm_params`: the params the grad norm counts (pp: all but a tied copy).
     `compression`: the ParallelConfig whose grad_compression/powersgd_* the reducer uses.
     `offload="cpu"`: masters and moments on the host (megaft.optim.offload).
-    `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state."""
+    `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state.
+    `classes`: (stage 0's, stages 1-3's) optimizer in AdamW's and ShardedAdamW's place (optim.name=muon:
+    megaft.optim.muon, megaft.optim.muon_zero)."""
     from megaft.optim.adamw import AdamW
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.data.buckets import GradReducer
@@ -240,13 +245,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
                       units=unit_params(units) if units else None,
                       dtype=torch.bfloat16 if cfg.master_weights else torch.float32,
                       expert_multiple=grid.expert_replicas if zero else 1)
+    plain, sharded = classes or (AdamW, ShardedAdamW)
     if zero == 0:
-        optimizer = AdamW(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
+        optimizer = plain(flat, cfg, norm_params=norm_params, offload=offload == "cpu")
         optimizer.scaler = scaler
         return flat, optimizer, GradReducer(flat, grid.replica_group, clock=lambda: optimizer.step_count,
                                             **options, **experts)
-    optimizer = ShardedAdamW(flat, cfg, grid.replica_group, stage=zero, norm_params=norm_params,
-                             offload=offload == "cpu", **experts)
+    optimizer = sharded(flat, cfg, grid.replica_group, stage=zero, norm_params=norm_params,
+                        offload=offload == "cpu", **experts)
     optimizer.scaler = scaler
     reducer = GradReducer(flat, grid.replica_group, zero=min(zero, 2), chunk_grads=optimizer.chunk_grads,
                           clock=lambda: optimizer.step_count, **options, **experts)

@@ -250,7 +250,7 @@ class Trainer:
             packing=parts.data.packing, hf_ignore_keys=list(cfg.model.hf_ignore_keys) or None,
             conversations_without_assistant=parts.data.untrained,
             moe=moe_record(cfg.model, parts.kernels.record, ep=cfg.parallel.ep, routing=cfg.moe),
-            reference_s=parts.step.reference_s,
+            reference_s=parts.step.reference_s, optimizer=getattr(parts.optim.optimizer, "record", None),
             # megaft-report's MFU: model FLOPs per token need the shape and the sequence length.
             n_layers=cfg.model.n_layers, dim=cfg.model.dim, seq_len=cfg.data.seq_len,
             flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops, **self._mfu(tokens_per_s))

@@ -13,6 +13,7 @@ the dp sum, so the order above is the one the exactness tests pin down.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,8 @@ from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.optim.adamw import AdamW
 from megaft.optim.clip import clip_grad_norm_
+from megaft.optim.muon import MuonAdamW, muon_split, split_record, split_sizes
+from megaft.optim.muon_zero import ShardedMuon
 from megaft.optim.scaler import LossScaler
 from megaft.optim.zero import ShardedAdamW, build_optimizer
 from megaft.parallel.data import FlatParams, GradReducer
@@ -105,11 +108,17 @@ def build_optim(parts: RunParts) -> OptimParts:
     """The optimizer of parts.model: ZeRO stage, buckets, compression and offload from
     cfg.parallel, AdamW from cfg.optim, a loss scaler under fp16."""
     cfg, grid, model = parts.cfg, parts.grid, parts.model
-    scaler = None
+    scaler, classes = None, None
+    if cfg.optim.name == "muon":  # the split is fixed before FlatParams moves the params into buffers
+        split = muon_split(model)
+        classes = (partial(MuonAdamW, split=split, tp_group=grid.tp_group),
+                   partial(ShardedMuon, split=split, tp_group=grid.tp_group))
     if cfg.precision == "fp16":
         scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
     flat, optimizer, reducer = build_optimizer(
         model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
         norm_params=model.norm_params() if grid.pp_size > 1 else None, compression=cfg.parallel,
-        offload=cfg.parallel.offload, scaler=scaler)
+        offload=cfg.parallel.offload, scaler=scaler, classes=classes)
+    if classes is not None:  # summary.json's `optimizer`, over every pp stage; printed once
+        optimizer.record = split_record(split_sizes(split), grid.pp_group, log=grid.rank == 0)
     return OptimParts(flat, optimizer, reducer, scaler, model, grid, parts.phases, clip_grad=cfg.optim.clip_grad)

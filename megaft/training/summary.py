@@ -81,6 +81,8 @@ class RunSummary:
     moe: Optional[dict] = field(default=None, **_SOMETIMES)
     # a preference objective with a reference (dpo, robust, ipo): seconds scoring its log-probs before step 1
     reference_s: Optional[float] = field(default=None, **_SOMETIMES)
+    # optim.name=muon: which parameters took Muon and which AdamW (megaft.optim.muon), counts and names
+    optimizer: Optional[dict] = field(default=None, **_SOMETIMES)
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     def to_json(self) -> dict[str, Any]:

@@ -1,0 +1,165 @@
+"""Muon (Keller Jordan 2024; torch.optim.Muon) on the hidden 2-D weights, AdamW on the rest.
+
+Which parameters take Muon (`muon_split`): every 2-D weight of the decoder layers (attention
+and MLP projections). AdamW keeps the embedding and the head (their rows are per-token
+lookups and logits, not a linear map whose singular values Muon equalises; Moonlight and
+torch.optim.Muon's docs keep them on AdamW), norms and biases (1-D: no matrix), and MoE
+routers (a small logit map whose per-expert scale the load balance reads). MoE and LoRA
+are refused until their layouts are done (docs/optimizers.md). Layouts: any dp at ZeRO 0 (every
+rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
+(`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
+rank, the rank's rows or columns kept), pp (each stage's matrices are whole), cp (replicated
+weights, as dp); ep, offload, master weights and LoRA not yet.
+
+The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
+buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
+`ns_steps` quintic Newton-Schulz iterations in bf16, then p <- p (1 - lr wd) - lr' U with
+lr' = lr * sqrt(max(1, rows/cols)) (scale=original) or lr * 0.2 sqrt(max(rows, cols))
+(scale=match_rms_adamw).
+
+State layout: the momentum buffer of a Muon weight lives in AdamW's exp_avg slot of the same
+flat elements, so checkpoints (and their resharding) carry it as they carry exp_avg; those
+elements' exp_avg_sq stays zero (the memory estimate's one-buffer rule is not done yet).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from megaft.config.model import kv_replicas
+from megaft.config.optim import OptimConfig
+from megaft.optim.adamw import AdamW, adamw_update_
+from megaft.parallel.comm import Group, all_gather, group_rank, group_size
+from megaft.parallel.tensor.shard import shard_of
+
+_ADAMW_PREFIXES = ("embed_tokens.", "lm_head.")  # the vocabulary-sized matrices
+
+
+def takes_muon(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether parameter `name` is a hidden 2-D weight (module docstring)."""
+    return param.dim() == 2 and not name.startswith(_ADAMW_PREFIXES) and "router" not in name
+
+
+def muon_split(model: torch.nn.Module) -> dict[str, dict]:
+    """{"muon": {name: param}, "adamw": {name: param}} of the trainable parameters."""
+    out = {"muon": {}, "adamw": {}}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out["muon" if takes_muon(name, p) else "adamw"][name] = p
+    return out
+
+
+def split_sizes(split: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """{"muon": {name: numel}, "adamw": {name: numel}} of a muon_split."""
+    return {k: {n: p.numel() for n, p in v.items()} for k, v in split.items()}
+
+
+def split_record(sizes: dict[str, dict[str, int]], pp_group: Group = None, *, log: bool = False) -> dict:
+    """summary.json's `optimizer` from split_sizes, united over the pp stages (a tied copy once):
+    counts, sizes and names of each side, the same at every layout (the peers' silent fallback
+    to AdamW would show as fewer Muon matrices than at one process). `log`: print it to stderr."""
+    if group_size(pp_group) > 1:
+        stages = [None] * group_size(pp_group)
+        torch.distributed.all_gather_object(stages, sizes, group=pp_group)
+        sizes = {k: {n: m for st in stages for n, m in st[k].items()} for k in sizes}
+    rec = {"name": "muon", **{f"{k}_params": len(v) for k, v in sizes.items()},
+           **{f"{k}_numel": sum(v.values()) for k, v in sizes.items()}, **{k: sorted(v) for k, v in sizes.items()}}
+    if log:
+        print(f"optim.name=muon: {rec['muon_params']} matrices ({rec['muon_numel']} params) on Muon, "
+              f"{rec['adamw_params']} tensors ({rec['adamw_numel']} params) on AdamW: {', '.join(rec['adamw'])}",
+              file=sys.stderr, flush=True)
+    return rec
+
+
+def check_muon_layout(cfg) -> list[str]:
+    """optim.name=muon's layouts: those this version runs exactly (docs/optimizers.md)."""
+    if cfg.optim.name != "muon":
+        return []
+    par = cfg.parallel
+    todo = [(f"parallel.ep={par.ep}", "parallel.ep=1")] if par.ep != 1 else []
+    if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
+        todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
+    todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
+    todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
+    todo += [(f"lora.rank={cfg.lora.rank}", "lora.rank=0")] if cfg.lora.rank else []
+    if cfg.model.n_experts:  # 3-D expert stacks: a batched Newton-Schulz per expert is not done yet
+        todo.append((f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)"))
+    return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]
+
+
+def zeropower_via_newtonschulz(g: torch.Tensor, a: float, b: float, c: float, steps: int,
+                               eps: float) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of the matrix `g`, the same ops in the same order:
+    bf16, the wide orientation, normalised to spectral norm <= 1, then `steps` quintic steps."""
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def update_scale(shape: torch.Size, rule: str) -> float:
+    """The factor on lr of a Muon update of a `shape` matrix (module docstring)."""
+    rows, cols = shape[:2]
+    return math.sqrt(max(1, rows / cols)) if rule == "original" else 0.2 * math.sqrt(max(rows, cols))
+
+
+def orthogonalise(update: torch.Tensor, spec, tp_group: Group, mu) -> tuple[torch.Tensor, torch.Size]:
+    """(this rank's rows or columns of the whole matrix's Newton-Schulz result, the whole shape).
+    A tp shard (`spec`, megaft.parallel.tensor.shard) is gathered over tp first: the
+    orthogonalisation needs the whole matrix (every tp rank computes it; module docstring)."""
+    tp = group_size(tp_group)
+    whole = all_gather(update, spec.dim, tp_group) if spec is not None and tp > 1 else update
+    out = zeropower_via_newtonschulz(whole, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
+    if whole is not update:
+        lo, hi = spec.bounds(group_rank(tp_group), tp)
+        out = out.narrow(spec.dim, lo, hi - lo)
+    return out, whole.shape
+
+
+@torch.no_grad()
+def muon_update_(items, cfg: OptimConfig, *, lr: float, tp_group: Group = None) -> None:
+    """One Muon step on every (param, grad, momentum) matrix (module docstring); tp shards are
+    orthogonalised whole (`orthogonalise`)."""
+    mu = cfg.muon
+    decay = cfg.weight_decay if mu.weight_decay is None else mu.weight_decay
+    for param, grad, buf, spec in items:
+        buf.lerp_(grad, 1 - mu.momentum)
+        update, shape = orthogonalise(grad.lerp(buf, mu.momentum) if mu.nesterov else buf, spec, tp_group, mu)
+        param.mul_(1 - lr * decay)
+        param.add_(update, alpha=-lr * update_scale(shape, mu.scale))
+
+
+class MuonAdamW(AdamW):
+    """AdamW's flat buffers and state (plain dp, ZeRO stage 0), with `split["muon"]`'s
+    parameters (muon_split) updated by Muon: their momentum in exp_avg's elements, AdamW on
+    every other element range of the buffers (one multi-tensor call, as AdamW's)."""
+
+    def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], tp_group: Group = None, **kw):
+        super().__init__(flat, cfg, **kw)
+        self.tp_group = tp_group
+        muon = {id(p) for p in split["muon"].values()}
+        # (param, grad, momentum, TPShard) views; the (data, grad, m, v, decay) ranges between them
+        self.matrices, self.pieces = [], []
+        for g, m, v in zip(flat.groups, self.exp_avg, self.exp_avg_sq):
+            cuts = [0]  # element ranges between the Muon matrices
+            for p in sorted(g.params, key=lambda p: p.data.data_ptr()):
+                lo = (p.data.data_ptr() - g.data.data_ptr()) // g.data.element_size()
+                if id(p) in muon:
+                    self.matrices.append((p.data, p.grad, m[lo:lo + p.numel()].view_as(p), shard_of(p)))
+                    cuts += [lo, lo + p.numel()]
+            cuts.append(g.data.numel())
+            self.pieces += [(g.data[a:z], g.grad[a:z], m[a:z], v[a:z], g.weight_decay)
+                            for a, z in zip(cuts[::2], cuts[1::2]) if z > a]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        adamw_update_(self.pieces, self.cfg, step=self.step_count, lr=lr)
+        muon_update_(self.matrices, self.cfg, lr=lr, tp_group=self.tp_group)

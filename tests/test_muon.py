@@ -1,0 +1,261 @@
+"""optim.name=muon (issue 41): the split (hidden 2-D weights on Muon, the rest on AdamW), every
+weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(foreach=False) on a
+copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
+are torch.optim.Muon's: exact), dp=2 at ZeRO 0-3, tp=2, pp=2 and cp=2 equal to one process, resume bit
+for bit (the momentum in the checkpoint), summary.json's split, and the layouts not done yet
+refused in validation."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+from multirank import spawn
+from train_cases import read_metrics, small_config
+
+from megaft.config import Config
+from megaft.config.model import ModelConfig
+from megaft.config.optim import OptimConfig
+from megaft.models.decoder import Decoder
+from megaft.models.init import init_params
+from megaft.optim.muon import MuonAdamW, muon_split, update_scale
+from megaft.optim.schedule import lr_at
+from megaft.parallel.data import FlatParams
+from megaft.parallel.grid import ParallelGrid
+from megaft.parallel.tensor.shard import shard_of
+from megaft.training.loop import Trainer
+from megaft.training.summary import RunSummary
+from megaft.validation import validate
+
+STEPS = 4
+LRS = [0.02, 0.015, 0.01, 0.005]  # a changing lr: each step's lr reaches both optimizers
+VARIANTS = {  # optim.muon overrides
+    "default": {},
+    "moonlight": dict(scale="match_rms_adamw", weight_decay=0.05),
+    "plain_momentum": dict(nesterov=False, momentum=0.9, ns_steps=3),
+}
+
+
+def tiny_model() -> Decoder:
+    """Qwen2's q/k/v biases (1-D: AdamW) beside the projections; untied embedding and head."""
+    cfg = ModelConfig(qkv_bias=True, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=40,
+                      max_seq_len=16)
+    model = Decoder(cfg)
+    init_params(model, cfg, seed=3, tp_rank=0, tp_size=1)
+    return model
+
+
+def batches():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 40, (2, 12), generator=gen) for _ in range(STEPS)]
+
+
+def run_megaft(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
+    split = muon_split(model)
+    flat = FlatParams(model, weight_decay=optim.weight_decay, device=torch.device("cpu"))
+    opt = MuonAdamW(flat, optim, split=split)
+    for ids, lr in zip(batches(), LRS):
+        model.loss_sum(ids, ids).backward()
+        opt.step(lr)
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_torch(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
+    """The same model's hidden matrices on torch.optim.Muon, the rest on torch.optim.AdamW with
+    megaft's decay classes (matrices decayed, vectors not)."""
+    split, mu = muon_split(model), optim.muon
+    muon = torch.optim.Muon(list(split["muon"].values()), lr=LRS[0], momentum=mu.momentum, nesterov=mu.nesterov,
+                            weight_decay=optim.weight_decay if mu.weight_decay is None else mu.weight_decay,
+                            ns_coefficients=(mu.ns_a, mu.ns_b, mu.ns_c), eps=mu.eps, ns_steps=mu.ns_steps,
+                            adjust_lr_fn=str(mu.scale))
+    rest = list(split["adamw"].values())
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=LRS[0], betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
+    for ids, lr in zip(batches(), LRS):
+        model.loss_sum(ids, ids).backward()
+        for opt in (muon, adamw):
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_split_names_the_hidden_matrices():
+    split = muon_split(tiny_model())
+    assert sorted(split["adamw"]) == sorted(
+        ["embed_tokens.weight", "lm_head.weight", "norm.weight"]
+        + [f"layers.{i}.{n}" for i in range(2) for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                                          "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                          "self_attn.v_proj.bias")])
+    assert sorted(split["muon"]) == sorted(f"layers.{i}.{m}.{n}_proj.weight" for i in range(2)
+                                           for m, ns in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                                           for n in ns)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_equals_torch_muon_and_adamw(variant):
+    optim = OptimConfig(name="muon", fused="torch", weight_decay=0.1)
+    for k, v in VARIANTS[variant].items():
+        setattr(optim.muon, k, v)
+    model = tiny_model()
+    want = run_torch(copy.deepcopy(model), optim)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    got = run_megaft(model, optim)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+        assert not torch.equal(got[name], start[name]), name  # every weight moved
+
+
+def test_muon_is_not_adamw():
+    """The Muon matrices move differently from an all-AdamW run (the test above could not pass
+    with Muon silently replaced by AdamW; here the reverse is checked directly)."""
+    model = tiny_model()
+    optim = OptimConfig(name="muon", fused="torch")
+    got = run_megaft(copy.deepcopy(model), optim)
+    optim.muon.momentum = 0.0  # a different Muon: the momentum must matter
+    other = run_megaft(model, optim)
+    for name in muon_split(tiny_model())["muon"]:
+        assert not torch.equal(got[name], other[name]), name
+
+
+def _muon_config(**par) -> Config:
+    cfg = small_config(steps=6, micro=4)
+    cfg.optim.name = "muon"
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str, *, resume_at: int = 0) -> None:
+    """Train, and save this rank's final weights (tp shards with their split) as weights{rank}.pt.
+    `resume_at`: stop after that step's checkpoint, then finish in a fresh Trainer."""
+    if resume_at:
+        cfg.train.save_every = resume_at
+        Trainer(cfg, grid, root).fit(stop_after=resume_at)
+    trainer = Trainer(cfg, grid, root)
+    trainer.fit()
+    weights = {}
+    with trainer.parts.optim.whole_params():  # ZeRO-3: every rank gathers
+        for name, p in trainer.parts.model.named_parameters():
+            spec = shard_of(p) if grid.tp_size > 1 else None
+            weights[name] = (p.detach().clone(), None if spec is None else (spec.dim, spec.full))
+    torch.save(weights, os.path.join(root, f"weights{grid.rank}.pt"))
+
+
+def _whole_weights(run_dir: str) -> dict[str, torch.Tensor]:
+    """The whole weights from every rank's file: tp shards concatenated in rank order less the
+    vocabulary's padding, pp stages' tensors united, copies (dp, tp-replicated) checked equal."""
+    files = sorted(f for f in os.listdir(run_dir) if f.startswith("weights"))
+    held: dict[str, list] = {}
+    for f in files:
+        for name, item in torch.load(os.path.join(run_dir, f)).items():
+            held.setdefault(name, []).append(item)
+    out = {}
+    for name, items in held.items():
+        where = items[0][1]
+        if where is None:
+            assert all(torch.equal(t, items[0][0]) for t, _ in items), name
+            out[name] = items[0][0]
+        else:
+            out[name] = torch.cat([t for t, _ in items], dim=where[0]).narrow(where[0], 0, where[1])
+    return out
+
+
+DP2 = {f"dp2_zero{z}": dict(dp=2, zero=z, bucket_mb=0.01) for z in (0, 1, 2)}
+DP2["dp2_zero3"] = dict(dp=2, zero=3)  # one bucket per layer and decay class
+MP2 = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
+LAYOUTS = [*DP2, *MP2]
+RESUMED = {"single_resumed": dict(), "dp2_zero1_resumed": dict(dp=2, zero=1, bucket_mb=0.01)}  # after step 3
+
+
+def _train_parallel(rank: int, world: int, root: str) -> None:
+    """dp=2 at ZeRO 0-3 (several buckets: matrices straddle two ranks' chunks), tp=2 (column and
+    row shards), pp=2 (a layer per stage) and cp=2, one after the other."""
+    for name, par in {**DP2, **MP2}.items():
+        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
+                                  device="cpu")
+        _fit_and_save(_muon_config(**par), grid, os.path.join(root, name))
+    _fit_and_save(_muon_config(**RESUMED["dp2_zero1_resumed"]), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
+                  os.path.join(root, "dp2_zero1_resumed"), resume_at=3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon")
+    names = ("single", *LAYOUTS, *RESUMED)
+    for name in names:
+        os.makedirs(root / name)
+    _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
+    _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
+    spawn(2, _train_parallel, str(root))
+    return {name: str(root / name) for name in names}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_equals_single_process(runs, layout):
+    """dp=2 (2 micro-batches each): at ZeRO 0 every rank orthogonalises the same reduced gradient,
+    at ZeRO 1-3 the owners of a matrix's chunks orthogonalise its all-gathered update; tp=2:
+    each shard's update gathered whole over tp, orthogonalised, the rank's part kept; pp=2: each
+    stage's matrices are whole (its micro-batches' grads add in another order); cp=2: the
+    replicated weights' grads summed over cp, then as at ZeRO 0. dp adds
+    the micro-batch gradients in another order than one process and tp splits the matmuls, so
+    the losses agree to fp32 rounding (tests/test_dp.py's 1e-5). The weights: Newton-Schulz
+    runs in bf16 (torch.optim.Muon's choice), where an fp32 rounding difference of its input
+    flips bf16 roundings that its 5 matmul iterations carry on, so a Muon matrix may differ by a
+    fraction of one step's update lr_t * scale per step; we allow a quarter of their sum
+    (measured: 0.025-0.058 over these layouts). A wrong orthogonalisation (a shard alone, a stale
+    momentum, AdamW in Muon's place) moves weights by whole steps (measured: the peers' ZeRO-3
+    bug, every matrix on AdamW, 1.09, and its losses 6e-2 apart). The AdamW tensors differ only
+    through the gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020-0.0040)."""
+    (single, _), (got_loss, _) = read_metrics(runs["single"]), read_metrics(runs[layout])
+    assert len(single) == len(got_loss) == 6
+    assert got_loss == pytest.approx(single, rel=1e-5)
+    cfg = _muon_config()
+    lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
+    want, got = _whole_weights(runs["single"]), _whole_weights(runs[layout])
+    with open(os.path.join(runs["single"], "summary.json")) as f:
+        muon = set(json.load(f)["optimizer"]["muon"])
+    assert len(muon) == 14 and got.keys() == want.keys()
+    for name, w in want.items():
+        bound = 0.25 * lr_sum * update_scale(w.shape, "original") if name in muon else 0.01 * lr_sum
+        assert (got[name] - w).abs().max() <= bound, name
+
+
+@pytest.mark.parametrize("resumed,straight", [("single_resumed", "single"), ("dp2_zero1_resumed", "dp2_zero1")])
+def test_resume_is_bitwise(runs, resumed, straight):
+    """Stopped after step 3's checkpoint and finished in a fresh Trainer: the Muon momentum (in
+    the checkpoint's exp_avg) comes back, so the curve and every weight equal the straight run's."""
+    assert read_metrics(runs[resumed])[0] == read_metrics(runs[straight])[0]  # steps 1-3 logged before the stop
+    got, want = _whole_weights(runs[resumed]), _whole_weights(runs[straight])
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_summary_records_the_split(runs):
+    for run_dir in runs.values():
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            rec = json.load(f)["optimizer"]
+        assert rec["name"] == "muon" and rec["muon_params"] == 14 and rec["adamw_params"] == 7  # 2 layers x 7
+        assert rec["muon_params"] == len(rec["muon"]) and "lm_head.weight" in rec["adamw"]
+
+
+def test_adamw_summary_has_no_optimizer_record():
+    """AdamW runs' summary.json stays as it was: the field is left out when unset."""
+    assert "optimizer" not in RunSummary().to_json()
+    assert RunSummary(optimizer={"name": "muon"}).to_json()["optimizer"] == {"name": "muon"}
+
+
+def test_layouts_not_done_are_refused():
+    """ep, offload and copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix;
+    the same layouts under AdamW get no Muon problem."""
+    for par, world, named in ((dict(ep=2), 2, "parallel.ep=2"), (dict(offload="cpu", zero=1), 2, "parallel.offload"),
+                              (dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads")):
+        cfg = _muon_config(**par)
+        problems = [p for p in validate(cfg, world) if p.startswith("optim.name=muon")]
+        assert len(problems) == 1 and named in problems[0] and "fix:" in problems[0], problems
+        cfg.optim.name = "adamw"
+        assert not [p for p in validate(cfg, world) if "muon" in p]
+    assert not [p for p in validate(_muon_config(tp=2), 2) if "muon" in p]
