@@ -29,8 +29,7 @@ from megaft.data.prompts import check_samples
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
-from megaft.optim.checks import check_fused
-from megaft.optim.muon import check_muon_layout
+from megaft.optim.checks import check_fused, check_muon_layout
 from megaft.pref.checks import check_reference, reference_dir_problems
 
 

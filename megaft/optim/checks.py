@@ -1,7 +1,9 @@
 """check_fused: whether an explicit `optim.fused` kernel can run on the run's device (never a
-silent fallback to another kernel); the values' own checks are megaft.config.optim's."""
+silent fallback to another kernel); check_muon_layout: the layouts optim.name=muon runs. The
+values' own checks are megaft.config.optim's. No torch here: the planner imports this."""
 from __future__ import annotations
 
+from megaft.config.model import kv_replicas
 from megaft.config.optim import OptimConfig
 from megaft.device import resolve_device
 
@@ -34,3 +36,19 @@ def _check_fused_triton(device: str | None) -> list[str]:
         return []
     return [f"optim.fused=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
             f"{why}. fix: optim.fused=auto (or run on GPUs)"]
+
+
+def check_muon_layout(cfg) -> list[str]:
+    """optim.name=muon's layouts: those this version runs exactly (docs/optimizers.md)."""
+    if cfg.optim.name != "muon":
+        return []
+    par = cfg.parallel
+    todo = [(f"parallel.ep={par.ep}", "parallel.ep=1")] if par.ep != 1 else []
+    if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
+        todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
+    todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
+    todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
+    todo += [(f"lora.rank={cfg.lora.rank}", "lora.rank=0")] if cfg.lora.rank else []
+    if cfg.model.n_experts:  # 3-D expert stacks: a batched Newton-Schulz per expert is not done yet
+        todo.append((f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)"))
+    return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]

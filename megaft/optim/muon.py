@@ -28,7 +28,6 @@ import sys
 
 import torch
 
-from megaft.config.model import kv_replicas
 from megaft.config.optim import OptimConfig
 from megaft.optim.adamw import AdamW, adamw_update_
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
@@ -71,22 +70,6 @@ def split_record(sizes: dict[str, dict[str, int]], pp_group: Group = None, *, lo
               f"{rec['adamw_params']} tensors ({rec['adamw_numel']} params) on AdamW: {', '.join(rec['adamw'])}",
               file=sys.stderr, flush=True)
     return rec
-
-
-def check_muon_layout(cfg) -> list[str]:
-    """optim.name=muon's layouts: those this version runs exactly (docs/optimizers.md)."""
-    if cfg.optim.name != "muon":
-        return []
-    par = cfg.parallel
-    todo = [(f"parallel.ep={par.ep}", "parallel.ep=1")] if par.ep != 1 else []
-    if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
-        todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
-    todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
-    todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
-    todo += [(f"lora.rank={cfg.lora.rank}", "lora.rank=0")] if cfg.lora.rank else []
-    if cfg.model.n_experts:  # 3-D expert stacks: a batched Newton-Schulz per expert is not done yet
-        todo.append((f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)"))
-    return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]
 
 
 def zeropower_via_newtonschulz(g: torch.Tensor, a: float, b: float, c: float, steps: int,
