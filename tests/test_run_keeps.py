@@ -101,3 +101,38 @@ def test_what_a_run_keeps_is_validated(ckpt):
     cfg = _from(ckpt, export_hf=False)
     cfg.lora.rank, cfg.lora.export_merged = 2, True
     assert any("lora.export_merged=true writes with the export" in p for p in validate(cfg, 1))
+
+
+def test_chat_answers_as_transformers_with_the_runs_settings(demo):
+    """megaft-chat RUN_DIR exports the final checkpoint and answers greedily as transformers' generate
+    does on that export; it takes the run's precision and kernels, --dtype overrides."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megaft.chat.engine import LocalEngine
+    from megaft.chat.load import locate
+    from megaft.inference.generate import Sampling
+    from megaft.training.run_config import read_run_config
+
+    run = read_run_config(demo).config
+    chat = locate(demo)
+    assert (chat.dtype, chat.kernels, chat.routing) == (str(run.precision), run.kernels, run.moe)
+    assert locate(demo, dtype="bf16").dtype == "bf16"
+    prompt = [2 + 1 + i for i in range(4)]  # any ids of the character vocabulary
+    ours = LocalEngine(chat, torch.device("cpu")).answer(prompt, Sampling(), 0, 6, lambda t: None)
+    hf = AutoModelForCausalLM.from_pretrained(chat.hf_dir, torch_dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=list(chat.stop_ids),
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    # the same ids; megaft's answer leaves out the eos that ended it
+    assert want == ours or (want[:len(ours)] == ours and want[len(ours)] in chat.stop_ids), (ours, want)
+
+
+def test_eval_reads_a_run_in_its_precision(demo):
+    from megaft.config.eval import EvalConfig
+    from megaft.eval.model_dir import Target
+    from megaft.eval.run import eval_dtype
+
+    target = Target(hf_dir=demo, out_dir=demo, run_dir=demo, origin="checkpoint-2")
+    assert eval_dtype(target, EvalConfig()) == "float32"  # the demo's precision
+    assert eval_dtype(target, EvalConfig(dtype="bfloat16")) == "bfloat16"
+    assert eval_dtype(Target(demo, demo, None, "folder"), EvalConfig()) == "auto"
