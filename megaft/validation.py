@@ -147,7 +147,7 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     problems += check_logger(cfg.logger, cfg.wandb)
     problems += check_then_eval(cfg.eval, then_eval=cfg.train.then_eval, export_hf=exports_hf(cfg),
                                 lora_rank=cfg.lora.rank, export_merged=exports_merged(cfg),
-                                save_every=cfg.train.save_every)
+                                save_every=cfg.train.save_every or int(cfg.train.save_final))  # a checkpoint to export
     if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
         problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
     if cfg.device not in set(Device):

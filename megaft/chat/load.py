@@ -95,7 +95,7 @@ def _run_weights(run_dir: str):
             return os.path.join(run_dir, name), os.path.join(run_dir, name), run.config if run else None
     raise ChatError(f"{run_dir} has no model to chat with: no complete checkpoint in "
                     f"{os.path.join(run_dir, 'checkpoints')} and no hf/ or hf_merged/ export; fix: train with "
-                    "train.save_every=N or train.export_hf=true")
+                    "train.save_final=true (the default) or train.export_hf=true")
 
 
 def _read_step(file: str) -> Optional[int]:
