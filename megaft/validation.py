@@ -14,6 +14,7 @@ import math
 import os
 
 from megaft.config import Config, Device, Precision
+from megaft.config.keep import exports_hf, exports_merged
 from megaft.config.launcher import check_launcher
 from megaft.config.lora import check_lora, check_lora_model, check_lora_moe
 from megaft.config.moe import check_moe
@@ -27,7 +28,6 @@ from megaft.data.checks import check_data
 from megaft.data.prompts import check_samples
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
-from megaft.config.keep import exports_hf, exports_merged
 from megaft.models.checks import check_model
 from megaft.optim.checks import check_fused
 from megaft.pref.checks import check_reference

@@ -13,7 +13,6 @@ HF checkpoint (config.json, *.safetensors, tokenizer.json); its template is its 
 from __future__ import annotations
 
 import contextlib
-
 import os
 from dataclasses import dataclass
 from typing import Optional

@@ -29,8 +29,8 @@ from megaft.plan.report import format_table
 
 GROUP = "plan_probe"
 # What every probe point sets; the user's own values for these are dropped.
-PROBE_KEYS = ("train.max_steps", "train.save_every", "train.save_final", "train.export_hf", "train.progress", "train.tensorboard",
-              "launcher.nodes")
+PROBE_KEYS = ("train.max_steps", "train.save_every", "train.save_final", "train.export_hf",
+              "train.progress", "train.tensorboard", "launcher.nodes")
 TERM_GROUPS = (  # (name, the cost model's terms, the measured phase keys)
     ("forward+backward", ("compute", "tp_comm", "cp_comm", "ep_comm", "zero_comm"), ("forward_s", "backward_s")),
     ("optimizer", ("optimizer", "param_gather", "offload"), ("optimizer_s",)),

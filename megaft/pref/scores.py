@@ -10,8 +10,8 @@ seeded init's seed; always the resolved model config (init_from's config.json un
 model.* overrides); the pairs files' contents (data.path's, or every data.sources file's);
 the tokenizer; the text of the chat template actually used (data.chat_template's .jinja file,
 the checkpoint's chat_template.jinja or tokenizer_config.json's template: an edited template
-rescores); data.seq_len (which pairs are kept and how they are cut); the precision. Not the layout: the scores of any layout are the same
-numbers up to fp32 summation order.
+rescores); data.seq_len (which pairs are kept and how they are cut); the precision. Not the
+layout: the scores of any layout are the same numbers up to fp32 summation order.
 
 `pref.scores=store` keeps them beside the pairs, in the prepared store's folder of these pairs
 (`<data.cache_dir>/<key>/scores/`): no folder to choose, and gone with the store.
