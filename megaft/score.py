@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-FIXED = ("train.max_steps=0", "train.save_every=0", "train.export_hf=false", "train.then_eval=false",
-         "train.sample_every=0")
+FIXED = ("train.max_steps=0", "train.save_every=0", "train.save_final=false", "train.export_hf=false",
+         "train.then_eval=false", "train.sample_every=0")
 
 
 def main() -> int:

@@ -14,6 +14,7 @@ import math
 import os
 
 from megaft.config import Config, Device, Precision
+from megaft.config.keep import exports_hf, exports_merged
 from megaft.config.launcher import check_launcher
 from megaft.config.lora import check_lora, check_lora_model, check_lora_moe
 from megaft.config.moe import check_moe
@@ -115,7 +116,7 @@ def check_layout_settings(cfg: Config, world_size: int) -> list[str]:
     problems = check_parallel(par, world_size)
     problems += _context_problems(cfg)
     problems += check_train(cfg.train, resolve_dp(par, world_size))
-    problems += check_lora(cfg.lora, precision=cfg.precision, zero=par.zero, export_hf=cfg.train.export_hf,
+    problems += check_lora(cfg.lora, precision=cfg.precision, zero=par.zero, export_hf=exports_hf(cfg),
                            fused_linear_cross_entropy=cfg.kernels.fused_linear_cross_entropy)
     problems += check_muon_layout(cfg)
     if par.zero in (2, 3) and par.pp > 1 and cfg.model.tie_embeddings:
@@ -126,7 +127,7 @@ def check_layout_settings(cfg: Config, world_size: int) -> list[str]:
         problems.append(f"parallel.offload=cpu updates on the host, where optim.fused={cfg.optim.fused} cannot run; "
                         "fix: optim.fused=auto or cpu (or parallel.offload=none)")
     if par.zero == 3:  # layers are gathered by module hooks; these paths read whole params directly
-        for on, name in ((cfg.train.export_hf, "train.export_hf"),
+        for on, name in ((exports_hf(cfg), "train.export_hf"),
                          (cfg.kernels.fused_linear_cross_entropy, "kernels.fused_linear_cross_entropy")):
             if on:
                 problems.append(f"parallel.zero=3 does not support {name} yet; fix: parallel.zero=2 or turn it off")
@@ -148,9 +149,9 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     problems += check_launcher(cfg.launcher)
     problems += check_samples(cfg.sample, cfg.train.sample_every, lambda: _chat_template(cfg))
     problems += check_logger(cfg.logger, cfg.wandb)
-    problems += check_then_eval(cfg.eval, then_eval=cfg.train.then_eval, export_hf=cfg.train.export_hf,
-                                lora_rank=cfg.lora.rank, export_merged=cfg.lora.export_merged,
-                                save_every=cfg.train.save_every)
+    problems += check_then_eval(cfg.eval, then_eval=cfg.train.then_eval, export_hf=exports_hf(cfg),
+                                lora_rank=cfg.lora.rank, export_merged=exports_merged(cfg),
+                                save_every=cfg.train.save_every or int(cfg.train.save_final))  # a checkpoint to export
     if cfg.precision not in set(Precision):  # a Config built in Python: Hydra checked the YAML/CLI ones
         problems.append(f"precision={cfg.precision!r} is unknown; fix: fp32, bf16 or fp16")
     if cfg.device not in set(Device):

@@ -56,6 +56,7 @@ FAMILIES = {  # each family's shape, as tests/models/moe_fixture.py builds them 
     # latent attention (with a query latent), ungated shared experts, a dense first block
     "deepseek_v3": dict(arch="deepseek_v3", n_experts=8, top_k=2, moe_ffn_dim=32, shared_expert_ffn_dim=64,
                         shared_expert_gate=False, mlp_only_layers=[0], router_scoring="sigmoid", n_group=4,
+                        router_aux_loss_coef=0.0,
                         topk_group=2, routed_scaling_factor=2.5, n_kv_heads=4, head_dim=8, kv_lora_rank=16,
                         q_lora_rank=24, qk_nope_head_dim=16, v_head_dim=12, rope_interleave=True),
 }

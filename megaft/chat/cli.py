@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temp > 0)")
     p.add_argument("--seed", type=int, default=0, help="seeds the draws (with the answer's number)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the longest answer, in tokens")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="compute precision (autocast over fp32 weights); default: the run's precision, else fp32")
     p.add_argument("--template", default="auto",
                    help="chat template: auto (the run's or checkpoint's own), llama3, chatml or a .jinja file")
     return p
@@ -88,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     engine = None
     try:
-        chat = locate(args.dir, args.template)
+        chat = locate(args.dir, args.template, args.dtype)
         if chat.template is None:
             print(f"megaft-chat: warning: {chat.origin} has no chat template, so each line is continued as plain "
                   "text, without history; fix: --template chatml|llama3|FILE.jinja", file=sys.stderr)

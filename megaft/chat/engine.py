@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from megaft.chat.load import ChatError, ChatModel, build_model
+from megaft.chat.load import ChatError, ChatModel, build_model, compute
 from megaft.inference.generate import Sampling, generate
 
 OnToken = Callable[[int], None]
@@ -42,7 +42,7 @@ class LocalEngine:
 
     def answer(self, ids: list[int], sampling: Sampling, step: int, max_new_tokens: int,
                on_token: OnToken) -> list[int]:
-        with torch.inference_mode():
+        with torch.inference_mode(), compute(self.chat, self.device):
             return generate(self.model, [ids], max_new_tokens=max_new_tokens, eos_id=self.chat.stop_ids,
                             device=self.device, sampling=sampling, step=step, on_token=lambda _, t: on_token(t))[0]
 
@@ -71,7 +71,7 @@ def _rank_main(rank: int, nproc: int, init_file: str, chat: ChatModel, device_se
         send = (lambda _, token: replies.put(("token", token))) if rank == 0 else None
         while (request := requests.get()) is not None:
             ids, sampling, step, max_new_tokens = request
-            with torch.inference_mode():
+            with torch.inference_mode(), compute(chat, device):
                 generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=chat.stop_ids, device=device,
                          sampling=sampling, step=step, on_token=send)
             if rank == 0:

@@ -12,6 +12,7 @@ HF checkpoint (config.json, *.safetensors, tokenizer.json); its template is its 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -32,11 +33,15 @@ class ChatModel:
     template: Optional[object]  # megaft.data.templates.ChatTemplate, None: plain text continuation
     stop_ids: tuple[int, ...]  # the ids that end an answer
     origin: str  # what was found: "checkpoint-<step> of RUN_DIR", "RUN_DIR/hf", "HF_DIR"
+    dtype: str = "fp32"  # autocast compute: the run's precision, or --dtype (fp32 | bf16 | fp16)
+    kernels: Optional[object] = None  # the run's KernelsConfig (None: megaft's defaults)
+    routing: Optional[object] = None  # the run's MoEConfig (None: megaft's defaults)
 
 
-def locate(path: str, template: str = "auto") -> ChatModel:
+def locate(path: str, template: str = "auto", dtype: Optional[str] = None) -> ChatModel:
     """The ChatModel of a RUN_DIR or an HF_DIR (module docstring); `template` overrides the
-    chat template (auto | llama3 | chatml | a .jinja file). Raises ChatError."""
+    chat template (auto | llama3 | chatml | a .jinja file), `dtype` the compute precision (a run's
+    precision, else fp32). A run's kernels and MoE routing settings come with it. Raises ChatError."""
     from megaft.data.templates import load_chat_template, tokenizer_dir_of
     from megaft.eval.model_dir import is_hf_model
     from megaft.run_dir import is_run_dir
@@ -46,10 +51,11 @@ def locate(path: str, template: str = "auto") -> ChatModel:
         raise ChatError(f"{path} is not a directory; fix: a run dir or a Hugging Face checkpoint folder")
     if is_run_dir(path):
         hf_dir, origin, cfg = _run_weights(path)
+        run = dict(dtype=str(cfg.precision), kernels=cfg.kernels, routing=cfg.moe) if cfg else {}
         tok_dir = tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from) if cfg else None
         choice = cfg.data.chat_template if cfg and template == "auto" else template
     elif is_hf_model(path):
-        hf_dir, origin, tok_dir, choice = path, path, path, template
+        hf_dir, origin, tok_dir, choice, run = path, path, path, template, {}
     else:
         raise ChatError(f"{path} is neither a run dir (config.yaml, metrics.jsonl or summary.json) nor a Hugging Face "
                         "checkpoint (config.json with model.safetensors or its index); fix: point megaft-chat at one")
@@ -57,7 +63,9 @@ def locate(path: str, template: str = "auto") -> ChatModel:
     if not os.path.isfile(tokenizer):
         raise ChatError(f"{tokenizer} is missing; fix: copy the model's tokenizer.json into {hf_dir}")
     chat = load_chat_template(choice, tok_dir or hf_dir)
-    return ChatModel(hf_dir, tokenizer, chat, _stop_ids(hf_dir, tokenizer, chat), origin)
+    if dtype is not None:
+        run["dtype"] = dtype
+    return ChatModel(hf_dir, tokenizer, chat, _stop_ids(hf_dir, tokenizer, chat), origin, **run)
 
 
 def _run_weights(run_dir: str):
@@ -86,7 +94,7 @@ def _run_weights(run_dir: str):
             return os.path.join(run_dir, name), os.path.join(run_dir, name), run.config if run else None
     raise ChatError(f"{run_dir} has no model to chat with: no complete checkpoint in "
                     f"{os.path.join(run_dir, 'checkpoints')} and no hf/ or hf_merged/ export; fix: train with "
-                    "train.save_every=N or train.export_hf=true")
+                    "train.save_final=true (the default) or train.export_hf=true")
 
 
 def _read_step(file: str) -> Optional[int]:
@@ -116,11 +124,26 @@ def _stop_ids(hf_dir: str, tokenizer: str, template) -> tuple[int, ...]:
 
 def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=None,
                 device: torch.device = torch.device("cpu")):
-    """This tp rank's Decoder of `chat.hf_dir` (its slice of every sharded weight), in eval mode."""
+    """This tp rank's Decoder of `chat.hf_dir` (its slice of every sharded weight), in eval mode,
+    with the run's kernels (auto ones decided as megaft-train does) and MoE routing."""
     from megaft.models.decoder import Decoder
     from megaft.models.hf.config import hf_model_config
     from megaft.models.hf.load import load_hf_weights
 
-    model = Decoder(hf_model_config(chat.hf_dir), group=group)
+    cfg = hf_model_config(chat.hf_dir)
+    kernels = chat.kernels
+    if kernels is not None:
+        from megaft.kernels.autotune import decide_kernels
+
+        kernels, _ = decide_kernels(kernels, cfg, tp=tp_size, batch=1, seq=min(cfg.max_seq_len, 2048),
+                                    precision=chat.dtype, device=device, rank=tp_rank)
+    model = Decoder(cfg, group=group, kernels=kernels, routing=chat.routing)
     load_hf_weights(model, chat.hf_dir, tp_rank=tp_rank, tp_size=tp_size)
     return model.to(device).eval()
+
+
+def compute(chat: ChatModel, device: torch.device):
+    """The autocast context of `chat.dtype` (fp32 weights, as in training), a no-op for fp32."""
+    if chat.dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if chat.dtype == "bf16" else torch.float16)

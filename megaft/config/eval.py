@@ -12,7 +12,8 @@ class EvalConfig:
     include: Optional[str] = None  # a folder of extra task YAMLs (searched with megaft's own, megaft/eval/tasks)
     batch_size: int = 8  # sequences per forward
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
-    dtype: str = "auto"  # the weights' dtype in transformers: auto (as saved) | float32 | bfloat16 | float16
+    # the weights' dtype in transformers: auto (a run's precision; an HF folder as saved) | float32 | bfloat16 | float16
+    dtype: str = "auto"
     limit: Optional[int] = None  # evaluate only the first N documents of each task (smoke tests); null = all
     num_fewshot: Optional[int] = None  # few-shot examples per prompt; null = each task's own setting
     # The Slurm job of `train.then_eval` (hydra_plugins/megaft_slurm_launcher): its limit, and its GPUs

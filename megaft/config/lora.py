@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import List
+from typing import List, Optional
 
 # Target name -> the module it adapts (HF's names, which are also megaft's: megaft.models.decoder).
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
@@ -36,7 +36,8 @@ class LoraConfig:
     rslora: bool = False  # rank-stabilized scaling alpha / sqrt(rank) (Kalajdzievski 2023)
     base_dtype: BaseDtype = BaseDtype.fp32  # storage of the frozen base linears: fp32 | bf16
     init: LoraInit = LoraInit.kaiming  # adapter init, seeded by parameter name: kaiming | gaussian
-    export_merged: bool = False  # with train.export_hf: also write base + adapters merged (RUN_DIR/hf_merged)
+    # with the export (train.export_hf): also write base + adapters merged (RUN_DIR/hf_merged); null = yes
+    export_merged: Optional[bool] = None
 
     @property
     def scale(self) -> float:
@@ -83,7 +84,7 @@ def check_lora(cfg: LoraConfig, *, precision: str, fused_linear_cross_entropy: b
     if zero == 3:
         problems.append("lora with parallel.zero=3 is not supported (the adapters are small: ZeRO-3 saves nothing "
                         "over ZeRO-2); fix: parallel.zero=2")
-    if cfg.export_merged and not export_hf:
+    if cfg.export_merged is True and not export_hf:
         problems.append("lora.export_merged=true writes with the export; fix: also set train.export_hf=true")
     return problems
 

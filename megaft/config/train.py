@@ -18,9 +18,12 @@ class TrainConfig:
     eval_every: int = 50  # evaluate every N steps (and at step 0, before any update)
     eval_batch_size: int = 64  # eval sequences per forward
     seed: int = 0  # model initialization and dropout
-    export_hf: bool = False  # write the final model as a Hugging Face directory (run_dir/hf)
+    # write the final model as a Hugging Face directory (run_dir/hf); null = auto: when the run
+    # starts from a checkpoint (model.init_from) and zero < 3 (megaft.config.keep)
+    export_hf: Optional[bool] = None
     progress: bool = True  # progress bar on stdout (rank 0)
-    save_every: int = 0  # checkpoint every N steps and at the last step into run_dir/checkpoints; 0 = never
+    save_every: int = 0  # checkpoint every N steps into run_dir/checkpoints (0 = none between)
+    save_final: bool = True  # checkpoint the last step too: a run keeps what it trained (megaft.config.keep)
     keep_last: int = 2  # keep the newest N checkpoints, delete older ones; 0 = keep all
     resume: bool = True  # start from the newest complete checkpoint in run_dir/checkpoints, if any
     async_save: bool = False  # write checkpoint shards in a background thread while training goes on
@@ -51,7 +54,7 @@ def check_train(cfg: TrainConfig, dp: int) -> list[str]:
     for name in ("micro_batch_size", "global_batch_size", "eval_every", "eval_batch_size"):
         errors += at_least(cfg, f"train.{name}", 1)
     errors += at_least(cfg, "train.max_steps", 0, "(0 = only evaluate)")
-    errors += at_least(cfg, "train.save_every", 0, "(0 = no checkpoints)", "e.g. train.save_every=100")
+    errors += at_least(cfg, "train.save_every", 0, "(0 = none between, train.save_final)", "e.g. train.save_every=100")
     errors += at_least(cfg, "train.keep_last", 0, "(0 = keep every checkpoint)", "e.g. train.keep_last=2")
     errors += at_least(cfg, "train.peak_tflops", 0, "(0 = the device table)", "e.g. train.peak_tflops=989")
     errors += at_least(cfg, "train.max_bad_steps", 0, "(0 = never abort)", "e.g. train.max_bad_steps=10")

@@ -63,8 +63,8 @@ def locate(path: str, *, export: bool = True) -> Target:
     latest, _ = find_latest(os.path.join(path, "checkpoints"))
     if latest is None:
         raise EvalError(f"{path} has no model to evaluate: no hf/ or hf_merged/ export and no complete checkpoint in "
-                        f"{os.path.join(path, 'checkpoints')}; fix: train with train.export_hf=true (LoRA: also "
-                        "lora.export_merged=true) or train.save_every=N")
+                        f"{os.path.join(path, 'checkpoints')}; fix: train with train.export_hf=true or "
+                        "train.save_final=true (the default)")
     step, ckpt = latest
     hf_dir = os.path.join(path, EXPORT_DIR)
     if is_hf_model(hf_dir) and _export_step(hf_dir) == step:

@@ -57,9 +57,24 @@ def device_of(cfg: EvalConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # megaft precision -> transformers
+
+
+def eval_dtype(target: Target, cfg: EvalConfig) -> str:
+    """eval.dtype, where auto on a run is the run's precision (its compute dtype; megaft's kernels do
+    not apply: lm_eval runs the model in transformers)."""
+    if cfg.dtype != "auto" or target.run_dir is None:
+        return cfg.dtype
+    from megaft.training.run_config import read_run_config
+
+    run = read_run_config(target.run_dir)
+    return TORCH_DTYPES[str(run.config.precision)] if run is not None else cfg.dtype
+
+
 def lm_eval_arguments(target: Target, cfg: EvalConfig) -> dict[str, Any]:
     """simple_evaluate's arguments (besides the task manager): also what results.json records."""
-    return dict(model="hf", model_args={"pretrained": target.hf_dir, "dtype": cfg.dtype}, tasks=list(cfg.tasks),
+    return dict(model="hf", model_args={"pretrained": target.hf_dir, "dtype": eval_dtype(target, cfg)},
+                tasks=list(cfg.tasks),
                 num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size, device=device_of(cfg), limit=cfg.limit,
                 log_samples=False)
 

@@ -120,6 +120,13 @@ def _routing_problems(cfg: ModelConfig) -> list[str]:
                       "fix: a larger topk_group")
     if cfg.routed_scaling_factor <= 0:
         errors.append(f"model.routed_scaling_factor={cfg.routed_scaling_factor} must be > 0")
+    if cfg.router_scoring == "sigmoid" and cfg.router_aux_loss_coef > 0:
+        # the Switch loss over unnormalised sigmoid scores is neither transformers' loss nor
+        # DeepSeek-V3's sequence-wise one; DeepSeek balances with its correction bias instead
+        errors.append(f"model.router_scoring=sigmoid with model.router_aux_loss_coef={cfg.router_aux_loss_coef}: "
+                      "the load-balancing loss is defined for softmax scores only; fix: "
+                      "model.router_aux_loss_coef=0 (DeepSeek-V3 balances aux-loss-free with its correction bias, "
+                      "as the importer sets) or model.router_scoring=softmax")
     return errors
 
 

@@ -125,9 +125,9 @@ def export_merged(model: nn.Module, model_cfg: ModelConfig, out_dir: str, *, tp_
 def export_lora(model: nn.Module, model_cfg: ModelConfig, cfg: LoraConfig, run_dir: str, *, tp_group: Group,
                 is_writer: bool, pp_group: Group = None, tokenizer_json: Optional[str] = None) -> None:
     """A LoRA run's `train.export_hf`: the peft adapter folder RUN_DIR/hf and, with
-    `lora.export_merged`, the merged model RUN_DIR/hf_merged. Collective over tp and pp."""
+    `lora.export_merged` (null = yes), the merged model RUN_DIR/hf_merged. Collective over tp and pp."""
     export_adapter(model, model_cfg, cfg, os.path.join(run_dir, "hf"), tp_group=tp_group, is_writer=is_writer,
                    pp_group=pp_group, tokenizer_json=tokenizer_json)
-    if cfg.export_merged:
+    if cfg.export_merged is not False:
         export_merged(model, model_cfg, os.path.join(run_dir, "hf_merged"), tp_group=tp_group,
                       is_writer=is_writer, pp_group=pp_group, tokenizer_json=tokenizer_json)

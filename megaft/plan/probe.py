@@ -29,8 +29,8 @@ from megaft.plan.report import format_table
 
 GROUP = "plan_probe"
 # What every probe point sets; the user's own values for these are dropped.
-PROBE_KEYS = ("train.max_steps", "train.save_every", "train.export_hf", "train.progress", "train.tensorboard",
-              "launcher.nodes")
+PROBE_KEYS = ("train.max_steps", "train.save_every", "train.save_final", "train.export_hf",
+              "train.progress", "train.tensorboard", "launcher.nodes")
 TERM_GROUPS = (  # (name, the cost model's terms, the measured phase keys)
     ("forward+backward", ("compute", "tp_comm", "cp_comm", "ep_comm", "zero_comm"), ("forward_s", "backward_s")),
     ("optimizer", ("optimizer", "param_gather", "offload"), ("optimizer_s",)),
@@ -72,7 +72,8 @@ def run_probe(cands: list, cluster, run_dir: str, user: list[str], launcher: lis
     # The command line wins over the points' files: leave out what a layout sets (model.recompute, ...).
     point_keys = {override_key(o) for c in cands for o in c.layout.overrides()} | set(PROBE_KEYS)
     common = [o for o in user if override_key(o) not in point_keys]
-    common += [f"train.max_steps={plan.probe_steps}", "train.save_every=0", "train.export_hf=false",
+    common += [f"train.max_steps={plan.probe_steps}", "train.save_every=0", "train.save_final=false",
+               "train.export_hf=false",
                "train.progress=false", "train.tensorboard=false"]
     cmd = multirun_command(group=GROUP, names=names, conf_root=os.path.join(run_dir, "probe_conf"),
                            sweep_dir=sweep_dir, launcher=launcher, common=common)

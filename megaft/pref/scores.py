@@ -5,11 +5,13 @@ With `pref.scores` the result is kept in DIR under the fingerprint of everything
 on, and a run with the same fingerprint reads it instead of scoring: the points of a sweep
 over beta, the learning rate or the layout share one scoring. The fingerprint covers the
 reference's weights (config.json's text, and each weight file's name, size and
-modification time: a re-exported checkpoint of the same shapes is another reference), or
-the seeded init's model config and seed; the pairs files' contents (data.path's, or every
-data.sources file's); the tokenizer and chat template; data.seq_len (which pairs are kept and
-how they are cut); the precision. Not the layout: the scores of any layout are the same
-numbers up to fp32 summation order.
+modification time: a re-exported checkpoint of the same shapes is another reference) or the
+seeded init's seed; always the resolved model config (init_from's config.json under the
+model.* overrides); the pairs files' contents (data.path's, or every data.sources file's);
+the tokenizer; the text of the chat template actually used (data.chat_template's .jinja file,
+the checkpoint's chat_template.jinja or tokenizer_config.json's template: an edited template
+rescores); data.seq_len (which pairs are kept and how they are cut); the precision. Not the
+layout: the scores of any layout are the same numbers up to fp32 summation order.
 
 `pref.scores=store` keeps them beside the pairs, in the prepared store's folder of these pairs
 (`<data.cache_dir>/<key>/scores/`): no folder to choose, and gone with the store.
@@ -20,6 +22,7 @@ fingerprint's parts as metadata.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,6 +33,8 @@ import torch
 from megaft.fileio import file_sha256
 
 WEIGHTS = (".safetensors", ".bin", ".pt")
+# model fields that change memory and time, never a score: a sweep over them shares the scores
+NOT_NUMBERS = {"recompute": "none", "recompute_layers": None}
 
 
 def _checkpoint_identity(path: str) -> dict[str, Any]:
@@ -67,12 +72,35 @@ def fingerprint_parts(cfg) -> dict[str, Any]:
     if source is not None:
         reference: dict[str, Any] = {"checkpoint": os.path.abspath(source), **_checkpoint_identity(source)}
     else:  # the seeded init of model.*
-        reference = {"init": repr(cfg.model), "seed": cfg.train.seed}
+        reference = {"seed": cfg.train.seed}
+    # always: model.* overrides on top of init_from change the reference's numbers too
+    reference["model"] = repr(dataclasses.replace(_resolved_model(cfg.model), **NOT_NUMBERS))
     data = cfg.data
+    tokenizer_dir = tokenizer_dir_of(data.tokenizer, cfg.model.init_from)
     return {"reference": reference,
             "pairs": _pairs_identity(data), "eval_pairs": file_sha256(data.eval_path) if data.eval_path else None,
-            "tokenizer": _tokenizer_identity(tokenizer_dir_of(data.tokenizer, cfg.model.init_from)),
-            "chat_template": data.chat_template, "seq_len": data.seq_len, "precision": str(cfg.precision)}
+            "tokenizer": _tokenizer_identity(tokenizer_dir),
+            "chat_template": _template_identity(data.chat_template, tokenizer_dir),
+            "seq_len": data.seq_len, "precision": str(cfg.precision)}
+
+
+def _resolved_model(model):
+    """model.* as the run builds it: init_from's config.json under the configured fields (the
+    launcher fingerprints an unresolved config, the run a resolved one: both give this)."""
+    if not model.init_from:
+        return model
+    from megaft.models.hf.config import hf_model_config
+
+    return hf_model_config(model.init_from, base=model)
+
+
+def _template_identity(choice: str, tokenizer_dir: Optional[str]) -> list:
+    """The setting and the sha256 of the template text it resolves to (a .jinja file, the
+    checkpoint's chat_template.jinja or tokenizer_config.json's): an edited file is another key."""
+    from megaft.data.templates import load_chat_template
+
+    template = load_chat_template(choice, tokenizer_dir)
+    return [choice, template.sha256 if template is not None else None]
 
 
 def fingerprint(cfg) -> str:

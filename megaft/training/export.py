@@ -20,16 +20,20 @@ class HFExport:
     def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str, model: torch.nn.Module, data: DataPart):
         self.cfg, self.grid, self.run_dir, self.model, self.data = cfg, grid, run_dir, model, data
 
+    def save_own_tokenizer(self) -> None:
+        """RUN_DIR/tokenizer.json when the run's tokenizer comes from no file (data.task's
+        character vocabulary), written when the run starts: megaft-chat / megaft-eval read it
+        with any checkpoint of the run."""
+        if not (self.cfg.data.tokenizer or self.cfg.model.init_from) and self.grid.rank == 0:
+            self.data.tokenizer.save(os.path.join(self.run_dir, "tokenizer.json"))
+
     def _tokenizer_json(self) -> Optional[str]:
         from megaft.data.tokenizer import tokenizer_file
 
         if self.cfg.data.tokenizer or self.cfg.model.init_from:
             return tokenizer_file(self.cfg.data.tokenizer or self.cfg.model.init_from)
-        if self.grid.rank == 0:  # a tokenizer trained for this run: saved beside the model
-            path = os.path.join(self.run_dir, "tokenizer.json")
-            self.data.tokenizer.save(path)
-            return path
-        return None
+        self.save_own_tokenizer()
+        return os.path.join(self.run_dir, "tokenizer.json") if self.grid.rank == 0 else None
 
     def write(self) -> None:
         from megaft.models.hf.export import export_hf

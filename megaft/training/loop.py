@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from megaft.config import Config
+from megaft.config.keep import exports_hf
 from megaft.models.attention.gqa import attention_record
 from megaft.models.moe.metrics import moe_record
 from megaft.optim.schedule import lr_at
@@ -161,8 +162,13 @@ class Trainer:
     def _fit(self, stop_after: Optional[int], flag: PreemptFlag) -> dict[str, Any]:
         cfg, records = self.cfg.train, self.parts.records
         records.start(self.cfg)  # config.yaml: what this attempt runs
+        self.parts.export.save_own_tokenizer()  # the demo's character vocabulary, for megaft-chat
         start = time.perf_counter()
         first = self.resume()
+        finished = RunSummary.read(self.parts.run_dir) if first and first >= cfg.max_steps else None
+        if finished is not None:  # run again after it finished (its final checkpoint): it stays as it was
+            records.close()
+            return finished.to_json()
         end = cfg.max_steps if stop_after is None else min(stop_after, cfg.max_steps)
         # A resumed run evaluated at `first` already (its lines are in metrics.jsonl).
         last_eval = self.evaluate(0) if first == 0 else {"step": first}
@@ -204,7 +210,7 @@ class Trainer:
         if stop != NONE:  # not finished: no summary.json or export; run_rank requeues on REQUEUE
             result.update(stopped_by=flag.signal_name or "another rank's signal", requeue=stop == REQUEUE)
         else:
-            if cfg.export_hf:
+            if exports_hf(self.parts.cfg):
                 self.parts.export.write()
             records.write_summary(summary)
         records.close()

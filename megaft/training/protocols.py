@@ -161,7 +161,9 @@ class RecordsPart(Protocol):
 
 
 class ExportPart(Protocol):
-    """The trained model written for other tools (train.export_hf)."""
+    """The trained model written for other tools (train.export_hf), and the run's own tokenizer."""
+
+    def save_own_tokenizer(self) -> None: ...
 
     def write(self) -> None: ...
 

@@ -36,14 +36,14 @@ STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS + RL_METRICS
 
 class Records:
     """metrics.jsonl, the checkpoint writer, the stop agreement, the guard and the straggler
-    monitor of one rank, with `save_every` deciding when a step boundary saves."""
+    monitor of one rank, with `save_every` / `save_final` deciding when a step boundary saves."""
 
     def __init__(self, metrics: MetricsLog, writer: checkpoint.CheckpointWriter, boundary: StepBoundary,
                  guard: BadStepGuard, stragglers: StragglerMonitor, *, grid: ParallelGrid, run_dir: str,
-                 save_every: int = 0):
+                 save_every: int = 0, save_final: bool = False):
         self.metrics, self.writer, self.boundary = metrics, writer, boundary
         self.guard, self.stragglers = guard, stragglers
-        self.grid, self.run_dir, self.save_every = grid, run_dir, save_every
+        self.grid, self.run_dir, self.save_every, self.save_final = grid, run_dir, save_every, save_final
         self.is_writer = grid.rank == 0
 
     @property
@@ -96,11 +96,12 @@ class Records:
         return stop
 
     def should_save(self, done: int, end: int, *, force: bool) -> bool:
-        """Whether to checkpoint after `done` steps: every train.save_every steps, at `end`, and
-        always when `force`d (a preemption: losing the work would be worse); never while the
-        weights may be non-finite."""
+        """Whether to checkpoint after `done` steps: every train.save_every steps, at `end` (with
+        train.save_final: a run keeps what it trained, megaft.config.keep) and when `force`d (a preemption: losing
+        the work would be worse); never while the weights may be non-finite."""
         every = self.save_every
-        return bool(force or (every and (done % every == 0 or done == end))) and self.guard.may_save()
+        final = self.save_final and done == end
+        return bool(force or final or (every and done % every == 0)) and self.guard.may_save()
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.writer.save(step, state)
@@ -134,4 +135,5 @@ def build_records(parts: RunParts) -> Records:
     return Records(metrics, writer, StepBoundary(grid.world_size, grid.device),
                    BadStepGuard(cfg.train.max_bad_steps, checkpoint_dir),
                    StragglerMonitor(grid, cfg.train.straggler_every, cfg.train.straggler_factor),
-                   grid=grid, run_dir=run_dir, save_every=cfg.train.save_every)
+                   grid=grid, run_dir=run_dir, save_every=cfg.train.save_every,
+                   save_final=cfg.train.save_final)

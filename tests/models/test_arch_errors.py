@@ -229,3 +229,14 @@ def test_validate_reports_unsupported_architecture_before_launch(tmp_path):
     problems = validate(cfg, 1)
     assert any(f"{os.path.join(str(tmp_path), 'config.json')}: model_type 'deepseek_v2' is not supported; "
                + SUPPORTED in p for p in problems), problems
+
+
+def test_check_model_sigmoid_router_with_an_aux_coefficient():
+    moe = dict(arch="deepseek_v3", n_experts=4, top_k=2, router_scoring="sigmoid")
+    problems = _problems(**moe, router_aux_loss_coef=0.01)
+    assert any("model.router_scoring=sigmoid with model.router_aux_loss_coef=0.01" in p
+               and "fix: model.router_aux_loss_coef=0" in p and "model.router_scoring=softmax" in p
+               for p in problems), problems
+    assert not any("router_aux_loss_coef" in p for p in _problems(**moe, router_aux_loss_coef=0.0))
+    assert not any("router_aux_loss_coef" in p for p in _problems(**{**moe, "router_scoring": "softmax"},
+                                                                  router_aux_loss_coef=0.01))

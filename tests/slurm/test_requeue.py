@@ -90,7 +90,8 @@ def test_usr1_saves_requeues_and_resumes_the_same_curve(slurm_cluster, reference
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 2
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert len(ckpts) == 1 and ckpts[0] != f"step_{STEPS:06d}", ckpts  # only the preemption's save (save_every=0)
+    # the preemption's save and the final step's (save_every=0: a run keeps what it trained)
+    assert len(ckpts) == 2 and ckpts[1] == f"step_{STEPS:06d}" and ckpts[0] != ckpts[1], ckpts
 
 
 def test_past_max_requeue_it_saves_and_ends_without_requeue(slurm_cluster, tmp_path):
@@ -193,8 +194,9 @@ def test_time_limit_hit_mid_run_requeues_and_finishes_the_same_curve(slurm_clust
     assert [s for s, _ in got] == list(range(1, STEPS + 1))  # stopped mid-run, no step lost or repeated
     assert got == want and got_eval == want_eval  # bitwise: same layout, same ops (CPU, gloo)
     assert got[-1] == want[-1]  # the final loss, in particular
-    (ckpt,) = [p.name for p in (run / "checkpoints").iterdir()]  # the time limit's save (save_every=0)
-    assert 0 < int(ckpt.split("_")[1]) < STEPS, ckpt
+    # the time limit's save and the final step's (save_every=0)
+    ckpt, final = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert 0 < int(ckpt.split("_")[1]) < STEPS and final == f"step_{STEPS:06d}", ckpt
     print(f"time-limit test: {time.monotonic() - started:.0f}s, stopped at {ckpt}")
 
 

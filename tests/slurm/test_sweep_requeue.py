@@ -96,8 +96,9 @@ def check_points(env, sweep, array, points, reference):
         got, got_eval = losses(run)
         assert [s for s, _ in got] == list(range(1, STEPS + 1)), sig  # no step lost or repeated
         assert got == want and got_eval == want_eval, sig  # bitwise: same config, same ops (CPU, gloo)
-        (ckpt,) = [p.name for p in (run / "checkpoints").iterdir()]  # the signal's save only (save_every=0)
-        assert 0 < int(ckpt.split("_")[1]) < STEPS, (sig, ckpt)
+        # the signal's save and the final step's (save_every=0)
+        ckpt, final = sorted(p.name for p in (run / "checkpoints").iterdir())
+        assert 0 < int(ckpt.split("_")[1]) < STEPS and final == f"step_{STEPS:06d}", (sig, ckpt)
         # The interrupted attempt left no result: the one submitit holds is the finished run's.
         status, summary = submitit.core.utils.pickle_load(
             os.path.join(point["submitit_folder"], f"{point['job_id']}_0_result.pkl"))
