@@ -18,10 +18,12 @@ from megaft.config import compose_config
 from megaft.config.data import SourceConfig
 from megaft.config.train import check_train
 from megaft.data.prepare import prepare_dataset
+from megaft.launch.score_jobs import scoring_config
 from megaft.parallel.grid import ParallelGrid
 from megaft.train import prepare_run
 from megaft.training.loop import Trainer
 from megaft.training.run_config import read_run_config
+from megaft.verify.run import _for_verify
 
 N, LENGTH, SEQ = 7, 40, 64
 
@@ -136,3 +138,6 @@ def test_steps_and_epochs_are_one_or_the_other():
     assert check_train(t, 1) == []
     with pytest.raises(ValueError, match="train.max_steps is unset"):
         Trainer(cfg, ParallelGrid.single(), "unused")
+    # the tools that fix the steps (scoring: 0, megaft-verify: a few) drop a recipe's epochs
+    for fixed in (scoring_config(cfg), _for_verify(cfg, 3)):
+        assert fixed.train.epochs is None and check_train(fixed.train, 1) == []
