@@ -204,7 +204,8 @@ def presets(group: str) -> list[tuple[str, str]]:
         for line in lines:
             if not line.startswith("#"):
                 break
-            comment.append(_text(line))
+            if not line.startswith("# @package"):  # Hydra's directive, not prose
+                comment.append(_text(line))
         found.append((name[:-len(".yaml")], " ".join(comment)))
     return found
 
@@ -215,6 +216,34 @@ def default_presets() -> dict[str, str]:
 
     defaults = OmegaConf.to_container(OmegaConf.load(os.path.join(conf_dir(), "train.yaml")))["defaults"]
     return {k: "none" if v is None else str(v) for d in defaults if isinstance(d, dict) for k, v in d.items()}
+
+
+def recipes() -> list[str]:
+    """The recipe group (conf/recipe/, `# @package _global_`): each recipe's first comment line and
+    every value it sets, as overrides (the sources are cited in the files)."""
+    from omegaconf import OmegaConf
+
+    out = ["## Recipes", "", "`recipe=<name>` (files in `conf/recipe/`; megaft-train's default: "
+           f"`{default_presets().get('recipe', 'none')}`) sets the hyperparameters of a job at once, each "
+           "value cited in the file with its source; the command line still wins over it "
+           "([getting-started.md](getting-started.md)).", ""]
+    for name, _ in presets("recipe"):
+        path = os.path.join(conf_dir(), "recipe", f"{name}.yaml")
+        with open(path) as f:
+            first = next(_text(line) for line in f if line.startswith("#") and not line.startswith("# @package"))
+        sets = ", ".join(f"`{o}`" for o in overrides(OmegaConf.to_container(OmegaConf.load(path))))
+        out.append(f"- `{name}`: {first} Sets {sets}.")
+    return out + [""]
+
+
+def overrides(node: dict, prefix: str = "") -> Iterator[str]:
+    """A YAML mapping as the command-line overrides that set the same values."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from overrides(value, f"{prefix}{key}.")
+        else:
+            shown = "null" if value is None else f"[{','.join(map(str, value))}]" if isinstance(value, list) else value
+            yield _cell(f"{prefix}{key}={shown}")
 
 
 def _section(name: str, cls: type, rows: list[Row], note: str, picked: dict[str, str]) -> list[str]:
@@ -253,7 +282,8 @@ def render() -> str:
     nested = [f for f, tp in top if dataclasses.is_dataclass(tp)]
     scalars = [f.name for f, tp in top if not dataclasses.is_dataclass(tp)]
     out += ["Sections: " + ", ".join(f"[{f.name}](#{f.name})" for f in nested)
-            + ", [" + " and ".join(scalars) + "](#top-level-keys)", ""]
+            + ", [" + " and ".join(scalars) + "](#top-level-keys); [recipes](#recipes)", ""]
+    out += recipes()
     for f in nested:
         for prefix, cls, rows in walk(typing.get_type_hints(Config)[f.name], f"{f.name}.", None,
                                       getattr(composed, f.name)):

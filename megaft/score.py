@@ -11,6 +11,7 @@ import sys
 
 FIXED = ("train.max_steps=0", "train.save_every=0", "train.save_final=false", "train.export_hf=false",
          "train.then_eval=false", "train.sample_every=0")
+FIXED += ("train.epochs=null",)  # max_steps=0 above: a recipe's train.epochs beside it would be refused
 
 
 def main() -> int:

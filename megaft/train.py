@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
+from megaft.config.optim import pretrained_lr_warning
 from megaft.launch.runlock import RunLockedError
 from megaft.validation import check_local_launch, validate
 
@@ -38,6 +40,26 @@ def prepare_data(cfg: Config, *, progress: bool) -> None:
                         progress=progress)
 
 
+def prepare_run(cfg: Config, run_dir: str, world: int, *, speaks: bool = True, extra: Sequence[str] = ()) -> None:
+    """What happens once before the ranks start, after any elastic change of the layout: validate
+    (a ConfigError naming every problem, `extra` ones included), warn about a pretrained model at
+    the demo's learning rate, prepare the data and resolve train.epochs into train.max_steps
+    (`cfg` in place). `speaks`: this process logs (one per run, under torchrun/srun rank 0)."""
+    from megaft.training.epochs import resolve_epochs
+
+    problems = validate(cfg, world) + list(extra)
+    warning = pretrained_lr_warning(cfg.optim, init_from=cfg.model.init_from, conf=conf_dir())
+    if warning and speaks:
+        log.warning("megaft: %s", warning)
+    if problems:
+        raise ConfigError(problems)
+    os.makedirs(run_dir, exist_ok=True)
+    prepare_data(cfg, progress=speaks)
+    epochs = resolve_epochs(cfg, run_dir)  # on the prepared data, or as config.yaml recorded it
+    if epochs is not None and speaks:
+        log.info("megaft: %s", epochs.describe(cfg.train.global_batch_size))
+
+
 def run(cfg: Config, run_dir: str) -> None:
     """Validate, then train in `run_dir`; raises ConfigError listing every problem."""
     from megaft.launch.env import external_env
@@ -55,11 +77,8 @@ def run(cfg: Config, run_dir: str) -> None:
             if replan(cfg, world, str(exc)) is None:
                 raise ConfigError([f"{exc}; or name a cluster (cluster=<preset>, conf/cluster/) so the "
                                    "planner re-plans the layout"]) from exc
-    problems = validate(cfg, world) + ([] if env else check_local_launch(cfg))
-    if problems:
-        raise ConfigError(problems)
-    os.makedirs(run_dir, exist_ok=True)
-    prepare_data(cfg, progress=env is None or env.rank == 0)
+    prepare_run(cfg, run_dir, world, speaks=env is None or env.rank == 0,
+                extra=[] if env else check_local_launch(cfg))
     if env is not None:
         from megaft.launch.rank import RunStoppedError, run_rank, stopped_message
         from megaft.launch.runlock import run_lock

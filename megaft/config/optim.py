@@ -1,6 +1,8 @@
 """OptimConfig (`optim.*`): AdamW or Muon, warmup + cosine schedule, clipping, kernel choice."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
@@ -33,9 +35,14 @@ class MuonConfig:
 @dataclass
 class OptimConfig:
     name: Optimizer = Optimizer.adamw  # muon: Muon on hidden 2-D weights, AdamW on the rest
-    lr: float = 3e-3  # peak learning rate, reached after warmup
-    min_lr: float = 3e-4  # floor of the cosine decay
-    warmup_steps: int = 20  # linear warmup from lr/warmup_steps to lr
+    lr: float = 3e-3  # peak learning rate, reached after warmup (the demo's: a tiny model from scratch)
+    # floor of the cosine decay as a fraction of lr: 0.1, the demo's 3e-3 -> 3e-4 (and Llama's pretraining
+    # decay to 10% of peak); the fine-tuning recipes set 0 (transformers' cosine decays to 0)
+    min_lr_ratio: float = 0.1
+    min_lr: Optional[float] = None  # the floor as an absolute rate; when set it wins over min_lr_ratio
+    # linear warmup from lr/warmup to lr, in steps; set this or warmup_ratio (null the other; both null = none)
+    warmup_steps: Optional[int] = 20
+    warmup_ratio: Optional[float] = None  # the warmup as a fraction of train.max_steps, rounded up (transformers')
     weight_decay: float = 0.1  # decoupled; applied to matrices, not norms or biases
     beta1: float = 0.9
     beta2: float = 0.95
@@ -54,10 +61,34 @@ def check_optim(cfg: OptimConfig) -> list[str]:
     """Every problem of the values of ``cfg``; whether an explicit fused kernel can run on the
     run's device is megaft.optim.checks.check_fused's question."""
     errors = []
-    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
-        errors.append(f"optim.lr={cfg.lr}, optim.min_lr={cfg.min_lr}: need 0 <= min_lr <= lr and lr > 0")
-    if cfg.warmup_steps < 0:
-        errors.append(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
+    if cfg.lr <= 0:
+        errors.append(f"optim.lr={cfg.lr} must be > 0")
+    elif cfg.min_lr is not None and not 0 <= cfg.min_lr <= cfg.lr:
+        errors.append(f"optim.lr={cfg.lr}, optim.min_lr={cfg.min_lr}: need 0 <= min_lr <= lr; fix: optim.min_lr=null "
+                      f"(the floor is then optim.min_lr_ratio * lr = {cfg.min_lr_ratio} * lr) or a min_lr below lr")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        errors.append(f"optim.min_lr_ratio={cfg.min_lr_ratio} must be in [0, 1] (the cosine floor as a fraction of "
+                      "optim.lr); fix: e.g. 0.1, or 0 to decay to zero")
+    return errors + check_warmup(cfg) + check_betas_and_rest(cfg)
+
+
+def check_warmup(cfg: OptimConfig) -> list[str]:
+    """optim.warmup_steps and optim.warmup_ratio: one at most (as axolotl and litgpt refuse both)."""
+    if cfg.warmup_steps is not None and cfg.warmup_ratio is not None:
+        return [f"optim.warmup_steps={cfg.warmup_steps} and optim.warmup_ratio={cfg.warmup_ratio} are both set, and "
+                "one would be ignored; fix: null one of them (optim.warmup_steps=null to warm up over a fraction "
+                "of the run, optim.warmup_ratio=null for a step count)"]
+    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
+        return [f"optim.warmup_steps={cfg.warmup_steps} must be >= 0"]
+    if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio <= 1:
+        return [f"optim.warmup_ratio={cfg.warmup_ratio} must be in [0, 1] (a fraction of train.max_steps); "
+                "fix: e.g. 0.03"]
+    return []
+
+
+def check_betas_and_rest(cfg: OptimConfig) -> list[str]:
+    """Adam's betas, clipping, fp16 loss scaling and the kernel choice."""
+    errors = []
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         errors.append(f"optim.beta1={cfg.beta1}, optim.beta2={cfg.beta2} must be in [0, 1)")
     if cfg.clip_grad < 0:
@@ -68,6 +99,39 @@ def check_optim(cfg: OptimConfig) -> list[str]:
     if cfg.fused not in FUSED_BACKENDS:
         errors.append(f"optim.fused={cfg.fused!r} is unknown; fix: one of {', '.join(FUSED_BACKENDS)}")
     return errors + check_muon(cfg)
+
+
+def floor_lr(cfg: OptimConfig) -> float:
+    """The cosine decay's floor: optim.min_lr when set, else optim.min_lr_ratio * optim.lr."""
+    return cfg.min_lr if cfg.min_lr is not None else cfg.lr * cfg.min_lr_ratio
+
+
+def warmup_steps(cfg: OptimConfig, max_steps: int) -> int:
+    """The warmup's length in steps: optim.warmup_steps, else ceil(optim.warmup_ratio * max_steps) (transformers'
+    TrainingArguments.get_warmup_steps), else 0."""
+    if cfg.warmup_steps is not None:
+        return cfg.warmup_steps
+    return math.ceil(max_steps * cfg.warmup_ratio) if cfg.warmup_ratio is not None else 0
+
+
+DEMO_LR = OptimConfig.lr  # the demo's peak rate (conf/recipe/demo.yaml keeps it)
+
+
+def recipe_names(conf: str) -> list[str]:
+    """The recipes of conf/recipe/ other than the demo, sorted (`conf`: the config tree's directory)."""
+    folder = os.path.join(conf, "recipe")
+    names = [f[:-len(".yaml")] for f in os.listdir(folder) if f.endswith(".yaml")] if os.path.isdir(folder) else []
+    return sorted(n for n in names if n != "demo")
+
+
+def pretrained_lr_warning(cfg: OptimConfig, *, init_from: Optional[str], conf: str) -> Optional[str]:
+    """The warning of a run that loads pretrained weights at the demo's learning rate, else None."""
+    if not init_from or cfg.lr != DEMO_LR:
+        return None
+    names = " | ".join(recipe_names(conf))
+    return (f"optim.lr={cfg.lr} is the demo's learning rate (a tiny model trained from scratch) and model.init_from "
+            "loads pretrained weights, which it would wreck: fine-tunes use 1e-5 to 2e-5 (full) or 1e-4 to 2e-4 "
+            f"(LoRA); fix: pick a recipe (recipe={names}: conf/recipe/, docs/getting-started.md) or set optim.lr")
 
 
 def check_muon(cfg: OptimConfig) -> list[str]:

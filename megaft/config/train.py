@@ -12,7 +12,10 @@ from megaft.config.checks import at_least
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 300  # optimizer steps; 0 = only evaluate
+    max_steps: Optional[int] = 300  # optimizer steps; 0 = only evaluate; null: train.epochs sizes the run
+    # passes over the data instead of max_steps (null max_steps): a float, 1.5 allowed; resolved once before any
+    # rank starts into the steps they mean (config.yaml's derived.epochs; megaft.training.epochs)
+    epochs: Optional[float] = None
     micro_batch_size: int = 32  # sequences per forward/backward on one rank
     global_batch_size: int = 64  # sequences per optimizer step over all dp ranks
     eval_every: int = 50  # evaluate every N steps (and at step 0, before any update)
@@ -53,7 +56,7 @@ def check_train(cfg: TrainConfig, dp: int) -> list[str]:
     errors = []
     for name in ("micro_batch_size", "global_batch_size", "eval_every", "eval_batch_size"):
         errors += at_least(cfg, f"train.{name}", 1)
-    errors += at_least(cfg, "train.max_steps", 0, "(0 = only evaluate)")
+    errors += check_length(cfg)
     errors += at_least(cfg, "train.save_every", 0, "(0 = none between, train.save_final)", "e.g. train.save_every=100")
     errors += at_least(cfg, "train.keep_last", 0, "(0 = keep every checkpoint)", "e.g. train.keep_last=2")
     errors += at_least(cfg, "train.peak_tflops", 0, "(0 = the device table)", "e.g. train.peak_tflops=989")
@@ -69,6 +72,19 @@ def check_train(cfg: TrainConfig, dp: int) -> list[str]:
             f"train.micro_batch_size * dp = {cfg.micro_batch_size} * {dp}; fix: make it one, e.g. "
             f"{cfg.micro_batch_size * dp * max(1, cfg.global_batch_size // (cfg.micro_batch_size * dp))}")
     return errors + check_tensorboard(cfg.tensorboard)
+
+
+def check_length(cfg: TrainConfig) -> list[str]:
+    """train.max_steps or train.epochs: exactly one sizes the run."""
+    if cfg.max_steps is not None and cfg.epochs is not None:
+        return [f"train.max_steps={cfg.max_steps} and train.epochs={cfg.epochs} are both set (a recipe may set "
+                "one); fix: null the other: train.max_steps=null to train for epochs, train.epochs=null for steps"]
+    if cfg.epochs is not None:
+        return [] if cfg.epochs > 0 else [f"train.epochs={cfg.epochs} must be > 0; fix: e.g. train.epochs=1"]
+    if cfg.max_steps is None:
+        return ["train.max_steps and train.epochs are both null: nothing sizes the run; fix: train.epochs=E "
+                "(passes over the data) or train.max_steps=N"]
+    return at_least(cfg, "train.max_steps", 0, "(0 = only evaluate)")
 
 
 TENSORBOARD_CHOICES = ("auto", "true", "false")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from fractions import Fraction
 from typing import Optional
 
 import numpy as np
@@ -118,6 +119,10 @@ class PackedStream:
     def epoch_at(self, step: int, size: int) -> float:
         """How many epochs the first `step` global batches consumed (for logging)."""
         return step * size * self.seq_len / self.tokens_per_epoch
+
+    def sequences_in(self, epochs: Fraction) -> Fraction:
+        """The sequences the first `epochs` epochs fill (sequence k starts at stream token k * seq_len)."""
+        return epochs * self.tokens_per_epoch / self.seq_len
 
 
 def eval_batches(encoded: list[Encoded], batch_size: int, pad_id: int,

@@ -18,8 +18,10 @@ document index of its own, so the segments of a row cover it exactly.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
+from fractions import Fraction
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
@@ -111,17 +113,29 @@ class PackedDocs:
             self._plans.popitem(last=False)
         return plan
 
+    def _grow_starts(self) -> None:
+        """Append the first global sequence of the next epoch to _epoch_starts."""
+        e = len(self._epoch_starts) - 1
+        self._epoch_starts.append(self._epoch_starts[-1] + self._plan(e).num_sequences)
+
     def _locate(self, seq: int) -> tuple[int, int]:
         """(epoch, index in the epoch) of global sequence `seq`."""
         while self._epoch_starts[-1] <= seq:
-            e = len(self._epoch_starts) - 1
-            self._epoch_starts.append(self._epoch_starts[-1] + self._plan(e).num_sequences)
+            self._grow_starts()
         e = int(np.searchsorted(self._epoch_starts, seq, side="right")) - 1
         return e, seq - self._epoch_starts[e]
 
     def sequences_per_epoch(self, epoch: int = 0) -> int:
         """How many sequences epoch `epoch` packs into (varies a little with the shuffle)."""
         return self._plan(epoch).num_sequences
+
+    def sequences_in(self, epochs: Fraction) -> Fraction:
+        """The sequences of the first `epochs` epochs: the whole epochs' plans, and the fraction of the next."""
+        whole = math.floor(epochs)
+        while len(self._epoch_starts) <= whole:
+            self._grow_starts()
+        rest = epochs - whole
+        return self._epoch_starts[whole] + (rest * self.sequences_per_epoch(whole) if rest else 0)
 
     def doc_batch(self, step: int, size: int) -> DocBatch:
         """Sequences step*size ... (step+1)*size - 1 with their document layout."""

@@ -29,6 +29,7 @@ def stores_scores(cfg) -> bool:
 def scoring_config(cfg):
     """`cfg` as its scoring job runs it: build (which scores and stores), evaluate nothing, train nothing."""
     out = copy.deepcopy(cfg)
+    out.train.epochs = None  # scoring trains no step, whatever sizes the training runs
     t = out.train
     t.max_steps, t.save_every, t.save_final, t.export_hf, t.then_eval, t.sample_every = 0, 0, False, False, False, 0
     return out  # data.eval_path stays: the held-out pairs are scored and stored with the training ones

@@ -69,6 +69,8 @@ def run_probe(cands: list, cluster, run_dir: str, user: list[str], launcher: lis
     names = [f"rank{i + 1}" for i in range(len(cands))]
     write_group(os.path.join(run_dir, "probe_conf"), GROUP,
                 {n: [*c.layout.overrides(), f"launcher.nodes={cluster.nodes}"] for n, c in zip(names, cands)})
+    # a probe runs plan.probe_steps steps: a recipe's train.epochs beside them would be refused
+    user = [o for o in user if override_key(o) != "train.epochs"] + ["train.epochs=null"]
     # The command line wins over the points' files: leave out what a layout sets (model.recompute, ...).
     point_keys = {override_key(o) for c in cands for o in c.layout.overrides()} | set(PROBE_KEYS)
     common = [o for o in user if override_key(o) not in point_keys]

@@ -51,6 +51,9 @@ class Trainer:
     sequences their typed surface (megaft.training.protocols); it never reaches into them."""
 
     def __init__(self, cfg: Config, grid: ParallelGrid, run_dir: str, *, spec: TrainSpec = TrainSpec()):
+        if cfg.train.max_steps is None:  # a run sized by train.epochs: megaft-train resolves it before any rank
+            raise ValueError("train.max_steps is unset: resolve train.epochs first (megaft.training.epochs."
+                             "resolve_epochs), or set train.max_steps")
         self.cfg, self.grid, self.run_dir = cfg, grid, run_dir
         self.is_writer = grid.rank == 0
         torch.manual_seed(dropout_seed(cfg.train.seed, grid))

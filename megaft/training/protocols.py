@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
 import torch
@@ -85,6 +86,12 @@ class DataPart(Protocol):
     packing: str  # data.packing
 
     def batch(self, step: int) -> StepBatch: ...
+
+    # what train.global_batch_size counts (sequences, pairs, completions): how many the first `epochs`
+    # epochs hold, what train.epochs becomes steps by (megaft.training.epochs)
+    unit: str
+
+    def units_in(self, epochs: Fraction) -> Fraction: ...
 
 
 class OptimPart(Protocol):

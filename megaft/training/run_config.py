@@ -9,7 +9,9 @@ latest attempt's; megaft-report (--commbench) and an elastic resume read it.
 
 The file is the Config as YAML, with parallel.dp as the grid has it, plus one mapping that is
 not a config field, `derived` (world_size and accumulation_steps, the micro-batches per rank
-per optimizer step), which `read_run_config` sets apart.
+per optimizer step; for a run sized by train.epochs, `epochs`: the epochs and the steps they
+resolved to, which a restarted run reads back: `stored_epoch_steps`), which `read_run_config`
+sets apart.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from megaft.run_dir import CONFIG
 
 FILE = CONFIG
 DERIVED = "derived"
+EPOCHS = "epochs"  # derived's entry of a run sized by train.epochs
 HEADER = ("# The config this run ran with: resolved, after any elastic change or re-plan\n"
           "# (megaft.training.run_config). `derived` is not a setting: what the layout implies.\n")
 
@@ -51,12 +54,34 @@ def ran_config(cfg: Config, world_size: int, dp: int) -> RunConfig:
 def write_run_config(run_dir: str, run: RunConfig) -> str:
     """run_dir/config.yaml (replaced whole: a reader never sees half of it); its path."""
     path = os.path.join(run_dir, FILE)
-    derived = {DERIVED: {"world_size": run.world_size, "accumulation_steps": run.accumulation_steps}}
+    derived = {DERIVED: {"world_size": run.world_size, "accumulation_steps": run.accumulation_steps,
+                         **epochs_record(run.config)}}
     text = HEADER + OmegaConf.to_yaml(OmegaConf.structured(run.config)) + yaml.safe_dump(derived, sort_keys=False)
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
     return path
+
+
+def epochs_record(cfg: Config) -> dict:
+    """derived's `epochs` entry of a run sized by train.epochs (resolved: train.max_steps set), else nothing."""
+    t = cfg.train
+    if t.epochs is None or t.max_steps is None:
+        return {}
+    return {EPOCHS: {"epochs": t.epochs, "global_batch_size": t.global_batch_size, "max_steps": t.max_steps}}
+
+
+def stored_epoch_steps(run_dir: str, epochs: float, global_batch_size: int) -> Optional[int]:
+    """The steps run_dir/config.yaml resolved train.epochs to, when that run had these epochs and
+    global batch (a restarted attempt keeps its epoch boundaries), else None."""
+    path = os.path.join(run_dir, FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        record = ((yaml.safe_load(f) or {}).get(DERIVED) or {}).get(EPOCHS) or {}
+    if record.get("epochs") != epochs or record.get("global_batch_size") != global_batch_size:
+        return None
+    return int(record["max_steps"])
 
 
 def load_config(path: str) -> Config:

@@ -34,6 +34,7 @@ def _for_verify(cfg: Config, steps: int) -> Config:
     out = copy.deepcopy(cfg)
     t = out.train
     t.max_steps, t.save_every, t.keep_last, t.resume, t.async_save = steps, 1, 0, False, False
+    t.epochs = None  # a run sized in epochs is verified for `steps` steps too
     t.export_hf, t.progress, t.tensorboard, t.eval_every = False, False, "false", steps
     out.precision = cfg.verify.precision
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import torch
@@ -79,6 +80,12 @@ class RolloutData:
     eval_batches = []
     packing = "none"
     untrained = None
+
+    unit = "completions"
+
+    def units_in(self, epochs: Fraction) -> Fraction:
+        """The completions of the first `epochs` passes over the groups (rl.num_generations each)."""
+        return epochs * len(self.groups) * self.rl.num_generations
 
     def batch(self, step: int) -> RolloutBatch:
         g = self.rl.num_generations

@@ -8,6 +8,7 @@ pipelined forward/backward of megaft.training.step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import torch
@@ -65,6 +66,12 @@ class DataParts:
     micro_batch_size: int  # train.micro_batch_size
     # training conversations with no assistant turn under data.train_on=assistant (None: no chat data)
     untrained: Optional[int] = None
+
+    unit = "sequences"
+
+    def units_in(self, epochs: Fraction) -> Fraction:
+        """The packed sequences of the first `epochs` epochs."""
+        return self.stream.sequences_in(epochs)
 
     def batch(self, step: int) -> StepBatch:
         """Step `step`'s micro-batches on this rank, with the global batch's target and token counts."""

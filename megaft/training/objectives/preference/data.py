@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import torch
@@ -87,6 +88,12 @@ class PrefData:
     task = None  # no generated task
     eval_batches = []  # SFT's eval lines: none (the held-out pairs are `eval_batch()`)
     untrained = None
+
+    unit = "pairs"
+
+    def units_in(self, epochs: Fraction) -> Fraction:
+        """The pairs of the first `epochs` epochs (each epoch draws the same count: the mixture's)."""
+        return epochs * self.rows.epoch_size()
 
     def batch(self, step: int) -> PairBatch:
         ids = self.rows.pair_ids(step, self.global_batch_size)
