@@ -279,7 +279,7 @@ def test_moe_activation_bytes_by_hand():
     bf = activation_bytes_per_token(cfg, tp=2, sequence_parallel=True, precision="bf16", layer=0)
     want = (2 * (2 * d + 1) * 4 / 2 + d * 2 + (2 * 4 * 16 + 2 * 2 * 16) * 2 / 2 + 4 * 4 / 2
             + (d * 4 + (2 * e + 1) * 4 + k * 8 + (k + 1) * 4) / 2 + k * 4 + dispatch
-            + k * d * 2 + 4 * k * f * 2 / 2 + k * d * (2 + 4))
+            + k * d * 2 + 4 * k * f * 2 / 2 + k * d * (2 + 2))  # down output + its token-order copy
     assert bf == want
 
 

@@ -407,7 +407,8 @@ def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: in
     - the routed copies (k per token; every tp rank sees the micro-batch's tokens): the
       sorted input k * dim * half, the grouped gate/up outputs, SwiGLU's activation and
       product (4 | 3 under selective) * k * F / tp * half, the down output k * dim * half
-      (kept by the reorder) and its fp32 copy in token order k * dim * 4;
+      (kept by the reorder) and its token-order copy the fp32 sum recasts in backward
+      k * dim * half (megaft.models.moe.combine);
     - with a shared expert: its input (the gate's and the MLP's casts of the norm output;
       under sequence parallel the MLP's is the gathered whole), its gate/up/activation/product
       (4 | 3) * S / tp * half, its output and sigmoid gate (dim + 1) * half / sp;
@@ -422,7 +423,7 @@ def moe_activation_bytes_per_token(m: ModelConfig, *, tp: int, sp: int, half: in
     wide = 4 if recompute == "none" else 3  # selective recomputes the SwiGLU activation
     router = (m.dim * FP32 + (2 * e + 1) * FP32 + k * 8 + ((k + 1) * FP32 if m.norm_topk_prob else 0)) / sp + k * FP32
     dispatch = 2 * k * 8
-    routed = k * m.dim * half + wide * k * f * half / tp + k * m.dim * (half + FP32)
+    routed = k * m.dim * half + wide * k * f * half / tp + 2 * k * m.dim * half
     out = router + dispatch + routed + moe_dispatch_bytes_per_token(m, half=half, ep=ep)
     if shared:
         cast = half != FP32

@@ -42,6 +42,7 @@ from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.mlp import MLP  # the shared expert
 from megaft.models.moe.capacity import kept_assignments
+from megaft.models.moe.combine import combine
 from megaft.models.moe.router import Router, RouterLog, RouterRecord
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
 from megaft.parallel.expert import dispatch_compute_combine
@@ -207,7 +208,7 @@ class MoE(nn.Module):
         # capacity `order` covers every row: no memset needed)
         back = y.new_empty if keep is None else y.new_zeros
         y = back((b * s * k, y.shape[1])).index_copy(0, order, y)
-        out = (y.view(b * s, k, d).float() * weights.reshape(b * s, k, 1)).sum(1).to(x.dtype).view(b, s, d)
+        out = combine(y.view(b * s, k, d), weights.reshape(b * s, k)).to(x.dtype).view(b, s, d)
         out = reduce_scatter_to_sp(out, self.group) if self.sp else reduce_from_tp(out, self.group)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
