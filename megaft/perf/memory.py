@@ -27,6 +27,14 @@ dp*cp as without ep; ZeRO-3's gathered blocks hold the rank's experts only. Each
 also keeps the all-to-all's send and receive buffers of its routed token copies,
 2 x tokens x top_k x dim in the compute dtype per micro-batch in flight
 (counts.moe_dispatch_bytes_per_token, counted in the activations like the routed copies).
+
+Objectives (train.objective) declare what they add in one place, `objective_terms`: the rows
+a micro-batch sample becomes (a preference pair is two rows of up to data.seq_len, or one
+packed row of up to 2 x data.seq_len: the same tokens), and the frozen models held beside
+the policy (a reference or teacher: built like the policy at lora.rank=0, sharded by tp, pp
+and ep but whole under ZeRO, fp32, no grads or optimizer state). Such a model's scoring pass
+runs without grad before the policy's forward, so it adds no activations at the peak; the
+rows' tokens are counted in the policy's activations.
 """
 from __future__ import annotations
 
@@ -65,19 +73,44 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     buffers: int
+    frozen: int = 0  # the objective's frozen models (a reference or teacher), see objective_terms
 
     @property
     def margin(self) -> int:
-        return int(MARGIN_FRACTION * (self.params + self.grads + self.optimizer + self.activations + self.buffers)
-                   + MARGIN_FIXED)
+        return int(MARGIN_FRACTION * (self.params + self.grads + self.optimizer + self.activations + self.buffers
+                                      + self.frozen) + MARGIN_FIXED)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.frozen + self.margin
 
     def describe(self) -> str:
-        parts = ("params", "grads", "optimizer", "activations", "buffers", "margin")
+        parts = ("params", "grads", "optimizer", "activations", "buffers") + (("frozen",) if self.frozen else ()) + (
+            "margin",)
         return ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts)
+
+
+@dataclass(frozen=True)
+class ObjectiveTerms:
+    """What train.objective adds to the policy's memory: `rows` rows per micro-batch sample,
+    `frozen_models` whole models beside the policy (reference, teacher)."""
+
+    rows: int = 1
+    frozen_models: int = 0
+
+
+def objective_terms(cfg) -> ObjectiveTerms:
+    """The one place each objective declares its memory terms (mirrors the models its step
+    builds: megaft.training.objectives.preference.step.reference_model, grpo.reference_model)."""
+    from megaft.config.pref import is_preference, needs_reference
+
+    objective, pref = cfg.train.objective, cfg.pref
+    if is_preference(objective):
+        held = needs_reference(objective) and (pref.reference is not None or pref.reference_mode == "online")
+        return ObjectiveTerms(rows=2, frozen_models=int(held))
+    if objective == "grpo":
+        return ObjectiveTerms(frozen_models=int(cfg.rl.beta != 0.0))
+    return ObjectiveTerms()
 
 
 def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int) -> float:
@@ -108,7 +141,8 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     cp, ep = par.cp, par.ep
     replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
     expert_replicas = max(replicas // ep, 1)  # ... and the routed experts over the dp×cp/ep ranks holding them
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len // cp
+    terms = objective_terms(cfg)
+    tokens = terms.rows * cfg.train.micro_batch_size * cfg.data.seq_len // cp
     acts = dict(tp=par.tp, sequence_parallel=par.sequence_parallel, precision=cfg.precision, cp=cp,
                 seq=cfg.data.seq_len, ep=ep)
     # per block (a mixture of experts' differ from the dense ones): everything it saves, and what
@@ -131,6 +165,7 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     experts = rank_expert_params(m, **shape) if ep > 1 else [0] * par.pp
     out = []
     for r, n in enumerate(rank_params(m, **shape)):
+        held_models = terms.frozen_models * n * FP32  # lora.rank=0, fp32, whole under ZeRO
         live = in_flight(par.schedule, par.pp, par.vpp, r, micro)
         # model.recompute_layers: the first N blocks of each of this rank's virtual stages
         again = set() if m.recompute == "none" else {
@@ -165,7 +200,8 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
 
         out.append(MemoryEstimate(
             rank=r, params=frozen + sharded(weight, 3), grads=sharded(weight, 2),
-            optimizer=0 if offloaded else sharded(opt_bytes, 1), activations=int(activations), buffers=buffers))
+            optimizer=0 if offloaded else sharded(opt_bytes, 1), activations=int(activations), buffers=buffers,
+            frozen=held_models))
     return out
 
 
