@@ -227,6 +227,7 @@ def eval_pairs_loss(objective: Optional[PairObjective], batch: Optional[PairBatc
         return None
     was_training = model.training
     model.eval()
+    batch = batch.on(grid.device)
     objective.start(batch)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     for i, (inputs, labels) in enumerate(zip(batch.inputs, batch.labels)):
@@ -276,6 +277,7 @@ class PreferenceStep(PlainStep):
         plus its router terms, each micro-batch's over its tokens, averaged over the global
         batch's micro-batches as TRL adds them); the pair-loss sum (fp64)."""
         phase, device, model = self.phases.phase, self.grid.device, self.model
+        batch = batch.on(device)  # every tensor copied once (the .to(device) below: no-ops)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.pairs.start(batch)
         self.router_stats = StepRouterStats.of(model)
@@ -337,6 +339,7 @@ class PipelinePreferenceStep(PipelineStep):
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
         device = self.grid.device
+        batch = batch.on(device)
         self.pairs.start(batch)
 
         def head(i: int, logits: torch.Tensor) -> torch.Tensor:
