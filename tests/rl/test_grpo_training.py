@@ -29,11 +29,11 @@ from rl.grpo_cases import (
 )
 from train_cases import read_rows
 
+from megaft.config.rl import LOSS_TYPES
 from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 
 pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean")
 KL_COMPARED = COMPARED + ("kl",)
 

@@ -36,7 +36,7 @@ from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import decoder_token_logps
 from megaft.rl.advantages import function_metrics, group_advantages
-from megaft.rl.losses import GlobalCounts, GrpoStats, completion_losses, grpo_terms
+from megaft.rl.losses import COLUMNS, GlobalCounts, GrpoStats, completion_losses, grpo_terms
 from megaft.rl.rewards import load_reward, reward_name
 from megaft.rl.rollouts import Group, group_rows, logged_rewards, read_rollouts, scored_rewards, step_groups
 from megaft.training.model import build_model
@@ -166,22 +166,17 @@ class GrpoObjective:
         """TRL's metrics of the step over its global batch (the last pp stage's, over dp)."""
         stats = self.stats
         if stats is None:  # a pipeline stage before the last: neutral values for the reductions
-            stats = GrpoStats(torch.zeros(6, dtype=torch.float32, device=self.grid.device),
+            stats = GrpoStats(torch.zeros(len(COLUMNS), dtype=torch.float32, device=self.grid.device),
                               torch.tensor(float("inf"), device=self.grid.device),
                               torch.tensor(float("-inf"), device=self.grid.device))
         sums, low, high = stats.sums.clone(), stats.low_min.clone(), stats.high_max.clone()
         for group in ([self.grid.pp_group] if self.grid.pp_size > 1 else []) + [self.grid.dp_group]:
             all_reduce(sums, group)  # the last stage's values over pp, then every dp rank's completions
-            _extreme(low, group, torch.distributed.ReduceOp.MIN)
-            _extreme(high, group, torch.distributed.ReduceOp.MAX)
+            all_reduce(low, group, torch.distributed.ReduceOp.MIN)
+            all_reduce(high, group, torch.distributed.ReduceOp.MAX)
         out = GrpoStats(sums, low, high).metrics(self.rl.beta)
         del out["entropy"]  # the vocab-parallel entropy is not computed yet
         return {**self.batch.reward_metrics, **out}
-
-
-def _extreme(x: torch.Tensor, group, op) -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(x, op=op, group=group)
 
 
 def reference_model(parts: RunParts) -> Optional[torch.nn.Module]:
