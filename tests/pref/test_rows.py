@@ -54,3 +54,13 @@ def test_pair_ids_run_through_the_epochs_in_order():
     assert flat == want
     assert sorted(flat[:n]) == list(range(n)) and sorted(flat[n:2 * n]) == list(range(n))
     assert isinstance(rows.pair_ids(0, 3), torch.Tensor)
+
+
+def test_the_benchmarks_two_ways_agree():
+    # benchmarks.pref_rows times the replaced per-token path against PairRows: the same rows first
+    from benchmarks.pref_rows import make_pairs, per_token, vectorised
+
+    rows = PairRows(make_pairs(30, 64), 64, seed=0, pad_id=0)
+    ids = rows.pair_ids(1, 8)
+    (a_in, a_lab, a_n), (b_in, b_lab, b_n) = per_token(rows, ids), vectorised(rows, ids)
+    assert torch.equal(a_in, b_in) and torch.equal(a_lab, b_lab) and a_n == b_n > 0
