@@ -148,7 +148,9 @@ def test_validation_names_what_grpo_cannot_do_yet(inputs, tmp_path):
     cfg = grpo_config(ckpt, rollouts)
     assert validate(cfg, 1) == []
     cases = [
-        (dict(rollouts=None), "rl.rollouts is unset"),
+        (dict(rollouts=None), "neither rl.rollouts nor rl.prompts is set"),
+        (dict(prompts=rollouts), "rl.rollouts and rl.prompts are both set"),
+        (dict(rollouts=None, prompts=rollouts), "generated completions need reward functions"),
         (dict(beta=0.04, reference="/no/such/ckpt"), "rl.reference=/no/such/ckpt is not a Hugging Face checkpoint"),
         (dict(reference="/no/such/ckpt"), "is read by the KL term only, and rl.beta=0"),
         (dict(temperature=0.7), "fix: rl.temperature=1"),
