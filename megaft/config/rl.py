@@ -26,7 +26,8 @@ class RLConfig:
     format_pattern: str = THINK_FORMAT  # the built-in `format` reward's pattern (re.match, DOTALL, MULTILINE)
     num_generations: int = 8  # G: completions per prompt, one group (train.global_batch_size counts completions)
     max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
-    temperature: float = 1.0  # the policy's log-probs are of logits / temperature, as the rollouts were sampled
+    # the policy's (and the reference's) log-probs are of logits / temperature; rl.prompts samples at it
+    temperature: float = 1.0
     beta: float = 0.0  # the KL coefficient; 0 (TRL's default): no KL term and no reference model
     # beta > 0: a Hugging Face checkpoint of the same architecture the KL term compares with; null = the
     # model the run starts from (model.init_from or the seeded init; with LoRA the base, as TRL)
@@ -99,9 +100,6 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
     if cfg.reference and cfg.beta == 0.0:
         problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
                         "(e.g. 0.04) or rl.reference=null")
-    if cfg.temperature != 1.0:
-        problems.append(f"rl.temperature={cfg.temperature}: the log-probs of logits / temperature are not built "
-                        "into the cross-entropy kernels yet; fix: rl.temperature=1 (rollouts sampled at 1)")
     if n_experts > 0:
         problems.append("train.objective=grpo with a mixture of experts: the router's aux loss is not wired into "
                         "the GRPO step yet; fix: a dense model")

@@ -226,6 +226,7 @@ class GrpoStep(PlainStep):
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.objective = GrpoObjective(cfg.rl, grid)
         self.reference = reference_model(parts)
+        self.temperature = cfg.rl.temperature  # the log-probs of logits / T, the policy's and the reference's
 
     def _ref_logps(self, batch: RolloutBatch, i: int) -> Optional[torch.Tensor]:
         if self.reference is None:
@@ -233,7 +234,7 @@ class GrpoStep(PlainStep):
         device = self.grid.device
         with torch.no_grad(), self.autocast():
             return decoder_token_logps(self.reference, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                       batch.docs[i] if batch.docs else None)
+                                       batch.docs[i] if batch.docs else None, temperature=self.temperature)
 
     def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(c_i) / divisor over the micro-batches; the c_i sum (fp64)."""
@@ -247,7 +248,7 @@ class GrpoStep(PlainStep):
                 ref = self._ref_logps(batch, i)
                 with self.autocast():
                     logps = decoder_token_logps(self.model, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                                batch.docs[i] if batch.docs else None)
+                                                batch.docs[i] if batch.docs else None, temperature=self.temperature)
                     losses = self.objective.losses(logps, i, ref)
             with phase("backward"):
                 (losses.sum() / divisor).backward()
@@ -271,7 +272,7 @@ class PipelineGrpoStep(PipelineStep):
     def __init__(self, parts: RunParts):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
-        self.logps = logits_scorer(self.model, grid)
+        self.logps = logits_scorer(self.model, grid, cfg.rl.temperature)
         self.objective = GrpoObjective(cfg.rl, grid)
         reference = reference_model(parts)
         self.reference: Optional[PipelineRuntime] = None if reference is None else PipelineRuntime(

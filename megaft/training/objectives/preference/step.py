@@ -73,11 +73,14 @@ def _sequences(logps: torch.Tensor, labels: torch.Tensor, whole: Optional[torch.
     return out[0], (out[1] if whole is not None else None)
 
 
-def logits_scorer(model, grid: ParallelGrid) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Token log-probs from this tp rank's vocabulary slice of the logits (a pipeline's last stage)."""
+def logits_scorer(model, grid: ParallelGrid, temperature: float = 1.0
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Token log-probs from this tp rank's vocabulary slice of the logits (a pipeline's last stage),
+    of logits / temperature."""
     backend = op_backend(model.kernels, "cross_entropy")
 
     def score(logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        logits = logits if temperature == 1.0 else logits / temperature
         return token_logps(logits[:, :scored.shape[1]], scored, group=grid.tp_group,
                            vocab_size=model.cfg.vocab_size, backend=backend)
     return score
