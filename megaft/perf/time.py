@@ -78,10 +78,12 @@ from megaft.perf.counts import (
     mlp_activation_flops,
     per_block,
     rank_expert_params,
+    rank_layer_ids,
     trainable_rank_params,
 )
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
 from megaft.perf.memory import objective_terms
+from megaft.perf.muon import block_matrix_elements, block_ns_flops, hidden_matrices
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
@@ -458,3 +460,22 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         terms["offload"] = max(pcie, host)
     else:
         terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12)
+    if cfg.optim.name == "muon":
+        _add_muon_terms(terms, cfg, cluster, dp, r)
+
+
+def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
+    """optim.name=muon on pp rank `r` (megaft.perf.muon): the Newton-Schulz FLOPs in the optimizer
+    term, the updates' all-gather over tp in tp_comm, ZeRO's extra all-gather in param_gather."""
+    m, par = cfg.model, cfg.parallel
+    blocks = len(rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r])
+    share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
+    rate = cluster_peak_tflops(cluster, "bf16") * 1e12 * cluster.matmul_fraction  # Newton-Schulz runs in bf16
+    terms["optimizer"] += blocks * block_ns_flops(m, cfg.optim.muon.ns_steps) / share / rate
+    if par.tp > 1:
+        link = group_link(cluster, par.tp)
+        terms["tp_comm"] += blocks * sum(gather_s(rows * cols * 4, par.tp, link)
+                                         for rows, cols in hidden_matrices(m)) / share
+    if share > 1:
+        terms["param_gather"] += gather_s(blocks * block_matrix_elements(m) // par.tp * 4, dp,
+                                          group_link(cluster, dp, par.tp))
