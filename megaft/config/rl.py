@@ -100,9 +100,6 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
     if cfg.reference and cfg.beta == 0.0:
         problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
                         "(e.g. 0.04) or rl.reference=null")
-    if n_experts > 0:
-        problems.append("train.objective=grpo with a mixture of experts: the router's aux loss is not wired into "
-                        "the GRPO step yet; fix: a dense model")
     if packing == "docs":
         problems.append("train.objective=grpo gives each completion a row of its own; fix: data.packing=none")
     return problems

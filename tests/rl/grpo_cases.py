@@ -28,6 +28,8 @@ LAYOUTS = {
     "grpo_kl_ref_pp2": (dict(pp=2), "grpo"),
     "dapo_kl_ref_cp2": (dict(cp=2), "dapo"),
     "dapo_kl_lora_tp2": (dict(tp=2), "dapo"),
+    # the fixture's Mixtral (its router aux loss over each micro-batch's tokens): experts over 2 ranks
+    "dapo_moe_ep2": (dict(dp=2, ep=2), "dapo"),
 }
 BETA = 0.04
 
@@ -69,7 +71,12 @@ def single_name(name: str) -> str:
     """The single-process run a layout compares with."""
     _, loss_type = LAYOUTS[name]
     kl = "_kl_ref" if "_kl_ref" in name else "_kl_lora" if "_kl_lora" in name else ""
-    return f"single_{loss_type}{kl}"
+    return f"single_{loss_type}{kl}" + ("_moe" if "_moe" in name else "")
+
+
+def moe_of(ckpt: str) -> str:
+    """The Mixtral checkpoint the fixture saves beside `ckpt`."""
+    return os.path.join(os.path.dirname(ckpt), "moe")
 
 
 def kl_config(ckpt: str, rollouts: str, loss_type: str, kl: str, micro: int = 4) -> Config:
@@ -86,8 +93,8 @@ def kl_config(ckpt: str, rollouts: str, loss_type: str, kl: str, micro: int = 4)
 
 def layout_config(ckpt: str, rollouts: str, name: str, *, single: bool) -> Config:
     par, loss_type = LAYOUTS[name]
-    kl = single_name(name)[len(f"single_{loss_type}"):]
-    cfg = kl_config(ckpt, rollouts, loss_type, kl, micro=2 if par.get("dp") else 4)
+    kl = single_name(name)[len(f"single_{loss_type}"):].removesuffix("_moe")
+    cfg = kl_config(moe_of(ckpt) if "_moe" in name else ckpt, rollouts, loss_type, kl, micro=2 if par.get("dp") else 4)
     if not single:
         for k, v in par.items():
             setattr(cfg.parallel, k, v)
@@ -103,7 +110,7 @@ def layouts_rank(rank: int, world: int, ckpt: str, rollouts: str, root: str) -> 
     for name, (par, _) in LAYOUTS.items():
         cfg = layout_config(ckpt, rollouts, name, single=False)
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
-                                  device="cpu")
+                                  ep=par.get("ep", 1), device="cpu")
         run(cfg, grid, os.path.join(root, name))
 
 

@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pytest
 import torch
 from models.hf_fixture import VOCAB, make_hf_llama
+from models.moe_fixture import make_hf_moe
 from multirank import spawn
 from rl.grpo_cases import (
     BETA,
@@ -22,6 +24,7 @@ from rl.grpo_cases import (
     grpo_config,
     kl_config,
     layouts_rank,
+    moe_of,
     reference_of,
     run,
     single_name,
@@ -44,6 +47,7 @@ def inputs(tmp_path_factory):
     ckpt, rollouts = str(root / "ckpt"), str(root / "rollouts.jsonl")
     make_hf_llama(ckpt, seed=1)
     make_hf_llama(reference_of(ckpt), seed=4)
+    make_hf_moe(moe_of(ckpt), "mixtral", seed=3, sliding_window=None)
     write_rollouts(rollouts, VOCAB)
     return ckpt, rollouts, root
 
@@ -56,7 +60,11 @@ def singles(inputs):
     for name in sorted({single_name(n) for n in LAYOUTS} - {f"single_{t}" for t in LOSS_TYPES}):
         loss_type, kl = next((t, name[len(f"single_{t}"):]) for t in sorted(LOSS_TYPES, key=len, reverse=True)
                              if name.startswith(f"single_{t}"))
-        run(resolve(kl_config(ckpt, rollouts, loss_type, kl)), ParallelGrid.single(), str(root / name))
+        # a mixture of experts' aux loss is per micro-batch: the single process takes the dp layout's ones
+        moe = kl.endswith("_moe")
+        cfg = kl_config(moe_of(ckpt) if moe else ckpt, rollouts, loss_type, kl.removesuffix("_moe"),
+                        micro=2 if moe else 4)
+        run(resolve(cfg), ParallelGrid.single(), str(root / name))
     return root
 
 
@@ -76,7 +84,7 @@ def test_every_layout_equals_the_single_process(inputs, singles, layouts, name):
     want, got = _lines(singles / single_name(name)), _lines(layouts / name)
     assert len(got) == len(want) == 3
     for step, (g, w) in enumerate(zip(got, want), start=1):
-        for key in KL_COMPARED if "_kl" in name else COMPARED:
+        for key in (KL_COMPARED if "_kl" in name else COMPARED) + (("aux_loss",) if "_moe" in name else ()):
             # fp32: a layout reorders the sums of log-probs (O(10)) and of the gradient
             assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), f"{name} step {step} {key}: {g[key]}, {w[key]}"
     assert want[0]["loss"] != want[1]["loss"]  # the weights moved: later steps compare trained models
@@ -93,19 +101,14 @@ def test_loss_types_differ(singles):
     assert abs(first["grpo"]["loss"]) < 1e-6 < abs(first["dapo"]["loss"])
 
 
-@pytest.mark.parametrize("loss_type, kl, temperature", [(t, "", 1.0) for t in LOSS_TYPES] + [
-    ("dapo", "_kl_ref", 1.0), ("grpo", "_kl_ref", 1.0), ("dapo", "_kl_ref", 0.7)])
-def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
-    """TRL's GRPOTrainer on the same checkpoint, fed step 1's two groups through its rollout_func,
-    with a reward function returning the logged rewards: its loss and gradient norm are megaft's;
-    with the KL term against rl.reference's checkpoint (TRL's ref_model given its weights) its kl too;
-    at rl.temperature 0.7 both take the log-probs of logits / 0.7 (the policy's and the reference's)."""
+def trl_first_step(model_dir: str, groups: list[dict], out_dir: str, *, loss_type: str = "dapo", beta: float = 0.0,
+                   reference: Optional[str] = None, temperature: float = 1.0):
+    """TRL's GRPOTrainer on `model_dir`, fed `groups` through its rollout_func with a reward function
+    returning their logged rewards, one micro-batch: (its first loss, the gradient norm, the trainer)."""
     trl = pytest.importorskip("trl", reason="TRL is the reference (requirements.txt installs it)")
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    ckpt, rollouts, root = inputs
-    groups = [json.loads(line) for line in open(rollouts)][:2]
     rewards = {tuple(c): r for g in groups for c, r in zip(g["completion_ids"], g["rewards"])}
 
     def logged(completions, completion_ids, **kwargs):
@@ -116,27 +119,40 @@ def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
                 "completion_ids": [c for g in groups for c in g["completion_ids"]],
                 "logprobs": [[0.0] * len(c) for g in groups for c in g["completion_ids"]]}
 
-    model = ckpt if kl else LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
-    tok = AutoTokenizer.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
-    args = trl.GRPOConfig(output_dir=str(root / f"trl_{loss_type}"), per_device_train_batch_size=2 * G,
-                          num_generations=G, max_completion_length=8, beta=BETA if kl else 0.0, epsilon_high=0.28,
-                          temperature=temperature,
+    n = len(groups) * G
+    args = trl.GRPOConfig(output_dir=out_dir, per_device_train_batch_size=n, num_generations=G,
+                          max_completion_length=8, beta=beta, epsilon_high=0.28, temperature=temperature,
                           loss_type=loss_type, report_to=[], use_cpu=True, bf16=False,
                           model_init_kwargs={"dtype": torch.float32, "attn_implementation": "eager"})
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=logged, args=args, processing_class=tok,
-                              train_dataset=Dataset.from_dict({"prompt": ["x"] * 2}), rollout_func=rollout)
-    if kl:  # TRL builds its ref_model from the policy's checkpoint: give it rl.reference's weights
-        reference = LlamaForCausalLM.from_pretrained(reference_of(ckpt), dtype=torch.float32)
-        trainer.ref_model.load_state_dict(reference.state_dict())
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=logged, args=args, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": ["x"] * len(groups)}), rollout_func=rollout)
+    if reference:  # TRL builds its ref_model from the policy's checkpoint: give it rl.reference's weights
+        trainer.ref_model.load_state_dict(LlamaForCausalLM.from_pretrained(reference, dtype=torch.float32).state_dict())
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    out = trainer._generate_and_score_completions([{"prompt": "x"}] * (2 * G))
+    out = trainer._generate_and_score_completions([{"prompt": "x"}] * n)
     loss = trainer._compute_loss(trainer.model, out)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()
                                                  if p.grad is not None]))
+    return float(loss), float(norm), trainer
+
+
+@pytest.mark.parametrize("loss_type, kl, temperature", [(t, "", 1.0) for t in LOSS_TYPES] + [
+    ("dapo", "_kl_ref", 1.0), ("grpo", "_kl_ref", 1.0), ("dapo", "_kl_ref", 0.7)])
+def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
+    """TRL's GRPOTrainer on the same checkpoint, fed step 1's two groups through its rollout_func,
+    with a reward function returning the logged rewards: its loss and gradient norm are megaft's;
+    with the KL term against rl.reference's checkpoint (TRL's ref_model given its weights) its kl too;
+    at rl.temperature 0.7 both take the log-probs of logits / 0.7 (the policy's and the reference's)."""
+    ckpt, rollouts, root = inputs
+    groups = [json.loads(line) for line in open(rollouts)][:2]
+    loss, norm, trainer = trl_first_step(ckpt, groups, str(root / f"trl_{loss_type}"), loss_type=loss_type,
+                                         beta=BETA if kl else 0.0, reference=reference_of(ckpt) if kl else None,
+                                         temperature=temperature)
     name = f"single_{loss_type}{kl}"
     if temperature != 1.0:  # one step of its own
         name += f"_t{temperature}"
@@ -145,11 +161,29 @@ def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
         run(resolve(cfg), ParallelGrid.single(), str(singles / name))
     first = _lines(singles / name)[0]
     # abs: grpo's on-policy loss is 0 up to the rounding of O(1) terms
-    assert first["loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-6), (first["loss"], float(loss))
-    assert first["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    assert first["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), (first["loss"], loss)
+    assert first["grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert first["reward"] == pytest.approx(trainer._metrics["train"]["reward"][-1], rel=1e-6)
     if kl:
         assert first["kl"] == pytest.approx(trainer._metrics["train"]["kl"][-1], rel=1e-5) and first["kl"] > 1e-3
+
+
+def test_a_mixture_of_experts_equals_trl_with_its_aux_loss(inputs, tmp_path):
+    """Mixtral (4 experts, top-2, router_aux_loss_coef 0.02): TRL's GRPOTrainer adds coef x
+    transformers' load-balancing loss over the micro-batch's tokens (prompt and completion, not the
+    padding); megaft's loss line is the policy loss and aux_loss its own line, so TRL's loss is
+    megaft's loss + coef x aux_loss, and the gradient norms are equal. One micro-batch, as TRL's."""
+    ckpt, rollouts, _ = inputs
+    moe = moe_of(ckpt)
+    cfg = grpo_config(moe, rollouts, "dapo", steps=1, micro=2 * G)
+    run(resolve(cfg), ParallelGrid.single(), str(tmp_path / "megaft"))
+    got = _lines(tmp_path / "megaft")[0]
+    groups = [json.loads(line) for line in open(rollouts)][:2]
+    loss, norm, trainer = trl_first_step(moe, groups, str(tmp_path / "trl"))
+    assert trainer.aux_loss_enabled and got["aux_loss"] > 0
+    assert got["aux_loss"] == pytest.approx(trainer._metrics["train"]["aux_loss"][-1], rel=1e-5)
+    assert got["loss"] + 0.02 * got["aux_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
 def test_validation_names_what_grpo_cannot_do_yet(inputs, tmp_path):

@@ -34,6 +34,8 @@ from megaft.data.tokenizer import special_ids
 from megaft.inference.generate import Sampling, generate, pipeline_generate
 from megaft.models.decoder import Decoder
 from megaft.models.hf.config import hf_model_config
+from megaft.models.moe.metrics import router_weight
+from megaft.models.moe.stats import StepRouterStats
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
@@ -62,6 +64,9 @@ class RolloutBatch(StepBatch):
     advantages: Optional[list[torch.Tensor]] = None
     counts: Optional[GlobalCounts] = None
     reward_metrics: Optional[dict[str, float]] = None
+    # per micro-batch [rows, length]: True at a row's tokens (prompt and completion), what a mixture of
+    # experts' router statistics count (transformers' attention_mask in TRL's aux loss)
+    valid: Optional[list[torch.Tensor]] = None
 
 
 @dataclass
@@ -117,18 +122,21 @@ class RolloutData:
                               max_completion_length=self.rl.max_completion_length)
         share = len(advantages) // self.grid.dp_size
         mine = slice(self.grid.dp_rank * share, (self.grid.dp_rank + 1) * share)
-        micro = [list(x[mine].split(self.micro_batch_size)) for x in (inputs, labels, advantages)]
+        lengths = torch.tensor([len(grp.prompt_ids) + len(c) for grp in groups for c in grp.completion_ids])
+        valid = torch.arange(self.seq_len) < lengths.unsqueeze(1)
+        micro = [list(x[mine].split(self.micro_batch_size)) for x in (inputs, labels, advantages, valid)]
         ends = [row_length(lab, self.multiple) for lab in micro[1]]
         if self.same_length and ends:
             ends = [max(ends)] * len(ends)
         docs = [] if self.grid.cp_size > 1 else None
         for i, n in enumerate(ends):
-            micro[0][i], (micro[1][i],), d = context_chunks(micro[0][i][:, :n], [micro[1][i][:, :n]], self.grid)
+            micro[0][i], (micro[1][i], micro[3][i]), d = context_chunks(
+                micro[0][i][:, :n], [micro[1][i][:, :n], micro[3][i][:, :n]], self.grid)
             if docs is not None:
                 docs.append(d)
         tokens = sum(len(grp.prompt_ids) + len(c) for grp in groups for c in grp.completion_ids)
         return RolloutBatch(micro[0], micro[1], docs, len(advantages), tokens, advantages=micro[2], counts=counts,
-                            reward_metrics=metrics)
+                            reward_metrics=metrics, valid=micro[3])
 
 
 def build_data(parts: RunParts) -> RolloutData:
@@ -237,21 +245,31 @@ class GrpoStep(PlainStep):
                                        batch.docs[i] if batch.docs else None, temperature=self.temperature)
 
     def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
-        """Backpropagate sum(c_i) / divisor over the micro-batches; the c_i sum (fp64)."""
-        phase, device = self.phases.phase, self.grid.device
+        """Backpropagate sum(c_i) / divisor over the micro-batches (a mixture of experts: plus its
+        router terms, each micro-batch's over its tokens, averaged over the global batch's
+        micro-batches as TRL adds them); the c_i sum (fp64)."""
+        phase, device, model = self.phases.phase, self.grid.device, self.model
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.objective.start(batch)
+        self.router_stats = StepRouterStats.of(model)
+        weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, model.routing)
         for i in range(len(batch.inputs)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
             with phase("forward"):
                 ref = self._ref_logps(batch, i)
                 with self.autocast():
-                    logps = decoder_token_logps(self.model, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                                batch.docs[i] if batch.docs else None, temperature=self.temperature)
+                    logps = decoder_token_logps(model, batch.inputs[i].to(device), batch.labels[i].to(device),
+                                                batch.docs[i] if batch.docs else None, temperature=self.temperature,
+                                                router_valid=batch.valid[i] if batch.valid else None)
                     losses = self.objective.losses(logps, i, ref)
+                    router = model.router_losses() if model.cfg.n_experts > 0 else None
+            objective = losses.sum()
+            if router is not None:
+                objective = objective + router.local * weight
+                self.router_stats.add(router)
             with phase("backward"):
-                (losses.sum() / divisor).backward()
+                (objective / divisor).backward()
             loss_sum += losses.detach().double().sum()
         return loss_sum
 
@@ -259,7 +277,8 @@ class GrpoStep(PlainStep):
     total_loss = PreferenceStep.total_loss
 
     def step_metrics(self) -> dict[str, float]:
-        return self.objective.record()
+        """TRL's metrics, and a mixture of experts' aux_loss, z_loss and expert loads (over dp)."""
+        return {**self.objective.record(), **self.router_stats.record(self.grid.dp_group)}
 
     def eval_loss(self, batches) -> Optional[float]:
         return None  # no held-out rollouts yet
@@ -298,12 +317,14 @@ class PipelineGrpoStep(PipelineStep):
 
         def head(i: int, logits: torch.Tensor) -> torch.Tensor:
             return self.objective.losses(self.logps(logits, batch.labels[i].to(device)), i, refs[i]).sum()
-        return self.run_schedule(batch, divisor, head=head)
+        weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
+        return self.run_schedule(batch, divisor, head=head, router_weight=weight, router_valid=batch.valid)
 
     total_loss = GrpoStep.total_loss
 
     def step_metrics(self) -> dict[str, float]:
-        return self.objective.record()
+        """As GrpoStep's, the router's over pp and dp."""
+        return {**self.objective.record(), **self.runtime.router_stats.record(self.grid.dp_group, self.grid.pp_group)}
 
     def eval_loss(self, batches) -> Optional[float]:
         return None
