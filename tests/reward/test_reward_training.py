@@ -160,3 +160,60 @@ def test_every_layout_equals_the_single_process(inputs):
                 if key not in g or abs(g[key] - w[key]) > 5e-5 * scale:
                     failures.append(f"{name} step {w['step']} {key}: layout {g.get(key)} single {w[key]}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(packing="docs"), "fix: data.packing=none"),
+    (dict(lora=4), "fix: lora.rank=0"),
+    (dict(fused=True), "fix: kernels.fused_linear_cross_entropy=false"),
+    (dict(sample_every=5), "fix: train.sample_every=0"),
+    (dict(center=-1.0), "reward.center_rewards_coefficient=-1.0 must be >= 0"),
+    (dict(objective="dpo", center=0.01), "is read by train.objective=reward only"),
+    (dict(objective="sft", score_head=True), "fix: model.score_head=false or train.objective=reward"),
+    (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
+])
+def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
+    ckpt, pairs, _ = inputs
+    cfg = reward_config(ckpt, pairs)
+    cfg.train.objective = change.get("objective", "reward")
+    cfg.reward.center_rewards_coefficient = change.get("center")
+    cfg.data.packing = change.get("packing", cfg.data.packing)
+    cfg.lora.rank = change.get("lora", 0)
+    cfg.kernels.fused_linear_cross_entropy = change.get("fused", False)
+    cfg.train.sample_every = change.get("sample_every", 0)
+    cfg.model.score_head = change.get("score_head", False)
+    if change.get("no_file"):
+        cfg.data.path = None
+    problems = validate(cfg, 1)
+    assert any(problem in p for p in problems), problems
+    clean = reward_config(ckpt, pairs)
+    assert not validate(clean, 1)  # the same config without the change is valid
+
+
+def test_a_mixture_of_experts_is_refused():
+    from megaft.config.reward import check_reward_run
+
+    problems = check_reward_run("reward", has_file=True, packing="none", n_experts=4, lora_rank=0,
+                                fused_linear_cross_entropy=False)
+    assert any("fix: a dense model" in p for p in problems), problems
+
+
+def test_margins_must_be_numbers_on_every_pair_or_none(tmp_path):
+    from megaft.data.errors import DataError
+    from megaft.reward.margins import read_margins
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "margin": 0.5}\n'
+                    '{"prompt": "a", "chosen": "d", "rejected": "c", "margin": 2}\n')
+    assert read_margins([str(good)]).tolist() == [0.5, 2.0]
+    none = tmp_path / "none.jsonl"
+    none.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    assert read_margins([str(none)]) is None
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(good.read_text() + '{"prompt": "a", "chosen": "e", "rejected": "c"}\n')
+    with pytest.raises(DataError, match=r"mixed.jsonl:3: the pair has no 'margin' and others have one"):
+        read_margins([str(mixed)])
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "margin": "big"}\n')
+    with pytest.raises(DataError, match=r"text.jsonl:1: 'margin' is 'big', not a finite number"):
+        read_margins([str(text)])
