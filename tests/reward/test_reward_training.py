@@ -217,3 +217,25 @@ def test_margins_must_be_numbers_on_every_pair_or_none(tmp_path):
     text.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "margin": "big"}\n')
     with pytest.raises(DataError, match=r"text.jsonl:1: 'margin' is 'big', not a finite number"):
         read_margins([str(text)])
+
+
+def test_megaft_eval_reports_the_pairwise_accuracy_megaft_train_measures(inputs, tmp_path, capsys):
+    """megaft-eval HF_DIR eval.pairs=FILE (transformers' class, the mask's last token) gives the held-out
+    accuracy and margin that megaft-train's step-0 eval measures on the same pairs with its own model."""
+    from megaft.eval.cli import main
+
+    ckpt, pairs, root = inputs
+    rm, held_out = str(root / "rm"), eval_pairs_of(pairs)
+    cfg = reward_config(rm, pairs, steps=1)
+    cfg.data.eval_path = held_out
+    run(resolve(cfg), ParallelGrid.single(), str(tmp_path / "run"))
+    first = next(r for r in read_rows(str(tmp_path / "run")) if "eval_accuracy" in r and r["step"] == 0)
+    assert main([rm, f"eval.pairs={held_out}", "eval.device=cpu", "eval.batch_size=2"]) == 0
+    assert "accuracy" in capsys.readouterr().out
+    got = json.load(open(os.path.join(rm, "eval", "results.json")))["results"]["pairwise"]
+    assert got["pairs"] == 5
+    assert abs(got["accuracy"] - first["eval_accuracy"]) < 1e-9 and 0 < got["accuracy"] < 1
+    assert abs(got["margin"] - first["eval_margin"]) < 1e-5 * max(abs(first["eval_margin"]), 1.0)
+    # a causal LM is not a reward model: refused with the fix
+    assert main([ckpt, f"eval.pairs={held_out}", "eval.device=cpu"]) == 2
+    assert "is not a reward model" in capsys.readouterr().err
