@@ -78,6 +78,10 @@ LAYOUTS = {
 }
 
 
+# layouts that also export RUN_DIR/hf (the single process too): the stages' and tp shards' files
+EXPORTED = ("pp2", "tp2_sp", "dp2_zero1")
+
+
 def eval_pairs_of(pairs: str) -> str:
     return pairs.replace(".jsonl", ".eval.jsonl")
 
@@ -87,6 +91,7 @@ def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
     par = LAYOUTS[name]
     cfg = reward_config(ckpt, pairs, micro=1 if par.get("dp") else 2)
     cfg.data.eval_path, cfg.train.eval_every = eval_pairs_of(pairs), 2
+    cfg.train.export_hf = name in EXPORTED
     if not single:
         for k, v in par.items():
             setattr(cfg.parallel, k, v)

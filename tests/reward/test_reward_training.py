@@ -25,6 +25,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 from reward.reward_cases import (
     COMPARED,
+    EXPORTED,
     LAYOUTS,
     eval_pairs_of,
     layout_config,
@@ -159,6 +160,13 @@ def test_every_layout_equals_the_single_process(inputs):
                 scale = max(abs(w[key]), abs(w.get("mean_reward", w.get("eval_mean_reward", 0.0))), 1e-1)
                 if key not in g or abs(g[key] - w[key]) > 5e-5 * scale:
                     failures.append(f"{name} step {w['step']} {key}: layout {g.get(key)} single {w[key]}")
+        if name in EXPORTED:  # the layout's export (pp: each stage's files; tp: gathered shards) is the single's
+            got_hf = checkpoint_tensors(str(root / "layouts" / name / "hf"))
+            want_hf = checkpoint_tensors(str(single / "hf"))
+            assert set(got_hf) == set(want_hf) and "score.weight" in got_hf and "lm_head.weight" not in got_hf, name
+            for key, value in want_hf.items():
+                # 3 Adam steps of lr 1e-2 from gradients equal to the layouts' rounding (5e-5 relative)
+                torch.testing.assert_close(got_hf[key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
     assert not failures, "\n".join(failures)
 
 
@@ -239,3 +247,38 @@ def test_megaft_eval_reports_the_pairwise_accuracy_megaft_train_measures(inputs,
     # a causal LM is not a reward model: refused with the fix
     assert main([ckpt, f"eval.pairs={held_out}", "eval.device=cpu"]) == 2
     assert "is not a reward model" in capsys.readouterr().err
+
+
+def test_tied_embeddings_train_the_body_and_export_no_lm_head(tmp_path, caplog):
+    """A checkpoint with tie_word_embeddings: the reward model has no LM head to tie, says so, trains,
+    and its export loads in transformers with the scores of megaft's own model."""
+    from megaft.models.decoder import Decoder
+    from megaft.models.hf.config import hf_model_config
+    from megaft.models.hf.load import load_hf_weights
+    from megaft.reward.losses import length_mask, sequence_rewards
+
+    ckpt, pairs = str(tmp_path / "tied"), str(tmp_path / "pairs.jsonl")
+    make_hf_llama(ckpt, seed=3, tie=True)
+    write_pairs(pairs, margins=False)
+    cfg = reward_config(ckpt, pairs, steps=2)
+    cfg.train.export_hf = True
+    cfg = resolve(cfg)
+    assert cfg.model.tie_embeddings and not validate(cfg, 1)
+    with caplog.at_level("WARNING"):
+        run(cfg, ParallelGrid.single(), str(tmp_path / "run"))
+    assert any("a reward model has no LM head, so nothing is tied" in r.getMessage() for r in caplog.records)
+    hf_dir = str(tmp_path / "run" / "hf")
+    tensors = checkpoint_tensors(hf_dir)
+    assert "lm_head.weight" not in tensors and "score.weight" in tensors
+    assert not torch.equal(tensors["model.embed_tokens.weight"], checkpoint_tensors(ckpt)["model.embed_tokens.weight"])
+    mcfg = hf_model_config(hf_dir)
+    mcfg.score_head = True
+    ours = Decoder(mcfg)
+    load_hf_weights(ours, hf_dir, tp_rank=0, tp_size=1)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                         attn_implementation="eager").eval()
+    ids = torch.tensor([[5, 9, 13, 22, 1, 0], [7, 8, 30, 31, 40, 1]])
+    with torch.no_grad():
+        want = hf(ids, attention_mask=(ids != 0).long()).logits[:, 0]
+        got = sequence_rewards(ours.eval()(ids), length_mask(torch.tensor([5, 6]), 6))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

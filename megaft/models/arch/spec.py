@@ -30,7 +30,8 @@ class HFConfigError(HFCheckpointError):
 GENERIC = frozenset((
     "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
     "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict",
+    "decoder_start_token_id", "id2label", "label2id", "num_labels", "output_attentions", "output_hidden_states",
+    "return_dict",
     "problem_type", "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
     "chunk_size_feed_forward", "tokenizer_class", "torchscript", "tie_encoder_decoder", "prefix",
     "task_specific_params", "finetuning_task", "use_bfloat16", "tf_legacy_loss", "max_length", "min_length",
