@@ -40,3 +40,10 @@ def test_the_old_count_passed_a_cap_the_dpo_run_exceeds():
     assert old.total < cap < est.total
     problems = check_memory(cfg, 8)
     assert len(problems) == 1 and "frozen" in problems[0], problems
+
+
+def test_a_reward_pair_is_two_rows_with_no_other_model():
+    reward = sft_config()
+    reward.train.objective = "reward"
+    got, pre = estimate_memory(reward, 8), estimate_memory(dpo("precompute"), 8)
+    assert got.frozen == 0 and got.activations == pre.activations > estimate_memory(sft_config(), 8).activations

@@ -110,6 +110,8 @@ def objective_terms(cfg) -> ObjectiveTerms:
         return ObjectiveTerms(rows=2, frozen_models=int(held))
     if objective == "grpo":
         return ObjectiveTerms(frozen_models=int(cfg.rl.beta != 0.0))
+    if objective == "reward":  # a pair's two rows; the LM head and its logits are still counted (an over-estimate)
+        return ObjectiveTerms(rows=2)
     return ObjectiveTerms()
 
 

@@ -282,3 +282,22 @@ def test_tied_embeddings_train_the_body_and_export_no_lm_head(tmp_path, caplog):
         want = hf(ids, attention_mask=(ids != 0).long()).logits[:, 0]
         got = sequence_rewards(ours.eval()(ids), length_mask(torch.tensor([5, 6]), 6))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_equals_no_interruption(inputs, tmp_path):
+    """Stopped after step 2 and resumed from its checkpoint (the new score head included): the pairs
+    come in the same order and step 3 is the uninterrupted run's, bit for bit."""
+    from megaft.training.loop import Trainer
+
+    ckpt, pairs, _ = inputs
+    cfg = resolve(reward_config(ckpt, pairs, steps=3))
+    cfg.train.save_every = 1
+    run(cfg, ParallelGrid.single(), str(tmp_path / "whole"))
+    os.makedirs(tmp_path / "cut")
+    Trainer(cfg, ParallelGrid.single(), str(tmp_path / "cut")).fit(stop_after=2)
+    Trainer(cfg, ParallelGrid.single(), str(tmp_path / "cut")).fit()
+    whole = [r for r in read_rows(str(tmp_path / "whole")) if "loss" in r]
+    cut = [r for r in read_rows(str(tmp_path / "cut")) if "loss" in r]
+    assert [r["step"] for r in cut] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "accuracy", "margin", "mean_reward"):
+        assert cut[-1][key] == whole[-1][key], key
