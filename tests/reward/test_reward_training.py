@@ -301,3 +301,51 @@ def test_resume_equals_no_interruption(inputs, tmp_path):
     assert [r["step"] for r in cut] == [1, 2, 3]
     for key in ("loss", "grad_norm", "accuracy", "margin", "mean_reward"):
         assert cut[-1][key] == whole[-1][key], key
+
+
+def test_every_gradient_equals_trls_compute_loss(inputs, tmp_path):
+    """One batch as TRL's RewardTrainer collates it (chosen rows then rejected, right-padded, margins):
+    TRL's own compute_loss on transformers' model and megaft's loss on its Decoder give the same loss
+    and the same gradient of every weight (by HF name), the score head's included."""
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import RewardConfig, RewardTrainer
+
+    from megaft.models.decoder import Decoder
+    from megaft.models.hf.config import hf_model_config
+    from megaft.models.hf.export import hf_tensors
+    from megaft.models.hf.load import load_hf_weights
+    from megaft.reward.losses import last_token_mask, reward_loss, sequence_rewards
+
+    _, pairs, root = inputs
+    rm = str(root / "rm")
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(rm, "tokenizer.json"), pad_token="<pad>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
+                                                                         attn_implementation="eager")
+    args = RewardConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                        center_rewards_coefficient=0.01, max_length=None)
+    data = Dataset.from_list([json.loads(line) for line in open(pairs)][:4])
+    trainer = RewardTrainer(model=hf, args=args, train_dataset=data, processing_class=tok)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert "margin" in batch and (batch["attention_mask"] == 0).any()  # margins and padding both exercised
+    hf.train()
+    want_loss = trainer.compute_loss(hf, dict(batch))
+    want_loss.backward()
+
+    cfg = hf_model_config(rm)
+    cfg.score_head = True
+    ours = Decoder(cfg)
+    load_hf_weights(ours, rm, tp_rank=0, tp_size=1)
+    rewards = sequence_rewards(ours(batch["input_ids"]), last_token_mask(batch["attention_mask"]))
+    losses, _ = reward_loss(*rewards.chunk(2), batch["margin"], 0.01)
+    loss = losses.mean()
+    loss.backward()
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-7)
+    want = {n: p.grad for n, p in hf.named_parameters()}
+    got = {k: v for n, p in ours.named_parameters() for k, v in hf_tensors(n, p.grad, cfg).items()}
+    assert set(got) == set(want) and "score.weight" in got
+    for name, grad in want.items():
+        assert grad.abs().max() > 0, name
+        # the same fp32 math in two programs: sums in other orders (a few ulps of the largest element)
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
