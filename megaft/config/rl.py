@@ -15,8 +15,9 @@ class RLConfig:
     # JSONL of logged rollouts, one prompt a line: {"prompt_ids": [...], "completion_ids": [[...] x G],
     # "rewards": [G floats]}; read instead of generating (TRL's rollout_func role)
     rollouts: Optional[str] = None
-    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, or
-    # package.module:function with TRL's signature; set, the rollouts carry no "rewards" of their own
+    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, a reward
+    # model model:DIR (docs/reward-models.md), or package.module:function with TRL's signature; set, the
+    # rollouts carry no "rewards" of their own
     reward: List[str] = field(default_factory=list)
     reward_weights: Optional[List[float]] = None  # one per rl.reward; null = 1 each
     format_pattern: str = THINK_FORMAT  # the built-in `format` reward's pattern (re.match, DOTALL, MULTILINE)
