@@ -239,7 +239,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                                  packing=cfg.data.packing, n_experts=cfg.model.n_experts,
                                  lora_rank=cfg.lora.rank,
                                  fused_linear_cross_entropy=cfg.kernels.fused_linear_cross_entropy,
-                                 sample_every=cfg.train.sample_every)
+                                 sample_every=cfg.train.sample_every, then_eval=cfg.train.then_eval,
+                                 eval_pairs=cfg.eval.pairs)
     if cfg.model.score_head and not is_reward(cfg.train.objective):
         problems.append(f"model.score_head=true builds a reward model's scalar head, and train.objective="
                         f"{cfg.train.objective} reads the LM head; fix: model.score_head=false or "

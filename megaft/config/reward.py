@@ -42,7 +42,8 @@ def check_reward(cfg: RewardConfig, objective: str) -> list[str]:
 
 
 def check_reward_run(objective: str, *, has_file: bool, packing: str, n_experts: int, lora_rank: int,
-                     fused_linear_cross_entropy: bool, sample_every: int = 0) -> list[str]:
+                     fused_linear_cross_entropy: bool, sample_every: int = 0, then_eval: bool = False,
+                     eval_pairs: Optional[str] = None) -> list[str]:
     """What train.objective=reward cannot do yet with these settings, each with its fix."""
     if not is_reward(objective):
         return []
@@ -63,6 +64,9 @@ def check_reward_run(objective: str, *, has_file: bool, packing: str, n_experts:
     if fused_linear_cross_entropy:
         problems.append("kernels.fused_linear_cross_entropy fuses the LM head, which a reward model does not "
                         "have; fix: kernels.fused_linear_cross_entropy=false")
+    if then_eval and eval_pairs is None:
+        problems.append("train.then_eval=true runs lm_eval's tasks, which need a causal LM, on a reward model; fix: "
+                        "eval.pairs=HELD_OUT.jsonl (its pairwise accuracy) and eval.tasks=[]")
     if sample_every > 0:
         problems.append(f"train.sample_every={sample_every} generates text, and a reward model has no LM head; fix: "
                         "train.sample_every=0 (held-out pairs' accuracy: data.eval_path)")

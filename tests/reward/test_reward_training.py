@@ -22,6 +22,7 @@ from multirank import spawn
 from train_cases import read_rows
 
 from megaft.parallel.grid import ParallelGrid
+from megaft.training.summary import RunSummary
 from megaft.validation import resolve, validate
 from reward.reward_cases import (
     COMPARED,
@@ -179,6 +180,8 @@ def test_every_layout_equals_the_single_process(inputs):
     (dict(objective="dpo", center=0.01), "is read by train.objective=reward only"),
     (dict(objective="sft", score_head=True), "fix: model.score_head=false or train.objective=reward"),
     (dict(no_file=True), "fix: data.path=PAIRS.jsonl"),
+    (dict(then_eval=True), "fix: eval.pairs=HELD_OUT.jsonl (its pairwise accuracy) and eval.tasks=[]"),
+    (dict(then_eval=True, pairs=True, tasks=["megaft_arith"]), "eval.pairs scores a reward model and eval.tasks"),
 ])
 def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     ckpt, pairs, _ = inputs
@@ -192,10 +195,16 @@ def test_validation_names_the_problem_and_the_fix(inputs, change, problem):
     cfg.model.score_head = change.get("score_head", False)
     if change.get("no_file"):
         cfg.data.path = None
+    if change.get("then_eval"):
+        cfg.train.then_eval, cfg.train.export_hf = True, True
+    cfg.eval.pairs = eval_pairs_of(pairs) if change.get("pairs") else None
+    cfg.eval.tasks = change.get("tasks", [])
     problems = validate(cfg, 1)
     assert any(problem in p for p in problems), problems
     clean = reward_config(ckpt, pairs)
     assert not validate(clean, 1)  # the same config without the change is valid
+    clean.train.then_eval, clean.train.export_hf, clean.eval.pairs = True, True, eval_pairs_of(pairs)
+    assert not validate(clean, 1)  # then_eval with eval.pairs: megaft-eval's pairwise accuracy after the run
 
 
 def test_a_mixture_of_experts_is_refused():
@@ -244,6 +253,8 @@ def test_megaft_eval_reports_the_pairwise_accuracy_megaft_train_measures(inputs,
     assert got["pairs"] == 5
     assert abs(got["accuracy"] - first["eval_accuracy"]) < 1e-9 and 0 < got["accuracy"] < 1
     assert abs(got["margin"] - first["eval_margin"]) < 1e-5 * max(abs(first["eval_margin"]), 1.0)
+    last = [r for r in read_rows(str(tmp_path / "run")) if "eval_accuracy" in r][-1]
+    assert RunSummary.read(str(tmp_path / "run")).eval_accuracy == last["eval_accuracy"]  # summary.json has it
     # a causal LM is not a reward model: refused with the fix
     assert main([ckpt, f"eval.pairs={held_out}", "eval.device=cpu"]) == 2
     assert "is not a reward model" in capsys.readouterr().err
