@@ -244,7 +244,7 @@ def test_megaft_eval_reports_the_pairwise_accuracy_megaft_train_measures(inputs,
     ckpt, pairs, root = inputs
     rm, held_out = str(root / "rm"), eval_pairs_of(pairs)
     cfg = reward_config(rm, pairs, steps=1)
-    cfg.data.eval_path = held_out
+    cfg.data.eval_path, cfg.train.export_hf, cfg.train.save_final = held_out, False, True
     run(resolve(cfg), ParallelGrid.single(), str(tmp_path / "run"))
     first = next(r for r in read_rows(str(tmp_path / "run")) if "eval_accuracy" in r and r["step"] == 0)
     assert main([rm, f"eval.pairs={held_out}", "eval.device=cpu", "eval.batch_size=2"]) == 0
@@ -255,6 +255,12 @@ def test_megaft_eval_reports_the_pairwise_accuracy_megaft_train_measures(inputs,
     assert abs(got["margin"] - first["eval_margin"]) < 1e-5 * max(abs(first["eval_margin"]), 1.0)
     last = [r for r in read_rows(str(tmp_path / "run")) if "eval_accuracy" in r][-1]
     assert RunSummary.read(str(tmp_path / "run")).eval_accuracy == last["eval_accuracy"]  # summary.json has it
+    # the run dir itself: megaft-eval exports its last checkpoint (no hf/ written) and scores the trained model
+    assert not os.path.exists(tmp_path / "run" / "hf")
+    assert main([str(tmp_path / "run"), f"eval.pairs={held_out}", "eval.device=cpu"]) == 0
+    trained = json.load(open(tmp_path / "run" / "eval" / "results.json"))["results"]["pairwise"]
+    assert abs(trained["accuracy"] - last["eval_accuracy"]) < 1e-9
+    assert abs(trained["margin"] - last["eval_margin"]) < 1e-5 * max(abs(last["eval_margin"]), 1.0)
     # a causal LM is not a reward model: refused with the fix
     assert main([ckpt, f"eval.pairs={held_out}", "eval.device=cpu"]) == 2
     assert "is not a reward model" in capsys.readouterr().err
