@@ -9,6 +9,9 @@ reference from the same run:
    send (megaft.parallel.context.ring.bytes_sent), against the formula (megaft.perf.counts.ring_bytes).
 3. Step time (forward + backward) of each recompute mode as a ratio against `none`, in
    alternating rounds (A B C, C B A, ...) on one process; on CUDA also the peak memory.
+4. A preference micro-batch (train.objective=dpo): the bytes one block saves in the DPO
+   forward (megaft.pref.logps.decoder_token_logps on megaft.pref.batches.PairRows' rows: a
+   pair is two rows) against the memory check's own count (megaft.perf.memory.estimate_ranks).
 
     python -m benchmarks.memory                      # CPU: tiny blocks, ~1 minute
     python -m benchmarks.memory --device cuda --dim 4096 --heads 32 --kv-heads 8 --ffn 14336 \\
@@ -26,6 +29,7 @@ import torch
 
 from benchmarks.ranks import on_gloo_ranks
 from benchmarks.train_step.measure import round_orders
+from megaft.config import Config
 from megaft.config.model import ModelConfig
 from megaft.models.attention.documents import Docs
 from megaft.models.decoder import Decoder
@@ -35,9 +39,14 @@ from megaft.parallel.context import context_shard
 from megaft.parallel.context.ring import bytes_sent
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.counts import activation_bytes_per_token, ring_bytes
+from megaft.perf.memory import estimate_ranks
+from megaft.pref.batches import PairRows
+from megaft.pref.data import Pair
+from megaft.pref.logps import decoder_token_logps
 
 MODES = ("none", "selective", "full")
 ROWS, SEQ = 2, 32  # the measured rows (block_bytes compares 2*SEQ with SEQ tokens)
+PAIRS = 2  # the pairs of the measured preference micro-batch
 LAYOUTS = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(2, 2)]}  # world size -> (tp, cp) measured there
 
 
@@ -124,6 +133,36 @@ def measure_all() -> dict[str, object]:
     return out
 
 
+def pair_rows(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of PAIRS preference pairs whose rows all fill `seq` tokens (the memory
+    check counts whole rows: data.seq_len each)."""
+    half = seq // 2
+    table = [Pair(list(range(3, 3 + half)), [4 + i] * (seq - half), [5 + i] * (seq - half)) for i in range(PAIRS)]
+    return PairRows(table, seq, seed=0, pad_id=0).rows(torch.arange(PAIRS))
+
+
+def pair_block_bytes() -> float:
+    """One block's saved bytes in a DPO forward over PAIRS pairs of SEQ-token rows."""
+    def measure(layers: int, seq: int) -> int:
+        model = _build(block_model(layers, "none"), ParallelGrid.single(), False)
+        inputs, labels = pair_rows(seq)
+        return saved_bytes(model, lambda: decoder_token_logps(model, inputs, labels).sum())
+
+    return block_bytes(measure, SEQ)
+
+
+def estimated_pair_block_bytes(objective: str = "dpo") -> float:
+    """The memory check's activations of one block for a micro-batch of PAIRS pairs at
+    data.seq_len=SEQ: its 4-block estimate less its 2-block one, halved (the head cancels)."""
+    def activations(layers: int) -> int:
+        cfg = Config()
+        cfg.model, cfg.data.seq_len, cfg.train.objective = block_model(layers, "none"), SEQ, objective
+        cfg.train.micro_batch_size = cfg.train.global_batch_size = PAIRS
+        return estimate_ranks(cfg, 1)[0].activations
+
+    return (activations(4) - activations(2)) / 2
+
+
 def step_times(args) -> dict[str, tuple[float, int]]:
     """{mode: (median seconds of forward + backward, peak bytes on CUDA or 0)} in alternating rounds."""
     device = torch.device(args.device)
@@ -193,6 +232,9 @@ def main(argv=None) -> None:
         for name in sorted(k for k in measured if k.startswith("ring_")):
             got, formula = measured[name]
             print(f"{name[5:]:>22}: sent {got} B, formula {formula} B, ratio {got / formula:.3f}")
+    est, got = estimated_pair_block_bytes(), pair_block_bytes()
+    print(f"\nbytes one block saves in a DPO forward ({PAIRS} pairs = {2 * PAIRS} rows x {SEQ} tokens, fp32): "
+          f"estimated {est:.0f}, measured {got:.0f}, meas/est {got / est:.3f}")
     res = step_times(args)
     base = res["none"][0]
     print(f"\nforward + backward, {args.rows} x {args.seq} tokens, dim {args.dim}, {args.layers} layers, "

@@ -36,14 +36,15 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 
 from benchmarks.kernels.harness import quantile
-from benchmarks.preference import CHARS, SPECIALS, Sizes, quiet, span, write_model
+from benchmarks.preference import CHARS, SPECIALS, Sizes, Turn, quiet, span, write_model
 from benchmarks.train_step.measure import round_orders, split_steps
+from megaft.config.rl import LOSS_TYPES
 
 VARIANTS = ("trl", "megaft")  # the first: the ratios' reference
 RTOL = 1e-4  # fp32 agreement of loss and grad norm
@@ -65,14 +66,6 @@ class Settings:
     loss_type: str = "dapo"
     lr: float = 1e-5
     attn: str = "sdpa"
-
-
-@dataclass
-class Turn:
-    variant: str
-    times: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
 
 
 def write_rollouts(path: str, r: Rollouts) -> int:
@@ -215,7 +208,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--check", type=int, default=2, help="steps whose losses (and step 1's grad norm) must agree first")
-    p.add_argument("--loss-type", default=e.loss_type, choices=["dapo", "grpo", "dr_grpo", "bnpo"])
+    p.add_argument("--loss-type", default=e.loss_type, choices=LOSS_TYPES)
     p.add_argument("--lr", type=float, default=e.lr)
     p.add_argument("--attn", default=e.attn, choices=["sdpa", "eager"])
     p.add_argument("--hidden", type=int, default=d.hidden)

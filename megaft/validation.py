@@ -27,6 +27,7 @@ from megaft.config.train import accumulation_steps, check_train
 from megaft.config.wandb import check_logger
 from megaft.data.build import build_tokenizer
 from megaft.data.checks import check_data
+from megaft.data.errors import DataError
 from megaft.data.prompts import check_samples
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
@@ -246,7 +247,8 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                         f"{cfg.train.objective} reads the LM head; fix: model.score_head=false or "
                         "train.objective=reward")
     problems += check_rl_run(cfg.rl, cfg.train.objective, has_data_file=cfg.data.path is not None or
-                             bool(cfg.data.sources), n_experts=cfg.model.n_experts, packing=cfg.data.packing)
+                             bool(cfg.data.sources), n_experts=cfg.model.n_experts, packing=cfg.data.packing,
+                             cp=cfg.parallel.cp)
     if cfg.train.objective == "grpo" and cfg.rl.beta > 0 and cfg.rl.reference:
         problems += reference_dir_problems(cfg.rl.reference, "rl.reference", cfg.model)
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
@@ -282,23 +284,37 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
 
 
 def _rollout_problems(cfg: Config) -> list[str]:
-    """rl.rollouts parsed whole, once, with the resolved vocabulary and data.seq_len (train.objective=grpo)."""
-    if cfg.train.objective != "grpo" or not cfg.rl.rollouts:
+    """rl.rollouts parsed whole, or rl.prompts read and encoded, once, with the resolved vocabulary and
+    data.seq_len (train.objective=grpo)."""
+    rl = cfg.rl
+    path, name = (rl.rollouts, "rl.rollouts") if rl.rollouts else (rl.prompts, "rl.prompts")
+    if cfg.train.objective != "grpo" or not path:
         return []
-    if not os.path.isfile(cfg.rl.rollouts):
-        return [f"rl.rollouts={cfg.rl.rollouts} is not a file; fix: the path of a rollouts JSONL (docs/rl.md)"]
+    if not os.path.isfile(path):
+        return [f"{name}={path} is not a file; fix: the path of a JSONL file of " +
+                ("rollouts" if rl.rollouts else '{"prompt": str} or {"messages": [...]} lines') + " (docs/rl.md)"]
     from megaft.rl.rewards import load_reward
     from megaft.rl.rollouts import read_rollouts
 
     problems = []
-    for spec in cfg.rl.reward:  # each imports here, before any rank starts
+    for spec in rl.reward:  # each imports here, before any rank starts
         try:
-            load_reward(spec, cfg.rl.format_pattern)
+            load_reward(spec, rl.format_pattern)
         except ValueError as exc:
             problems.append(str(exc))
     try:
-        read_rollouts(cfg.rl.rollouts, cfg.rl.num_generations, cfg.rl.max_completion_length, cfg.data.seq_len,
-                      cfg.model.vocab_size, scored=bool(cfg.rl.reward))
+        if rl.rollouts:
+            read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
+                          cfg.model.vocab_size, scored=bool(rl.reward))
+        else:
+            from megaft.rl.online import prompt_problems, read_rl_prompts
+
+            tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
+            bad = prompt_problems(read_rl_prompts(path, tok, _chat_template(cfg)), cfg.data.seq_len,
+                                  cfg.model.vocab_size)
+            problems += [f"rl.prompts={path}: {p}; fix: shorter prompts or a longer data.seq_len" for p in bad]
+    except DataError as exc:
+        problems.append(f"rl.prompts: {exc}")
     except ValueError as exc:
         problems.append(str(exc))
     return problems

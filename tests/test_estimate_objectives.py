@@ -1,7 +1,11 @@
 """The memory estimate under train.objective (megaft.perf.memory.objective_terms): a preference
 pair is two rows, an online reference is a whole fp32 model beside the policy (tp/pp/ep
 sharded, not ZeRO), and a DPO layout the SFT-style count let through is refused."""
-from test_estimate import preset_1b
+import os
+
+import pytest
+from omegaconf import OmegaConf
+from test_estimate import CONF, preset_1b
 
 from megaft.perf.counts import FP32, rank_params
 from megaft.perf.memory import MemoryEstimate, check_memory, estimate_memory
@@ -40,6 +44,74 @@ def test_the_old_count_passed_a_cap_the_dpo_run_exceeds():
     assert old.total < cap < est.total
     problems = check_memory(cfg, 8)
     assert len(problems) == 1 and "frozen" in problems[0], problems
+
+
+def test_a_pair_micro_batch_saves_what_the_check_counts():
+    # a DPO forward over 2 pairs (4 rows) of 32 tokens, measured with saved_tensors_hooks, against
+    # estimate_ranks' own activations for train.objective=dpo (benchmarks.memory prints the row)
+    from benchmarks.memory import estimated_block_bytes, estimated_pair_block_bytes, pair_block_bytes
+
+    measured = pair_block_bytes()
+    assert measured == estimated_pair_block_bytes("dpo")
+    assert measured == 2 * estimated_block_bytes(1, False, 1, "none")  # the SFT rows of benchmarks.memory: 2
+
+
+def online_reference_bytes(tmp_path, mode: str) -> tuple[list[int], int]:
+    """(the fp32 bytes of each model a DPO Trainer holds beside its policy, the estimate's frozen)."""
+    import gc
+
+    from models.hf_fixture import make_hf_llama
+    from pref.pref_train_cases import pref_config, write_pairs
+
+    from megaft.models.decoder import Decoder
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.perf.memory import estimate_ranks
+    from megaft.training.loop import Trainer
+    from megaft.validation import resolve
+
+    if not (tmp_path / "ckpt").exists():
+        make_hf_llama(str(tmp_path / "ckpt"), seed=1)
+        write_pairs(str(tmp_path / "pairs.jsonl"))
+    cfg = pref_config(str(tmp_path / "ckpt"), str(tmp_path / "pairs.jsonl"))
+    cfg.pref.reference_mode = mode
+    cfg = resolve(cfg)
+    (tmp_path / mode).mkdir()
+    trainer = Trainer(cfg, ParallelGrid.single(), str(tmp_path / mode))
+    gc.collect()
+    others = [m for m in gc.get_objects() if isinstance(m, Decoder) and m is not trainer.parts.model]
+    held = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in others]
+    return held, estimate_ranks(cfg, 1)[0].frozen
+
+
+def test_the_online_reference_is_the_model_the_check_counts(tmp_path):
+    held, frozen = online_reference_bytes(tmp_path, "online")
+    assert len(held) == 1 and held[0] == frozen > 0
+    held, frozen = online_reference_bytes(tmp_path, "precompute")  # scored once by the policy: none held
+    assert held == [] and frozen == 0
+
+
+def test_the_time_model_prices_pairs_and_the_online_reference():
+    # megaft.perf.time on the same layout and global batch: a pair is two rows (twice the tokens of
+    # an SFT sample, twice its compute), an online reference adds its forward of every micro-batch
+    import dataclasses
+
+    from megaft.config.cluster import ClusterConfig
+    from megaft.perf.time import step_cost
+
+    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "cluster", "h100.yaml")))
+    fields.pop("defaults")
+    cluster = ClusterConfig(**fields)
+    sft = sft_config()
+    sft.parallel.dp = 8
+    cost = {name: step_cost(cfg, cluster, 8) for name, cfg in
+            (("sft", sft), ("precompute", dpo("precompute")), ("online", dpo("online")))}
+    for cfg in (cost["precompute"], cost["online"]):
+        assert cfg.tokens_per_step == 2 * cost["sft"].tokens_per_step
+    assert cost["precompute"].terms["compute"] == pytest.approx(2 * cost["sft"].terms["compute"], rel=1e-9)
+    fwd_share = cost["online"].terms["compute"] / cost["precompute"].terms["compute"] - 1
+    assert 0.25 < fwd_share < 0.5  # a forward is about a third of forward + backward
+    lora = dataclasses.replace(dpo("online"), lora=dataclasses.replace(sft.lora, rank=16))
+    assert step_cost(lora, cluster, 8).terms["compute"] < cost["online"].terms["compute"]
 
 
 def test_a_reward_pair_is_two_rows_with_no_other_model():

@@ -170,6 +170,7 @@ DP2["dp2_zero3"] = dict(dp=2, zero=3)  # one bucket per layer and decay class
 MP2 = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
 LAYOUTS = [*DP2, *MP2]
 RESUMED = {"single_resumed": dict(), "dp2_zero1_resumed": dict(dp=2, zero=1, bucket_mb=0.01)}  # after step 3
+RESHARDED = dict(dp=2, zero=1, bucket_mb=0.01)  # saved after step 3 there, finished on one process
 
 
 def _train_parallel(rank: int, world: int, root: str) -> None:
@@ -181,21 +182,26 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
         _fit_and_save(_muon_config(**par), grid, os.path.join(root, name))
     _fit_and_save(_muon_config(**RESUMED["dp2_zero1_resumed"]), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
                   os.path.join(root, "dp2_zero1_resumed"), resume_at=3)
+    cfg = _muon_config(**RESHARDED)  # its first 3 steps; the fixture finishes it on one process
+    cfg.train.save_every = 3
+    Trainer(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "resharded")).fit(
+        stop_after=3)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    names = ("single", *LAYOUTS, *RESUMED)
+    names = ("single", *LAYOUTS, *RESUMED, "resharded")
     for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
     spawn(2, _train_parallel, str(root))
+    _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "resharded"))  # resumes dp2's step-3 checkpoint
     return {name: str(root / name) for name in names}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "resharded"])
 def test_layout_equals_single_process(runs, layout):
     """dp=2 (2 micro-batches each): at ZeRO 0 every rank orthogonalises the same reduced gradient,
     at ZeRO 1-3 the owners of a matrix's chunks orthogonalise its all-gathered update; tp=2:
@@ -210,9 +216,14 @@ def test_layout_equals_single_process(runs, layout):
     (measured: 0.025-0.058 over these layouts). A wrong orthogonalisation (a shard alone, a stale
     momentum, AdamW in Muon's place) moves weights by whole steps (measured: the peers' ZeRO-3
     bug, every matrix on AdamW, 1.09, and its losses 6e-2 apart). The AdamW tensors differ only
-    through the gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020-0.0040)."""
+    through the gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020-0.0040).
+    `resharded`: dp=2 ZeRO-1 to step 3's checkpoint, resumed on one process (the momentum, in
+    exp_avg's chunks, resharded whole) to step 6."""
     (single, _), (got_loss, _) = read_metrics(runs["single"]), read_metrics(runs[layout])
     assert len(single) == len(got_loss) == 6
+    if layout == "resharded":  # it did resume: this attempt trained steps 4-6 only
+        tokens = [json.load(open(os.path.join(runs[n], "summary.json")))["tokens"] for n in ("single", layout)]
+        assert tokens[1] * 2 == tokens[0] > 0
     assert got_loss == pytest.approx(single, rel=1e-5)
     cfg = _muon_config()
     lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))

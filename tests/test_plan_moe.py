@@ -109,7 +109,7 @@ def test_mixtral_8x7b_on_two_nodes_picks_expert_parallelism(mixtral):
     assert (lay.tp, lay.cp, lay.pp, lay.vpp, lay.dp, lay.ep, lay.zero, lay.micro_batch_size, lay.offload,
             lay.recompute) == (1, 1, 1, 1, 16, 4, 3, 4, "none", "full"), lay
     assert best.cost.step_s == pytest.approx(5.57, abs=0.01)
-    assert best.memory.total / GIB == pytest.approx(76.5, abs=0.1)
+    assert best.memory.total / GIB == pytest.approx(76.3, abs=0.1)  # 76.5 before the combine kept no fp32 copy
     assert 0 < best.cost.terms["ep_comm"] < 0.05 * best.cost.step_s
     # forcing ep=1: the same layout is over the budget ...
     ep1 = dataclasses.replace(lay, ep=1)
@@ -126,7 +126,7 @@ def test_mixtral_8x7b_on_two_nodes_picks_expert_parallelism(mixtral):
     assert same[1]["memory_gib"] > same[2]["memory_gib"] > info["budget_gib"] > info["memory_gib"]
     assert same[8]["status"] == "valid" and same[8]["rank"] == 2  # ep=8: more all-to-all, less ZeRO-3 traffic
     text = format_experts(info)
-    assert text.startswith("expert parallelism: ep=4 won") and "same layout at ep=1: rejected (95.5 GiB" in text
+    assert text.startswith("expert parallelism: ep=4 won") and "same layout at ep=1: rejected (95.2 GiB" in text
 
 
 def test_qwen3_30b_a3b_on_two_nodes_keeps_ep_1(qwen):

@@ -29,7 +29,7 @@ from megaft.optim.schedule import lr_at
 from megaft.train import prepare_run
 from megaft.validation import validate
 
-RECIPES = ("demo", "dpo_lora", "sft_full", "sft_lora")
+RECIPES = ("demo", "dpo_lora", "grpo", "sft_full", "sft_lora")
 PUBLISHED = os.path.join(os.path.dirname(__file__), "models", "real_configs", "llama-3.2-1b-instruct.json")
 
 
@@ -47,10 +47,17 @@ def files(tmp_path_factory):
     (root / "chat.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
     (root / "pairs.jsonl").write_text(json.dumps({"prompt": "two plus two?", "chosen": "four", "rejected": "five"})
                                       + "\n")
+    with open(root / "rollouts.jsonl", "w") as f:  # 8 prompts of 8 completions: the recipe's 64 a step
+        for p in range(8):
+            f.write(json.dumps({"prompt_ids": [100 + p, 7, 9], "completion_ids": [[200 + g, 13] for g in range(8)],
+                                "rewards": [float(g % 2) for g in range(8)]}) + "\n")
     return root
 
 
 def overrides(files, recipe: str) -> list[str]:
+    if recipe == "grpo":  # logged rollouts: token ids, no data file
+        return [f"model.init_from={files / 'llama'}", "recipe=grpo", f"rl.rollouts={files / 'rollouts.jsonl'}",
+                f"data.tokenizer={files / 'tok'}", f"data.cache_dir={files / 'prepared'}"]
     data = ["data=jsonl", f"data.path={files / 'pairs.jsonl'}"] if recipe == "dpo_lora" else \
         ["data=chat", f"data.path={files / 'chat.jsonl'}"]
     return [f"model.init_from={files / 'llama'}", f"recipe={recipe}", *data, f"data.tokenizer={files / 'tok'}",
@@ -66,7 +73,8 @@ def test_the_recipe_group_holds_the_recipes():
 def test_each_recipe_validates_on_a_published_config(files, recipe):
     cfg = compose_config(overrides(files, recipe))
     raw = OmegaConf.load(os.path.join(conf_dir(), "recipe", f"{recipe}.yaml"))
-    assert (cfg.optim.lr, cfg.train.epochs, cfg.lora.rank) == (raw.optim.lr, raw.train.epochs, raw.lora.rank)
+    lora = raw.lora.rank if "lora" in raw else 0
+    assert (cfg.optim.lr, cfg.train.epochs, cfg.lora.rank) == (raw.optim.lr, raw.train.epochs, lora)
     assert cfg.train.max_steps is None and cfg.optim.warmup_steps is None
     assert validate(cfg, 2) == []
     assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.kv_heads) == (16, 32, 8)  # resolved from the file
@@ -131,7 +139,7 @@ def test_pretrained_weights_at_the_demo_lr_warn_once_naming_the_recipes(files, t
     with caplog.at_level(logging.WARNING, logger="megaft"):
         prepare_run(demo, str(tmp_path / "demo"), 2)
     warned = [r.getMessage() for r in caplog.records if "demo's learning rate" in r.getMessage()]
-    assert len(warned) == 1 and "recipe=dpo_lora | sft_full | sft_lora" in warned[0], warned
+    assert len(warned) == 1 and "recipe=dpo_lora | grpo | sft_full | sft_lora" in warned[0], warned
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megaft"):
         prepare_run(compose_config(overrides(files, "sft_lora")), str(tmp_path / "lora"), 2)

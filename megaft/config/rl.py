@@ -15,6 +15,10 @@ class RLConfig:
     # JSONL of logged rollouts, one prompt a line: {"prompt_ids": [...], "completion_ids": [[...] x G],
     # "rewards": [G floats]}; read instead of generating (TRL's rollout_func role)
     rollouts: Optional[str] = None
+    # JSONL of prompts, {"prompt": str} or {"messages": [...]} a line (other fields go to the reward
+    # functions): the policy generates rl.num_generations completions of each at the training layout
+    # every step (online), scored by rl.reward. One of rl.rollouts and rl.prompts
+    prompts: Optional[str] = None
     # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, a reward
     # model model:DIR (docs/reward-models.md), or package.module:function with TRL's signature; set, the
     # rollouts carry no "rewards" of their own
@@ -23,7 +27,8 @@ class RLConfig:
     format_pattern: str = THINK_FORMAT  # the built-in `format` reward's pattern (re.match, DOTALL, MULTILINE)
     num_generations: int = 8  # G: completions per prompt, one group (train.global_batch_size counts completions)
     max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
-    temperature: float = 1.0  # the policy's log-probs are of logits / temperature, as the rollouts were sampled
+    # the policy's (and the reference's) log-probs are of logits / temperature; rl.prompts samples at it
+    temperature: float = 1.0
     beta: float = 0.0  # the KL coefficient; 0 (TRL's default): no KL term and no reference model
     # beta > 0: a Hugging Face checkpoint of the same architecture the KL term compares with; null = the
     # model the run starts from (model.init_from or the seeded init; with LoRA the base, as TRL)
@@ -39,8 +44,8 @@ class RLConfig:
 def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_batch_size: int) -> list[str]:
     """Problems of rl.* on their own, each with its fix (none unless train.objective=grpo)."""
     if objective != "grpo":
-        return [f"rl.rollouts={cfg.rollouts} is read by train.objective=grpo only; fix: train.objective=grpo or "
-                "drop rl.rollouts"] if cfg.rollouts else []
+        return [f"rl.{k}={getattr(cfg, k)} is read by train.objective=grpo only; fix: train.objective=grpo or drop "
+                f"rl.{k}" for k in ("rollouts", "prompts") if getattr(cfg, k)]
     problems = []
     if cfg.loss_type not in LOSS_TYPES:
         problems.append(f"rl.loss_type={cfg.loss_type!r} is unknown; fix: one of {', '.join(LOSS_TYPES)}")
@@ -70,24 +75,32 @@ def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_bat
     return problems
 
 
-def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_experts: int, packing: str) -> list[str]:
+def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_experts: int, packing: str,
+                 cp: int = 1) -> list[str]:
     """What train.objective=grpo cannot do yet here, each with its fix (docs/rl.md: what is built)."""
     if objective != "grpo":
         return []
     problems = []
-    if not cfg.rollouts:
-        problems.append("train.objective=grpo trains on logged rollouts in this release and rl.rollouts is unset "
-                        "(generation at the training layout is not built yet); fix: rl.rollouts=FILE.jsonl "
-                        '(one {"prompt_ids", "completion_ids", "rewards"} object a line, docs/rl.md)')
+    if bool(cfg.rollouts) == bool(cfg.prompts):
+        problems.append("train.objective=grpo needs one source of rollouts: " + (
+            "rl.rollouts and rl.prompts are both set; fix: drop one" if cfg.rollouts else
+            'neither rl.rollouts nor rl.prompts is set; fix: rl.prompts=FILE.jsonl ({"prompt": str} or '
+            '{"messages": [...]} a line: the policy generates the completions) with rl.reward=[...], or '
+            'rl.rollouts=FILE.jsonl (logged: one {"prompt_ids", "completion_ids", "rewards"} object a line)') +
+            " (docs/rl.md)")
+    if cfg.prompts and not cfg.reward:
+        problems.append(f"rl.prompts={cfg.prompts}: generated completions need reward functions to score them; fix: "
+                        "rl.reward=[exact_match] (or format, or package.module:function; docs/rl.md)")
+    if cfg.prompts and cp > 1:
+        problems.append(f"rl.prompts (generation at the training layout) with parallel.cp={cp}: generation does not "
+                        "run over context-parallel chunks yet; fix: parallel.cp=1, or generate elsewhere and train "
+                        "on rl.rollouts")
     if has_data_file:
-        problems.append("train.objective=grpo reads its prompts and completions from rl.rollouts, and data.path/"
+        problems.append("train.objective=grpo reads its prompts from rl.prompts or rl.rollouts, and data.path/"
                         "data.sources are set; fix: drop them (data= keeps the tokenizer settings)")
     if cfg.reference and cfg.beta == 0.0:
         problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
                         "(e.g. 0.04) or rl.reference=null")
-    if cfg.temperature != 1.0:
-        problems.append(f"rl.temperature={cfg.temperature}: the log-probs of logits / temperature are not built "
-                        "into the cross-entropy kernels yet; fix: rl.temperature=1 (rollouts sampled at 1)")
     if n_experts > 0:
         problems.append("train.objective=grpo with a mixture of experts: the router's aux loss is not wired into "
                         "the GRPO step yet; fix: a dense model")

@@ -111,12 +111,12 @@ def choose(model, logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
 
 def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, device: torch.device,
             max_len: int, next_tokens: Callable[[torch.Tensor], torch.Tensor], cache: Callable,
-            on_token: Optional[OnToken] = None) -> list[list[int]]:
+            on_token: Optional[OnToken] = None, keep_eos: bool = False) -> list[list[int]]:
     """The decoding loop: prompts batched by length; `next_tokens(ids)` gives each row's next id
     from the ids not yet seen by the model (all of them without a cache); `cache(capacity)` opens
     a KV cache for `capacity` positions, prompt and new tokens (yields its DecodeState, None
     without one); `on_token(i, id)` hears each new id of prompt i as it is kept (streaming).
-    Returns the new ids (eos excluded)."""
+    Returns the new ids (eos excluded unless `keep_eos`: then a row that stopped ends with its eos)."""
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(prompts):
@@ -137,6 +137,8 @@ def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, devic
                 if state is not None:
                     state.advance()
                 for j, token in enumerate(nxt.tolist()):  # one host copy per step, not per row
+                    if keep_eos and not done[j] and token in stop:
+                        out[idxs[j]].append(token)
                     done[j] = done[j] or token in stop
                     if not done[j]:
                         out[idxs[j]].append(token)
@@ -160,7 +162,7 @@ def _cache_of(model, cache: bool) -> Callable:
 @torch.no_grad()
 def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
              device: torch.device, sampling: Sampling = GREEDY, step: int = 0, cache: bool = True,
-             on_token: Optional[OnToken] = None) -> list[list[int]]:
+             on_token: Optional[OnToken] = None, keep_eos: bool = False) -> list[list[int]]:
     """Continue each prompt until eos or `max_new_tokens`; returns the new ids (eos excluded).
     Collective over tp; every tp rank gets the same ids. `step` seeds the draws with `sampling.seed`;
     `on_token(prompt_index, id)` is called for each kept id as it is chosen (megaft-chat streams so)."""
@@ -171,7 +173,7 @@ def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int, e
         return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=device,
                        max_len=model.cfg.max_seq_len, cache=_cache_of(model, cache),
                        next_tokens=lambda ids: choose(model, model(ids)[:, -1], sampling, generator),
-                       on_token=on_token)
+                       on_token=on_token, keep_eos=keep_eos)
     finally:
         model.train(was_training)
 
@@ -185,7 +187,7 @@ def greedy_generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens:
 @torch.no_grad()
 def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
                       autocast: Callable = None, sampling: Sampling = GREEDY, step: int = 0,
-                      cache: bool = True) -> list[list[int]]:
+                      cache: bool = True, keep_eos: bool = False) -> list[list[int]]:
     """`generate` through pipeline stages (a `PipelineRuntime`); collective over the pp and
     tp groups, same result on every rank.
 
@@ -211,7 +213,8 @@ def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int,
     model.eval()
     try:
         return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=grid.device,
-                       max_len=model.cfg.max_seq_len, next_tokens=next_tokens, cache=_cache_of(model, cache))
+                       max_len=model.cfg.max_seq_len, next_tokens=next_tokens, cache=_cache_of(model, cache),
+                       keep_eos=keep_eos)
     finally:
         model.train(was_training)
 

@@ -32,9 +32,10 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group, op=None) -> torch.Tensor:
+    """`x` reduced in place over `group` (a sum unless `op`, a dist.ReduceOp, says otherwise)."""
     if group_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=group)
     return x
 
 

@@ -92,11 +92,14 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class ObjectiveTerms:
-    """What train.objective adds to the policy's memory: `rows` rows per micro-batch sample,
-    `frozen_models` whole models beside the policy (reference, teacher)."""
+    """What train.objective adds to the policy's memory and time: `rows` rows per micro-batch
+    sample, `frozen_models` whole models beside the policy (reference, teacher), and the
+    forwards of such a model per micro-batch while training (`frozen_forwards`: an online
+    reference; one scored before training adds none; megaft.perf.time prices them)."""
 
     rows: int = 1
     frozen_models: int = 0
+    frozen_forwards: int = 0
 
 
 def objective_terms(cfg) -> ObjectiveTerms:
@@ -107,9 +110,11 @@ def objective_terms(cfg) -> ObjectiveTerms:
     objective, pref = cfg.train.objective, cfg.pref
     if is_preference(objective):
         held = needs_reference(objective) and (pref.reference is not None or pref.reference_mode == "online")
-        return ObjectiveTerms(rows=2, frozen_models=int(held))
-    if objective == "grpo":
-        return ObjectiveTerms(frozen_models=int(cfg.rl.beta != 0.0))
+        online = needs_reference(objective) and pref.reference_mode == "online"
+        return ObjectiveTerms(rows=2, frozen_models=int(held), frozen_forwards=int(online))
+    if objective == "grpo":  # the reference's log-probs of every step's completions
+        kl = int(cfg.rl.beta != 0.0)
+        return ObjectiveTerms(frozen_models=kl, frozen_forwards=kl)
     if objective == "reward":  # a pair's two rows; the LM head and its logits are still counted (an over-estimate)
         return ObjectiveTerms(rows=2)
     return ObjectiveTerms()

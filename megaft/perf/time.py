@@ -78,9 +78,12 @@ from megaft.perf.counts import (
     mlp_activation_flops,
     per_block,
     rank_expert_params,
+    rank_layer_ids,
     trainable_rank_params,
 )
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
+from megaft.perf.memory import objective_terms
+from megaft.perf.muon import block_matrix_elements, block_ns_flops, hidden_matrices
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
@@ -222,7 +225,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     all-to-alls and ZeRO (exposed)."""
     m, par, seq = cfg.model, cfg.parallel, cfg.data.seq_len
     tp, stages, ep = par.tp, par.pp * par.vpp, par.ep
-    tokens = cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
+    terms = objective_terms(cfg)  # a preference pair is 2 rows; a frozen model's forward per micro-batch
+    tokens = terms.rows * cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
     dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
     rate = cluster_peak_tflops(cluster, str(cfg.precision)) * 1e12 * cluster.matmul_fraction
     act = 2 if cfg.precision in ("bf16", "fp16") else 4
@@ -286,6 +290,12 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         c["b_cp"] = n * ring_b
         moe = sum(map(m.is_moe, ids))  # full recompute: the forward's all-to-alls run again in backward
         c["f_ep"], c["b_ep"] = moe * a2a, moe * a2a * (2 if m.recompute == "full" else 1)
+        if terms.frozen_forwards:  # the reference's scoring forward: whole under ZeRO, no adapters
+            frozen_f = sum(tokens * layer_forward_flops(m, seq, i) / tp / rate for i in ids)
+            c["f_compute"] += terms.frozen_forwards * (frozen_f + (tokens * head_forward_flops(m) / tp / rate
+                                                                   if last else 0.0))
+            for k in ("f_tp", "f_cp", "f_ep"):
+                c[k] *= 1 + terms.frozen_forwards
         c["f_zero"] = c["b_zero"] = 0.0
         if par.zero == 3 and dp > 1:  # prefetch hides a block's gather behind the previous block's compute
             ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
@@ -328,7 +338,7 @@ def _layout(cfg, cluster, world_size: int) -> _Layout:
     b = tuple(c["b_compute"] + c["b_tp"] + c["b_cp"] + c["b_ep"] + c["b_zero"] for c in stages)
     out = _Layout(cfg, dp, micro, stages, f, b)
     if par.pp > 1:
-        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
+        tokens = objective_terms(cfg).rows * cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
         seq_share = par.tp if par.sequence_parallel else 1
         out.p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * par.cp * dp))
         out.schedule = schedule
@@ -416,7 +426,8 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
     _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay.b[0])  # gradients reduce over dp×cp
-    return StepCost(terms=terms, tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
+    rows = objective_terms(cfg).rows
+    return StepCost(terms=terms, tokens_per_step=rows * cfg.train.global_batch_size * cfg.data.seq_len,
                     world_size=world_size,
                     flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len, cfg.lora),
                     peak_tflops=cluster_peak_tflops(cluster, str(cfg.precision)))
@@ -449,3 +460,22 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         terms["offload"] = max(pcie, host)
     else:
         terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12)
+    if cfg.optim.name == "muon":
+        _add_muon_terms(terms, cfg, cluster, dp, r)
+
+
+def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
+    """optim.name=muon on pp rank `r` (megaft.perf.muon): the Newton-Schulz FLOPs in the optimizer
+    term, the updates' all-gather over tp in tp_comm, ZeRO's extra all-gather in param_gather."""
+    m, par = cfg.model, cfg.parallel
+    blocks = len(rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r])
+    share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
+    rate = cluster_peak_tflops(cluster, "bf16") * 1e12 * cluster.matmul_fraction  # Newton-Schulz runs in bf16
+    terms["optimizer"] += blocks * block_ns_flops(m, cfg.optim.muon.ns_steps) / share / rate
+    if par.tp > 1:
+        link = group_link(cluster, par.tp)
+        terms["tp_comm"] += blocks * sum(gather_s(rows * cols * 4, par.tp, link)
+                                         for rows, cols in hidden_matrices(m)) / share
+    if share > 1:
+        terms["param_gather"] += gather_s(blocks * block_matrix_elements(m) // par.tp * 4, dp,
+                                          group_link(cluster, dp, par.tp))

@@ -9,10 +9,12 @@ every token of the chosen row after the first (TRL labels prompt and answer ther
 
 A global batch of G pairs is 2G rows in pair order [c0, r0, c1, r1, ...], so a dp share
 or micro-batch of an even number of rows holds whole pairs; `chosen_rows` / `rejected_rows`
-pick them back out.
+pick them back out. Rows are gathered with numpy from the table's token array and offsets
+(no Python loop over tokens); `row_of` is the definition they equal (tests/pref/test_data.py).
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import numpy as np
@@ -46,13 +48,17 @@ def rejected_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class PairList:
-    """Pairs held in memory (data.eval_path's) with megaft.pref.store.StoredPairs' view: one source."""
+    """Pairs held in memory (data.eval_path's) with megaft.pref.store.StoredPairs' view: one source,
+    the tokens of pair i at tokens[offsets[3i]:offsets[3i+3]] (prompt, chosen, rejected)."""
 
     def __init__(self, pairs: list[Pair]):
         self.pairs = pairs
         self.lengths = np.array([[len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)] for p in pairs],
                                 dtype=np.int64).reshape(-1, 3)
         self.source = np.zeros(len(pairs), dtype=np.int32)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths.reshape(-1))])
+        parts = [part for p in pairs for part in (p.prompt_ids, p.chosen_ids, p.rejected_ids)]
+        self.tokens = np.array([t for part in parts for t in part], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -94,6 +100,7 @@ class PairRows:
         self.source = np.asarray(table.source)[self.kept]
         self.weights = weights
         self._orders: dict[int, np.ndarray] = {}
+        self._orders_lock = threading.Lock()  # megaft.data.ahead makes the next batch on a thread
         self._epoch_size: Optional[int] = None
 
     def __len__(self) -> int:
@@ -106,6 +113,10 @@ class PairRows:
         return Pair(p.prompt_ids, p.chosen_ids[:room], p.rejected_ids[:room])
 
     def _order(self, epoch: int) -> np.ndarray:
+        with self._orders_lock:
+            return self._order_locked(epoch)
+
+    def _order_locked(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
             if len(self._orders) > 2:  # steps advance monotonically: two epochs are hot
                 self._orders.pop(min(self._orders))
@@ -125,19 +136,47 @@ class PairRows:
         n = self.epoch_size()
         if n == 0:
             raise ValueError("the data.sources weights draw no pair in an epoch; fix: raise a source's weight")
-        ids = [int(self._order(i // n)[i % n]) for i in range(step * size, (step + 1) * size)]
-        return torch.tensor(ids, dtype=torch.long)
+        i = np.arange(step * size, (step + 1) * size)
+        ids = np.empty(size, dtype=np.int64)
+        for epoch in np.unique(i // n):
+            at = i // n == epoch
+            ids[at] = self._order(int(epoch))[i[at] % n]
+        return torch.from_numpy(ids)
 
-    def rows(self, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) of these pairs, [2 * len(pair_ids), seq_len] in pair order."""
-        rows = [row_of(p.prompt_ids, c, self.seq_len, self.pad_id)
-                for p in map(self.pair, pair_ids.tolist()) for c in (p.chosen_ids, p.rejected_ids)]
-        return (torch.tensor([r[0] for r in rows], dtype=torch.long).reshape(-1, self.seq_len),
-                torch.tensor([r[1] for r in rows], dtype=torch.long).reshape(-1, self.seq_len))
+    def _spans(self, pair_ids: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """Per row of these pairs (pair order, chosen then rejected): where its prompt and its
+        answer start in the table's tokens, and their lengths (the answer cut to seq_len)."""
+        k = self.kept[pair_ids.numpy()]
+        offsets = self.table.offsets
+        a, b, c, d = (np.asarray(offsets[3 * k + j], dtype=np.int64) for j in range(4))
+        room = np.repeat(self.seq_len - (b - a), 2)
+        answer_len = np.minimum(np.stack([c - b, d - c], 1).reshape(-1), room)
+        return np.repeat(a, 2), np.repeat(b - a, 2), np.stack([b, c], 1).reshape(-1), answer_len
+
+    def rows(self, pair_ids: torch.Tensor, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of these pairs, [2 * len(pair_ids), seq_len] in pair order, each row
+        `row_of` its prompt and answer; `whole`: ORPO's labels (every next token, chosen rows only)."""
+        prompt_at, prompt_len, answer_at, answer_len = self._spans(pair_ids)
+        t = np.arange(self.seq_len)
+        length = (prompt_len + answer_len)[:, None]
+        at = np.where(t < prompt_len[:, None], prompt_at[:, None] + t, answer_at[:, None] + t - prompt_len[:, None])
+        real = t < length
+        inputs = np.where(real, np.asarray(self.table.tokens)[np.where(real, at, 0)], self.pad_id).astype(np.int64)
+        first = np.ones_like(prompt_len) if whole else np.maximum(prompt_len, 1)  # row_of's first target
+        target = (t[1:] >= first[:, None]) & (t[1:] < length)
+        if whole:
+            target[1::2] = False
+        labels = np.full_like(inputs, IGNORE_INDEX)
+        labels[:, :-1] = np.where(target, inputs[:, 1:], IGNORE_INDEX)
+        return torch.from_numpy(inputs), torch.from_numpy(labels)
 
     def tokens(self, pair_ids: torch.Tensor) -> int:
         """The real (unpadded) tokens of these pairs' rows."""
         return int(self.lengths[self._index(pair_ids)].sum())
+
+    def whole_tokens(self, pair_ids: torch.Tensor) -> int:
+        """ORPO's targets of these pairs: every token after the first of each chosen row."""
+        return int((chosen_rows(self.lengths[self._index(pair_ids)]) - 1).clamp(min=0).sum())
 
     @staticmethod
     def _index(pair_ids: torch.Tensor) -> torch.Tensor:
@@ -146,7 +185,4 @@ class PairRows:
     def whole_rows(self, pair_ids: torch.Tensor) -> torch.Tensor:
         """ORPO's labels of these pairs' rows, as `rows` lays them out: every next token of
         the chosen rows, nothing of the rejected ones."""
-        out = torch.full((2 * len(pair_ids), self.seq_len), IGNORE_INDEX, dtype=torch.long)
-        for i, p in enumerate(map(self.pair, pair_ids.tolist())):
-            out[2 * i] = torch.tensor(row_of(p.prompt_ids, p.chosen_ids, self.seq_len, self.pad_id, whole=True)[1])
-        return out
+        return self.rows(pair_ids, whole=True)[1]

@@ -62,11 +62,14 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, group: Group = No
 
 
 def decoder_token_logps(model: Decoder, input_ids: torch.Tensor, labels: torch.Tensor,
-                        docs: Optional[Docs] = None, router_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        docs: Optional[Docs] = None, router_valid: Optional[torch.Tensor] = None,
+                        temperature: float = 1.0) -> torch.Tensor:
     """`token_logps` of a whole Decoder (embedding to head) on `input_ids`: the per-token
     terms of Decoder.loss_sum, negated and not summed, through the same kernels (the fused
     linear cross-entropy when the model's KernelsConfig asks for it). `router_valid`: the
-    positions a mixture of experts' router statistics count (Decoder.blocks)."""
+    positions a mixture of experts' router statistics count (Decoder.blocks). `temperature`:
+    the log-probs of logits / temperature (GRPO's, as TRL's; the fused head takes h / temperature,
+    the same logits)."""
     kernels, vocab = model.kernels, model.cfg.vocab_size
     backend = op_backend(kernels, "cross_entropy")
     if kernels is not None and kernels.fused_linear_cross_entropy:
@@ -77,11 +80,15 @@ def decoder_token_logps(model: Decoder, input_ids: torch.Tensor, labels: torch.T
         h = column_input(model.norm(model.blocks(input_ids, docs, router_valid=router_valid)), head.group,
                          head.sequence_parallel)
         h = h[:, :labels.shape[1]]
+        if temperature != 1.0:
+            h = h / temperature
         losses = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, labels.reshape(-1), group=head.group,
                                       vocab_start=group_rank(head.group) * head.weight.shape[0], vocab_size=vocab,
                                       backend=backend, chunk=kernels.ce_chunk_tokens)
         return -losses.view(labels.shape)
     logits = model(input_ids, docs, router_valid=router_valid)[:, :labels.shape[1]]
+    if temperature != 1.0:
+        logits = logits / temperature
     return token_logps(logits, labels, group=model.group, vocab_size=vocab, backend=backend)
 
 

@@ -140,11 +140,13 @@ def pack_pairs(pairs: list[Pair], capacity: int, pad_id: int, *, share_prompt: b
 
 def segment_sums(values: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, n: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of `values` over the targets of `labels`, their count) per segment 0..n-1."""
-    targets = (labels != IGNORE_INDEX) & (segments >= 0)
-    seg = segments[targets]
-    sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, seg, values[targets])
-    counts = torch.zeros(n, dtype=torch.long, device=values.device).index_add(0, seg, torch.ones_like(seg))
+    """(sum of `values` over the targets of `labels`, their count) per segment 0..n-1. Every
+    other position adds to a bin n, cut off: no boolean indexing (its host sync on a GPU)."""
+    targets = ((labels != IGNORE_INDEX) & (segments >= 0)).reshape(-1)
+    seg = torch.where(targets, segments.reshape(-1), n)
+    kept = torch.where(targets, values.reshape(-1), torch.zeros((), dtype=values.dtype, device=values.device))
+    sums = torch.zeros(n + 1, dtype=values.dtype, device=values.device).index_add(0, seg, kept)[:n]
+    counts = torch.zeros(n + 1, dtype=torch.long, device=values.device).index_add(0, seg, targets.long())[:n]
     return sums, counts
 
 

@@ -179,10 +179,12 @@ def pairs_store_path(data: DataConfig, *, init_from: Optional[str] = None, eos_t
 
 class StoredPairs:
     """The pairs of a store, read on demand: `pairs[i]` is pair i as a Pair; `lengths` [pairs,
-    3] the prompt, chosen and rejected lengths; `source` [pairs] each one's data.sources entry."""
+    3] the prompt, chosen and rejected lengths; `source` [pairs] each one's data.sources entry;
+    pair i's tokens at tokens[offsets[3i]:offsets[3i+3]] (prompt, chosen, rejected)."""
 
     def __init__(self, store: PreparedDataset):
         self.store = store
+        self.offsets, self.tokens = store.offsets, store.tokens
         self.lengths = np.asarray(store.lengths).reshape(-1, 3)
         self.source = np.asarray(store.source[0::3])
 

@@ -105,3 +105,42 @@ def layouts_rank(rank: int, world: int, ckpt: str, rollouts: str, root: str) -> 
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
                                   device="cpu")
         run(cfg, grid, os.path.join(root, name))
+
+
+def letters(completions: list[str], answer: list, **kwargs) -> list[float]:
+    """A reward that varies on a random model's samples: the completion's characters found in `answer`."""
+    return [float(sum(ch in a for ch in c)) for c, a in zip(completions, answer)]
+
+
+ONLINE_REWARD = "rl.grpo_cases:letters"
+
+
+def write_prompts(path: str, n: int = 6, seed: int = 0) -> None:
+    """`n` text prompts of 2-5 characters, each with an "answer" of 6 characters (letters' reference)."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz"
+    with open(path, "w") as f:
+        for _ in range(n):
+            prompt = "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 5)))
+            f.write(json.dumps({"prompt": prompt, "answer": "".join(rng.sample(alphabet, 6))}) + "\n")
+
+
+def online_config(ckpt: str, prompts: str, loss_type: str = "dapo", steps: int = 3, micro: int = 4) -> Config:
+    """grpo_config generating its rollouts from rl.prompts (2 prompts x G a step), scored by `letters`."""
+    cfg = grpo_config(ckpt, None, loss_type, steps, micro)
+    cfg.rl.prompts, cfg.rl.reward = prompts, [ONLINE_REWARD]
+    return cfg
+
+
+# name -> parallel settings of the online runs on 2 ranks (each against the single online run)
+ONLINE_LAYOUTS = {"online_dp2_zero3": dict(dp=2, zero=3), "online_tp2_sp": dict(tp=2, sequence_parallel=True),
+                  "online_pp2": dict(pp=2)}
+
+
+def online_rank(rank: int, world: int, ckpt: str, prompts: str, root: str) -> None:
+    for name, par in ONLINE_LAYOUTS.items():
+        cfg = online_config(ckpt, prompts, micro=2 if par.get("dp") else 4)
+        for k, v in par.items():
+            setattr(cfg.parallel, k, v)
+        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), device="cpu")
+        run(resolve(cfg), grid, os.path.join(root, name))

@@ -29,11 +29,11 @@ from rl.grpo_cases import (
 )
 from train_cases import read_rows
 
+from megaft.config.rl import LOSS_TYPES
 from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 
 pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean")
 KL_COMPARED = COMPARED + ("kl",)
 
@@ -93,11 +93,13 @@ def test_loss_types_differ(singles):
     assert abs(first["grpo"]["loss"]) < 1e-6 < abs(first["dapo"]["loss"])
 
 
-@pytest.mark.parametrize("loss_type, kl", [(t, "") for t in LOSS_TYPES] + [("dapo", "_kl_ref"), ("grpo", "_kl_ref")])
-def test_first_step_equals_trl(inputs, singles, loss_type, kl):
+@pytest.mark.parametrize("loss_type, kl, temperature", [(t, "", 1.0) for t in LOSS_TYPES] + [
+    ("dapo", "_kl_ref", 1.0), ("grpo", "_kl_ref", 1.0), ("dapo", "_kl_ref", 0.7)])
+def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
     """TRL's GRPOTrainer on the same checkpoint, fed step 1's two groups through its rollout_func,
     with a reward function returning the logged rewards: its loss and gradient norm are megaft's;
-    with the KL term against rl.reference's checkpoint (TRL's ref_model given its weights) its kl too."""
+    with the KL term against rl.reference's checkpoint (TRL's ref_model given its weights) its kl too;
+    at rl.temperature 0.7 both take the log-probs of logits / 0.7 (the policy's and the reference's)."""
     trl = pytest.importorskip("trl", reason="TRL is the reference (requirements.txt installs it)")
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -120,6 +122,7 @@ def test_first_step_equals_trl(inputs, singles, loss_type, kl):
         tok.pad_token = tok.eos_token or tok.convert_ids_to_tokens(0)
     args = trl.GRPOConfig(output_dir=str(root / f"trl_{loss_type}"), per_device_train_batch_size=2 * G,
                           num_generations=G, max_completion_length=8, beta=BETA if kl else 0.0, epsilon_high=0.28,
+                          temperature=temperature,
                           loss_type=loss_type, report_to=[], use_cpu=True, bf16=False,
                           model_init_kwargs={"dtype": torch.float32, "attn_implementation": "eager"})
     trainer = trl.GRPOTrainer(model=model, reward_funcs=logged, args=args, processing_class=tok,
@@ -134,7 +137,13 @@ def test_first_step_equals_trl(inputs, singles, loss_type, kl):
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trainer.model.parameters()
                                                  if p.grad is not None]))
-    first = _lines(singles / f"single_{loss_type}{kl}")[0]
+    name = f"single_{loss_type}{kl}"
+    if temperature != 1.0:  # one step of its own
+        name += f"_t{temperature}"
+        cfg = kl_config(ckpt, rollouts, loss_type, kl)
+        cfg.rl.temperature, cfg.train.max_steps = temperature, 1
+        run(resolve(cfg), ParallelGrid.single(), str(singles / name))
+    first = _lines(singles / name)[0]
     # abs: grpo's on-policy loss is 0 up to the rounding of O(1) terms
     assert first["loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-6), (first["loss"], float(loss))
     assert first["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
@@ -148,10 +157,12 @@ def test_validation_names_what_grpo_cannot_do_yet(inputs, tmp_path):
     cfg = grpo_config(ckpt, rollouts)
     assert validate(cfg, 1) == []
     cases = [
-        (dict(rollouts=None), "rl.rollouts is unset"),
+        (dict(rollouts=None), "neither rl.rollouts nor rl.prompts is set"),
+        (dict(prompts=rollouts), "rl.rollouts and rl.prompts are both set"),
+        (dict(rollouts=None, prompts=rollouts), "generated completions need reward functions"),
         (dict(beta=0.04, reference="/no/such/ckpt"), "rl.reference=/no/such/ckpt is not a Hugging Face checkpoint"),
         (dict(reference="/no/such/ckpt"), "is read by the KL term only, and rl.beta=0"),
-        (dict(temperature=0.7), "fix: rl.temperature=1"),
+        (dict(temperature=0.0), "rl.temperature=0.0 must be > 0"),
         (dict(num_generations=3), "is not whole groups of rl.num_generations=3"),
         (dict(loss_type="cispo"), "rl.loss_type='cispo' is unknown"),
         (dict(scale_rewards="std"), "rl.scale_rewards='std' is unknown"),

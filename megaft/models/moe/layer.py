@@ -50,6 +50,11 @@ from megaft.parallel.tensor.comm import reduce_from_tp, reduce_scatter_to_sp
 from megaft.parallel.tensor.shard import mark_expert_slice, mark_sequence_parallel, mark_sharded
 
 
+def _ones(index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Ones like `index` (a count per entry for index_add_: bincount without its host sync)."""
+    return torch.ones(index.shape, dtype=dtype, device=index.device)
+
+
 class Experts(nn.Module):
     """The routed experts' stacked weights, each split over tp like the dense MLP
     (gate/up by their F rows, down by its F columns), and the grouped computation.
@@ -134,28 +139,26 @@ class MoE(nn.Module):
 
     def _record(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
                 dropped: torch.Tensor) -> None:
-        """This rank's statistics, over its real tokens (not the sequence-parallel padding)."""
+        """This rank's statistics, over its real tokens (not the sequence-parallel padding).
+        Padding and shared prompts weigh the tokens instead of selecting them: no host sync."""
         b, s, e = probs.shape
         mine = self._mine(s)
         logits, probs, experts = logits[:, mine], probs[:, mine], experts[:, mine]
-        weight = None
-        if self.log.valid is not None:  # only the tokens: [positions, ...] from [b, positions, ...]
-            start = group_rank(self.group) * s if self.sp else 0
-            valid = self.log.valid.to(probs.device)[:, start:start + s][:, mine]
-            if valid.dtype != torch.bool:  # a count per token (a shared prompt stands for 2 rows' tokens)
-                weight = valid[valid > 0].to(probs.dtype)
-                valid = valid > 0
-            logits, probs, experts = logits[valid], probs[valid], experts[valid]
-        probs, z = probs.reshape(-1, e), torch.logsumexp(logits, dim=-1).square().reshape(-1)
-        if weight is None:
-            counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
-            tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
-        else:  # each token counted `weight` times: the statistics of the rows it stands for
-            k = experts.shape[-1]
-            counts = torch.bincount(experts.reshape(-1), weights=weight.float().repeat_interleave(k),
-                                    minlength=e).to(torch.float32)
-            probs, z, tokens = probs * weight[:, None], z * weight, weight.float().sum()
-        self.log.add(RouterRecord(self.layer, counts, probs.sum(0), z.sum(), tokens, dropped))
+        k = experts.shape[-1]
+        probs, experts = probs.reshape(-1, e), experts.reshape(-1)
+        z = torch.logsumexp(logits, dim=-1).square().reshape(-1)
+        if self.log.valid is None:
+            counts = torch.zeros(e, device=probs.device).index_add_(0, experts, _ones(experts, probs.dtype))
+            self.log.add(RouterRecord(self.layer, counts, probs.sum(0), z.sum(),
+                                      torch.full((), float(probs.shape[0]), device=probs.device), dropped))
+            return
+        # [b, positions] -> per token: 0 (padding), 1, or a count (a shared prompt stands for 2 rows' tokens)
+        start = group_rank(self.group) * s if self.sp else 0
+        weight = self.log.valid_on(probs.device)[:, start:start + s][:, mine].reshape(-1).to(probs.dtype)
+        per_slot = weight.unsqueeze(1).expand(-1, k).reshape(-1)
+        counts = torch.zeros(e, dtype=torch.float64, device=probs.device).index_add_(0, experts, per_slot.double())
+        self.log.add(RouterRecord(self.layer, counts.to(torch.float32), (probs * weight[:, None]).sum(0),
+                                  (z * weight).sum(), weight.sum(), dropped))
 
     def _kept(self, experts: torch.Tensor, weights: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """(the kept assignments [tokens × k] or None: all, the dropped ones of this rank's own
@@ -167,11 +170,12 @@ class MoE(nn.Module):
                 zero = self._no_drops = torch.zeros((), device=experts.device)
             return None, zero
         b, s, k = experts.shape
-        valid = None
+        valid, tokens = None, None
         if self.log.seq_len is not None and s > self.log.seq_len:  # sequence-parallel padding
             valid = (torch.arange(s, device=experts.device) < self.log.seq_len).repeat(b)
+            tokens = b * self.log.seq_len
         keep = kept_assignments(experts.reshape(-1, k), weights.detach().reshape(-1, k), self.n_experts, factor,
-                                self.routing.drop_policy, valid)
+                                self.routing.drop_policy, valid, tokens)
         # this rank's share of the count: its own sequence slice (summed over tp with the other statistics)
         local = s // group_size(self.group) if self.sp else s
         start = group_rank(self.group) * local if self.sp else 0
@@ -191,19 +195,22 @@ class MoE(nn.Module):
         b, s, d = xs.shape
         k = experts.shape[-1]
         flat = experts.reshape(-1)
-        if keep is None:
-            order = torch.argsort(flat, stable=True)
-        else:  # the kept assignments only, by expert
-            order = keep.nonzero().squeeze(1)
-            order = order[torch.argsort(flat[order], stable=True)]
-        counts = torch.bincount(flat[order], minlength=self.n_experts)
-        rows = xs.reshape(b * s, d)[order // k]
+        # rows sorted by expert (a dropped assignment: key n_experts, sorted last and cut off), the
+        # rows per expert counted on the device: the one host sync of the layer is their copy
+        key = flat if keep is None else torch.where(keep, flat, self.n_experts)
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(self.n_experts + 1, dtype=torch.int64, device=flat.device)
+        counts = counts.index_add_(0, key, _ones(key, torch.int64))[:self.n_experts]
         if group_size(self.ep_group) > 1:  # to the experts' ranks and back (megaft.parallel.expert)
+            rows = xs.reshape(b * s, d)[order // k]
             if torch.is_autocast_enabled(x.device.type):  # send the compute dtype: half the bytes
                 rows = rows.to(torch.get_autocast_dtype(x.device.type))
             y = dispatch_compute_combine(rows, counts, self.ep_group, self.experts)
+            order = order[:y.shape[0]]  # the kept rows: the dispatch's host sync knows their number
         else:
-            y = self.experts(rows, counts.cpu())
+            host = counts.cpu()
+            order = order if keep is None else order[:int(host.sum())]
+            y = self.experts(xs.reshape(b * s, d)[order // k], host)
         # back to (token, slot) order; a dropped assignment's output is zero (without a
         # capacity `order` covers every row: no memset needed)
         back = y.new_empty if keep is None else y.new_zeros

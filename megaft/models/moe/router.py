@@ -53,9 +53,17 @@ class RouterLog:
         # row, which transformers' attention_mask keeps out of load_balancing_loss_func); None: all are.
         # Integer counts weigh each token (a shared prompt in packed pairs stands for the tokens of 2 rows)
         self.valid: Optional[torch.Tensor] = None
+        self._valid_on: dict = {}
 
     def start(self, seq_len: int, valid: Optional[torch.Tensor] = None) -> None:
         self.records, self.open, self.seq_len, self.valid = [], True, seq_len, valid
+        self._valid_on: dict = {}
+
+    def valid_on(self, device: torch.device) -> torch.Tensor:
+        """`valid` on `device`, copied once per forward (not once per layer)."""
+        if device not in self._valid_on:
+            self._valid_on[device] = self.valid.to(device, non_blocking=True)
+        return self._valid_on[device]
 
     def add(self, record: RouterRecord) -> None:
         if self.open:

@@ -55,7 +55,8 @@ def _expert_major(counts: torch.Tensor) -> torch.Tensor:
 
 def dispatch_compute_combine(rows: torch.Tensor, counts: torch.Tensor, group: Group,
                              compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`rows` sorted by global expert, `counts` [n_experts] rows per expert (on rows' device):
+    """`rows` sorted by global expert, `counts` [n_experts] rows per expert (on rows' device;
+    rows past their sum, dropped by a capacity, are not sent and have no result):
     each rank's rows go to the ep rank holding their experts (rank r holds experts
     [r E/ep, (r+1) E/ep)), `compute(local rows sorted by local expert, rows per local expert
     (int64, host))` runs there, and the results come back in `rows`' order."""
@@ -66,7 +67,7 @@ def dispatch_compute_combine(rows: torch.Tensor, counts: torch.Tensor, group: Gr
     both = torch.cat([per_rank, received]).cpu()  # one host sync for both
     send, recv = both[:ep], both[ep:]
     send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-    got = all_to_all(rows, recv_splits, send_splits, group)
+    got = all_to_all(rows[:sum(send_splits)], recv_splits, send_splits, group)
     order = _expert_major(recv).to(rows.device)
     out = compute(got[order], recv.sum(0))
     out = torch.empty_like(out).index_copy(0, order, out)  # back to [source rank][local expert]

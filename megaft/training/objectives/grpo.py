@@ -1,4 +1,5 @@
-"""train.objective = grpo: GRPO (and Dr. GRPO, DAPO, BNPO) on logged rollouts (rl.rollouts), as
+"""train.objective = grpo: GRPO (and Dr. GRPO, DAPO, BNPO) on logged rollouts (rl.rollouts) or on
+rollouts the policy generates each step at the training layout (rl.prompts: megaft.rl.online), as
 TRL 1.16's GRPOTrainer defines the loss (megaft.rl.losses) and the advantages (megaft.rl.advantages).
 
 `data`: each step's whole groups (megaft.rl.rollouts), every completion a row (prompt + completion,
@@ -22,13 +23,16 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megaft.config.rl import RLConfig
 from megaft.data.build import build_tokenizer
+from megaft.data.templates import load_chat_template, tokenizer_dir_of
 from megaft.data.tokenizer import special_ids
+from megaft.inference.generate import Sampling, generate, pipeline_generate
+from megaft.models.decoder import Decoder
 from megaft.models.hf.config import hf_model_config
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
@@ -36,7 +40,8 @@ from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import decoder_token_logps
 from megaft.rl.advantages import function_metrics, group_advantages
-from megaft.rl.losses import GlobalCounts, GrpoStats, completion_losses, grpo_terms
+from megaft.rl.losses import COLUMNS, GlobalCounts, GrpoStats, completion_losses, grpo_terms
+from megaft.rl.online import OnlineRollouts, read_rl_prompts
 from megaft.rl.rewards import load_reward, reward_name
 from megaft.rl.rollouts import Group, group_rows, logged_rewards, read_rollouts, scored_rewards, step_groups
 from megaft.training.model import build_model
@@ -61,12 +66,13 @@ class RolloutBatch(StepBatch):
 
 @dataclass
 class RolloutData:
-    """The data part of a GRPO run on logged rollouts (megaft.training.protocols.DataPart)."""
+    """The data part of a GRPO run (megaft.training.protocols.DataPart): on logged rollouts, or on
+    rollouts the policy generates each step (`online`, rl.prompts: megaft.rl.online)."""
 
     tokenizer: object
     eos_id: Optional[int]
-    groups: list[Group]
-    rewards: torch.Tensor  # [groups, G, functions]: every completion's rewards (NaN: declined)
+    groups: list[Group]  # logged: every group of rl.rollouts (online: none)
+    rewards: Optional[torch.Tensor]  # logged: [groups, G, functions], every completion's rewards (NaN: declined)
     names: list[str]  # the reward functions' names (rewards/<name>/mean)
     rl: RLConfig
     grid: ParallelGrid
@@ -76,6 +82,8 @@ class RolloutData:
     micro_batch_size: int  # completions
     multiple: int = 1  # a micro-batch's length is a multiple of this (sequence parallel: tp; cp: 2 cp tp)
     same_length: bool = False  # pp > 1: every micro-batch of a step as long as the longest
+    online: Optional[OnlineRollouts] = None  # rl.prompts: each step's groups generated
+    score: Optional[Callable[[list[Group]], torch.Tensor]] = None  # online: rl.reward's [completions, functions]
     task = None
     eval_batches = []
     packing = "none"
@@ -84,15 +92,23 @@ class RolloutData:
     unit = "completions"
 
     def units_in(self, epochs: Fraction) -> Fraction:
-        """The completions of the first `epochs` passes over the groups (rl.num_generations each)."""
-        return epochs * len(self.groups) * self.rl.num_generations
+        """The completions of the first `epochs` passes over the groups or prompts (rl.num_generations each)."""
+        n = len(self.online.prompts) if self.online is not None else len(self.groups)
+        return epochs * n * self.rl.num_generations
+
+    def _step_groups(self, step: int) -> tuple[list[Group], torch.Tensor]:
+        """The step's groups and their rewards [completions, functions]."""
+        per_step = self.global_batch_size // self.rl.num_generations
+        if self.online is not None:  # collective: the policy generates them (megaft.rl.online)
+            groups = self.online.groups(step, per_step)
+            return groups, self.score(groups)
+        ids = step_groups(len(self.groups), step, per_step)
+        return [self.groups[i] for i in ids], self.rewards[ids].reshape(-1, len(self.names))
 
     def batch(self, step: int) -> RolloutBatch:
         g = self.rl.num_generations
-        ids = step_groups(len(self.groups), step, self.global_batch_size // g)
-        groups = [self.groups[i] for i in ids]
+        groups, rewards = self._step_groups(step)
         inputs, labels = group_rows(groups, self.seq_len, self.pad_id)
-        rewards = self.rewards[ids].reshape(-1, len(self.names))
         weights = torch.tensor(self.rl.reward_weights or [1.0] * len(self.names))
         advantages, metrics = group_advantages(rewards, weights, g, self.rl.scale_rewards)
         metrics.update(function_metrics(rewards, self.names))
@@ -116,24 +132,34 @@ class RolloutData:
 
 
 def build_data(parts: RunParts) -> RolloutData:
-    """rl.rollouts' groups (read in every rank: validation parsed the file before any started)."""
+    """rl.rollouts' groups (read in every rank: validation parsed the file before any started), or
+    rl.prompts' prompts, whose groups the policy generates each step (the step part attaches it)."""
     cfg, grid = parts.cfg, parts.grid
     tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
     eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
     rl = cfg.rl
-    groups = read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
-                           cfg.model.vocab_size, scored=bool(rl.reward))
-    if rl.reward:  # scored once: the file and the functions fix every completion's rewards
-        functions = [(spec, load_reward(spec, rl.format_pattern)) for spec in rl.reward]
-        rewards = scored_rewards(groups, functions, lambda ids: tok.decode(ids, skip_special_tokens=True))
-        names = [reward_name(spec) for spec in rl.reward]
-    else:
-        rewards, names = logged_rewards(groups), [REWARD_NAME]
     par = cfg.parallel
     multiple = (2 * par.cp if par.cp > 1 else 1) * (par.tp if par.sequence_parallel else 1)
+    functions = [(spec, load_reward(spec, rl.format_pattern)) for spec in rl.reward]
+
+    def score(groups: list[Group]) -> torch.Tensor:
+        return scored_rewards(groups, functions, lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+    shape = dict(seq_len=cfg.data.seq_len, pad_id=pad_id, global_batch_size=cfg.train.global_batch_size,
+                 micro_batch_size=cfg.train.micro_batch_size, multiple=multiple, same_length=par.pp > 1)
+    names = [reward_name(spec) for spec in rl.reward] if rl.reward else [REWARD_NAME]
+    if rl.prompts:
+        template = load_chat_template(cfg.data.chat_template, tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
+        online = OnlineRollouts(read_rl_prompts(rl.prompts, tok, template), num_generations=rl.num_generations,
+                                max_completion_length=rl.max_completion_length, seq_len=cfg.data.seq_len, grid=grid,
+                                run_dir=parts.run_dir)
+        return RolloutData(tok, eos_id, [], None, names, rl, grid, online=online, score=score, **shape)
+    groups = read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
+                           cfg.model.vocab_size, scored=bool(rl.reward))
+    # scored once: the file and the functions fix every completion's rewards
+    rewards = score(groups) if rl.reward else logged_rewards(groups)
     return RolloutData(tok, eos_id, groups, rewards.view(len(groups), rl.num_generations, -1), names, rl, grid,
-                       cfg.data.seq_len, pad_id, cfg.train.global_batch_size, cfg.train.micro_batch_size, multiple,
-                       same_length=par.pp > 1)
+                       **shape)
 
 
 class GrpoObjective:
@@ -166,22 +192,17 @@ class GrpoObjective:
         """TRL's metrics of the step over its global batch (the last pp stage's, over dp)."""
         stats = self.stats
         if stats is None:  # a pipeline stage before the last: neutral values for the reductions
-            stats = GrpoStats(torch.zeros(6, dtype=torch.float32, device=self.grid.device),
+            stats = GrpoStats(torch.zeros(len(COLUMNS), dtype=torch.float32, device=self.grid.device),
                               torch.tensor(float("inf"), device=self.grid.device),
                               torch.tensor(float("-inf"), device=self.grid.device))
         sums, low, high = stats.sums.clone(), stats.low_min.clone(), stats.high_max.clone()
         for group in ([self.grid.pp_group] if self.grid.pp_size > 1 else []) + [self.grid.dp_group]:
             all_reduce(sums, group)  # the last stage's values over pp, then every dp rank's completions
-            _extreme(low, group, torch.distributed.ReduceOp.MIN)
-            _extreme(high, group, torch.distributed.ReduceOp.MAX)
+            all_reduce(low, group, torch.distributed.ReduceOp.MIN)
+            all_reduce(high, group, torch.distributed.ReduceOp.MAX)
         out = GrpoStats(sums, low, high).metrics(self.rl.beta)
         del out["entropy"]  # the vocab-parallel entropy is not computed yet
         return {**self.batch.reward_metrics, **out}
-
-
-def _extreme(x: torch.Tensor, group, op) -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(x, op=op, group=group)
 
 
 def reference_model(parts: RunParts) -> Optional[torch.nn.Module]:
@@ -205,6 +226,7 @@ class GrpoStep(PlainStep):
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.objective = GrpoObjective(cfg.rl, grid)
         self.reference = reference_model(parts)
+        self.temperature = cfg.rl.temperature  # the log-probs of logits / T, the policy's and the reference's
 
     def _ref_logps(self, batch: RolloutBatch, i: int) -> Optional[torch.Tensor]:
         if self.reference is None:
@@ -212,7 +234,7 @@ class GrpoStep(PlainStep):
         device = self.grid.device
         with torch.no_grad(), self.autocast():
             return decoder_token_logps(self.reference, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                       batch.docs[i] if batch.docs else None)
+                                       batch.docs[i] if batch.docs else None, temperature=self.temperature)
 
     def forward_backward(self, batch: RolloutBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(c_i) / divisor over the micro-batches; the c_i sum (fp64)."""
@@ -226,7 +248,7 @@ class GrpoStep(PlainStep):
                 ref = self._ref_logps(batch, i)
                 with self.autocast():
                     logps = decoder_token_logps(self.model, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                                batch.docs[i] if batch.docs else None)
+                                                batch.docs[i] if batch.docs else None, temperature=self.temperature)
                     losses = self.objective.losses(logps, i, ref)
             with phase("backward"):
                 (losses.sum() / divisor).backward()
@@ -250,7 +272,7 @@ class PipelineGrpoStep(PipelineStep):
     def __init__(self, parts: RunParts):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
-        self.logps = logits_scorer(self.model, grid)
+        self.logps = logits_scorer(self.model, grid, cfg.rl.temperature)
         self.objective = GrpoObjective(cfg.rl, grid)
         reference = reference_model(parts)
         self.reference: Optional[PipelineRuntime] = None if reference is None else PipelineRuntime(
@@ -288,4 +310,27 @@ class PipelineGrpoStep(PipelineStep):
 
 
 def build_step(parts: RunParts) -> StepPart:
-    return PipelineGrpoStep(parts) if parts.grid.pp_size > 1 else GrpoStep(parts)
+    step = PipelineGrpoStep(parts) if parts.grid.pp_size > 1 else GrpoStep(parts)
+    if parts.data.online is not None:  # rl.prompts: the policy generates each step's groups
+        parts.data.online.generate = rollout_generator(parts, step)
+    return step
+
+
+def rollout_generator(parts: RunParts, step) -> Callable[[list[list[int]], int, int], list[list[int]]]:
+    """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, no
+    nucleus, seeded by train.seed and the draw's step; through the pipeline's stages under pp, with
+    ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
+    cfg, grid = parts.cfg, parts.grid
+    sampling = Sampling(temperature=cfg.rl.temperature, top_p=1.0, seed=cfg.train.seed)
+    eos = parts.data.eos_id
+    listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
+    eos = sorted({eos, *(listed if isinstance(listed, list) else [listed])} - {None})
+
+    def run(prompts: list[list[int]], max_new_tokens: int, seed_step: int) -> list[list[int]]:
+        kw = dict(max_new_tokens=max_new_tokens, eos_id=eos, sampling=sampling, step=seed_step, keep_eos=True)
+        with parts.optim.whole_params():
+            if isinstance(step.generator, Decoder):
+                with step.autocast():
+                    return generate(step.generator, prompts, device=grid.device, **kw)
+            return pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
+    return run

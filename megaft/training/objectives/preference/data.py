@@ -9,6 +9,7 @@ of a step's alike under pp: the stages exchange one activation shape).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from fractions import Fraction
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 from tokenizers import Tokenizer
 
+from megaft.data.ahead import Ahead
 from megaft.models.attention.documents import Docs
 from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid
@@ -42,6 +44,23 @@ class PairBatch(StepBatch):
     valid: Optional[list[torch.Tensor]] = None
     whole_labels: Optional[list[torch.Tensor]] = None  # orpo only
     nll_tokens: int = 0  # orpo: target tokens of the global batch's chosen rows, prompt included
+
+    def on(self, device: torch.device) -> "PairBatch":
+        """This batch with its tensors on `device`, each copied once (pinned and non_blocking on
+        CUDA: the copies overlap the step's work); docs stay as they are (the model moves them)."""
+        def move(ts):
+            return None if ts is None else [_to(t, device) for t in ts]
+        return dataclasses.replace(self, inputs=move(self.inputs), labels=move(self.labels),
+                                   pair_ids=move(self.pair_ids), segments=move(self.segments),
+                                   valid=move(self.valid), whole_labels=move(self.whole_labels))
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def row_length(labels: torch.Tensor, multiple: int) -> int:
@@ -95,7 +114,13 @@ class PrefData:
         """The pairs of the first `epochs` epochs (each epoch draws the same count: the mixture's)."""
         return epochs * self.rows.epoch_size()
 
+    def __post_init__(self):
+        self._ahead = Ahead(self._batch)  # the next step's pairs made while this one trains
+
     def batch(self, step: int) -> PairBatch:
+        return self._ahead(step)
+
+    def _batch(self, step: int) -> PairBatch:
         ids = self.rows.pair_ids(step, self.global_batch_size)
         chunks = _shard(ids, self.grid, self.micro_batch_size)
         return self._pairs(self.rows, ids, chunks, self.global_batch_size)
@@ -121,7 +146,7 @@ class PrefData:
             if self.orpo:
                 whole.append(rows.whole_rows(chunk))
         # ORPO's SFT term: a token mean over the batch's chosen rows
-        nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
+        nll_tokens = rows.whole_tokens(ids) if self.orpo else 0
         # each micro-batch only as long as its longest row, as TRL pads (the padding is after every
         # real token: causal attention never reads it), in multiples the sequence splits need
         ends = [row_length(lab, self.multiple) for lab in micro_lab]
@@ -163,7 +188,7 @@ class PrefData:
             valid.append(labels[2] if self.share_prompt else labels[2] > 0)
             if self.orpo:
                 whole.append(labels[3])
-        nll_tokens = int((rows.whole_rows(ids) != -100).sum()) if self.orpo else 0
+        nll_tokens = rows.whole_tokens(ids) if self.orpo else 0
         tokens = packed_tokens([rows.pair(k) for k in ids.tolist()], self.share_prompt)
         return PairBatch(micro_in, micro_lab, docs, n_pairs, tokens, pair_ids=chunks, whole_labels=whole,
                          nll_tokens=nll_tokens, segments=segments, valid=valid)

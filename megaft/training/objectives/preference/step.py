@@ -73,11 +73,14 @@ def _sequences(logps: torch.Tensor, labels: torch.Tensor, whole: Optional[torch.
     return out[0], (out[1] if whole is not None else None)
 
 
-def logits_scorer(model, grid: ParallelGrid) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Token log-probs from this tp rank's vocabulary slice of the logits (a pipeline's last stage)."""
+def logits_scorer(model, grid: ParallelGrid, temperature: float = 1.0
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Token log-probs from this tp rank's vocabulary slice of the logits (a pipeline's last stage),
+    of logits / temperature."""
     backend = op_backend(model.kernels, "cross_entropy")
 
     def score(logits: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        logits = logits if temperature == 1.0 else logits / temperature
         return token_logps(logits[:, :scored.shape[1]], scored, group=grid.tp_group,
                            vocab_size=model.cfg.vocab_size, backend=backend)
     return score
@@ -227,6 +230,7 @@ def eval_pairs_loss(objective: Optional[PairObjective], batch: Optional[PairBatc
         return None
     was_training = model.training
     model.eval()
+    batch = batch.on(grid.device)
     objective.start(batch)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     for i, (inputs, labels) in enumerate(zip(batch.inputs, batch.labels)):
@@ -276,6 +280,7 @@ class PreferenceStep(PlainStep):
         plus its router terms, each micro-batch's over its tokens, averaged over the global
         batch's micro-batches as TRL adds them); the pair-loss sum (fp64)."""
         phase, device, model = self.phases.phase, self.grid.device, self.model
+        batch = batch.on(device)  # every tensor copied once (the .to(device) below: no-ops)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.pairs.start(batch)
         self.router_stats = StepRouterStats.of(model)
@@ -337,6 +342,7 @@ class PipelinePreferenceStep(PipelineStep):
 
     def forward_backward(self, batch: PairBatch, divisor: float) -> torch.Tensor:
         device = self.grid.device
+        batch = batch.on(device)
         self.pairs.start(batch)
 
         def head(i: int, logits: torch.Tensor) -> torch.Tensor:

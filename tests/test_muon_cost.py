@@ -1,0 +1,59 @@
+"""optim.name=muon in the cost model (megaft.perf.muon, megaft.perf.time): the Newton-Schulz
+FLOPs formula equals what torch counts in megaft's orthogonalisation, the matrices are the ones
+megaft gives Muon, and a layout's step prices the work and the gathers where they run."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_estimate import CONF, preset_1b
+from torch.utils.flop_counter import FlopCounterMode
+
+from megaft.config.cluster import ClusterConfig
+from megaft.config.model import ModelConfig
+from megaft.models.decoder import Decoder
+from megaft.optim.muon import muon_split, zeropower_via_newtonschulz
+from megaft.perf.muon import hidden_matrices, ns_flops
+from megaft.perf.time import step_cost
+
+
+@pytest.mark.parametrize("shape", [(48, 48), (32, 80), (96, 40)])
+def test_the_flops_formula_counts_megafts_newton_schulz(shape):
+    with FlopCounterMode(display=False) as counter:
+        zeropower_via_newtonschulz(torch.randn(*shape), 3.4445, -4.7750, 2.0315, 5, 1e-7)
+    assert counter.get_total_flops() == ns_flops(*shape, 5)
+
+
+def test_the_matrices_are_those_megaft_gives_muon():
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=32)
+    muon = muon_split(Decoder(cfg))["muon"]
+    assert sorted(tuple(p.shape) for p in muon.values()) == sorted(hidden_matrices(cfg))
+
+
+def test_a_layout_prices_muons_work_and_gathers_where_they_run():
+    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "cluster", "h100.yaml")))
+    fields.pop("defaults")
+    cluster = ClusterConfig(**fields)
+
+    def cost(name: str, **par):
+        cfg = preset_1b(micro=1)
+        cfg.optim.name = name
+        cfg.parallel = dataclasses.replace(cfg.parallel, **par)
+        return step_cost(cfg, cluster, cfg.parallel.tp * cfg.parallel.dp).terms
+
+    adam, muon = cost("adamw", dp=8), cost("muon", dp=8)
+    assert muon["optimizer"] > adam["optimizer"] and muon["compute"] == adam["compute"]
+    # tp2: every tp rank orthogonalises whole matrices (no less work than tp1) and gathers the updates
+    tp1, tp2 = cost("muon", tp=1, dp=2), cost("muon", tp=2, dp=2)
+    adam_tp2 = cost("adamw", tp=2, dp=2)
+    ns = tp1["optimizer"] - cost("adamw", tp=1, dp=2)["optimizer"]
+    assert ns > 0 and tp2["optimizer"] - adam_tp2["optimizer"] == pytest.approx(ns, rel=1e-9)
+    assert tp2["tp_comm"] > adam_tp2["tp_comm"]
+    # ZeRO: each rank orthogonalises 1/dp of the matrices, after one more all-gather
+    z0, z1 = cost("muon", dp=8, zero=0), cost("muon", dp=8, zero=1)
+    assert z1["param_gather"] > cost("adamw", dp=8, zero=1)["param_gather"]
+    assert (z0["optimizer"] - cost("adamw", dp=8, zero=0)["optimizer"]) == pytest.approx(
+        8 * (z1["optimizer"] - cost("adamw", dp=8, zero=1)["optimizer"]), rel=1e-9)
