@@ -5,8 +5,8 @@ model's own tokenizer without added special tokens, right-padded, and scored by 
 The reward is read at each row's last real token from the attention mask (megaft.reward.losses),
 where TRL reads transformers' logits, found by searching for the pad id: the same token unless
 pad == eos and a text ends with the eos token (transformers#35352), where TRL scores the token
-before it. The rewards are computed once, when the run starts (the logged rollouts fix them),
-on the CPU in fp32 on every rank: the same numbers on each, as the other reward functions give.
+before it. The rewards are computed on the CPU in fp32 on every rank (logged rollouts once at the
+start, generated ones each step): the same numbers on each, as the other reward functions give.
 """
 from __future__ import annotations
 

@@ -94,3 +94,33 @@ def test_a_folder_that_is_not_a_reward_model_is_refused(models, tmp_path):
         load_reward(f"model:{lm}")
     with pytest.raises(ValueError, match="has no config.json and tokenizer.json; fix: the RUN_DIR/hf export"):
         load_reward(f"model:{tmp_path}")
+
+
+def test_online_generation_is_scored_by_the_model(models, tmp_path):
+    """rl.prompts (the policy generating at the training layout): each step's completions are scored by
+    the reward model as they are generated (rewards/<name>/mean of the logged rollouts' texts)."""
+    from rl.grpo_cases import online_config, write_prompts
+    from tokenizers import Tokenizer
+
+    from megaft.reward.model import _load, score_texts
+    from megaft.training.loop import Trainer
+
+    lm, rm, _ = models
+    prompts = str(tmp_path / "prompts.jsonl")
+    write_prompts(prompts)
+    cfg = online_config(lm, prompts, steps=1)
+    cfg.rl.reward = [f"model:{rm}"]
+    cfg = resolve(cfg)
+    assert not validate(cfg, 1)
+    os.makedirs(tmp_path / "run")
+    Trainer(cfg, ParallelGrid.single(), str(tmp_path / "run")).fit()
+    line = next(r for r in read_rows(str(tmp_path / "run")) if "loss" in r)
+    policy = Tokenizer.from_file(os.path.join(lm, "tokenizer.json"))
+    texts = []
+    for rec in map(json.loads, open(tmp_path / "run" / "rollouts.jsonl")):
+        prompt = policy.decode(rec["prompt_ids"], skip_special_tokens=True)
+        texts += [prompt + policy.decode(c, skip_special_tokens=True) for c in rec["completion_ids"]]
+    assert len(texts) == 2 * G  # step 1's two groups
+    held = _load(rm)
+    want = torch.tensor(score_texts(held["model"], held["tok"], texts))
+    assert want.std() > 0 and abs(line["rewards/rm/mean"] - want.mean().item()) < 1e-5
