@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
-from megaft.config.pref import check_pref, is_preference
+from megaft.config.pref import check_pref, reads_pairs
 
 register_configs()
 
@@ -42,7 +42,7 @@ def run(cfg: Config) -> str:
     from megaft.data.prepare import prepare_dataset
 
     pairs = None
-    if is_preference(cfg.train.objective):
+    if reads_pairs(cfg.train.objective):
         from megaft.pref.data import pair_source_problems as pairs
     problems = check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
     problems += check_pref(cfg.pref, cfg.train.objective)
@@ -54,7 +54,7 @@ def run(cfg: Config) -> str:
                         "made in memory); fix: set data.path=FILE or data.sources=[{path: ..., weight: 1}]")
     if problems:
         raise ConfigError(problems)
-    if is_preference(cfg.train.objective):  # the pairs a preference run reads (megaft.pref.store)
+    if reads_pairs(cfg.train.objective):  # the pairs a preference run reads (megaft.pref.store)
         from megaft.pref.store import prepare_pairs
 
         ds = prepare_pairs(cfg.data, init_from=cfg.model.init_from, eos_token_id=eos_token_id(cfg.model.init_from))

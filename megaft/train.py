@@ -25,12 +25,12 @@ def prepare_data(cfg: Config, *, progress: bool) -> None:
     joins a collective: here in the launcher, or (torchrun/srun) in every rank's process,
     where a file lock lets one prepare and the others wait (megaft.data.prepare)."""
     from megaft.config.data import data_sources
-    from megaft.config.pref import is_preference
+    from megaft.config.pref import reads_pairs
     from megaft.data.prepare import prepare_dataset
 
     if not data_sources(cfg.data):
         return
-    if is_preference(cfg.train.objective):  # pairs always come from the store (megaft.pref.store)
+    if reads_pairs(cfg.train.objective):  # pairs always come from the store (megaft.pref.store)
         from megaft.pref.store import prepare_pairs
 
         prepare_pairs(cfg.data, init_from=cfg.model.init_from, eos_token_id=cfg.model.extra.get("eos_token_id"),

@@ -20,7 +20,8 @@ from megaft.config.lora import check_lora, check_lora_model, check_lora_moe
 from megaft.config.moe import check_moe
 from megaft.config.optim import check_master_weights, check_optim
 from megaft.config.parallel import check_parallel, resolve_dp
-from megaft.config.pref import check_pref, check_pref_run, is_preference
+from megaft.config.pref import check_pref, check_pref_run, reads_pairs
+from megaft.config.reward import check_reward, check_reward_run, is_reward
 from megaft.config.rl import check_rl, check_rl_run
 from megaft.config.train import accumulation_steps, check_train
 from megaft.config.wandb import check_logger
@@ -45,6 +46,14 @@ def resolve(cfg: Config) -> Config:
         cfg.model = hf_model_config(cfg.model.init_from, base=cfg.model)
     elif cfg.model.vocab_size == 0:
         cfg.model.vocab_size = build_tokenizer(cfg.data, init_from=None).get_vocab_size()
+    if is_reward(cfg.train.objective):  # a reward model: the scalar head instead of the LM head
+        cfg.model.score_head = True
+        if cfg.model.extra.get("pad_token_id") is None:  # the export's class searches for it (megaft.reward)
+            from megaft.data.tokenizer import special_ids
+
+            tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
+            cfg.model.extra = {**cfg.model.extra, "pad_token_id": special_ids(tok, cfg.model.extra.get(
+                "eos_token_id"))[1]}
     return cfg
 
 
@@ -141,10 +150,11 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     problems = check_optim(cfg.optim) + check_fused(cfg.optim, device=cfg.device)
     problems += check_master_weights(cfg.optim, precision=cfg.precision)
     pairs = None
-    if is_preference(cfg.train.objective):
+    if reads_pairs(cfg.train.objective):
         from megaft.pref.data import pair_source_problems as pairs
     problems += check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
     problems += check_pref(cfg.pref, cfg.train.objective)
+    problems += check_reward(cfg.reward, cfg.train.objective)
     problems += check_rl(cfg.rl, cfg.train.objective, global_batch_size=cfg.train.global_batch_size,
                          micro_batch_size=cfg.train.micro_batch_size)
     problems += check_launcher(cfg.launcher)
@@ -226,6 +236,16 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                                capacity=cfg.moe.capacity_factor is not None,
                                global_aux=cfg.moe.aux_scope == "global_batch")
     problems += check_reference(cfg.pref, cfg.train.objective, cfg.model)
+    problems += check_reward_run(cfg.train.objective, has_file=cfg.data.path is not None or bool(cfg.data.sources),
+                                 packing=cfg.data.packing, n_experts=cfg.model.n_experts,
+                                 lora_rank=cfg.lora.rank,
+                                 fused_linear_cross_entropy=cfg.kernels.fused_linear_cross_entropy,
+                                 sample_every=cfg.train.sample_every, then_eval=cfg.train.then_eval,
+                                 eval_pairs=cfg.eval.pairs)
+    if cfg.model.score_head and not is_reward(cfg.train.objective):
+        problems.append(f"model.score_head=true builds a reward model's scalar head, and train.objective="
+                        f"{cfg.train.objective} reads the LM head; fix: model.score_head=false or "
+                        "train.objective=reward")
     problems += check_rl_run(cfg.rl, cfg.train.objective, has_data_file=cfg.data.path is not None or
                              bool(cfg.data.sources), n_experts=cfg.model.n_experts, packing=cfg.data.packing,
                              cp=cfg.parallel.cp)

@@ -112,3 +112,10 @@ def test_the_time_model_prices_pairs_and_the_online_reference():
     assert 0.25 < fwd_share < 0.5  # a forward is about a third of forward + backward
     lora = dataclasses.replace(dpo("online"), lora=dataclasses.replace(sft.lora, rank=16))
     assert step_cost(lora, cluster, 8).terms["compute"] < cost["online"].terms["compute"]
+
+
+def test_a_reward_pair_is_two_rows_with_no_other_model():
+    reward = sft_config()
+    reward.train.objective = "reward"
+    got, pre = estimate_memory(reward, 8), estimate_memory(dpo("precompute"), 8)
+    assert got.frozen == 0 and got.activations == pre.activations > estimate_memory(sft_config(), 8).activations

@@ -36,6 +36,7 @@ FOLDERS: list[str] = [
     "megaft.perf",  # the one performance model
     "megaft.data",
     "megaft.pref",
+    "megaft.reward",  # reward models: the last-token reward, the loss and margins (TRL's RewardTrainer)
     "megaft.rl",  # GRPO: advantages and the policy loss (TRL's definitions)
     "megaft.training",
     "megaft.eval",  # megaft-eval; validation reads its task checks

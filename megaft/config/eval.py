@@ -16,6 +16,9 @@ class EvalConfig:
     dtype: str = "auto"
     limit: Optional[int] = None  # evaluate only the first N documents of each task (smoke tests); null = all
     num_fewshot: Optional[int] = None  # few-shot examples per prompt; null = each task's own setting
+    # a reward model (train.objective=reward's export): held-out preference pairs (JSONL, data.path's forms)
+    # whose pairwise accuracy megaft-eval reports instead of lm_eval's tasks; null = run eval.tasks
+    pairs: Optional[str] = None
     # The Slurm job of `train.then_eval` (hydra_plugins/megaft_slurm_launcher): its limit, and its GPUs
     timeout_min: int = 60  # wall-clock limit of the eval job (--time)
     gpus: int = -1  # GPUs of the eval job; -1 = one when the training preset has GPUs, else none

@@ -41,6 +41,9 @@ class ModelConfig:
     rope_scaling: Optional[Dict[str, Any]] = None  # HF rope parameters with rope_type (see ROPE_TYPES)
     max_seq_len: int = 2048  # longest sequence the rotary cache covers (HF max_position_embeddings on import)
     tie_embeddings: bool = False  # share the input embedding with the output head
+    # a scalar head `score` [1, dim] read at each row's last real token instead of the LM head (HF
+    # *ForSequenceClassification, num_labels=1); train.objective=reward sets it (validation.resolve)
+    score_head: bool = False
     attention_bias: bool = False  # biases on q/k/v/o (HF attention_bias)
     mlp_bias: bool = False  # biases on gate/up/down (HF mlp_bias)
     arch: str = "llama"  # architecture family (HF model_type) export writes; see megaft.models.arch

@@ -21,7 +21,7 @@ from typing import Optional
 OBJECTIVES = ("dpo", "robust", "ipo", "simpo", "orpo")  # the preference objectives (megaft.pref.losses)
 REFERENCE_FREE = ("simpo", "orpo")
 SMOOTHED = ("dpo", "robust", "simpo")  # the objectives that read label_smoothing
-OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES + ("grpo",)  # grpo: megaft.config.rl
+OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES + ("grpo", "reward")  # grpo: megaft.config.rl; reward: megaft.config.reward
 REFERENCE_MODES = ("precompute", "online")
 
 
@@ -51,6 +51,12 @@ class PrefConfig:
 def is_preference(objective: str) -> bool:
     """Whether `objective` trains on pairs (the preference family)."""
     return objective in OBJECTIVES
+
+
+def reads_pairs(objective: str) -> bool:
+    """Whether `objective` reads preference pairs (megaft.pref.data): the preference family and
+    reward models (megaft.config.reward)."""
+    return is_preference(objective) or objective == "reward"
 
 
 def needs_reference(objective: str) -> bool:

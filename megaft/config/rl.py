@@ -19,8 +19,9 @@ class RLConfig:
     # functions): the policy generates rl.num_generations completions of each at the training layout
     # every step (online), scored by rl.reward. One of rl.rollouts and rl.prompts
     prompts: Optional[str] = None
-    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, or
-    # package.module:function with TRL's signature; set, the rollouts carry no "rewards" of their own
+    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, a reward
+    # model model:DIR (docs/reward-models.md), or package.module:function with TRL's signature; set, the
+    # rollouts carry no "rewards" of their own
     reward: List[str] = field(default_factory=list)
     reward_weights: Optional[List[float]] = None  # one per rl.reward; null = 1 each
     format_pattern: str = THINK_FORMAT  # the built-in `format` reward's pattern (re.match, DOTALL, MULTILINE)

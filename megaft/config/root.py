@@ -17,6 +17,7 @@ from megaft.config.moe import MoEConfig
 from megaft.config.optim import OptimConfig
 from megaft.config.parallel import ParallelConfig
 from megaft.config.pref import PrefConfig
+from megaft.config.reward import RewardConfig
 from megaft.config.rl import RLConfig
 from megaft.config.train import SampleConfig, TrainConfig
 from megaft.config.verify import VerifyConfig
@@ -56,6 +57,7 @@ class Config:
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts routing (megaft.config.moe)
     pref: PrefConfig = field(default_factory=PrefConfig)  # preference objectives (train.objective; megaft.pref)
     rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (megaft.rl)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # train.objective=reward (megaft.config.reward)
     sample: SampleConfig = field(default_factory=SampleConfig)  # samples while training (train.sample_every)
     # where metrics also go beside metrics.jsonl and TensorBoard (train.tensorboard): none | wandb (settings in
     # wandb.*; rank 0 sends the scalars, the config and the summary: megaft.training.wandb_log)

@@ -71,7 +71,10 @@ def check_eval(cfg: EvalConfig, *, need_tasks: bool = True) -> list[str]:
         problems.append(f"eval.limit={cfg.limit} must be >= 1 or null (all documents)")
     if cfg.timeout_min < 1:
         problems.append(f"eval.timeout_min={cfg.timeout_min} must be >= 1 (minutes)")
-    if need_tasks and not cfg.tasks:
+    if cfg.pairs is not None and cfg.tasks:
+        problems.append("eval.pairs scores a reward model and eval.tasks runs lm_eval on a causal LM; fix: one of "
+                        "them (eval.tasks=[] with eval.pairs)")
+    if need_tasks and not cfg.tasks and cfg.pairs is None:
         problems.append("eval.tasks is empty; fix: e.g. eval.tasks=[megaft_arith,megaft_copy] (the examples in "
                         "megaft/eval/tasks) or your own with eval.include=DIR")
     if problems or not cfg.tasks:

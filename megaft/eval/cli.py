@@ -1,4 +1,5 @@
-"""`megaft-eval RUN_DIR|HF_DIR eval.tasks=[...]`: lm-eval-harness on a run's model.
+"""`megaft-eval RUN_DIR|HF_DIR eval.tasks=[...]`: lm-eval-harness on a run's model (a reward
+model's pairwise accuracy with eval.pairs=FILE, megaft.eval.pairwise).
 
 Arguments after the folder are `eval.*` overrides in Hydra's syntax (eval.tasks=[a,b],
 eval.include=DIR, eval.batch_size=8, eval.device=cpu, eval.limit=N); a run dir's own
@@ -53,14 +54,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megaft.eval.run import evaluate, import_lm_eval
 
     try:
-        import_lm_eval()
+        if cfg.pairs is None:
+            import_lm_eval()
         target = locate(args.dir)
-        print(f"megaft-eval: {', '.join(cfg.tasks)} on {target.hf_dir} ({target.origin})", flush=True)
+        what = f"pairwise accuracy of {cfg.pairs}" if cfg.pairs is not None else ", ".join(cfg.tasks)
+        print(f"megaft-eval: {what} on {target.hf_dir} ({target.origin})", flush=True)
         record = evaluate(target, cfg)
     except EvalError as exc:
         print(f"megaft-eval: {exc}", file=sys.stderr)
         return 2
-    if record:
+    if record and cfg.pairs is not None:
+        pairwise = record["results"]["pairwise"]
+        print(f"megaft-eval: accuracy {pairwise['accuracy']:.4f} (margin {pairwise['margin']:.4f}) on "
+              f"{pairwise['pairs']} pairs; wrote {os.path.join(target.out_dir, 'results.json')}")
+    elif record:
         from lm_eval.utils import make_table
 
         print(make_table(record))

@@ -81,7 +81,12 @@ def lm_eval_arguments(target: Target, cfg: EvalConfig) -> dict[str, Any]:
 
 def evaluate(target: Target, cfg: EvalConfig) -> dict[str, Any]:
     """Run the tasks on target.hf_dir and write target.out_dir/results.json: lm_eval's result
-    dict (results, configs, versions, n-shot, ...) plus a `megaft` record of what ran."""
+    dict (results, configs, versions, n-shot, ...) plus a `megaft` record of what ran. With
+    eval.pairs: a reward model's pairwise accuracy instead (megaft.eval.pairwise)."""
+    if cfg.pairs is not None:
+        from megaft.eval.pairwise import evaluate_pairs
+
+        return evaluate_pairs(target, cfg)
     os.environ.update(OFFLINE_ENV)
     lm_eval = import_lm_eval()
     manager = task_manager(cfg)

@@ -42,6 +42,8 @@ from megaft.models.mlp import MLP
 from megaft.models.moe.layer import MoE
 from megaft.models.moe.router import GlobalCounts, RouterLog, RouterLosses, RouterSums, router_losses, sum_records
 from megaft.parallel.comm import Group, group_rank, group_size
+from megaft.parallel.tensor.comm import gather_from_tp
+from megaft.parallel.tensor.shard import mark_sequence_parallel
 
 
 class Block(nn.Module):
@@ -114,6 +116,24 @@ def make_head(cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
     """The vocabulary-parallel output projection, padded like the embedding."""
     return ColumnParallelLinear(cfg.dim, cfg.vocab_size, group=group, sequence_parallel=sequence_parallel,
                                 pad_to=cfg.make_vocab_size_divisible_by, backend=op_backend(kernels, "linear"))
+
+
+def make_score(cfg: ModelConfig, *, sequence_parallel: bool) -> nn.Linear:
+    """A reward model's scalar head (HF *ForSequenceClassification's `score`, num_labels=1, no
+    bias), whole on every tp rank. Under sequence parallel each rank scores its own tokens, so
+    the weight's grad is a partial sum over tp (summed as the norms' are)."""
+    score = nn.Linear(cfg.dim, 1, bias=False)
+    if sequence_parallel:
+        mark_sequence_parallel(score.weight)
+    return score
+
+
+def token_scores(h: torch.Tensor, score: nn.Linear, *, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """The scalar head at every position [batch, seq] of the final norm's output `h`; under sequence
+    parallel gathered over tp (Megatron's gather without the reduce-scatter backward: every tp rank
+    then computes the same loss, and each keeps the gradient of its own tokens)."""
+    out = score(h).squeeze(-1)
+    return gather_from_tp(out, group, dim=1) if sequence_parallel else out
 
 
 def register_rope(module: nn.Module, cfg: ModelConfig) -> None:
@@ -218,9 +238,12 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict(blocks) if keyed else nn.ModuleList(blocks.values())
         if head:
             self.norm = make_norm(cfg, sequence_parallel=self.sp, kernels=kernels)
-            self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
-            if cfg.tie_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
+            if cfg.score_head:  # a reward model (HF *ForSequenceClassification): no LM head, nothing to tie
+                self.score = make_score(cfg, sequence_parallel=self.sp)
+            else:
+                self.lm_head = make_head(cfg, group=group, sequence_parallel=self.sp, kernels=kernels)
+                if cfg.tie_embeddings:
+                    self.lm_head.weight = self.embed_tokens.weight
         register_rope(self, cfg)
 
     @property
@@ -252,6 +275,8 @@ class Decoder(nn.Module):
         are never built whole), or without labels this tp rank's vocabulary slice of the
         logits (padded sequence under sequence parallel: the caller crops)."""
         h = self.norm(x)
+        if self.cfg.score_head:
+            return token_scores(h, self.score, group=self.group, sequence_parallel=self.sp)
         if labels is not None and self.kernels is not None and self.kernels.fused_linear_cross_entropy:
             return fused_head_loss_sum(h, self.lm_head, labels, vocab_size=self.cfg.vocab_size,
                                        kernels=self.kernels)

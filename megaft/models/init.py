@@ -37,3 +37,15 @@ def init_params(model: nn.Module, cfg: ModelConfig, *, seed: int, tp_rank: int, 
             gen = torch.Generator().manual_seed(_seed_for(seed, name))
             full = torch.randn(shape, generator=gen) * std
         param.copy_(local_from_full(full, param, tp_rank, tp_size).to(param.device))
+
+
+@torch.no_grad()
+def init_score(model: nn.Module, cfg: ModelConfig, *, seed: int) -> None:
+    """A reward model's new scalar head (`score.weight`, [1, dim], whole on every rank) drawn as
+    transformers' _init_weights draws a *ForSequenceClassification's: normal(0, initializer_range),
+    here from the generator of (seed, name), so every layout starts from the same head."""
+    score = getattr(model, "score", None)
+    if score is None:  # a pipeline stage before the last
+        return
+    gen = torch.Generator().manual_seed(_seed_for(seed, "score.weight"))
+    score.weight.copy_((torch.randn(tuple(score.weight.shape), generator=gen) * cfg.init_std).to(score.weight))

@@ -115,6 +115,8 @@ def objective_terms(cfg) -> ObjectiveTerms:
     if objective == "grpo":  # the reference's log-probs of every step's completions
         kl = int(cfg.rl.beta != 0.0)
         return ObjectiveTerms(frozen_models=kl, frozen_forwards=kl)
+    if objective == "reward":  # a pair's two rows; the LM head and its logits are still counted (an over-estimate)
+        return ObjectiveTerms(rows=2)
     return ObjectiveTerms()
 
 

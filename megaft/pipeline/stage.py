@@ -33,7 +33,7 @@ class StageModel(Decoder):
         stages = list(range(pp_rank, n_stages, pp))
         ranges = stage_layers(cfg.n_layers, n_stages, pp_layers)
         is_first, is_last = 0 in stages, n_stages - 1 in stages
-        tied_copy = cfg.tie_embeddings and is_last and not is_first
+        tied_copy = cfg.tie_embeddings and not cfg.score_head and is_last and not is_first
         super().__init__(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                          layer_ids=[i for s in stages for i in ranges[s]], embedding=is_first or tied_copy,
                          head=is_last, keyed=True, stage_ranges=[ranges[s] for s in stages], ep_group=ep_group,
@@ -69,7 +69,7 @@ class StageModel(Decoder):
 
     def tied_weight(self) -> Optional[nn.Parameter]:
         """The tied embedding weight when this rank holds one of its two copies (pp > 1)."""
-        if self.cfg.tie_embeddings and self.pp > 1 and (self.is_first or self.is_last):
+        if self.cfg.tie_embeddings and not self.cfg.score_head and self.pp > 1 and (self.is_first or self.is_last):
             return self.embed_tokens.weight
         return None
 

@@ -72,21 +72,27 @@ class PairRows:
 
     `table` holds the pairs (megaft.pref.store's StoredPairs or PairList: `table[i]` a Pair,
     `lengths` [pairs, 3], `source` [pairs]); each is cut to `seq_len` as TRL's max_length cuts
-    it, and one whose prompt alone fills seq_len is dropped (`dropped` counts them). Rows are
+    it, and one whose prompt alone fills seq_len is dropped (`dropped` counts them; `drop_long`:
+    a pair with a row longer than seq_len is dropped whole, as TRL's RewardTrainer). Rows are
     made on demand, so a store of any size costs memory only for its lengths.
 
     Epoch e visits the pairs of megaft.data.sources.mixture(source, `weights`, seed, e) (every
     pair once for one source of weight 1) in `numpy.random.default_rng([seed, e]).permutation`
     order; step s's global batch is pairs s*G .. (s+1)*G - 1 of the endless sequence of epochs."""
 
-    def __init__(self, table, seq_len: int, seed: int, pad_id: int, weights: Optional[list[float]] = None):
+    def __init__(self, table, seq_len: int, seed: int, pad_id: int, weights: Optional[list[float]] = None,
+                 drop_long: bool = False):
         table = PairList(table) if isinstance(table, list) else table
         self.seq_len, self.seed, self.pad_id, self.table = seq_len, seed, pad_id, table
         lengths = np.asarray(table.lengths, dtype=np.int64).reshape(-1, 3)
-        self.kept = np.flatnonzero(lengths[:, 0] < seq_len)  # TRL drops a pair whose prompt fills max_length
+        if drop_long:  # TRL's RewardTrainer drops a pair either of whose rows exceeds max_length
+            self.kept = np.flatnonzero(lengths[:, 0] + lengths[:, 1:].max(1) <= seq_len)
+        else:
+            self.kept = np.flatnonzero(lengths[:, 0] < seq_len)  # TRL drops a pair whose prompt fills max_length
         self.dropped = len(lengths) - len(self.kept)
         if not len(self.kept):
-            raise ValueError("no preference pair fits data.seq_len (each prompt is as long or longer); "
+            what = "a row of each pair is longer" if drop_long else "each prompt is as long or longer"
+            raise ValueError(f"no preference pair fits data.seq_len ({what}); "
                              "fix: raise data.seq_len")
         kept = lengths[self.kept]
         room = seq_len - kept[:, :1]

@@ -12,6 +12,8 @@ them so: trl/trainer/grpo_trainer.py `_calculate_rewards`). `rl.reward` names ea
                   else the last non-empty line, compared stripped
     format        1.0 when the completion matches rl.format_pattern (re.match, DOTALL and
                   MULTILINE), else 0.0; the default pattern is TRL's think_format_reward's
+    model:DIR     a trained reward model (a train.objective=reward run's RUN_DIR/hf): its score of
+                  prompt + completion, as TRL scores with a model in reward_funcs (megaft.reward.model)
 
 `rl.reward_weights` weighs them (default 1 each). A function that raises is named with the
 sample it failed on, and the step is not taken (RewardError).
@@ -26,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from megaft.config.rl import THINK_FORMAT
+from megaft.reward.model import is_model_spec, model_name, model_reward
 
 RewardFn = Callable[..., list]
 
@@ -66,6 +69,8 @@ def load_reward(spec: str, format_pattern: str = THINK_FORMAT) -> RewardFn:
         return exact_match
     if spec == "format":
         return format_reward(format_pattern)
+    if is_model_spec(spec):  # a trained reward model (megaft.reward.model)
+        return model_reward(spec)
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"rl.reward entry {spec!r} is neither a built-in (exact_match, format) nor "
@@ -81,7 +86,9 @@ def load_reward(spec: str, format_pattern: str = THINK_FORMAT) -> RewardFn:
 
 
 def reward_name(spec: str) -> str:
-    """The name TRL logs a function under (rewards/<name>/mean)."""
+    """The name TRL logs a function under (rewards/<name>/mean); a reward model's: its folder's name."""
+    if is_model_spec(spec):
+        return model_name(spec)
     return spec.rpartition(":")[2] if ":" in spec else spec
 
 

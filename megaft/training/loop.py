@@ -105,6 +105,8 @@ class Trainer:
             loss = fwd_bwd.eval_loss(data.eval_batches)
             if loss is not None:
                 record["eval_loss"] = loss
+            # an objective's own held-out metrics (a reward model's pairwise eval_accuracy, its rewards)
+            record.update(getattr(fwd_bwd, "last_eval", None) or {})
             if data.task is not None:  # under pp, greedy generation runs through the stages
                 record["eval_accuracy"] = eval_accuracy(fwd_bwd.generator, data.task, data.tokenizer, data.eos_id,
                                                         self.grid, fwd_bwd.autocast)

@@ -45,6 +45,12 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
 
         load_hf_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size,
                         strict=grid.pp_size == 1)
+        if cfg.model.score_head:  # a reward model from a causal LM: its new head (a reward checkpoint has one)
+            from megaft.models.hf.load import checkpoint_files
+            from megaft.models.init import init_score
+
+            if "score.weight" not in checkpoint_files(cfg.model.init_from):
+                init_score(model, cfg.model, seed=cfg.train.seed)
     else:
         from megaft.models.init import init_params
 

@@ -19,6 +19,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.peft.base import lora_record
 from megaft.pref.losses import METRICS as PREF_METRICS
 from megaft.pref.losses import ORPO_METRICS
+from megaft.reward.losses import REWARD_METRICS
 from megaft.rl.losses import METRICS as RL_METRICS
 from megaft.training.guards import BadStepGuard, model_signature
 from megaft.training.metrics import MetricsLog
@@ -30,8 +31,8 @@ from megaft.training.stragglers import StragglerMonitor
 from megaft.training.summary import RunSummary
 
 # the step part's own metrics beside `loss` (MoE router terms, preference rewards, GRPO's; per MoE layer:
-# moe/<layer>/...; per GRPO reward function: rewards/<name>/mean and std)
-STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS + RL_METRICS
+# moe/<layer>/...; per GRPO reward function: rewards/<name>/mean and std; a reward model's TRL metrics)
+STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS + RL_METRICS + REWARD_METRICS
 
 
 class Records:

@@ -30,7 +30,8 @@ class HFConfigError(HFCheckpointError):
 GENERIC = frozenset((
     "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
     "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict",
+    "decoder_start_token_id", "id2label", "label2id", "num_labels", "output_attentions", "output_hidden_states",
+    "return_dict",
     "problem_type", "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
     "chunk_size_feed_forward", "tokenizer_class", "torchscript", "tie_encoder_decoder", "prefix",
     "task_specific_params", "finetuning_task", "use_bfloat16", "tf_legacy_loss", "max_length", "min_length",
@@ -45,6 +46,9 @@ GENERIC = frozenset((
     # config.json, tests/models/real_configs/allam-7b-instruct-preview.json)
     "internal_version",
 ))
+# Families whose *ForSequenceClassification is not the *ForCausalLM name with the suffix changed
+# (transformers' MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES), None: transformers has none.
+SCORE_ARCHITECTURES = {"gemma3_text": "Gemma3TextForSequenceClassification", "olmoe": None}
 # Fields megaft accepts only at the value that leaves the math as megaft computes it.
 NEUTRAL = {"attention_dropout": (0, 0.0, None), "pruned_heads": ({}, None), "use_mrope": (False, None),
            "use_bidirectional_attention": (False, None),
@@ -84,11 +88,17 @@ class ArchSpec:
     moe_module: str = "mlp"
     expert_proj: tuple = EXPERT_PROJ
 
+    def score_architecture(self) -> Optional[str]:
+        """The transformers *ForSequenceClassification class of this family (a reward model's export:
+        the decoder under `model.`, a `score` head); None where transformers has none (OLMoE)."""
+        return SCORE_ARCHITECTURES.get(self.model_type, self.architecture.replace("ForCausalLM",
+                                                                                  "ForSequenceClassification"))
+
     def hf_name(self, name: str) -> str:
         """Our parameter name -> its HF *ForCausalLM state-dict name (every family shares
         Llama's layout: a `model.` prefix, lm_head at the top; a MoE router sits in
         `moe_module`). Stacked expert weights map to several tensors: `expert_names`."""
-        if name == "lm_head.weight":
+        if name in ("lm_head.weight", "score.weight"):  # *ForSequenceClassification's head: `score`
             return name
         if self.moe_module != "mlp":
             name = name.replace(".mlp.gate.", f".{self.moe_module}.gate.")

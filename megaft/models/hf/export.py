@@ -55,9 +55,15 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     problems = spec.refuse(cfg)
     if problems:
         raise ValueError("cannot export: " + "; ".join(problems))
-    return {**write_common(cfg, spec), **spec.write(cfg),
-            "dtype": _dtype_name(dtype),  # transformers 5 name
-            "torch_dtype": _dtype_name(dtype)}  # transformers 4 name
+    out = {**write_common(cfg, spec), **spec.write(cfg),
+           "dtype": _dtype_name(dtype),  # transformers 5 name
+           "torch_dtype": _dtype_name(dtype)}  # transformers 4 name
+    if cfg.score_head:  # a reward model: *ForSequenceClassification reads one label at the last non-pad token
+        if spec.score_architecture() is None:
+            raise ValueError(f"cannot export: transformers has no sequence classification class for model.arch="
+                             f"{cfg.arch}")
+        out.update(architectures=[spec.score_architecture()], num_labels=1)
+    return out
 
 
 def _plan(params: list[tuple[str, nn.Parameter]], tp_size: int, dtype: Optional[torch.dtype],

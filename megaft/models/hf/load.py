@@ -179,13 +179,17 @@ def _check(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
     cfg = getattr(model, "cfg", None)
     wanted = _sources(model, files, tp_size)
     tied = getattr(cfg, "tie_embeddings", False)
+    score = getattr(cfg, "score_head", False)
+    if score and "score.weight" not in files:  # a causal LM under a new reward head: build_model inits it
+        wanted.pop("score.weight", None)
     problems = []
     needed = list(dict.fromkeys(src.hf for sources in wanted.values() for src in sources))
     missing = [hf for hf in needed if hf not in files]
     if missing:
         problems.append(f"{_source(path)}: tensors missing from the checkpoint: {_names(missing)}")
     # HF omits lm_head when tied, but some tied checkpoints still carry a copy: ignore it.
-    ignored = {"lm_head.weight"} if tied else set()
+    # A reward model (score_head) has no LM head: a causal LM's is left behind.
+    ignored = {"lm_head.weight"} if tied or score else set()
     known = set(needed) | ignored | _other_experts(model, cfg) | _prediction_layers(files, cfg)
     extra = sorted(n for n in files if n not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra and strict:

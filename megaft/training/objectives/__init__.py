@@ -6,7 +6,8 @@ of rows) and its step part (how a micro-batch becomes a loss and gradients, plai
 pipelined). `sft` is next-token cross-entropy (megaft.training.objectives.sft); dpo, robust,
 ipo, simpo and orpo are the preference family (megaft.training.objectives.preference, TRL's
 definitions in megaft.pref.losses); grpo is online RL from verifiable rewards, on logged
-rollouts (megaft.training.objectives.grpo, TRL's definitions in megaft.rl). The registry's
+rollouts (megaft.training.objectives.grpo, TRL's definitions in megaft.rl); reward trains a
+reward model on the same pairs (megaft.training.objectives.reward, TRL's RewardTrainer). The registry's
 names are megaft.config.pref's OBJECTIVE_CHOICES, which validation checks before any rank starts.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaft.config.pref import OBJECTIVES as PREFERENCE_OBJECTIVES
-from megaft.training.objectives import grpo, preference, sft
+from megaft.training.objectives import grpo, preference, reward, sft
 from megaft.training.protocols import Builder, DataPart, StepPart
 
 
@@ -31,6 +32,7 @@ REGISTRY: dict[str, Objective] = {
     "sft": Objective("sft", sft.build_data, sft.build_step),
     **{name: Objective(name, preference.build_data, preference.build_step) for name in PREFERENCE_OBJECTIVES},
     "grpo": Objective("grpo", grpo.build_data, grpo.build_step),
+    "reward": Objective("reward", reward.build_data, reward.build_step),
 }
 
 
