@@ -23,7 +23,7 @@ from megaft.layers.linear import column_input
 from megaft.models.attention.documents import Docs
 from megaft.models.attention.gqa import op_backend
 from megaft.models.decoder import Decoder
-from megaft.parallel.comm import Group, group_rank
+from megaft.parallel.comm import Group, all_reduce, group_rank
 
 
 class SequenceLogps(NamedTuple):
@@ -61,15 +61,35 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, group: Group = No
     return -losses.view(labels.shape)
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, *, group: Group, vocab_size: int) -> torch.Tensor:
+    """The entropy of softmax(logits) over the true vocabulary at every position [batch, seq]
+    (fp32, no grad), from this tp rank's slice [batch, seq, V/tp]: log Z - sum p z with the max
+    and the two sums all-reduced over tp (the vocabulary-parallel cross-entropy's reductions;
+    the padding columns are no token)."""
+    local = logits.shape[-1]
+    z = logits.float()
+    if (group_rank(group) + 1) * local > vocab_size:
+        columns = torch.arange(group_rank(group) * local, (group_rank(group) + 1) * local, device=z.device)
+        z = z.masked_fill(columns >= vocab_size, float("-inf"))
+    top = z.amax(-1)
+    all_reduce(top, group, torch.distributed.ReduceOp.MAX)
+    e = torch.exp(z - top.unsqueeze(-1))
+    sums = torch.stack([e.sum(-1), torch.where(e > 0, e * z, torch.zeros_like(z)).sum(-1)])
+    all_reduce(sums, group)
+    return torch.log(sums[0]) + top - sums[1] / sums[0]
+
+
 def decoder_token_logps(model: Decoder, input_ids: torch.Tensor, labels: torch.Tensor,
                         docs: Optional[Docs] = None, router_valid: Optional[torch.Tensor] = None,
-                        temperature: float = 1.0) -> torch.Tensor:
+                        temperature: float = 1.0, entropy: bool = False):
     """`token_logps` of a whole Decoder (embedding to head) on `input_ids`: the per-token
     terms of Decoder.loss_sum, negated and not summed, through the same kernels (the fused
     linear cross-entropy when the model's KernelsConfig asks for it). `router_valid`: the
     positions a mixture of experts' router statistics count (Decoder.blocks). `temperature`:
     the log-probs of logits / temperature (GRPO's, as TRL's; the fused head takes h / temperature,
-    the same logits)."""
+    the same logits). `entropy`: also each position's entropy (token_entropy, no grad; under the
+    fused head from the logits recomputed a chunk of tokens at a time): (logps, entropies)."""
     kernels, vocab = model.kernels, model.cfg.vocab_size
     backend = op_backend(kernels, "cross_entropy")
     if kernels is not None and kernels.fused_linear_cross_entropy:
@@ -82,14 +102,23 @@ def decoder_token_logps(model: Decoder, input_ids: torch.Tensor, labels: torch.T
         h = h[:, :labels.shape[1]]
         if temperature != 1.0:
             h = h / temperature
-        losses = linear_cross_entropy(h.reshape(-1, h.shape[-1]), head.weight, labels.reshape(-1), group=head.group,
+        flat = h.reshape(-1, h.shape[-1])
+        losses = linear_cross_entropy(flat, head.weight, labels.reshape(-1), group=head.group,
                                       vocab_start=group_rank(head.group) * head.weight.shape[0], vocab_size=vocab,
                                       backend=backend, chunk=kernels.ce_chunk_tokens)
-        return -losses.view(labels.shape)
+        if not entropy:
+            return -losses.view(labels.shape)
+        with torch.no_grad():
+            parts = [token_entropy(torch.nn.functional.linear(c, head.weight), group=head.group, vocab_size=vocab)
+                     for c in flat.detach().split(max(1, kernels.ce_chunk_tokens))]
+        return -losses.view(labels.shape), torch.cat(parts).view(labels.shape)
     logits = model(input_ids, docs, router_valid=router_valid)[:, :labels.shape[1]]
     if temperature != 1.0:
         logits = logits / temperature
-    return token_logps(logits, labels, group=model.group, vocab_size=vocab, backend=backend)
+    logps = token_logps(logits, labels, group=model.group, vocab_size=vocab, backend=backend)
+    if not entropy:
+        return logps
+    return logps, token_entropy(logits.detach(), group=model.group, vocab_size=vocab)
 
 
 def sequence_logps(logps: torch.Tensor, labels: torch.Tensor) -> SequenceLogps:

@@ -37,7 +37,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 
 pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
-COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean")
+COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean", "entropy")
 KL_COMPARED = COMPARED + ("kl",)
 
 
@@ -164,6 +164,7 @@ def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
     assert first["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), (first["loss"], loss)
     assert first["grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert first["reward"] == pytest.approx(trainer._metrics["train"]["reward"][-1], rel=1e-6)
+    assert first["entropy"] == pytest.approx(trainer._metrics["train"]["entropy"][-1], rel=1e-5)
     if kl:
         assert first["kl"] == pytest.approx(trainer._metrics["train"]["kl"][-1], rel=1e-5) and first["kl"] > 1e-3
 

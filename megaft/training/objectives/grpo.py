@@ -40,7 +40,7 @@ from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
-from megaft.pref.logps import decoder_token_logps
+from megaft.pref.logps import decoder_token_logps, token_entropy
 from megaft.rl.advantages import function_metrics, group_advantages
 from megaft.rl.losses import COLUMNS, GlobalCounts, GrpoStats, completion_losses, grpo_terms
 from megaft.rl.online import OnlineRollouts, read_rl_prompts
@@ -183,12 +183,14 @@ class GrpoObjective:
     def start(self, batch: RolloutBatch) -> None:
         self.batch, self.stats = batch, None
 
-    def losses(self, logps: torch.Tensor, i: int, ref_logps: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Each completion's loss c_i of micro-batch `i` (its metric sums kept)."""
+    def losses(self, logps: torch.Tensor, i: int, ref_logps: Optional[torch.Tensor] = None,
+               entropies: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each completion's loss c_i of micro-batch `i` (its metric sums kept; `entropies`: the
+        policy's per-token entropy, for the metric)."""
         batch, device = self.batch, self.grid.device
         labels = batch.labels[i].to(device)
         sums, table = grpo_terms(logps, None, ref_logps, batch.advantages[i].to(device), labels != -100,
-                                 **self.settings)
+                                 entropies=entropies, **self.settings)
         if self.grid.cp_size > 1:  # each cp rank holds chunks of every row: whole-completion sums
             sums = reduce_from_tp(sums, self.grid.cp_group)
             table = all_reduce(table.clone(), self.grid.cp_group)
@@ -209,7 +211,6 @@ class GrpoObjective:
             all_reduce(low, group, torch.distributed.ReduceOp.MIN)
             all_reduce(high, group, torch.distributed.ReduceOp.MAX)
         out = GrpoStats(sums, low, high).metrics(self.rl.beta)
-        del out["entropy"]  # the vocab-parallel entropy is not computed yet
         return {**self.batch.reward_metrics, **out}
 
 
@@ -259,10 +260,11 @@ class GrpoStep(PlainStep):
             with phase("forward"):
                 ref = self._ref_logps(batch, i)
                 with self.autocast():
-                    logps = decoder_token_logps(model, batch.inputs[i].to(device), batch.labels[i].to(device),
-                                                batch.docs[i] if batch.docs else None, temperature=self.temperature,
-                                                router_valid=batch.valid[i] if batch.valid else None)
-                    losses = self.objective.losses(logps, i, ref)
+                    logps, entropies = decoder_token_logps(
+                        model, batch.inputs[i].to(device), batch.labels[i].to(device),
+                        batch.docs[i] if batch.docs else None, temperature=self.temperature,
+                        router_valid=batch.valid[i] if batch.valid else None, entropy=True)
+                    losses = self.objective.losses(logps, i, ref, entropies)
                     router = model.router_losses() if model.cfg.n_experts > 0 else None
             objective = losses.sum()
             if router is not None:
@@ -292,6 +294,7 @@ class PipelineGrpoStep(PipelineStep):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, grid, cfg, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.logps = logits_scorer(self.model, grid, cfg.rl.temperature)
+        self.temperature = cfg.rl.temperature
         self.objective = GrpoObjective(cfg.rl, grid)
         reference = reference_model(parts)
         self.reference: Optional[PipelineRuntime] = None if reference is None else PipelineRuntime(
@@ -316,7 +319,10 @@ class PipelineGrpoStep(PipelineStep):
             refs = self._ref_logps(batch)
 
         def head(i: int, logits: torch.Tensor) -> torch.Tensor:
-            return self.objective.losses(self.logps(logits, batch.labels[i].to(device)), i, refs[i]).sum()
+            labels = batch.labels[i].to(device)
+            entropies = token_entropy(logits[:, :labels.shape[1]].detach() / self.temperature, group=self.grid.tp_group,
+                                      vocab_size=self.model.cfg.vocab_size)
+            return self.objective.losses(self.logps(logits, labels), i, refs[i], entropies).sum()
         weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
         return self.run_schedule(batch, divisor, head=head, router_weight=weight, router_valid=batch.valid)
 
