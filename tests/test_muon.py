@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from multirank import spawn
-from train_cases import read_metrics, small_config
+from train_cases import layout_grid, read_metrics, small_config
 
 from megaft.config import Config
 from megaft.config.model import ModelConfig
@@ -177,8 +177,7 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
     """dp=2 at ZeRO 0-3 (several buckets: matrices straddle two ranks' chunks), tp=2 (column and
     row shards), pp=2 (a layer per stage) and cp=2, one after the other."""
     for name, par in {**DP2, **MP2}.items():
-        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
-                                  device="cpu")
+        grid = layout_grid(par)
         _fit_and_save(_muon_config(**par), grid, os.path.join(root, name))
     _fit_and_save(_muon_config(**RESUMED["dp2_zero1_resumed"]), ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"),
                   os.path.join(root, "dp2_zero1_resumed"), resume_at=3)

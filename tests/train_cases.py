@@ -24,6 +24,18 @@ def small_config(steps: int = 20, micro: int = 8) -> Config:
     return resolve(cfg)
 
 
+def layout_grid(par: dict) -> ParallelGrid:
+    """This rank's grid of a layout's parallel settings (tp, dp, pp, cp, ep; 1 where unset), on CPU."""
+    return ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
+                              ep=par.get("ep", 1), device="cpu")
+
+
+def run(cfg: Config, grid: ParallelGrid, run_dir: str) -> None:
+    """Train `cfg` to its end in `run_dir` (made if missing)."""
+    os.makedirs(run_dir, exist_ok=True)
+    Trainer(cfg, grid, run_dir).fit()
+
+
 def read_rows(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -8,10 +8,9 @@ import random
 
 import torch
 import transformers
+from train_cases import layout_grid, run  # noqa: F401 (run: the tests import it from here)
 
 from megaft.config import Config
-from megaft.parallel.grid import ParallelGrid
-from megaft.training.loop import Trainer
 from megaft.validation import resolve
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -98,14 +97,9 @@ def layout_config(ckpt: str, pairs: str, name: str, *, single: bool) -> Config:
     return resolve(cfg)
 
 
-def run(cfg: Config, grid: ParallelGrid, run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    Trainer(cfg, grid, run_dir).fit()
-
 
 def layouts_rank(rank: int, world: int, ckpt: str, pairs: str, root: str) -> None:
     for name, par in LAYOUTS.items():
         cfg = layout_config(ckpt, pairs, name, single=False)
-        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
-                                  device="cpu")
+        grid = layout_grid(par)
         run(cfg, grid, os.path.join(root, name))

@@ -6,9 +6,9 @@ import json
 import os
 import random
 
+from train_cases import layout_grid, run  # noqa: F401 (run: the tests import it from here)
+
 from megaft.config import Config
-from megaft.parallel.grid import ParallelGrid
-from megaft.training.loop import Trainer
 from megaft.validation import resolve
 
 G = 4  # completions per prompt
@@ -101,16 +101,11 @@ def layout_config(ckpt: str, rollouts: str, name: str, *, single: bool) -> Confi
     return resolve(cfg)
 
 
-def run(cfg: Config, grid: ParallelGrid, run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    Trainer(cfg, grid, run_dir).fit()
-
 
 def layouts_rank(rank: int, world: int, ckpt: str, rollouts: str, root: str) -> None:
     for name, (par, _) in LAYOUTS.items():
         cfg = layout_config(ckpt, rollouts, name, single=False)
-        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), cp=par.get("cp", 1),
-                                  ep=par.get("ep", 1), device="cpu")
+        grid = layout_grid(par)
         run(cfg, grid, os.path.join(root, name))
 
 
@@ -149,5 +144,5 @@ def online_rank(rank: int, world: int, ckpt: str, prompts: str, root: str) -> No
         cfg = online_config(ckpt, prompts, micro=2 if par.get("dp") else 4)
         for k, v in par.items():
             setattr(cfg.parallel, k, v)
-        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=par.get("pp", 1), device="cpu")
+        grid = layout_grid(par)
         run(resolve(cfg), grid, os.path.join(root, name))
