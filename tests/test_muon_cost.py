@@ -27,10 +27,14 @@ def test_the_flops_formula_counts_megafts_newton_schulz(shape):
     assert counter.get_total_flops() == ns_flops(*shape, 5)
 
 
-def test_the_matrices_are_those_megaft_gives_muon():
-    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=32)
+@pytest.mark.parametrize("moe", [{}, dict(arch="qwen2_moe", n_experts=4, top_k=2, moe_ffn_dim=32,
+                                          shared_expert_ffn_dim=48, shared_expert_gate=True)],
+                         ids=["dense", "moe"])
+def test_the_matrices_are_those_megaft_gives_muon(moe):
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=32, **moe)
     muon = muon_split(Decoder(cfg))["muon"]
-    assert sorted(tuple(p.shape) for p in muon.values()) == sorted(hidden_matrices(cfg))
+    shapes = [tuple(p.shape[-2:]) for p in muon.values() for _ in range(p.shape[0] if p.dim() == 3 else 1)]
+    assert sorted(shapes) == sorted(hidden_matrices(cfg, 0))
 
 
 def test_a_layout_prices_muons_work_and_gathers_where_they_run():

@@ -43,12 +43,10 @@ def check_muon_layout(cfg) -> list[str]:
     if cfg.optim.name != "muon":
         return []
     par = cfg.parallel
-    todo = [(f"parallel.ep={par.ep}", "parallel.ep=1")] if par.ep != 1 else []
+    todo = []
     if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
         todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
     todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
     todo += [("optim.master_weights=true", "optim.master_weights=false")] if cfg.optim.master_weights else []
     todo += [(f"lora.rank={cfg.lora.rank}", "lora.rank=0")] if cfg.lora.rank else []
-    if cfg.model.n_experts:  # 3-D expert stacks: a batched Newton-Schulz per expert is not done yet
-        todo.append((f"model.n_experts={cfg.model.n_experts}", "a dense model (model.n_experts=0)"))
     return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]

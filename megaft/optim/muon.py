@@ -37,16 +37,23 @@ _ADAMW_PREFIXES = ("embed_tokens.", "lm_head.")  # the vocabulary-sized matrices
 
 
 def takes_muon(name: str, param: torch.nn.Parameter) -> bool:
-    """Whether parameter `name` is a hidden 2-D weight (module docstring)."""
-    return param.dim() == 2 and not name.startswith(_ADAMW_PREFIXES) and "router" not in name
+    """Whether parameter `name` is a hidden 2-D weight, or a 3-D stack of routed experts' matrices
+    (`experts.gate_proj` [E, F, dim]...: each expert's matrix its own), module docstring."""
+    if name.startswith(_ADAMW_PREFIXES) or "router" in name or "shared_expert_gate" in name:
+        return False
+    return param.dim() == 2 or (param.dim() == 3 and ".experts." in name)
 
 
 def muon_split(model: torch.nn.Module) -> dict[str, dict]:
-    """{"muon": {name: param}, "adamw": {name: param}} of the trainable parameters."""
+    """{"muon": {name: param}, "adamw": {name: param}} of the trainable parameters. A MoE router
+    (megaft.models.moe.router.Router, `mlp.gate`) stays on AdamW."""
+    from megaft.models.moe.router import Router
+
+    routers = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters()}
     out = {"muon": {}, "adamw": {}}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            out["muon" if takes_muon(name, p) else "adamw"][name] = p
+            out["muon" if id(p) not in routers and takes_muon(name, p) else "adamw"][name] = p
     return out
 
 
@@ -75,21 +82,28 @@ def split_record(sizes: dict[str, dict[str, int]], pp_group: Group = None, *, lo
 def zeropower_via_newtonschulz(g: torch.Tensor, a: float, b: float, c: float, steps: int,
                                eps: float) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation of the matrix `g`, the same ops in the same order:
-    bf16, the wide orientation, normalised to spectral norm <= 1, then `steps` quintic steps."""
+    bf16, the wide orientation, normalised to spectral norm <= 1, then `steps` quintic steps. A
+    stack [E, rows, cols] (routed experts) is orthogonalised matrix by matrix in one batched pass."""
     x = g.bfloat16()
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        x = x.mT
+    if x.dim() == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def update_scale(shape: torch.Size, rule: str) -> float:
-    """The factor on lr of a Muon update of a `shape` matrix (module docstring)."""
-    rows, cols = shape[:2]
+    """The factor on lr of a Muon update of a `shape` matrix (module docstring); a stack's: of its matrices."""
+    rows, cols = shape[-2:]
     return math.sqrt(max(1, rows / cols)) if rule == "original" else 0.2 * math.sqrt(max(rows, cols))
 
 

@@ -19,11 +19,20 @@ from __future__ import annotations
 from megaft.config.model import ModelConfig
 
 
-def hidden_matrices(m: ModelConfig) -> list[tuple[int, int]]:
-    """The whole (rows, cols) of one dense block's Muon matrices: q, k, v, o, gate, up, down."""
+def _mlp(ffn: int, dim: int) -> list[tuple[int, int]]:
+    return [(ffn, dim), (ffn, dim), (dim, ffn)]
+
+
+def hidden_matrices(m: ModelConfig, layer: int = 0, ep: int = 1) -> list[tuple[int, int]]:
+    """The whole (rows, cols) of block `layer`'s Muon matrices on an ep rank: q, k, v, o, and gate,
+    up, down of the dense MLP, or of each of its n_experts/ep routed experts and the shared expert
+    (the router and the shared expert's gate stay on AdamW)."""
     q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
-    return [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q), (m.ffn_dim, m.dim), (m.ffn_dim, m.dim),
-            (m.dim, m.ffn_dim)]
+    out = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)]
+    if not m.is_moe(layer):
+        return out + _mlp(m.ffn_dim, m.dim)
+    out += _mlp(m.expert_ffn, m.dim) * (m.n_experts // ep)
+    return out + (_mlp(m.shared_expert_ffn_dim, m.dim) if m.shared_expert_ffn_dim else [])
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
@@ -32,11 +41,11 @@ def ns_flops(rows: int, cols: int, steps: int) -> float:
     return steps * (4.0 * small * small * large + 2.0 * small ** 3)
 
 
-def block_ns_flops(m: ModelConfig, steps: int) -> float:
-    """One dense block's Newton-Schulz FLOPs."""
-    return sum(ns_flops(r, c, steps) for r, c in hidden_matrices(m))
+def block_ns_flops(m: ModelConfig, steps: int, layer: int = 0, ep: int = 1) -> float:
+    """Block `layer`'s Newton-Schulz FLOPs on an ep rank."""
+    return sum(ns_flops(r, c, steps) for r, c in hidden_matrices(m, layer, ep))
 
 
-def block_matrix_elements(m: ModelConfig) -> int:
-    """One dense block's Muon elements (whole matrices)."""
-    return sum(r * c for r, c in hidden_matrices(m))
+def block_matrix_elements(m: ModelConfig, layer: int = 0, ep: int = 1) -> int:
+    """Block `layer`'s Muon elements (whole matrices) on an ep rank."""
+    return sum(r * c for r, c in hidden_matrices(m, layer, ep))

@@ -468,14 +468,15 @@ def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     """optim.name=muon on pp rank `r` (megaft.perf.muon): the Newton-Schulz FLOPs in the optimizer
     term, the updates' all-gather over tp in tp_comm, ZeRO's extra all-gather in param_gather."""
     m, par = cfg.model, cfg.parallel
-    blocks = len(rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r])
+    ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r]
     share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
     rate = cluster_peak_tflops(cluster, "bf16") * 1e12 * cluster.matmul_fraction  # Newton-Schulz runs in bf16
-    terms["optimizer"] += blocks * block_ns_flops(m, cfg.optim.muon.ns_steps) / share / rate
+    steps = cfg.optim.muon.ns_steps
+    terms["optimizer"] += sum(block_ns_flops(m, steps, i, par.ep) for i in ids) / share / rate
     if par.tp > 1:
         link = group_link(cluster, par.tp)
-        terms["tp_comm"] += blocks * sum(gather_s(rows * cols * 4, par.tp, link)
-                                         for rows, cols in hidden_matrices(m)) / share
+        terms["tp_comm"] += sum(gather_s(rows * cols * 4, par.tp, link)
+                                for i in ids for rows, cols in hidden_matrices(m, i, par.ep)) / share
     if share > 1:
-        terms["param_gather"] += gather_s(blocks * block_matrix_elements(m) // par.tp * 4, dp,
-                                          group_link(cluster, dp, par.tp))
+        elements = sum(block_matrix_elements(m, i, par.ep) for i in ids)
+        terms["param_gather"] += gather_s(elements // par.tp * 4, dp, group_link(cluster, dp, par.tp))
