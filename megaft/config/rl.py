@@ -91,10 +91,6 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
     if cfg.prompts and not cfg.reward:
         problems.append(f"rl.prompts={cfg.prompts}: generated completions need reward functions to score them; fix: "
                         "rl.reward=[exact_match] (or format, or package.module:function; docs/rl.md)")
-    if cfg.prompts and cp > 1:
-        problems.append(f"rl.prompts (generation at the training layout) with parallel.cp={cp}: generation does not "
-                        "run over context-parallel chunks yet; fix: parallel.cp=1, or generate elsewhere and train "
-                        "on rl.rollouts")
     if has_data_file:
         problems.append("train.objective=grpo reads its prompts from rl.prompts or rl.rollouts, and data.path/"
                         "data.sources are set; fix: drop them (data= keeps the tokenizer settings)")

@@ -136,7 +136,7 @@ def online_config(ckpt: str, prompts: str, loss_type: str = "dapo", steps: int =
 
 # name -> parallel settings of the online runs on 2 ranks (each against the single online run)
 ONLINE_LAYOUTS = {"online_dp2_zero3": dict(dp=2, zero=3), "online_tp2_sp": dict(tp=2, sequence_parallel=True),
-                  "online_pp2": dict(pp=2)}
+                  "online_pp2": dict(pp=2), "online_cp2": dict(cp=2)}
 
 
 def online_rank(rank: int, world: int, ckpt: str, prompts: str, root: str) -> None:

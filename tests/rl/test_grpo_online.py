@@ -4,7 +4,7 @@
   rl.rollouts): generation feeds the same training as a logged file, bit for bit;
 - what it generates is what was asked: G completions a prompt, each at most
   rl.max_completion_length tokens, the shorter ones ended by the eos, rewards that vary;
-- dp2 with ZeRO-3, tp2 with sequence parallelism and pp2 generate the same completions as the
+- dp2 with ZeRO-3, tp2 with sequence parallelism, pp2 and cp2 generate the same completions as the
   single process (each prompt's draws seeded by its step and position) and train the same steps;
 - a resumed run regenerates the uninterrupted one's rollouts and cuts its log back;
 - validation names what online generation needs.
@@ -124,6 +124,6 @@ def test_validation_names_what_online_generation_needs(inputs, tmp_path):
             setattr(bad.rl, k, v)
         problems = validate(bad, 1)
         assert any(message in p for p in problems), (change, problems)
-    cp = online_config(ckpt, prompts)
+    cp = online_config(ckpt, prompts)  # the cp ranks of a dp rank generate the same whole sequences
     cp.parallel.cp = 2
-    assert any("parallel.cp=2" in p and "rl.rollouts" in p for p in validate(cp, 2))
+    assert validate(cp, 2) == []

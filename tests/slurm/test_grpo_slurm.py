@@ -32,7 +32,8 @@ def test_an_online_grpo_sweep_runs_as_slurm_jobs(slurm_cluster, tmp_path):
     (tmp_path / "sweep_rewards.py").write_text(REWARD)  # a reward module the jobs import (PYTHONPATH)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
     out = subprocess.run([TRAIN, "-m", "hydra/launcher=slurm_cpu", f"hydra.launcher.job_name=megaft-test-{os.getpid()}",
-                          f"hydra.sweep.dir={sweep}", "hydra.launcher.timeout_min=5", "device=cpu", "parallel.tp=1", "parallel.dp=2",
+                          f"hydra.sweep.dir={sweep}", "hydra.launcher.timeout_min=5", "device=cpu", "parallel.tp=1",
+                          "parallel.dp=2",
                           f"model.init_from={ckpt}", "data.seq_len=16", "train.objective=grpo", f"rl.prompts={prompts}",
                           "rl.reward=['sweep_rewards:letters']", "rl.num_generations=4", "rl.max_completion_length=8",
                           "rl.loss_type=dapo,dr_grpo", "train.global_batch_size=8", "train.micro_batch_size=2",
