@@ -51,12 +51,15 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "dp2_zero3": dict(dp=2, zero=3),
     "cp2": dict(cp=2),
+    # packed data (the sft data part's): whole documents kept apart in attention, and one causal stream
+    "tp2_sp_docs": dict(tp=2, sequence_parallel=True, packing="docs"),
+    "pp2_stream": dict(pp=2, packing="stream"),
 }
 
 
 def layout_config(ckpt: str, teacher: str, data: str, name: str, *, single: bool) -> Config:
-    par = LAYOUTS[name]
-    cfg = distill_config(ckpt, teacher, data, micro=1 if par.get("dp") else 2)
+    par = dict(LAYOUTS[name])
+    cfg = distill_config(ckpt, teacher, data, micro=1 if par.get("dp") else 2, packing=par.pop("packing", "none"))
     if not single:
         for k, v in par.items():
             setattr(cfg.parallel, k, v)
@@ -65,4 +68,5 @@ def layout_config(ckpt: str, teacher: str, data: str, name: str, *, single: bool
 
 def layouts_rank(rank: int, world: int, ckpt: str, teacher: str, data: str, root: str) -> None:
     for name, par in LAYOUTS.items():
-        run(layout_config(ckpt, teacher, data, name, single=False), layout_grid(par), os.path.join(root, name))
+        grid = layout_grid({k: v for k, v in par.items() if k != "packing"})
+        run(layout_config(ckpt, teacher, data, name, single=False), grid, os.path.join(root, name))

@@ -1,7 +1,8 @@
 """train.objective=distill end to end: megaft-train's Trainer with a frozen teacher on SFT data.
 
-- every layout of LAYOUTS (tp2 with sequence parallelism, pp2, dp2 ZeRO-3, cp2) repeats the single
-  process's loss and grad norm at every step (one spawn);
+- every layout of LAYOUTS (tp2 with sequence parallelism, pp2, dp2 ZeRO-3, cp2 on unpacked rows; tp2 sp
+  on documents packed apart, pp2 on a packed stream) repeats the single process's loss and grad norm at
+  every step (one spawn);
 - validation refuses a missing teacher, a teacher with another vocabulary or tokenizer, bad
   beta/temperature, each with its fix.
 """
