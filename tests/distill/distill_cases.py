@@ -6,6 +6,9 @@ import json
 import os
 import random
 
+import torch
+import transformers
+from models.hf_fixture import hf_config, write_char_tokenizer
 from train_cases import layout_grid, run
 
 from megaft.config import Config
@@ -54,11 +57,31 @@ LAYOUTS = {
     # packed data (the sft data part's): whole documents kept apart in attention, and one causal stream
     "tp2_sp_docs": dict(tp=2, sequence_parallel=True, packing="docs"),
     "pp2_stream": dict(pp=2, packing="stream"),
+    # a teacher of another shape (3 layers, a wider MLP: make_bigger_teacher) than the student (2 layers)
+    "tp2_big_teacher": dict(tp=2, teacher="big"),
+    "pp2_big_teacher": dict(pp=2, teacher="big"),
 }
+SETTINGS = ("packing", "teacher")  # LAYOUTS' keys that are not parallel settings
+
+
+def big_teacher(teacher: str) -> str:
+    return teacher + "_big"
+
+
+@torch.no_grad()
+def make_bigger_teacher(path: str) -> None:
+    """The fixture's Llama with 3 layers and a wider MLP (the student has 2 and 96), and its tokenizer."""
+    cfg = hf_config()
+    cfg.num_hidden_layers, cfg.intermediate_size = 3, 160
+    torch.manual_seed(4)
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(path)
+    write_char_tokenizer(path)
 
 
 def layout_config(ckpt: str, teacher: str, data: str, name: str, *, single: bool) -> Config:
     par = dict(LAYOUTS[name])
+    if par.pop("teacher", None) == "big":
+        teacher = big_teacher(teacher)
     cfg = distill_config(ckpt, teacher, data, micro=1 if par.get("dp") else 2, packing=par.pop("packing", "none"))
     if not single:
         for k, v in par.items():
@@ -68,5 +91,5 @@ def layout_config(ckpt: str, teacher: str, data: str, name: str, *, single: bool
 
 def layouts_rank(rank: int, world: int, ckpt: str, teacher: str, data: str, root: str) -> None:
     for name, par in LAYOUTS.items():
-        grid = layout_grid({k: v for k, v in par.items() if k != "packing"})
+        grid = layout_grid({k: v for k, v in par.items() if k not in SETTINGS})
         run(layout_config(ckpt, teacher, data, name, single=False), grid, os.path.join(root, name))

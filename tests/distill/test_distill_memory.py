@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import gc
 
-import torch
-import transformers
-from models.hf_fixture import hf_config, make_hf_llama, write_char_tokenizer
+from models.hf_fixture import make_hf_llama
 
-from distill.distill_cases import distill_config, write_sft
+from distill.distill_cases import distill_config, make_bigger_teacher, write_sft
 from megaft.models.decoder import Decoder
 from megaft.parallel.grid import ParallelGrid
 from megaft.perf.memory import estimate_ranks
 from megaft.training.loop import Trainer
 from megaft.validation import resolve
-
-
-@torch.no_grad()
-def make_bigger_teacher(path: str) -> None:
-    """The fixture's Llama with 3 layers and a wider MLP (the student has 2 and 96), and its tokenizer."""
-    cfg = hf_config()
-    cfg.num_hidden_layers, cfg.intermediate_size = 3, 160
-    torch.manual_seed(4)
-    transformers.LlamaForCausalLM(cfg).float().save_pretrained(path)
-    write_char_tokenizer(path)
 
 
 def test_the_teacher_is_the_model_the_estimate_counts(tmp_path):

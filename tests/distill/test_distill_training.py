@@ -1,7 +1,8 @@
 """train.objective=distill end to end: megaft-train's Trainer with a frozen teacher on SFT data.
 
 - every layout of LAYOUTS (tp2 with sequence parallelism, pp2, dp2 ZeRO-3, cp2 on unpacked rows; tp2 sp
-  on documents packed apart, pp2 on a packed stream) repeats the single process's loss and grad norm at
+  on documents packed apart, pp2 on a packed stream; tp2 and pp2 with a teacher larger than the
+  student) repeats the single process's loss and grad norm at
   every step (one spawn);
 - validation refuses a missing teacher, a teacher with another vocabulary or tokenizer, bad
   beta/temperature, each with its fix.
@@ -16,7 +17,17 @@ from models.hf_fixture import make_hf_llama
 from multirank import spawn
 from train_cases import read_rows
 
-from distill.distill_cases import COMPARED, LAYOUTS, distill_config, layout_config, layouts_rank, run, write_sft
+from distill.distill_cases import (
+    COMPARED,
+    LAYOUTS,
+    big_teacher,
+    distill_config,
+    layout_config,
+    layouts_rank,
+    make_bigger_teacher,
+    run,
+    write_sft,
+)
 from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 
@@ -27,6 +38,7 @@ def inputs(tmp_path_factory):
     ckpt, teacher, data = str(root / "student"), str(root / "teacher"), str(root / "sft.jsonl")
     make_hf_llama(ckpt, seed=1)
     make_hf_llama(teacher, seed=2)
+    make_bigger_teacher(big_teacher(teacher))
     write_sft(data)
     return ckpt, teacher, data, root
 
@@ -56,6 +68,7 @@ def test_every_layout_equals_the_single_process(inputs):
 def test_validation_names_the_teachers_problems(inputs, tmp_path):
     ckpt, teacher, data, _ = inputs
     assert validate(resolve(distill_config(ckpt, teacher, data)), 1) == []
+    assert validate(resolve(distill_config(ckpt, big_teacher(teacher), data)), 1) == []  # another shape
     missing = validate(resolve(distill_config(ckpt, None, data)), 1)
     assert any("needs distill.teacher" in p for p in missing), missing
     not_hf = validate(resolve(distill_config(ckpt, str(tmp_path), data)), 1)
