@@ -58,7 +58,8 @@ def _sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def vocab_log_softmax(z: torch.Tensor, group: Group = None) -> torch.Tensor:
     """log_softmax over the whole vocabulary of this rank's slice `z` [N, V_local] (fp32)."""
-    top = z.detach().amax(-1, keepdim=True)
+    # a slice of padding columns only (a small vocabulary padded to Megatron's 128 x tp) has no max of its own
+    top = z.detach().amax(-1, keepdim=True) if z.shape[-1] else z.new_full((*z.shape[:-1], 1), float("-inf"))
     if group_size(group) > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = z - top
@@ -92,7 +93,7 @@ def token_divergence(student: torch.Tensor, teacher: torch.Tensor, labels: torch
     local = student.shape[-1]
     start = group_rank(group) * local
     real = local if vocab_size is None else max(0, min(local, vocab_size - start))
-    s, t = student[..., :real].reshape(-1, real), teacher.detach()[..., :real].reshape(-1, real)
+    s, t = student.reshape(-1, local)[:, :real], teacher.detach().reshape(-1, local)[:, :real]
     flat = labels.reshape(-1)
     rows = (flat != IGNORE_INDEX).nonzero().squeeze(-1)  # the same rows on every tp rank
     out = torch.zeros(flat.shape, dtype=torch.float32, device=student.device)

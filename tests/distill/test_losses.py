@@ -68,24 +68,27 @@ def test_beta_ends_are_the_two_kls():
 def _tp_rank(rank: int, world: int):
     group = torch.distributed.group.WORLD
     student, teacher, labels = _inputs(2)
-    pad = -V % world + world  # padded vocabulary: the last slice ends in padding columns
-    width = (V + pad) // world
-    fill = lambda x: torch.cat([x, torch.randn(B, S, pad)], -1)[..., rank * width:(rank + 1) * width]  # noqa: E731
     failures = []
-    for (beta, temperature), chunk in itertools.product(CASES, [1024, 5]):
+    # padded vocabularies: the last slice ends in padding columns (pad 3), or is padding only (pad V: a
+    # small vocabulary padded to Megatron's 128 x tp)
+    for (beta, temperature), chunk, pad in itertools.product(CASES, [1024, 5], [-V % world + world, V]):
+        width = (V + pad) // world
+
+        def fill(x):
+            return torch.cat([x, torch.randn(B, S, pad)], -1)[..., rank * width:(rank + 1) * width]
         want_loss, want_grad = _trl(student, teacher, labels, beta, temperature)
         s = fill(student).clone().requires_grad_()
         per_token = token_divergence(s, fill(teacher), labels, beta=beta, temperature=temperature, group=group,
                                      vocab_size=V, chunk=chunk)
         loss = per_token.sum() / (labels != -100).sum()
         loss.backward()
-        mine = want_grad[..., rank * width:min((rank + 1) * width, V)]
+        mine = want_grad[..., min(rank * width, V):min((rank + 1) * width, V)]
         try:
             torch.testing.assert_close(loss, want_loss, rtol=2e-6, atol=1e-7)
             torch.testing.assert_close(s.grad[..., :mine.shape[-1]], mine, rtol=1e-5, atol=1e-8)
             assert (s.grad[..., mine.shape[-1]:] == 0).all()  # padding columns: no gradient
         except AssertionError as e:
-            failures.append(f"beta={beta} T={temperature} chunk={chunk}: {e}")
+            failures.append(f"beta={beta} T={temperature} chunk={chunk} pad={pad}: {e}")
     assert not failures, "\n".join(failures)
 
 
