@@ -14,6 +14,7 @@ import math
 import os
 
 from megaft.config import Config, Device, Precision
+from megaft.config.distill import check_distill
 from megaft.config.keep import exports_hf, exports_merged
 from megaft.config.launcher import check_launcher
 from megaft.config.lora import check_lora, check_lora_model, check_lora_moe
@@ -29,6 +30,7 @@ from megaft.data.build import build_tokenizer
 from megaft.data.checks import check_data
 from megaft.data.errors import DataError
 from megaft.data.prompts import check_samples
+from megaft.distill.checks import check_teacher
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
@@ -157,6 +159,7 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     problems += check_reward(cfg.reward, cfg.train.objective)
     problems += check_rl(cfg.rl, cfg.train.objective, global_batch_size=cfg.train.global_batch_size,
                          micro_batch_size=cfg.train.micro_batch_size)
+    problems += check_distill(cfg.distill, cfg.train.objective)
     problems += check_launcher(cfg.launcher)
     problems += check_samples(cfg.sample, cfg.train.sample_every, lambda: _chat_template(cfg))
     problems += check_logger(cfg.logger, cfg.wandb)
@@ -251,6 +254,14 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                              cp=cfg.parallel.cp)
     if cfg.train.objective == "grpo" and cfg.rl.beta > 0 and cfg.rl.reference:
         problems += reference_dir_problems(cfg.rl.reference, "rl.reference", cfg.model)
+    if cfg.train.objective == "distill" and cfg.distill.teacher:
+        from megaft.data.templates import tokenizer_dir_of
+
+        problems += check_teacher(cfg.distill, cfg.model, cfg.parallel.tp,
+                                  tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
+    if cfg.train.objective == "distill" and cfg.model.n_experts > 0:
+        problems.append("train.objective=distill of a mixture of experts is not built (the router terms are not "
+                        "added); fix: a dense student")
     problems += check_moe(cfg.moe, n_experts=cfg.model.n_experts, cp=cfg.parallel.cp, dropout=cfg.model.dropout,
                           correction_bias=cfg.model.router_scoring == "sigmoid")
     if cfg.data.seq_len > cfg.model.max_seq_len:

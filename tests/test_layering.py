@@ -38,6 +38,7 @@ FOLDERS: list[str] = [
     "megaft.pref",
     "megaft.reward",  # reward models: the last-token reward, the loss and margins (TRL's RewardTrainer)
     "megaft.rl",  # GRPO: advantages and the policy loss (TRL's definitions)
+    "megaft.distill",  # logit distillation: the vocab-parallel generalized JSD (TRL's), the teacher checks
     "megaft.training",
     "megaft.eval",  # megaft-eval; validation reads its task checks
     "megaft.validation",  # validate(): the sections' checks with the files, the models and the memory estimate

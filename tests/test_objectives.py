@@ -6,7 +6,7 @@ import pytest
 from megaft.config import Config
 from megaft.config.pref import OBJECTIVE_CHOICES
 from megaft.training import parts
-from megaft.training.objectives import REGISTRY, grpo, objective_of, preference, reward, sft
+from megaft.training.objectives import REGISTRY, distill, grpo, objective_of, preference, reward, sft
 from megaft.validation import check_settings
 
 
@@ -16,7 +16,9 @@ def test_the_registry_holds_exactly_the_objectives_validation_accepts():
     assert objective_of("grpo").build_data is grpo.build_data and objective_of("grpo").build_step is grpo.build_step
     assert (objective_of("reward").build_data, objective_of("reward").build_step) == \
         (reward.build_data, reward.build_step)
-    for name in set(OBJECTIVE_CHOICES) - {"sft", "grpo", "reward"}:
+    assert (objective_of("distill").build_data, objective_of("distill").build_step) == \
+        (sft.build_data, distill.build_step)  # sft's data, distillation's step
+    for name in set(OBJECTIVE_CHOICES) - {"sft", "grpo", "reward", "distill"}:
         assert (objective_of(name).build_data, objective_of(name).build_step) == \
             (preference.build_data, preference.build_step), name
     with pytest.raises(ValueError, match="train.objective='ppo' is unknown; fix: one of sft, dpo"):

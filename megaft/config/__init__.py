@@ -9,7 +9,7 @@ it (megaft.validation.validate).
     config/root.py      Config, Precision, Device, ConfigError
     config/compose.py   register_configs, conf_dir, compose_config, compose_once
     config/<section>.py model, moe, parallel, optim, data, train (+ sample), launcher, kernels,
-                        verify, cluster (+ plan), commbench, lora, pref, rl, reward, wandb, eval
+                        verify, cluster (+ plan), commbench, lora, pref, rl, reward, distill, wandb, eval
 """
 from megaft.config.compose import compose_config, compose_once, conf_dir, register_configs
 from megaft.config.root import Config, ConfigError, Device, Precision

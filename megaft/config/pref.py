@@ -21,7 +21,8 @@ from typing import Optional
 OBJECTIVES = ("dpo", "robust", "ipo", "simpo", "orpo")  # the preference objectives (megaft.pref.losses)
 REFERENCE_FREE = ("simpo", "orpo")
 SMOOTHED = ("dpo", "robust", "simpo")  # the objectives that read label_smoothing
-OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES + ("grpo", "reward")  # grpo: megaft.config.rl; reward: megaft.config.reward
+OBJECTIVE_CHOICES = ("sft",) + OBJECTIVES + ("grpo", "reward", "distill")  # grpo: megaft.config.rl; reward:
+# megaft.config.reward; distill: megaft.config.distill
 REFERENCE_MODES = ("precompute", "online")
 
 

@@ -8,6 +8,7 @@ from enum import StrEnum
 from megaft.config.cluster import ClusterConfig, PlanConfig
 from megaft.config.commbench import CommbenchConfig
 from megaft.config.data import DataConfig
+from megaft.config.distill import DistillConfig
 from megaft.config.eval import EvalConfig
 from megaft.config.kernels import KernelsConfig
 from megaft.config.launcher import LauncherConfig
@@ -58,6 +59,7 @@ class Config:
     pref: PrefConfig = field(default_factory=PrefConfig)  # preference objectives (train.objective; megaft.pref)
     rl: RLConfig = field(default_factory=RLConfig)  # train.objective=grpo (megaft.rl)
     reward: RewardConfig = field(default_factory=RewardConfig)  # train.objective=reward (megaft.config.reward)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # train.objective=distill (megaft.distill)
     sample: SampleConfig = field(default_factory=SampleConfig)  # samples while training (train.sample_every)
     # where metrics also go beside metrics.jsonl and TensorBoard (train.tensorboard): none | wandb (settings in
     # wandb.*; rank 0 sends the scalars, the config and the summary: megaft.training.wandb_log)

@@ -100,6 +100,8 @@ class ObjectiveTerms:
     rows: int = 1
     frozen_models: int = 0
     frozen_forwards: int = 0
+    # the frozen model's own shape when it is not the policy's (a distillation teacher); None: the policy's
+    frozen_model: Optional[object] = None
 
 
 def objective_terms(cfg) -> ObjectiveTerms:
@@ -115,9 +117,27 @@ def objective_terms(cfg) -> ObjectiveTerms:
     if objective == "grpo":  # the reference's log-probs of every step's completions
         kl = int(cfg.rl.beta != 0.0)
         return ObjectiveTerms(frozen_models=kl, frozen_forwards=kl)
+    if objective == "distill":  # the teacher: its own shape, read from its checkpoint when there is one
+        return ObjectiveTerms(frozen_models=1, frozen_forwards=1, frozen_model=_teacher_shape(cfg))
     if objective == "reward":  # a pair's two rows; the LM head and its logits are still counted (an over-estimate)
         return ObjectiveTerms(rows=2)
     return ObjectiveTerms()
+
+
+def _teacher_shape(cfg):
+    """distill.teacher's ModelConfig (validation checks the directory), or None (the policy's shape)
+    when it cannot be read."""
+    import os
+
+    path = cfg.distill.teacher
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from megaft.models.hf.config import hf_model_config
+
+    try:
+        return hf_model_config(path, base=cfg.model)
+    except (OSError, ValueError):
+        return None
 
 
 def in_flight(schedule: str, pp: int, vpp: int, pp_rank: int, microbatches: int) -> float:
@@ -171,8 +191,10 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     # the routed experts' share of each rank's parameters, sharded over expert_replicas (none at ep = 1)
     experts = rank_expert_params(m, **shape) if ep > 1 else [0] * par.pp
     out = []
+    held_sizes = rank_params(terms.frozen_model, **shape) if terms.frozen_model is not None else None
     for r, n in enumerate(rank_params(m, **shape)):
-        held_models = terms.frozen_models * n * FP32  # lora.rank=0, fp32, whole under ZeRO
+        # lora.rank=0, fp32, whole under ZeRO; a teacher of its own shape
+        held_models = terms.frozen_models * (n if held_sizes is None else held_sizes[r]) * FP32
         live = in_flight(par.schedule, par.pp, par.vpp, r, micro)
         # model.recompute_layers: the first N blocks of each of this rank's virtual stages
         again = set() if m.recompute == "none" else {

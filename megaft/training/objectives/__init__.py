@@ -7,7 +7,9 @@ pipelined). `sft` is next-token cross-entropy (megaft.training.objectives.sft); 
 ipo, simpo and orpo are the preference family (megaft.training.objectives.preference, TRL's
 definitions in megaft.pref.losses); grpo is online RL from verifiable rewards, on logged
 rollouts (megaft.training.objectives.grpo, TRL's definitions in megaft.rl); reward trains a
-reward model on the same pairs (megaft.training.objectives.reward, TRL's RewardTrainer). The registry's
+reward model on the same pairs (megaft.training.objectives.reward, TRL's RewardTrainer); distill is
+logit distillation from a frozen teacher on SFT data (megaft.training.objectives.distill, TRL's
+generalized JSD in megaft.distill). The registry's
 names are megaft.config.pref's OBJECTIVE_CHOICES, which validation checks before any rank starts.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaft.config.pref import OBJECTIVES as PREFERENCE_OBJECTIVES
-from megaft.training.objectives import grpo, preference, reward, sft
+from megaft.training.objectives import distill, grpo, preference, reward, sft
 from megaft.training.protocols import Builder, DataPart, StepPart
 
 
@@ -33,6 +35,7 @@ REGISTRY: dict[str, Objective] = {
     **{name: Objective(name, preference.build_data, preference.build_step) for name in PREFERENCE_OBJECTIVES},
     "grpo": Objective("grpo", grpo.build_data, grpo.build_step),
     "reward": Objective("reward", reward.build_data, reward.build_step),
+    "distill": Objective("distill", distill.build_data, distill.build_step),
 }
 
 

@@ -1,0 +1,58 @@
+"""`distill.*`: logit distillation from a frozen teacher (train.objective=distill, docs/distillation.md),
+TRL 1.16's generalized JSD (GKDTrainer.generalized_jsd_loss, the DistillationTrainer's divergence)
+on the target tokens of the SFT data (megaft.distill)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd")
+LOSS_BETA = {"forward_kl": 0.0, "reverse_kl": 1.0}  # TRL's beta at the two ends
+
+
+@dataclass
+class DistillConfig:
+    # the teacher: a Hugging Face checkpoint directory (config.json, weights, tokenizer.json) of a family
+    # megaft reads, with the student's vocabulary and tokenizer; built at the run's layout, frozen, eval mode
+    teacher: Optional[str] = None
+    # forward_kl = KL(teacher || student) (TRL beta 0) | reverse_kl = KL(student || teacher) (beta 1) |
+    # jsd = TRL's generalized JSD at distill.beta (0 < beta < 1; 0.5 the symmetric JSD)
+    loss: str = "jsd"
+    beta: float = 0.5  # read by loss=jsd only (TRL's GKDConfig/DistillationConfig.beta)
+    # both models' logits divided by it before the softmax (TRL's temperature; no T^2 factor, as TRL)
+    temperature: float = 1.0
+    # the token cross-entropy's weight: loss = (1 - alpha) * divergence + alpha * cross-entropy, each
+    # averaged over the global batch's target tokens (torchtune's KD mix with kd_ratio = 1 - alpha; TRL has
+    # none: alpha = 0, the default, is TRL's loss)
+    alpha: float = 0.0
+    chunk_tokens: int = 1024  # target tokens whose fp32 log-probs (both models') are held at once
+
+    @property
+    def effective_beta(self) -> float:
+        """TRL's beta of distill.loss."""
+        return LOSS_BETA.get(self.loss, self.beta)
+
+
+def check_distill(cfg: DistillConfig, objective: str) -> list[str]:
+    """Problems of distill.* on their own, each with its fix."""
+    if objective != "distill":
+        return [f"distill.teacher={cfg.teacher} is read by train.objective=distill only; fix: "
+                "train.objective=distill or drop distill.teacher"] if cfg.teacher else []
+    problems = []
+    if cfg.loss not in LOSSES:
+        problems.append(f"distill.loss={cfg.loss!r} is unknown; fix: one of {', '.join(LOSSES)}")
+    elif cfg.loss == "jsd" and not 0 < cfg.beta < 1:
+        ends = "loss=forward_kl" if cfg.beta == 0 else "loss=reverse_kl" if cfg.beta == 1 else "beta=0.5"
+        problems.append(f"distill.beta={cfg.beta} with distill.loss=jsd must be in (0, 1) (TRL's interpolation); "
+                        f"fix: distill.{ends}")
+    if not cfg.temperature > 0:
+        problems.append(f"distill.temperature={cfg.temperature} must be > 0; fix: 1.0 (TRL's default)")
+    if not 0 <= cfg.alpha <= 1:
+        problems.append(f"distill.alpha={cfg.alpha} must be in [0, 1] (the cross-entropy's share); fix: 0 "
+                        "(TRL's pure divergence)")
+    if cfg.chunk_tokens < 1:
+        problems.append(f"distill.chunk_tokens={cfg.chunk_tokens} must be >= 1")
+    if not cfg.teacher:
+        problems.append("train.objective=distill needs distill.teacher; fix: distill.teacher=DIR, a Hugging Face "
+                        "checkpoint with the student's tokenizer")
+    return problems

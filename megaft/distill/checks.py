@@ -1,0 +1,50 @@
+"""The teacher checkpoint of train.objective=distill against the student (megaft.validation)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megaft.config.distill import DistillConfig
+from megaft.models.checks import check_model
+
+__all__ = ["check_teacher"]
+
+
+def _vocab(path: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path).get_vocab()
+
+
+def check_teacher(cfg: DistillConfig, model, tp: int, tokenizer_dir: Optional[str]) -> list[str]:
+    """The teacher directory against the resolved student `model` and its tokenizer directory:
+    an HF checkpoint megaft reads, of the student's vocabulary and tokenizer, that splits over tp."""
+    path = cfg.teacher
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"distill.teacher={path} is not a Hugging Face checkpoint directory (no config.json); fix: point "
+                "it at one (config.json, weights, tokenizer.json)"]
+    from megaft.models.hf.config import hf_model_config
+
+    try:
+        teacher = hf_model_config(path, base=model)
+    except (OSError, ValueError) as exc:
+        return [f"distill.teacher: {exc}"]
+    if teacher.vocab_size != model.vocab_size:
+        return [f"distill.teacher={path} has a vocabulary of {teacher.vocab_size} tokens and the student "
+                f"{model.vocab_size}: the divergence compares the two distributions token by token "
+                "(cross-tokenizer distillation is not built); fix: a teacher of the student's tokenizer"]
+    problems = [f"distill.teacher: {p}" for p in check_model(teacher, tp)]
+    mine = os.path.join(tokenizer_dir, "tokenizer.json") if tokenizer_dir else None
+    theirs = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(theirs):
+        problems.append(f"distill.teacher={path} has no tokenizer.json, so its tokenizer cannot be checked against "
+                        "the student's; fix: copy the teacher's tokenizer.json beside its config.json")
+    elif mine is None or not os.path.isfile(mine):
+        problems.append("distill: the student's tokenizer is not a tokenizer.json (data.tokenizer or "
+                        "model.init_from), so the teacher's cannot be checked against it; fix: data.tokenizer=DIR "
+                        "of the shared tokenizer")
+    elif _vocab(mine) != _vocab(theirs):
+        problems.append(f"distill.teacher={path}'s tokenizer maps tokens to other ids than the student's "
+                        f"({mine}): token-by-token distillation would compare different tokens (cross-tokenizer "
+                        "distillation is not built); fix: a teacher of the student's tokenizer")
+    return problems
