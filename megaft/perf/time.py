@@ -291,8 +291,10 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         moe = sum(map(m.is_moe, ids))  # full recompute: the forward's all-to-alls run again in backward
         c["f_ep"], c["b_ep"] = moe * a2a, moe * a2a * (2 if m.recompute == "full" else 1)
         if terms.frozen_forwards:  # the reference's scoring forward: whole under ZeRO, no adapters
-            frozen_f = sum(tokens * layer_forward_flops(m, seq, i) / tp / rate for i in ids)
-            c["f_compute"] += terms.frozen_forwards * (frozen_f + (tokens * head_forward_flops(m) / tp / rate
+            fm = terms.frozen_model or m  # a distillation teacher: its own shape, its layers split over the stages
+            f_ids = ids if fm is m else stage_layers(fm.n_layers, stages, None)[s]
+            frozen_f = sum(tokens * layer_forward_flops(fm, seq, i) / tp / rate for i in f_ids)
+            c["f_compute"] += terms.frozen_forwards * (frozen_f + (tokens * head_forward_flops(fm) / tp / rate
                                                                    if last else 0.0))
             for k in ("f_tp", "f_cp", "f_ep"):
                 c[k] *= 1 + terms.frozen_forwards

@@ -32,3 +32,30 @@ def test_the_teacher_is_the_model_the_estimate_counts(tmp_path):
     sft = cfg
     sft.train.objective = "sft"
     assert estimate_ranks(sft, 1)[0].frozen == 0
+
+
+def test_the_time_model_prices_the_teachers_own_forward(tmp_path):
+    """megaft.perf.time: the teacher's forward of every micro-batch at its own shape (a bigger teacher
+    costs more than one of the student's shape), and the student's forward and backward as SFT's."""
+    import dataclasses
+    import os
+
+    from omegaconf import OmegaConf
+
+    from megaft.config import conf_dir
+    from megaft.config.cluster import ClusterConfig
+    from megaft.perf.time import step_cost
+
+    ckpt, teacher, data = str(tmp_path / "student"), str(tmp_path / "teacher"), str(tmp_path / "sft.jsonl")
+    make_hf_llama(ckpt, seed=1)
+    make_bigger_teacher(teacher)
+    write_sft(data)
+    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(conf_dir(), "cluster", "h100.yaml")))
+    fields.pop("defaults")
+    cluster = ClusterConfig(**fields)
+    big = resolve(distill_config(ckpt, teacher, data))
+    same = resolve(distill_config(ckpt, ckpt, data))  # a teacher of the student's own shape
+    sft = dataclasses.replace(big, train=dataclasses.replace(big.train, objective="sft"))
+    compute = {name: step_cost(c, cluster, 1).terms["compute"] for name, c in
+               (("big", big), ("same", same), ("sft", sft))}
+    assert compute["sft"] < compute["same"] < compute["big"]
