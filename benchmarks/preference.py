@@ -413,6 +413,17 @@ def print_report(rows: dict[str, dict]) -> None:
               f"{r['build_s']:>8.2f}")
 
 
+def add_model_args(p: argparse.ArgumentParser, d) -> None:
+    """The random Llama's shape options (--hidden ... --vocab), defaulting to `d`'s (a Sizes);
+    benchmarks.rl takes the same."""
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--intermediate", type=int, default=d.intermediate)
+    p.add_argument("--vocab", type=int, default=d.vocab, help="the model's vocabulary rows")
+
+
 def span(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     return int(lo), int(hi or lo)
@@ -433,12 +444,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=e.beta)
     p.add_argument("--lr", type=float, default=e.lr)
     p.add_argument("--attn", default=e.attn, choices=["sdpa", "eager"], help="the transformers models' attention")
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--vocab", type=int, default=d.vocab, help="the model's vocabulary rows")
+    add_model_args(p, d)
     p.add_argument("--prompt", type=span, default=d.prompt, help="prompt characters LO-HI (one token each)")
     p.add_argument("--answer", type=span, default=d.answer, help="answer characters LO-HI (+ 1 eos token)")
     p.add_argument("--seed", type=int, default=d.seed)

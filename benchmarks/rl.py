@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from benchmarks.kernels.harness import quantile
-from benchmarks.preference import CHARS, SPECIALS, Sizes, Turn, quiet, span, write_model
+from benchmarks.preference import CHARS, SPECIALS, Sizes, Turn, add_model_args, quiet, span, write_model
 from benchmarks.train_step.measure import round_orders, split_steps
 from megaft.config.rl import LOSS_TYPES
 
@@ -211,12 +211,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--loss-type", default=e.loss_type, choices=LOSS_TYPES)
     p.add_argument("--lr", type=float, default=e.lr)
     p.add_argument("--attn", default=e.attn, choices=["sdpa", "eager"])
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--vocab", type=int, default=d.vocab)
+    add_model_args(p, d)
     p.add_argument("--prompt", type=span, default=r.prompt, help="prompt tokens LO-HI")
     p.add_argument("--completion", type=span, default=r.completion, help="completion tokens LO-HI")
     p.add_argument("--seed", type=int, default=r.seed)
