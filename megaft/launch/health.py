@@ -31,6 +31,9 @@ from megaft.fileio import write_json_atomic
 
 HEALTH_DIR = ".health"
 MAX_WAIT_S = 30.0  # a survivor waits at most this long for the others' markers
+# Under `srun --kill-on-bad-exit` the first rank to exit gets every other one killed: the other
+# survivors hold their exit this long after rank 0 has composed its report, so that it is printed.
+REPORT_GRACE_S = 2.0
 _COMM_PATTERNS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
                   "NCCL", "Broken pipe", "Socket Timeout",
                   "Application timeout caused pair closure")  # gloo, when the peer's side timed out first
@@ -102,7 +105,30 @@ def diagnose(exc: BaseException, run_dir: str, rank: int, world: int, timeout_s:
     head = f"rank {rank} of {world}: a collective failed ({_first_line(exc)})"
     error = _named(head, crashed, silent, wait, timeout_s)
     report = hang_report(run_dir, world, since) if rank == 0 else None  # under srun: in rank 0's log
+    if rank == 0:
+        write_json_atomic(_reported(run_dir), {"time": time.time()})
+    else:
+        _await_report(run_dir, since, wait)
     return RankFailureError(f"{error}\n{report}") if report else RankFailureError(error)
+
+
+def _reported(run_dir: str) -> str:
+    return os.path.join(run_dir, HEALTH_DIR, "reported.json")
+
+
+def _await_report(run_dir: str, since: float, wait: float) -> None:
+    """Hold this rank's exit until rank 0 has composed its report (at most `wait` s, rank 0 may be
+    the one behind), then REPORT_GRACE_S more for it to be printed."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            with open(_reported(run_dir)) as f:
+                if json.load(f).get("time", 0) >= since:
+                    time.sleep(REPORT_GRACE_S)
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
 
 
 def _named(head: str, crashed: dict, silent: list, wait: float, timeout_s: float) -> str:

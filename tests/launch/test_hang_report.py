@@ -112,3 +112,22 @@ def test_hang_report_names_the_pipeline_action(tmp_path):
     assert lines[0] == "megaft: hang report: rank(s) 1 behind", report
     assert lines[1].startswith(f"  rank 0 on {socket.gethostname()} (pp=0 dp=0 cp=0 tp=0): step {FAULT_STEP + 1}, "
                                "pipeline action 0"), report
+
+
+def test_other_ranks_hold_their_exit_until_rank_0_has_reported(tmp_path, monkeypatch):
+    """Under `srun --kill-on-bad-exit` the first rank out gets the others killed: a survivor other
+    than rank 0 waits for rank 0's report (plus a grace to print it), and no longer than its wait
+    when rank 0 is the one behind."""
+    monkeypatch.setattr(health, "REPORT_GRACE_S", 0.5)
+    exc = RuntimeError("[gloo] Timed out waiting 5000ms for recv operation to complete")
+    run = str(tmp_path / "silent0")
+    start = time.monotonic()
+    health.diagnose(exc, run, 1, 2, 5, wait_s=0.6)  # rank 0 never reports: only the wait
+    assert 0.6 <= time.monotonic() - start < 0.6 + 0.5 + 1.0
+    run = str(tmp_path / "reported")
+    for rank in (0, 1):
+        health.announce(run, rank, {"pp": 0, "dp": 0, "cp": 0, "tp": rank})
+    health.diagnose(exc, run, 0, 2, 5, wait_s=0)
+    start = time.monotonic()
+    health.diagnose(exc, run, 1, 2, 5, wait_s=3)  # rank 0's marker is there: no marker wait, only the grace
+    assert 0.5 <= time.monotonic() - start < 2.0
