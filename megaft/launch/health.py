@@ -7,7 +7,9 @@ connection closes. Neither gloo's nor NCCL's error says which peer is missing, s
 rank whose collective failed leaves a marker file in `<run_dir>/.health/` and waits
 briefly (at most min(timeout_s, 30) s) for the others' markers. The ranks that never
 report are the suspects: dead, or hung outside any collective. A rank that failed by
-itself (any other exception) leaves a marker saying so, which the others quote.
+itself (any other exception) leaves a marker saying so, which the others quote. Rank 0 holds
+the report (below); the other survivors exit only after it has composed it, since under
+`srun --kill-on-bad-exit` the first rank out gets the rest killed.
 
 The hang report (issue 17): at start every rank writes `who_<rank>.json` (host, pid,
 grid coordinates), and a failed collective's marker also holds what the rank was
