@@ -29,7 +29,8 @@ to the step (`StepCost.step_s`):
   optimizer price each part over its own group.
 * **pp_bubble**: what megaft's own simulator (`megaft.pipeline.simulate.replay`) leaves
   idle on the busiest rank when every F/B action costs its stage's compute + tp + ZeRO
-  time and every p2p message (fp32 activations, megaft's wire dtype) its transfer time.
+  time and every p2p message (activations in the compute dtype, megaft's wire dtype) its
+  transfer time.
 * **zero_comm**: ZeRO-3's per-layer all-gathers (before forward and backward) and
   reduce-scatters of each block's parameters (`layer_params`: every expert of a MoE
   block), each hidden behind the previous layer's compute as megaft prefetches one layer
@@ -90,7 +91,13 @@ from megaft.pipeline.simulate import replay_many
 
 TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer",
          "offload")
-P2P_BYTES = 4  # megaft.pipeline.runtime.WIRE_DTYPE: activations travel in fp32
+
+
+def p2p_bytes(precision: str) -> int:
+    """Bytes per element of a pipeline message (megaft.pipeline.runtime.wire_dtype): the compute
+    dtype under bf16/fp16 autocast, fp32 otherwise."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
 ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
 MIB = 2 ** 20
 
@@ -342,7 +349,8 @@ def _layout(cfg, cluster, world_size: int) -> _Layout:
     if par.pp > 1:
         tokens = objective_terms(cfg).rows * cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
         seq_share = par.tp if par.sequence_parallel else 1
-        out.p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * par.cp * dp))
+        nbytes = tokens / seq_share * m.dim * p2p_bytes(str(cfg.precision))
+        out.p2p = p2p_s(nbytes, group_link(cluster, par.pp, par.tp * par.cp * dp))
         out.schedule = schedule
     return out
 
