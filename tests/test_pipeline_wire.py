@@ -26,10 +26,10 @@ def _config(precision: str, pp: int):
 
 
 def _train_recording(rank: int, world: int, root: str) -> None:
-    """pp=2 under bf16 and fp32, every tensor batch_isend_irecv sends recorded as (dtype, bytes)."""
+    """pp=2 under bf16, fp16 and fp32, every tensor batch_isend_irecv sends recorded as (dtype, bytes)."""
     grid = ParallelGrid.build(tp=1, dp=1, pp=2, device="cpu")
     real = dist.batch_isend_irecv
-    for precision in ("bf16", "fp32"):
+    for precision in ("bf16", "fp16", "fp32"):
         sent: list = []
 
         def recording(ops, sent=sent):
@@ -50,9 +50,10 @@ def _train_recording(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("wire"))
-    ref = os.path.join(root, "ref_bf16")
-    os.makedirs(ref)
-    Trainer(_config("bf16", 1), ParallelGrid.single(), ref).fit()
+    for precision in ("bf16", "fp16"):
+        ref = os.path.join(root, f"ref_{precision}")
+        os.makedirs(ref)
+        Trainer(_config(precision, 1), ParallelGrid.single(), ref).fit()
     spawn(2, _train_recording, root)
     return root
 
@@ -77,6 +78,16 @@ def test_bf16_curve_equals_single_process(runs):
     print(f"pp=2 bf16 vs one process: max |dloss|/loss {max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
     assert got == pytest.approx(want, rel=1e-3)  # measured 4e-5 over 5 steps
     assert got != fp32  # bf16 really ran
+
+
+def test_fp16_curve_equals_single_process(runs):
+    """fp16 (with its loss scaler) sends fp16: one rounding to 11 mantissa bits per boundary."""
+    want, _ = read_metrics(os.path.join(runs, "ref_fp16"))
+    got, _ = read_metrics(os.path.join(runs, "pp2_fp16"))
+    print(f"pp=2 fp16 vs one process: max |dloss|/loss {max(abs(g - w) / w for g, w in zip(got, want)):.2e}")
+    assert len(got) == len(want) == STEPS
+    assert got == pytest.approx(want, rel=1e-3)  # measured 2.0e-5 over 5 steps
+    assert {d for d, _ in _sent(runs, "fp16")} == {"torch.float16"}
 
 
 def test_bf16_sends_half_the_bytes_of_fp32(runs):
