@@ -116,7 +116,7 @@ def test_router_statistics_travel_as_exact_fp32_bits():
 
     act = torch.randn(1, 3, 5)  # an odd element count: the statistics start 2 bytes off 4-byte alignment
     tail = torch.tensor([12345.0, 1e7 + 1, 0.1])
-    for wire in (torch.bfloat16, torch.float32):
+    for wire in (torch.bfloat16, torch.float16, torch.float32):
         buf = _message(act, tail, wire)
         assert buf.dtype is wire and buf.numel() == act.numel() + 3 * 4 // wire.itemsize
         x, got = PipelineRuntime._split(SimpleNamespace(extra=3), buf, act.shape)
