@@ -22,7 +22,7 @@ def preset(name: str) -> ClusterConfig:
     return ClusterConfig(**fields)
 
 
-def h100_curve(precision: str = "bf16") -> GemmCurve:
+def h100_curve(precision: str = "bf16"):
     c = preset("h100")
     return GemmCurve.of(c, precision, cluster_peak_tflops(c, precision), cluster_hbm_tbps(c))
 
@@ -33,6 +33,8 @@ def test_presets_carry_a_curve_or_none():
     assert GemmCurve.of(preset("a100"), "bf16", 312.0, 2.039).sms == 108
     for name in ("b200", "cpu"):  # no published GEMM numbers used: every FLOP at matmul_fraction
         assert GemmCurve.of(preset(name), "bf16", 1.0, 1.0) is None
+    assert GemmCurve.of(preset("h100"), "fp32", 66.9, 3.35) is None  # the ceiling is bf16's
+    assert GemmCurve.of(preset("h100"), "fp16", 989.4, 3.35) == h100_curve()
     bad = dataclasses.replace(preset("h100"), gemm_ceiling=1.5)
     assert any("cluster.gemm_ceiling=1.5" in p for p in check_cluster(bad, "bf16"))
 

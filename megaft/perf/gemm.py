@@ -13,7 +13,8 @@ HBM instead (reads A and B, writes C once). So:
                   (m*k + k*n + m*n) * element_bytes / hbm_bandwidth)
 
 The parameters live per cluster preset (conf/cluster/, `gemm_*` fields), each with its source.
-A preset without them (gemm_sms = 0) prices every FLOP at `matmul_fraction`, as before.
+A preset without them (gemm_sms = 0), or a run at fp32 (the ceilings are measured bf16 GEMMs),
+prices every FLOP at `matmul_fraction`, as before.
 
 Not modelled: cuBLAS's smaller tiles, split-K and stream-K for GEMMs of fewer tiles than SMs
 (such a GEMM is priced as one wave of large tiles: pessimistic for a small m x n with a deep k;
@@ -37,16 +38,17 @@ class GemmCurve:
     sms: int  # streaming multiprocessors: tiles run `sms` at a time
     peak: float  # dense peak FLOP/s at the compute precision
     hbm: float  # device memory bandwidth, bytes/s
-    element_bytes: int  # bytes per element of A, B and C (the compute dtype)
+    element_bytes: int  # bytes per element of A, B and C (bf16 or fp16: 2)
 
     @classmethod
     def of(cls, cluster, precision: str, peak_tflops: float, hbm_tbps: float) -> Optional["GemmCurve"]:
-        """The curve of a cluster preset (megaft.config.cluster.ClusterConfig), or None when the
-        preset has none (gemm_sms = 0: every FLOP at matmul_fraction)."""
-        if cluster.gemm_sms <= 0:
+        """The curve of a cluster preset (megaft.config.cluster.ClusterConfig) at `precision`, or None
+        (every FLOP at matmul_fraction) when the preset has none (gemm_sms = 0) or the precision is
+        fp32: the presets' ceilings are measured bf16 tensor-core GEMMs, which say nothing of fp32's."""
+        if cluster.gemm_sms <= 0 or precision not in ("bf16", "fp16"):
             return None
         return cls(cluster.gemm_ceiling, cluster.gemm_tile_m, cluster.gemm_tile_n, cluster.gemm_sms,
-                   peak_tflops * 1e12, hbm_tbps * 1e12, 2 if precision in ("bf16", "fp16") else 4)
+                   peak_tflops * 1e12, hbm_tbps * 1e12, 2)
 
 
 @lru_cache(maxsize=4096)  # a planner search asks for the same few shapes thousands of times

@@ -11,7 +11,7 @@ to the step (`StepCost.step_s`):
   (`cluster.gemm_*`, megaft.perf.gemm) every linear of a block and the head is priced by its
   (m, n, k) shape, forward and both backward GEMMs (small and skinny ones run far below peak);
   the attention core and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
-  which prices every FLOP in a preset without a curve.
+  which prices every FLOP in a preset without a curve and at fp32 (the curves are bf16's).
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
   with sequence parallelism reduce-scatter + all-gather: the same bytes), three with a
   shared expert (its MLP reduces on its own), plus the vocab-parallel embedding and head;
