@@ -6,6 +6,7 @@ in megaft.perf.counts say. Under expert parallelism (parallel.ep) a rank's route
 their ZeRO shards (over dp*cp/ep), the dispatch buffers and the all-to-all time, by hand."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -209,7 +210,9 @@ def run_config(model: ModelConfig, *, precision: str = "fp32", seq: int = 32, mi
 def test_planner_compute_follows_the_active_flops():
     """megaft-plan prices a block by the FLOPs its tokens multiply: the compute term of a
     top-1 mixture is the dense model's scaled by the FLOPs ratio, and its MFU reads the same count."""
-    seq, h100 = 32, cluster()
+    # at one rate for every FLOP (no GEMM curve, gemm_sms=0): under the curve a tiny model's GEMMs
+    # are priced by their shapes (megaft.perf.gemm, tests/test_perf_gemm.py), not their FLOPs alone
+    seq, h100 = 32, dataclasses.replace(cluster(), gemm_sms=0)
     dense = step_cost(run_config(ModelConfig(**SHAPE), seq=seq), h100, 1)
     top1 = step_cost(run_config(moe("mixtral", top_k=1), seq=seq), h100, 1)
     assert top1.flops_per_token == flops_per_token(moe("mixtral", top_k=1), seq)
@@ -485,7 +488,7 @@ def test_time_model_prices_the_all_to_alls():
     from benchmarks.moe import a2a_formula_bytes
 
     assert a2a_formula_bytes is a2a_bytes  # the benchmark checks the count the model prices
-    h100, tokens, k, d, seq = cluster(), 2 * 32, 2, 64, 32
+    h100, tokens, k, d, seq = dataclasses.replace(cluster(), gemm_sms=0), 2 * 32, 2, 64, 32  # one rate: FLOPs
     link = h100.nvlink_gbps * 1e9 * h100.comm_fraction
     lat = h100.nvlink_latency_us * 1e-6
     for ep, precision, act in ((2, "bf16", 2), (4, "fp32", 4)):

@@ -28,7 +28,14 @@ class ClusterConfig:
     peak_tflops_bf16: float = 0.0  # dense (no sparsity) peak TFLOP/s per device at bf16; 0 = gpu_type's
     peak_tflops_fp16: float = 0.0  # same at fp16
     peak_tflops_fp32: float = 0.0  # same at plain fp32 (torch runs fp32 matmuls without TF32)
-    matmul_fraction: float = 0.0  # achievable fraction of the peak over a whole model's FLOPs
+    # achievable fraction of the peak for the FLOPs no GEMM curve prices: every FLOP when gemm_sms
+    # is 0, else the attention core and what megaft.perf.gemm.block_linears does not list
+    matmul_fraction: float = 0.0
+    # GEMM efficiency by shape (megaft.perf.gemm); gemm_sms = 0: no curve (every FLOP at matmul_fraction)
+    gemm_ceiling: float = 0.0  # fraction of the dense peak a large, wave-filling GEMM reaches (measured MAMF)
+    gemm_tile_m: int = 128  # output tile rows of one thread block
+    gemm_tile_n: int = 256  # output tile columns of one thread block
+    gemm_sms: int = 0  # streaming multiprocessors: tiles run this many at a time (waves)
     nvlink_gbps: float = 0.0  # intra-node link, GB/s per device per direction
     nvlink_latency_us: float = 0.0  # per ring step inside a node
     ib_gbps: float = 0.0  # inter-node network, GB/s per device per direction (one NIC per GPU)

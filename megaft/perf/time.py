@@ -7,7 +7,11 @@ to the step (`StepCost.step_s`):
   weight per token plus attention's 12·layers·heads·head_dim·seq) summed over the blocks
   each virtual stage holds (`layer_forward_flops` per block: a mixture-of-experts block
   counts its active weights, the router, top_k experts and the shared expert, so a stage
-  of MoE blocks weighs what its tokens multiply), run at `peak × cluster.matmul_fraction`.
+  of MoE blocks weighs what its tokens multiply). With a GEMM curve in the cluster preset
+  (`cluster.gemm_*`, megaft.perf.gemm) every linear of a block and the head is priced by its
+  (m, n, k) shape, forward and both backward GEMMs (small and skinny ones run far below peak);
+  the attention core and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
+  which prices every FLOP in a preset without a curve and at fp32 (the curves are bf16's).
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
   with sequence parallelism reduce-scatter + all-gather: the same bytes), three with a
   shared expert (its MLP reduces on its own), plus the vocab-parallel embedding and head;
@@ -29,7 +33,8 @@ to the step (`StepCost.step_s`):
   optimizer price each part over its own group.
 * **pp_bubble**: what megaft's own simulator (`megaft.pipeline.simulate.replay`) leaves
   idle on the busiest rank when every F/B action costs its stage's compute + tp + ZeRO
-  time and every p2p message (fp32 activations, megaft's wire dtype) its transfer time.
+  time and every p2p message (activations in the compute dtype, megaft's wire dtype) its
+  transfer time.
 * **zero_comm**: ZeRO-3's per-layer all-gathers (before forward and backward) and
   reduce-scatters of each block's parameters (`layer_params`: every expert of a MoE
   block), each hidden behind the previous layer's compute as megaft prefetches one layer
@@ -81,6 +86,7 @@ from megaft.perf.counts import (
     rank_layer_ids,
     trainable_rank_params,
 )
+from megaft.perf.gemm import GemmCurve, Linear, block_linears, linear_s
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
 from megaft.perf.memory import objective_terms
 from megaft.perf.muon import block_matrix_elements, block_ns_flops, hidden_matrices
@@ -90,7 +96,13 @@ from megaft.pipeline.simulate import replay_many
 
 TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer",
          "offload")
-P2P_BYTES = 4  # megaft.pipeline.runtime.WIRE_DTYPE: activations travel in fp32
+
+
+def p2p_bytes(precision: str) -> int:
+    """Bytes per element of a pipeline message (megaft.pipeline.runtime.wire_dtype): the compute
+    dtype under bf16/fp16 autocast, fp32 otherwise."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
 ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
 MIB = 2 ** 20
 
@@ -220,6 +232,28 @@ def _block_collectives(m, layer: int) -> int:
     return 3 if m.is_moe(layer) and m.shared_expert_ffn_dim else 2
 
 
+def _block_s(m, seq: int, layer: int, tokens: int, tp: int, ep: int, rate: float,
+             curve) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of block `layer` for this rank's `tokens`:
+    its linears by shape on the cluster's GEMM curve (megaft.perf.gemm) and the rest of its FLOPs (the
+    attention core, what block_linears does not list) at `rate`, once in each of the three passes
+    (backward = twice forward for them, as the FLOP count has it); all of it at `rate` without a curve."""
+    flops = tokens * layer_forward_flops(m, seq, layer) / tp
+    if curve is None:
+        return (flops / rate,) * 3
+    linears = block_linears(m, layer, tokens, tp, ep)
+    f, d, w = (sum(x) for x in zip(*(linear_s(lin, curve) for lin in linears))) if linears else (0.0,) * 3
+    rest = max(0.0, flops - sum(lin.flops for lin in linears)) / rate
+    return f + rest, d + rest, w + rest
+
+
+def _head_s(m, tokens: int, tp: int, rate: float, curve) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of the output head (vocab/tp columns)."""
+    if curve is None:
+        return (tokens * head_forward_flops(m) / tp / rate,) * 3
+    return linear_s(Linear(tokens, m.dim, -(-m.vocab_size // tp)), curve)
+
+
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring, the ep
     all-to-alls and ZeRO (exposed)."""
@@ -228,13 +262,15 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     terms = objective_terms(cfg)  # a preference pair is 2 rows; a frozen model's forward per micro-batch
     tokens = terms.rows * cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
     dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
-    rate = cluster_peak_tflops(cluster, str(cfg.precision)) * 1e12 * cluster.matmul_fraction
+    peak = cluster_peak_tflops(cluster, str(cfg.precision))
+    rate = peak * 1e12 * cluster.matmul_fraction  # the FLOPs no GEMM curve prices (all of them without one)
+    curve = GemmCurve.of(cluster, str(cfg.precision), peak, cluster_hbm_tbps(cluster))
     act = 2 if cfg.precision in ("bf16", "fp16") else 4
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
     tp_link, dp_link = group_link(cluster, tp), group_link(cluster, dp, tp)
     tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
-    head_f = tokens * head_forward_flops(m) / tp / rate
+    head_f, head_d, head_w = _head_s(m, tokens, tp, rate, curve)
     attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
@@ -243,16 +279,16 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     # what model.recompute runs again (the whole block under full, the attention core and the
     # activation under selective), the parameters ZeRO moves (this ep rank's experts) and the trained ones
     def block(i: int) -> tuple[float, float, float, int, int]:
-        layer_f = tokens * layer_forward_flops(m, seq, i) / tp / rate
+        layer_f, dgrad, wgrad = _block_s(m, seq, i, tokens, tp, ep, rate, curve)
         core_f = attention_f + tokens * mlp_activation_flops(m, i) / tp / rate
         lp = layer_params(m, tp, i, ep)
         if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
             adapters = adapter_layer_params(m, lora, tp, i, ep)[0]
             adapter_f = tokens * 2.0 * adapters / rate
-            layer_b = layer_f + attention_f + 2 * adapter_f  # input grads of every matmul, the core's second
+            layer_b = dgrad + attention_f + 2 * adapter_f  # input grads of every matmul, the core's second
             layer_f += adapter_f
         else:
-            adapters, layer_b = lp, 2 * layer_f
+            adapters, layer_b = lp, dgrad + wgrad
         return layer_f, layer_b, {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0), lp, adapters
 
     f, b, again, params, trained = zip(*per_block(m, block))
@@ -270,9 +306,9 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     if lora:
         head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
         head_adapter_f = tokens * 2.0 * head_adapters / rate
-        head_b, head_f = head_f + 2 * head_adapter_f, head_f + head_adapter_f
+        head_b, head_f = head_d + 2 * head_adapter_f, head_f + head_adapter_f
     else:
-        head_b = 2 * head_f
+        head_b = head_d + head_w
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
     block_colls = per_block(m, lambda i: _block_collectives(m, i))
     b_again = [x + y for x, y in zip(b, again)]  # model.recompute runs (part of) the forward again
@@ -293,8 +329,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         if terms.frozen_forwards:  # the reference's scoring forward: whole under ZeRO, no adapters
             fm = terms.frozen_model or m  # a distillation teacher: its own shape, its layers split over the stages
             f_ids = ids if fm is m else stage_layers(fm.n_layers, stages, None)[s]
-            frozen_f = sum(tokens * layer_forward_flops(fm, seq, i) / tp / rate for i in f_ids)
-            c["f_compute"] += terms.frozen_forwards * (frozen_f + (tokens * head_forward_flops(fm) / tp / rate
+            frozen_f = sum(_block_s(fm, seq, i, tokens, tp, ep, rate, curve)[0] for i in f_ids)
+            c["f_compute"] += terms.frozen_forwards * (frozen_f + (_head_s(fm, tokens, tp, rate, curve)[0]
                                                                    if last else 0.0))
             for k in ("f_tp", "f_cp", "f_ep"):
                 c[k] *= 1 + terms.frozen_forwards
@@ -342,7 +378,8 @@ def _layout(cfg, cluster, world_size: int) -> _Layout:
     if par.pp > 1:
         tokens = objective_terms(cfg).rows * cfg.train.micro_batch_size * cfg.data.seq_len // par.cp
         seq_share = par.tp if par.sequence_parallel else 1
-        out.p2p = p2p_s(tokens / seq_share * m.dim * P2P_BYTES, group_link(cluster, par.pp, par.tp * par.cp * dp))
+        nbytes = tokens / seq_share * m.dim * p2p_bytes(str(cfg.precision))
+        out.p2p = p2p_s(nbytes, group_link(cluster, par.pp, par.tp * par.cp * dp))
         out.schedule = schedule
     return out
 

@@ -27,6 +27,14 @@ Why message matching is safe:
   plan under NCCL's rendezvous semantics (no buffering, one stream per rank): every
   built schedule passes; on NCCL the runtime refuses a custom one that does not.
 The runtime never reorders compute, so a schedule that passes `validate` runs as written.
+
+Wire dtype. Activations and their gradients travel in the autocast's compute dtype under
+bf16/fp16 (`wire_dtype`: half fp32's bytes, as Megatron sends them in its params dtype) and in
+fp32 otherwise, so fp32 runs send exactly what they computed. A received tensor is cast back
+to fp32 (ACT_DTYPE) before the stage uses it, so the stage computes as it would have on fp32
+input: the only difference from the single process is one rounding to the compute dtype at
+each stage boundary, forward and backward. A mixture's router statistics ride in the same
+message as their fp32 bits (`_message`), never rounded.
 """
 from __future__ import annotations
 
@@ -45,7 +53,33 @@ from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.stage import StageModel
 
 K = ActionKind
-WIRE_DTYPE = torch.float32  # activations and their gradients travel in fp32
+# A stage's input (and so the gradient it sends back) is fp32: the residual stream's dtype under
+# autocast with fp32 weights, and what a stage received before the wire followed the compute dtype.
+ACT_DTYPE = torch.float32
+
+
+def wire_dtype(autocast: Callable, device) -> torch.dtype:
+    """The dtype pipeline messages travel in under `autocast` (a function returning the run's
+    autocast context): its compute dtype when it enables one on `device`, else fp32."""
+    kind = torch.device(device).type
+    with autocast():
+        if torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+    return torch.float32
+
+
+def _stats_len(extra: int, wire: torch.dtype) -> int:
+    """Wire elements of `extra` fp32 router statistics sent as their bits in `wire` elements."""
+    return extra * 4 // wire.itemsize
+
+
+def _message(t: torch.Tensor, tail: Optional[torch.Tensor], wire: torch.dtype) -> torch.Tensor:
+    """One send buffer: `t` rounded to `wire`, then (a mixture's) fp32 `tail` bit-cast to `wire`
+    elements, so counts and sums arrive exact whatever the wire dtype."""
+    buf = t.detach().to(wire).contiguous()
+    if tail is None:
+        return buf
+    return torch.cat([buf.reshape(-1), tail.to(torch.float32).contiguous().view(wire)])
 
 
 def _tag(direction: str, stage: int, mb: int) -> int:
@@ -60,6 +94,7 @@ class _StepState:
         self.inputs, self.labels, self.n_targets, self.docs = inputs, labels, n_targets, docs
         self.router_valid = router_valid  # per micro-batch: the positions the router statistics count
         self.shape, self.autocast, self.device = shape, autocast, device
+        self.wire = wire_dtype(autocast, device)  # what this step's messages travel in
         # Mixtures of experts: each message also carries the micro-batch's router statistics (RouterSums.wire)
         # summed over the stages so far, forward; the totals come back with the gradients (megaft.models.moe).
         self.router_weight = router_weight
@@ -141,15 +176,13 @@ class PipelineRuntime:
             tag, key = _tag(direction, sender, mb), (a.stage, mb)
             if a.kind.is_send:
                 src = state.stage_out[key] if a.kind is K.SEND_F else state.input_grads.pop(key)
-                buf = src.detach().to(WIRE_DTYPE).contiguous()
-                if self.extra:
-                    buf = torch.cat([buf.reshape(-1), state.tails.pop((direction, a.stage, mb)).to(WIRE_DTYPE)])
+                buf = _message(src, state.tails.pop((direction, a.stage, mb)) if self.extra else None, state.wire)
                 ops.append(dist.P2POp(dist.isend, buf, self._peer(sender + (1 if direction == "F" else -1)),
                                       self.grid.pp_group, tag))
                 sends.append(buf)
             else:
-                buf = torch.empty(math.prod(state.shape) + self.extra if self.extra else state.shape,
-                                  dtype=WIRE_DTYPE, device=state.device)
+                size = math.prod(state.shape) + _stats_len(self.extra, state.wire) if self.extra else state.shape
+                buf = torch.empty(size, dtype=state.wire, device=state.device)
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(sender), self.grid.pp_group, tag))
                 recvs.append(((direction, sender, mb), buf))
             is_send.append(a.kind.is_send)
@@ -178,7 +211,8 @@ class PipelineRuntime:
         if not self.extra:
             return buf, None
         n = math.prod(shape)
-        return buf[:n].view(shape), buf[n:]
+        tail = buf[n:] if buf.dtype == torch.float32 else buf[n:].clone().view(torch.float32)  # clone: 4-byte aligned
+        return buf[:n].view(shape), tail
 
     def _forward(self, s: int, mb: int, state: _StepState) -> None:
         incoming = None
@@ -186,7 +220,7 @@ class PipelineRuntime:
             x, state.stage_in[(s, mb)] = state.inputs[mb].to(state.device), None
         else:
             x, incoming = self._split(state.take(("F", s - 1, mb)), state.shape)
-            x = x.requires_grad_()
+            x = x.to(ACT_DTYPE).requires_grad_()  # fp32 wire: the buffer itself, as before
             state.stage_in[(s, mb)] = x
         last_labels = state.labels[mb].to(state.device) if s == self.last and state.head is None else None
         with state.autocast():
@@ -287,14 +321,15 @@ class PipelineRuntime:
         (loss sum with labels, else local logits) on its rank, None elsewhere. `docs`: the
         batch's packed documents; `after()` runs after each of this rank's stages."""
         dev, model = self.grid.device, self.model
-        shape = model.activation_shape(*ids.shape)
+        shape, wire = model.activation_shape(*ids.shape), wire_dtype(autocast, dev)
         result = None
         for s in model.stages:
             if s == 0:
                 x = ids.to(dev)
             else:
-                x = torch.empty(shape, dtype=WIRE_DTYPE, device=dev)
+                x = torch.empty(shape, dtype=wire, device=dev)
                 dist.recv(x, self._peer(s - 1), self.grid.pp_group, tag=_tag("F", s - 1, 0))
+                x = x.to(ACT_DTYPE)
             with autocast():
                 out = model(s, x, labels.to(dev) if s == self.last and labels is not None else None, docs,
                             seq_len=ids.shape[1])
@@ -303,7 +338,7 @@ class PipelineRuntime:
             if s == self.last:
                 result = out
             else:
-                buf = out.detach().to(WIRE_DTYPE).contiguous()
+                buf = _message(out, None, wire)
                 self._sends.append(([dist.isend(buf, self._peer(s + 1), self.grid.pp_group,
                                                 tag=_tag("F", s, 0))], [buf]))
         self._drain()

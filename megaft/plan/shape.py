@@ -32,6 +32,9 @@ def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
     for name in ("matmul_fraction", "comm_fraction"):
         if not 0 < getattr(cfg, name) <= 1:
             problems.append(f"cluster.{name}={getattr(cfg, name)} must be in (0, 1]; fix: e.g. 0.7")
+    if cfg.gemm_sms > 0 and not (0 < cfg.gemm_ceiling <= 1 and cfg.gemm_tile_m >= 1 and cfg.gemm_tile_n >= 1):
+        problems.append(f"cluster.gemm_ceiling={cfg.gemm_ceiling} must be in (0, 1] and cluster.gemm_tile_m/n >= 1 "
+                        "with a GEMM curve (gemm_sms > 0); fix: the device's measured values, or gemm_sms=0")
     if cluster_hbm_tbps(cfg) <= 0:
         problems.append(f"cluster.hbm_tbps={cluster_hbm_tbps(cfg)} must be > 0; fix: the datasheet's value")
     for name in ("nvlink_gbps", "ib_gbps", "pcie_gbps", "host_memory_gbps"):
