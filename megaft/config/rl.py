@@ -19,7 +19,7 @@ class RLConfig:
     # functions): the policy generates rl.num_generations completions of each at the training layout
     # every step (online), scored by rl.reward. One of rl.rollouts and rl.prompts
     prompts: Optional[str] = None
-    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, format, a reward
+    # reward functions scoring the completions (megaft.rl.rewards): built-ins exact_match, math, format, a reward
     # model model:DIR (docs/reward-models.md), or package.module:function with TRL's signature; set, the
     # rollouts carry no "rewards" of their own
     reward: List[str] = field(default_factory=list)
@@ -90,7 +90,7 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
             " (docs/rl.md)")
     if cfg.prompts and not cfg.reward:
         problems.append(f"rl.prompts={cfg.prompts}: generated completions need reward functions to score them; fix: "
-                        "rl.reward=[exact_match] (or format, or package.module:function; docs/rl.md)")
+                        "rl.reward=[exact_match] (or math, format, or package.module:function; docs/rl.md)")
     if has_data_file:
         problems.append("train.objective=grpo reads its prompts from rl.prompts or rl.rollouts, and data.path/"
                         "data.sources are set; fix: drop them (data= keeps the tokenizer settings)")

@@ -10,6 +10,9 @@ them so: trl/trainer/grpo_trainer.py `_calculate_rewards`). `rl.reward` names ea
     exact_match   1.0 when the completion's final answer equals the sample's `answer`, else 0.0;
                   the final answer is the last \\boxed{...}, else what follows the last "####",
                   else the last non-empty line, compared stripped
+    math          TRL's accuracy_reward: 1.0 when Hugging Face's math-verify finds the completion's
+                  LaTeX answer equal to the sample's `solution` (else `answer`), 0.0 where not, None
+                  where the gold does not parse (megaft.rl.math_reward)
     format        1.0 when the completion matches rl.format_pattern (re.match, DOTALL and
                   MULTILINE), else 0.0; the default pattern is TRL's think_format_reward's
     model:DIR     a trained reward model (a train.objective=reward run's RUN_DIR/hf): its score of
@@ -29,6 +32,7 @@ import torch
 
 from megaft.config.rl import THINK_FORMAT
 from megaft.reward.model import is_model_spec, model_name, model_reward
+from megaft.rl.math_reward import check_available, math_reward
 
 RewardFn = Callable[..., list]
 
@@ -69,11 +73,14 @@ def load_reward(spec: str, format_pattern: str = THINK_FORMAT) -> RewardFn:
         return exact_match
     if spec == "format":
         return format_reward(format_pattern)
+    if spec == "math":
+        check_available()
+        return math_reward
     if is_model_spec(spec):  # a trained reward model (megaft.reward.model)
         return model_reward(spec)
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"rl.reward entry {spec!r} is neither a built-in (exact_match, format) nor "
+        raise ValueError(f"rl.reward entry {spec!r} is neither a built-in (exact_match, math, format) nor "
                          "package.module:function; fix: name one of those")
     try:
         fn = getattr(importlib.import_module(module), name)
