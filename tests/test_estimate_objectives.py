@@ -124,4 +124,40 @@ def test_a_reward_pair_is_two_rows_with_no_other_model():
     reward = sft_config()
     reward.train.objective = "reward"
     got, pre = estimate_memory(reward, 8), estimate_memory(dpo("precompute"), 8)
-    assert got.frozen == 0 and got.activations == pre.activations > estimate_memory(sft_config(), 8).activations
+    # a DPO pair's two rows, less the vocabulary-wide logits a reward model does not make
+    assert got.frozen == 0 and pre.activations > got.activations > estimate_memory(sft_config(), 8).activations
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_reward_model_is_counted_with_its_score_head(tie):
+    """train.objective=reward: the parameters are those of the model a reward run builds (the scalar
+    `score` in place of the LM head, nothing tied, at pp 1 and on each of 2 stages), and the loss's
+    fp32 logits term becomes one score a token."""
+    import dataclasses
+
+    import torch
+
+    from megaft.config.model import ModelConfig
+    from megaft.models.decoder import Decoder
+    from megaft.pipeline.stage import StageModel
+
+    m = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=96, max_seq_len=32,
+                    tie_embeddings=tie, score_head=True)
+    torch.manual_seed(0)
+    numel = [sum(p.numel() for p in Decoder(m).parameters())]
+    assert rank_params(m, tp=1, pp=1, vpp=1) == numel
+    stages = [sum(p.numel() for p in StageModel(m, pp=2, pp_rank=r, vpp=1).parameters()) for r in range(2)]
+    assert rank_params(m, tp=1, pp=2, vpp=1) == stages
+    lm = dataclasses.replace(m, score_head=False)
+    assert rank_params(lm, tp=1, pp=1, vpp=1)[0] - numel[0] == (0 if tie else 96 * 32) - 32  # the head's count
+    sft = sft_config()
+    reward = sft_config()
+    reward.train.objective = "reward"
+    a, b = estimate_memory(sft, 8), estimate_memory(reward, 8)
+    tokens = sft.train.micro_batch_size * sft.data.seq_len
+    vocab = sft.model.vocab_size  # 128256, a multiple of the padding
+    # two rows a pair, minus the vocabulary-wide logits (2 fp32 per token and entry) but for one score
+    assert b.activations == 2 * (a.activations - 2 * tokens * vocab * FP32) + 2 * 2 * tokens * FP32
+    # ZeRO-3 over 8: the LM head gone (none of its own when tied), the score's dim weights added
+    head = 0 if sft.model.tie_embeddings else vocab * sft.model.dim
+    assert b.params - a.params == (sft.model.dim - head) * FP32 // 8

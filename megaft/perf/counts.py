@@ -172,12 +172,16 @@ def _rank_layer_ids(n_layers: int, pp: int, vpp: int, pp_layers: Optional[tuple]
 def rank_params(m: ModelConfig, *, tp: int, pp: int, vpp: int, pp_layers=None, ep: int = 1) -> list[int]:
     """Parameters held by each pp rank (one tp shard, one ep rank): its stages' layers (with
     n_experts/ep routed experts per MoE block), the embedding on the first, the final norm
-    and head on the last (a tied head is a copy when pp > 1)."""
+    and head on the last (a tied head is a copy when pp > 1; a reward model's head is its scalar
+    `score`, whole on every tp rank, and nothing is tied)."""
     vocab = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * tp) // tp * m.dim
     blocks = per_block(m, lambda i: layer_params(m, tp, i, ep))
     out = [sum(map(blocks.__getitem__, ids)) for ids in rank_layer_ids(m, pp=pp, vpp=vpp, pp_layers=pp_layers)]
     out[0] += vocab
-    out[-1] += m.dim + (vocab if not m.tie_embeddings or pp > 1 else 0)
+    if m.score_head:
+        out[-1] += m.dim + m.dim
+    else:
+        out[-1] += m.dim + (vocab if not m.tie_embeddings or pp > 1 else 0)
     return out
 
 

@@ -38,6 +38,7 @@ rows' tokens are counted in the policy's activations.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -102,6 +103,7 @@ class ObjectiveTerms:
     frozen_forwards: int = 0
     # the frozen model's own shape when it is not the policy's (a distillation teacher); None: the policy's
     frozen_model: Optional[object] = None
+    score_head: bool = False  # a reward model: the scalar head in place of the LM head and its logits
 
 
 def objective_terms(cfg) -> ObjectiveTerms:
@@ -119,8 +121,8 @@ def objective_terms(cfg) -> ObjectiveTerms:
         return ObjectiveTerms(frozen_models=kl, frozen_forwards=kl)
     if objective == "distill":  # the teacher: its own shape, read from its checkpoint when there is one
         return ObjectiveTerms(frozen_models=1, frozen_forwards=1, frozen_model=_teacher_shape(cfg))
-    if objective == "reward":  # a pair's two rows; the LM head and its logits are still counted (an over-estimate)
-        return ObjectiveTerms(rows=2)
+    if objective == "reward":  # a pair's two rows through a model with the scalar head
+        return ObjectiveTerms(rows=2, score_head=True)
     return ObjectiveTerms()
 
 
@@ -169,6 +171,8 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     replicas = dp * cp  # ZeRO shards over dp×cp (cp replicates the parameters like dp)
     expert_replicas = max(replicas // ep, 1)  # ... and the routed experts over the dp×cp/ep ranks holding them
     terms = objective_terms(cfg)
+    if terms.score_head and not m.score_head:  # validation's resolve sets it; the planner's configs may not have
+        m = dataclasses.replace(m, score_head=True)
     tokens = terms.rows * cfg.train.micro_batch_size * cfg.data.seq_len // cp
     acts = dict(tp=par.tp, sequence_parallel=par.sequence_parallel, precision=cfg.precision, cp=cp,
                 seq=cfg.data.seq_len, ep=ep)
@@ -210,7 +214,7 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
         if full and again:  # the block being recomputed in backward (the fullest of them)
             activations += max(every[i] * tokens + expert_copies[i] for i in again)
         if r == par.pp - 1:  # fp32 logits and their softmax for the loss, one micro-batch at a time
-            activations += 2 * tokens * vocab_local * FP32
+            activations += 2 * tokens * (1 if m.score_head else vocab_local) * FP32  # a reward model: one score
         buffers = 0
         if par.zero >= 2:  # reduce-scatter scratch: about two buckets in flight
             buffers += int(2 * par.bucket_mb * 2 ** 20)
