@@ -3,7 +3,7 @@ weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(forea
 copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
 are torch.optim.Muon's: exact), dp=2 at ZeRO 0-3, tp=2, pp=2 and cp=2 equal to one process, resume bit
 for bit (the momentum in the checkpoint), summary.json's split, and the layouts not done yet
-refused in validation."""
+refused in validation; LoRA adapters on Muon equal torch.optim.Muon and, at tp=2 and dp=2 ZeRO-1, one process."""
 import copy
 import dataclasses
 import json
@@ -15,6 +15,7 @@ from multirank import spawn
 from train_cases import layout_grid, read_metrics, small_config
 
 from megaft.config import Config
+from megaft.config.lora import LoraConfig
 from megaft.config.model import ModelConfig
 from megaft.config.optim import OptimConfig
 from megaft.models.decoder import Decoder
@@ -176,8 +177,10 @@ def test_muon_is_not_adamw():
         assert not torch.equal(got[name], other[name]), name
 
 
-def _muon_config(moe: bool = False, **par) -> Config:
+def _muon_config(moe: bool = False, lora: bool = False, **par) -> Config:
     cfg = small_config(steps=6, micro=4)
+    if lora:  # adapters on every attention and MLP linear, rank 4
+        cfg.lora.rank = 4
     if moe:  # Mixtral-shaped blocks: 4 routed experts, top-2
         cfg.model = dataclasses.replace(cfg.model, arch="mixtral", n_experts=4, top_k=2, moe_ffn_dim=64)
         cfg = resolve(cfg)
@@ -233,6 +236,8 @@ LAYOUTS = [*DP2, *MP2]
 # the expert buckets sharded over their own replicas), expert stacks split over tp
 MOE = {"moe_dp2_ep2": dict(dp=2, ep=2), "moe_dp2_ep2_zero1": dict(dp=2, ep=2, zero=1, bucket_mb=0.01),
        "moe_tp2": dict(tp=2)}
+# LoRA: only the adapters train, each A and B its own Muon matrix (column B and row A split over tp)
+LORA = {"lora_tp2": dict(tp=2), "lora_dp2_zero1": dict(dp=2, zero=1, bucket_mb=0.01)}
 RESUMED = {"single_resumed": dict(), "dp2_zero1_resumed": dict(dp=2, zero=1, bucket_mb=0.01)}  # after step 3
 RESHARDED = dict(dp=2, zero=1, bucket_mb=0.01)  # saved after step 3 there, finished on one process
 
@@ -247,6 +252,8 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
                   os.path.join(root, "dp2_zero1_resumed"), resume_at=3)
     for name, par in MOE.items():
         _fit_and_save(_muon_config(moe=True, **par), layout_grid(par), os.path.join(root, name))
+    for name, par in LORA.items():
+        _fit_and_save(_muon_config(lora=True, **par), layout_grid(par), os.path.join(root, name))
     cfg = _muon_config(**RESHARDED)  # its first 3 steps; the fixture finishes it on one process
     cfg.train.save_every = 3
     Trainer(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "resharded")).fit(
@@ -256,11 +263,12 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE)
+    names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE, "lora_single", *LORA)
     for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
     _fit_and_save(_muon_config(moe=True), ParallelGrid.single(), str(root / "moe_single"))
+    _fit_and_save(_muon_config(lora=True), ParallelGrid.single(), str(root / "lora_single"))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
     spawn(2, _train_parallel, str(root))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "resharded"))  # resumes dp2's step-3 checkpoint
@@ -303,6 +311,47 @@ def test_layout_equals_single_process(runs, layout):
         assert (got[name] - w).abs().max() <= bound, name
 
 
+@pytest.mark.parametrize("layout", list(LORA))
+def test_lora_layouts_equal_the_single_process(runs, layout):
+    """LoRA adapters on Muon: tp=2 gathers a column linear's B and a row linear's A whole over tp
+    before Newton-Schulz (the replicated halves are whole already); dp=2 ZeRO-1 orthogonalises the
+    all-gathered update of adapters straddling two ranks' chunks. The bounds of
+    test_layout_equals_single_process (bf16 Newton-Schulz), the base weights bitwise unchanged."""
+    (single, _), (got_loss, _) = read_metrics(runs["lora_single"]), read_metrics(runs[layout])
+    # 1e-4, not the full fine-tune's 1e-5: the adapters' bf16 Newton-Schulz roundings carry into every
+    # token's activations through the rank-4 product (measured 1.8e-5 at tp=2, step 6)
+    assert len(single) == len(got_loss) == 6 and got_loss == pytest.approx(single, rel=1e-4)
+    cfg = _muon_config()
+    lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
+    want, got = _whole_weights(runs["lora_single"]), _whole_weights(runs[layout])
+    assert got.keys() == want.keys()
+    moved = 0
+    for name, w in want.items():
+        if name.endswith((".adapter.A", ".adapter.B")):
+            assert (got[name] - w).abs().max() <= 0.25 * lr_sum * update_scale(w.shape, "original"), name
+            moved += int(name.endswith(".adapter.B") and bool(w.abs().max() > 0))  # B starts at zero
+        else:
+            assert torch.equal(got[name], w), name
+    assert moved == 14
+
+
+def test_lora_adapters_equal_torch_muon():
+    """Adapters on every attention and MLP linear of tiny_model (base frozen): each A and B is a
+    2-D parameter of torch.optim.Muon; every tensor bitwise equal after 4 steps."""
+    from megaft.peft.lora import apply_lora
+
+    optim = OptimConfig(name="muon", fused="torch", weight_decay=0.1)
+    model = apply_lora(tiny_model(), LoraConfig(rank=4), seed=1, tp_rank=0, tp_size=1)
+    split = muon_split(model)
+    assert not split["adamw"] and len(split["muon"]) == 28 and all(".adapter." in n for n in split["muon"])
+    want = run_torch(copy.deepcopy(model), optim)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    got = run_megaft(model, optim)
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+        assert torch.equal(got[name], start[name]) == (".adapter." not in name), name  # only adapters move
+
+
 @pytest.mark.parametrize("resumed,straight", [("single_resumed", "single"), ("dp2_zero1_resumed", "dp2_zero1")])
 def test_resume_is_bitwise(runs, resumed, straight):
     """Stopped after step 3's checkpoint and finished in a fresh Trainer: the Muon momentum (in
@@ -316,6 +365,10 @@ def test_summary_records_the_split(runs):
     for name, run_dir in runs.items():
         with open(os.path.join(run_dir, "summary.json")) as f:
             rec = json.load(f)["optimizer"]
+        if name.startswith("lora"):  # only the adapters train: 2 blocks x 7 linears x (A, B), all on Muon
+            assert rec["muon_params"] == 28 and rec["adamw_params"] == 0, rec
+            assert all(n.endswith((".adapter.A", ".adapter.B")) for n in rec["muon"]), rec["muon"]
+            continue
         routers = 2 if name.startswith("moe") else 0  # a MoE block's router stays on AdamW
         assert rec["name"] == "muon" and rec["muon_params"] == 14 and rec["adamw_params"] == 7 + routers  # 2 x 7
         assert rec["muon_params"] == len(rec["muon"]) and "lm_head.weight" in rec["adamw"]
@@ -338,3 +391,7 @@ def test_layouts_not_done_are_refused():
         cfg.optim.name = "adamw"
         assert not [p for p in validate(cfg, world) if "muon" in p]
     assert not [p for p in validate(_muon_config(tp=2), 2) if "muon" in p]
+    assert not [p for p in validate(_muon_config(lora=True, tp=2), 2) if "muon" in p]  # dense LoRA runs
+    moe_lora = _muon_config(moe=True, lora=True)
+    problems = [p for p in validate(moe_lora, 1) if p.startswith("optim.name=muon")]
+    assert len(problems) == 1 and "LoRA on a mixture of experts" in problems[0] and "fix:" in problems[0], problems

@@ -61,3 +61,32 @@ def test_a_layout_prices_muons_work_and_gathers_where_they_run():
     assert z1["param_gather"] > cost("adamw", dp=8, zero=1)["param_gather"]
     assert (z0["optimizer"] - cost("adamw", dp=8, zero=0)["optimizer"]) == pytest.approx(
         8 * (z1["optimizer"] - cost("adamw", dp=8, zero=1)["optimizer"]), rel=1e-9)
+
+
+@pytest.mark.parametrize("targets", [["q", "k", "v", "o", "gate", "up", "down"], ["q", "v", "down"]])
+def test_under_lora_the_matrices_are_the_adapters_megaft_gives_muon(targets):
+    """LoRA: the Muon matrices are the adapters' A and B (none of the frozen base's), and what tp
+    gathers whole are the split halves (a column linear's B, a row linear's A), as megaft.peft.lora
+    marks them; a 1B plan's Newton-Schulz term shrinks accordingly."""
+    from megaft.config.lora import LoraConfig
+    from megaft.parallel.tensor.shard import shard_of
+    from megaft.peft.lora import apply_lora
+    from megaft.perf.muon import tp_gathered
+
+    lora = LoraConfig(rank=4, targets=targets)
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=32)
+    model = apply_lora(Decoder(cfg), lora, seed=0, tp_rank=0, tp_size=1)
+    muon = muon_split(model)["muon"]
+    assert sorted(tuple(p.shape) for p in muon.values()) == sorted(hidden_matrices(cfg, 0, lora=lora))
+    assert len(muon) == 2 * len(targets)
+    split = [tuple(p.shape) for p in muon.values() if shard_of(p) is not None]
+    assert sorted(split) == sorted(tp_gathered(cfg, 0, lora=lora)) and len(split) == len(targets)
+    full = preset_1b()
+    full.optim.name = "muon"
+    adapted = preset_1b()
+    adapted.optim.name, adapted.lora.rank = "muon", 16
+    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "cluster", "h100.yaml")))
+    fields.pop("defaults")
+    cluster = ClusterConfig(**fields)
+    a, b = step_cost(full, cluster, 8).terms["optimizer"], step_cost(adapted, cluster, 8).terms["optimizer"]
+    assert 0 < b < a / 100  # rank-16 adapters: a tiny fraction of the whole matrices' Newton-Schulz

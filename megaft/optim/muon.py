@@ -4,12 +4,13 @@ Which parameters take Muon (`muon_split`): every 2-D weight of the decoder layer
 and MLP projections). AdamW keeps the embedding and the head (their rows are per-token
 lookups and logits, not a linear map whose singular values Muon equalises; Moonlight and
 torch.optim.Muon's docs keep them on AdamW), norms and biases (1-D: no matrix), and MoE
-routers (a small logit map whose per-expert scale the load balance reads). MoE and LoRA
-are refused until their layouts are done (docs/optimizers.md). Layouts: any dp at ZeRO 0 (every
-rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
+routers (a small logit map whose per-expert scale the load balance reads). Under LoRA only
+the adapters train: each A and B is a Muon matrix (a column linear's B and a row linear's A are
+tp shards, gathered whole as the weights are); LoRA on a mixture of experts is refused.
+Layouts: any dp at ZeRO 0 (every rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
 rank, the rank's rows or columns kept), pp (each stage's matrices are whole), cp (replicated
-weights, as dp); ep, offload, master weights and LoRA not yet.
+weights, as dp), ep; offload and master weights not yet.
 
 The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by

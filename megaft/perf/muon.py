@@ -23,16 +23,47 @@ def _mlp(ffn: int, dim: int) -> list[tuple[int, int]]:
     return [(ffn, dim), (ffn, dim), (dim, ffn)]
 
 
-def hidden_matrices(m: ModelConfig, layer: int = 0, ep: int = 1) -> list[tuple[int, int]]:
+# the dense linears LoRA can target, column-parallel (True) or row-parallel (False)
+_COLUMN = {"q": True, "k": True, "v": True, "o": False, "gate": True, "up": True, "down": False}
+
+
+def _dense(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
+    return {"q": (q, m.dim), "k": (kv, m.dim), "v": (kv, m.dim), "o": (m.dim, q), "gate": (m.ffn_dim, m.dim),
+            "up": (m.ffn_dim, m.dim), "down": (m.dim, m.ffn_dim)}
+
+
+def _adapters(m: ModelConfig, lora) -> list[tuple[int, int, bool]]:
+    """(rows, cols, split over tp) of each adapter matrix of a dense block: B [out, r] and A [r, in]
+    of every targeted linear; a column linear's B and a row linear's A are the tp-split halves."""
+    r, out = lora.rank, []
+    for name, (rows, cols) in _dense(m).items():
+        if name in lora.targets:
+            out += [(rows, r, _COLUMN[name]), (r, cols, not _COLUMN[name])]
+    return out
+
+
+def hidden_matrices(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> list[tuple[int, int]]:
     """The whole (rows, cols) of block `layer`'s Muon matrices on an ep rank: q, k, v, o, and gate,
     up, down of the dense MLP, or of each of its n_experts/ep routed experts and the shared expert
-    (the router and the shared expert's gate stay on AdamW)."""
-    q, kv = m.n_heads * m.hd, m.kv_heads * m.hd
-    out = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q)]
+    (the router and the shared expert's gate stay on AdamW). Under LoRA (`lora.rank` > 0, dense
+    models: megaft.optim.checks) only the adapters train: their A and B."""
+    if lora is not None and lora.rank:
+        return [(rows, cols) for rows, cols, _ in _adapters(m, lora)]
+    dense = _dense(m)
+    out = [dense[k] for k in ("q", "k", "v", "o")]
     if not m.is_moe(layer):
-        return out + _mlp(m.ffn_dim, m.dim)
+        return out + [dense[k] for k in ("gate", "up", "down")]
     out += _mlp(m.expert_ffn, m.dim) * (m.n_experts // ep)
     return out + (_mlp(m.shared_expert_ffn_dim, m.dim) if m.shared_expert_ffn_dim else [])
+
+
+def tp_gathered(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> list[tuple[int, int]]:
+    """The Muon matrices split over tp, gathered whole before Newton-Schulz: every hidden matrix;
+    under LoRA only the split halves (a column linear's B, a row linear's A)."""
+    if lora is not None and lora.rank:
+        return [(rows, cols) for rows, cols, split in _adapters(m, lora) if split]
+    return hidden_matrices(m, layer, ep)
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
@@ -41,11 +72,11 @@ def ns_flops(rows: int, cols: int, steps: int) -> float:
     return steps * (4.0 * small * small * large + 2.0 * small ** 3)
 
 
-def block_ns_flops(m: ModelConfig, steps: int, layer: int = 0, ep: int = 1) -> float:
+def block_ns_flops(m: ModelConfig, steps: int, layer: int = 0, ep: int = 1, lora=None) -> float:
     """Block `layer`'s Newton-Schulz FLOPs on an ep rank."""
-    return sum(ns_flops(r, c, steps) for r, c in hidden_matrices(m, layer, ep))
+    return sum(ns_flops(r, c, steps) for r, c in hidden_matrices(m, layer, ep, lora))
 
 
-def block_matrix_elements(m: ModelConfig, layer: int = 0, ep: int = 1) -> int:
+def block_matrix_elements(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> int:
     """Block `layer`'s Muon elements (whole matrices) on an ep rank."""
-    return sum(r * c for r, c in hidden_matrices(m, layer, ep))
+    return sum(r * c for r, c in hidden_matrices(m, layer, ep, lora))

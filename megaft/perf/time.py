@@ -89,7 +89,7 @@ from megaft.perf.counts import (
 from megaft.perf.gemm import GemmCurve, Linear, block_linears, linear_s
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
 from megaft.perf.memory import objective_terms
-from megaft.perf.muon import block_matrix_elements, block_ns_flops, hidden_matrices
+from megaft.perf.muon import block_matrix_elements, block_ns_flops, tp_gathered
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
@@ -511,11 +511,12 @@ def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
     rate = cluster_peak_tflops(cluster, "bf16") * 1e12 * cluster.matmul_fraction  # Newton-Schulz runs in bf16
     steps = cfg.optim.muon.ns_steps
-    terms["optimizer"] += sum(block_ns_flops(m, steps, i, par.ep) for i in ids) / share / rate
+    lora = cfg.lora if cfg.lora.rank else None  # only the adapters train (and take Muon)
+    terms["optimizer"] += sum(block_ns_flops(m, steps, i, par.ep, lora) for i in ids) / share / rate
     if par.tp > 1:
         link = group_link(cluster, par.tp)
         terms["tp_comm"] += sum(gather_s(rows * cols * 4, par.tp, link)
-                                for i in ids for rows, cols in hidden_matrices(m, i, par.ep)) / share
+                                for i in ids for rows, cols in tp_gathered(m, i, par.ep, lora)) / share
     if share > 1:
-        elements = sum(block_matrix_elements(m, i, par.ep) for i in ids)
+        elements = sum(block_matrix_elements(m, i, par.ep, lora) for i in ids)
         terms["param_gather"] += gather_s(elements // par.tp * 4, dp, group_link(cluster, dp, par.tp))
