@@ -1,0 +1,211 @@
+"""Gemma 3 with images (megaft.models.vision) against transformers' Gemma3ForConditionalGeneration
+on a tiny random checkpoint it saved: logits, loss and every parameter's gradient at tp=1 (in
+process) and tp=2 (gloo), then the export round trip (bit-exact tensors, transformers reloads
+it). The bidirectional image mask matters here: the fixture's window (3) is shorter than an
+image (4 tokens), and the test checks that a causal-only mask would have given other logits."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from multirank import spawn
+from safetensors.torch import load_file, save_file
+
+from megaft.models.arch.spec import HFCheckpointError, HFConfigError
+from megaft.models.hf.load import checkpoint_files
+from megaft.models.vision.config import vision_language_config
+from megaft.models.vision.hf import export_vision_language, hf_names, load_vision_language_weights
+from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel
+from megaft.parallel.comm import group_rank, group_size
+from megaft.parallel.tensor.shard import shard_of
+from models.hf_fixture import checkpoint_tensors
+from models.vlm_fixture import IMAGE, image_batch, make_hf_gemma3
+
+pytestmark = pytest.mark.exact
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gemma3_vlm"))
+    make_hf_gemma3(path)
+    return path
+
+
+def _reference(path: str):
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    return model.train()  # no dropout in the config; train() is what fine-tuning runs
+
+
+def _reference_run(path: str):
+    """transformers' logits, loss and gradients (by its parameter names) on image_batch()."""
+    model = _reference(path)
+    ids, labels, pixels = image_batch()
+    out = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long(),
+                labels=F.pad(labels[:, :-1], (1, 0), value=-100))
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def _local(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    """This tp rank's real rows of `full` as `param` holds them (vocabulary padding cropped)."""
+    spec = shard_of(param)
+    if spec is None:
+        return full
+    start, end = spec.real_bounds(group_rank(group), group_size(group))
+    return full.narrow(spec.dim, start, end - start)
+
+
+def _scale_close(got: torch.Tensor, want: torch.Tensor, what: str, scale=None) -> None:
+    # fp32 both sides, sums in other orders (SDPA vs eager, tp partial sums, the mask path): rounding
+    # of ~1e-7 relative to the largest element summed; 1e-5 of the tensor's largest element covers it
+    # with margin on any CPU code path (docs/contributing.md "Every CPU")
+    scale = want.abs().max() if scale is None else scale
+    torch.testing.assert_close(got, want, atol=float(1e-5 * scale), rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def check_layout(path: str, out: str, group) -> None:
+    """Our model at tp=group's size against transformers; then export and compare."""
+    want_logits, want_loss, want_grads = _reference_run(path)
+    cfg = vision_language_config(path)
+    model = VisionLanguageModel(cfg, group=group)
+    load_vision_language_weights(model, path, tp_rank=group_rank(group), tp_size=group_size(group))
+    ids, labels, pixels = image_batch()
+    logits = model(ids, pixels)
+    head = shard_of(model.language_model.lm_head.weight)
+    start, end = head.real_bounds(group_rank(group), group_size(group)) if head else (0, want_logits.shape[-1])
+    _scale_close(logits[..., :end - start], want_logits[..., start:end], "logits")
+    loss = model.loss_sum(ids, labels, pixels) / (labels != -100).sum()
+    _scale_close(loss, want_loss, "loss")
+    loss.backward()
+    hf_params = set(want_grads)
+    checked = 0
+    for name, param in model.named_parameters():
+        ref_name = next(n for n in ["model." + c if not c.startswith("model.") else c
+                                    for c in hf_names(name, cfg.text.arch)] + ["lm_head.weight"]
+                        if n in hf_params)
+        want = _local(want_grads[ref_name], param, group)
+        got = param.grad.narrow(shard_of(param).dim, 0, want.shape[shard_of(param).dim]) \
+            if shard_of(param) is not None else param.grad
+        scale = None
+        if name.startswith("vision_tower.") and name.endswith("k_proj.bias"):
+            # zero in exact arithmetic (a key bias shifts every score of a query alike: softmax ignores it),
+            # so both sides hold rounding only: measured against the same layer's query-bias gradient
+            q_bias = ref_name.replace("k_proj", "q_proj")
+            scale = want_grads[q_bias].abs().max()
+        else:
+            assert want.abs().max() > 0, f"{ref_name}: no gradient in transformers (the test would prove nothing)"
+        _scale_close(got, want, f"grad of {name}", scale)
+        checked += 1
+    assert checked == len(hf_params)  # every parameter (the tied lm_head is the embedding on both sides)
+    export_vision_language(model, out, tokenizer_json=path, tp_group=group, is_writer=group_rank(group) == 0)
+    original, exported = checkpoint_tensors(path), checkpoint_tensors(out)
+    renamed = {n.replace("vision_tower.vision_model.", "vision_tower."): t for n, t in exported.items()}
+    assert renamed.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(renamed[name], tensor), name
+    assert all(n.startswith(("language_model.model.", "vision_tower.vision_model.", "multi_modal_projector."))
+               for n in exported)
+    reloaded, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    with torch.no_grad():
+        again = reloaded(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
+    torch.testing.assert_close(again, want_logits, atol=0, rtol=0)
+
+
+def test_tp1_matches_transformers(hf_dir, tmp_path):
+    check_layout(hf_dir, str(tmp_path / "export"), None)
+
+
+def test_published_layout_round_trip(hf_dir, tmp_path):
+    """google/gemma-3-*'s own names (vision_tower.vision_model.*, as transformers 4 saved them) come
+    back under the same names, bit for bit."""
+    published = tmp_path / "published"
+    published.mkdir()
+    for name in os.listdir(hf_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copyfile(os.path.join(hf_dir, name), published / name)
+    tensors = {n.replace("vision_tower.", "vision_tower.vision_model.", 1): t
+               for n, t in checkpoint_tensors(hf_dir).items()}
+    save_file(tensors, str(published / "model.safetensors"), metadata={"format": "pt"})
+    model = VisionLanguageModel(vision_language_config(str(published)))
+    load_vision_language_weights(model, str(published), tp_rank=0, tp_size=1)
+    out = export_vision_language(model, str(tmp_path / "out"), tokenizer_json=str(published), tp_group=None,
+                                 is_writer=True, max_shard_bytes=40_000)  # several files and an index
+    exported = checkpoint_tensors(out)
+    assert len(checkpoint_files(out)) and os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    assert exported.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(exported[name], tensor), name
+    config = json.loads(open(os.path.join(out, "config.json")).read())
+    assert (config["model_type"], config["architectures"]) == ("gemma3", ["Gemma3ForConditionalGeneration"])
+    first, again = vision_language_config(str(published)), vision_language_config(out)
+    assert dataclasses.replace(again, text=None) == dataclasses.replace(first, text=None)
+    assert dataclasses.replace(again.text, name="", init_from="") == dataclasses.replace(first.text, name="",
+                                                                                         init_from="")
+
+
+def test_image_mask_and_features_matter(hf_dir):
+    """The equality above would be weak if the images changed nothing: a causal-only mask and
+    other pixels both move the logits far past the tolerance."""
+    cfg = vision_language_config(hf_dir)
+    model = VisionLanguageModel(cfg)
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    ids, _, pixels = image_batch()
+    with torch.no_grad():
+        logits = model(ids, pixels)
+        other = model(ids, pixels.flip(-1))
+        model.docs = lambda x: dataclasses.replace(VisionLanguageModel.docs(model, x), image_blocks=None)
+        causal = model(ids, pixels)
+    scale = logits.abs().max()
+    assert (other - logits).abs().max() > 1e-2 * scale
+    assert (causal - logits).abs().max() > 1e-2 * scale
+    first = int((ids[1] == IMAGE).nonzero()[0])  # row 1's text before its image sees no image: unchanged
+    torch.testing.assert_close(other[1, :first], logits[1, :first], atol=0, rtol=0)
+
+
+def test_refusals(hf_dir, tmp_path):
+    cfg = vision_language_config(hf_dir)
+    model = VisionLanguageModel(cfg)
+    ids, _, pixels = image_batch()
+    with pytest.raises(ImageTokenMismatch, match="Image features and image tokens do not match: 8 image tokens, "
+                                                 "3 images"):
+        model(ids[:1], pixels)  # row 0 alone holds 2 of the 3 images
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(hf_dir):
+        shutil.copyfile(os.path.join(hf_dir, name), bad / name)
+    raw = json.loads((bad / "config.json").read_text())
+    raw["vision_config"]["vision_use_head"] = True
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFConfigError, match="vision_use_head=true: Gemma 3 never reads"):
+        vision_language_config(str(bad))
+    raw["vision_config"]["vision_use_head"] = False
+    raw["mm_tokens_per_image"] = 9
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFConfigError, match="mm_tokens_per_image=9 must be a square whose side divides the 4"):
+        vision_language_config(str(bad))
+    raw["mm_tokens_per_image"] = 4
+    (bad / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["multi_modal_projector.mm_soft_emb_norm.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match="missing multi_modal_projector.mm_soft_emb_norm.weight"):
+        load_vision_language_weights(model, str(bad), tp_rank=0, tp_size=1)
+
+
+def _tp2_rank(rank: int, world: int, path: str, out: str) -> None:
+    check_layout(path, out, dist.group.WORLD)
+
+
+def test_tp2_matches_transformers(hf_dir, tmp_path):
+    spawn(2, _tp2_rank, hf_dir, str(tmp_path / "export"))
