@@ -18,6 +18,9 @@ import transformers
 from multirank import spawn
 from safetensors.torch import load_file, save_file
 
+from megaft.config import Config
+from megaft.data.errors import DataError
+from megaft.data.formats import parse_record
 from megaft.models.arch.spec import HFCheckpointError, HFConfigError
 from megaft.models.hf.load import checkpoint_files
 from megaft.models.vision.config import vision_language_config
@@ -25,6 +28,7 @@ from megaft.models.vision.hf import export_vision_language, hf_names, load_visio
 from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel
 from megaft.parallel.comm import group_rank, group_size
 from megaft.parallel.tensor.shard import shard_of
+from megaft.validation import validate
 from models.hf_fixture import checkpoint_tensors
 from models.vlm_fixture import IMAGE, image_batch, make_hf_gemma3
 
@@ -209,3 +213,38 @@ def _tp2_rank(rank: int, world: int, path: str, out: str) -> None:
 
 def test_tp2_matches_transformers(hf_dir, tmp_path):
     spawn(2, _tp2_rank, hf_dir, str(tmp_path / "export"))
+
+
+def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
+    """A vision-language checkpoint in a training config: every unsupported setting named at
+    once with its fix, before any rank starts; Qwen2.5-VL by name."""
+    cfg = Config()
+    cfg.model.init_from = hf_dir
+    cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, 2, 2, True
+    cfg.data.packing = "docs"
+    problems = validate(cfg, 16)
+    for want in ("is a vision-language Gemma 3 (Gemma3ForConditionalGeneration): megaft-train does not feed images",
+                 "python -m megaft.models.hf.multimodal text",
+                 "parallel.pp=2 with images: the vision tower is not placed on a pipeline stage yet; fix: "
+                 "parallel.pp=1",
+                 "parallel.cp=2 with images", "fix: parallel.cp=1", "fix: parallel.sequence_parallel=false",
+                 "data.packing=docs with images", "fix: data.packing=none"):
+        assert any(want in p for p in problems), (want, problems)
+    plain = Config()
+    plain.model.init_from = hf_dir
+    plain.data.packing = "none"
+    problems = validate(plain, 2)
+    assert sum("with images" in p for p in problems) == 0  # only the one problem that always holds
+    assert any("megaft-train does not feed images" in p for p in problems)
+    qwen = tmp_path / "qwen"
+    shutil.copytree(hf_dir, qwen)
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    plain.model.init_from = str(qwen)
+    assert any("model_type qwen2_5_vl (Qwen2.5-VL) is not supported yet" in p and "fix:" in p
+               for p in validate(plain, 2))
+
+
+def test_text_data_with_image_parts_is_refused_with_the_way_to_images():
+    with pytest.raises(DataError, match=r"'messages'\[0\]: 'content' is a list of parts: megaft-train reads text "
+                                        r"conversations .*docs/vision.md"):
+        parse_record({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]})
