@@ -17,15 +17,17 @@ import torch.nn.functional as F
 import transformers
 from multirank import spawn
 from safetensors.torch import load_file, save_file
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megaft.config import Config
 from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
 from megaft.models.arch.spec import HFCheckpointError, HFConfigError
+from megaft.models.attention.documents import Docs, document_mask, mask_mod
 from megaft.models.hf.load import checkpoint_files
 from megaft.models.vision.config import vision_language_config
 from megaft.models.vision.hf import export_vision_language, hf_names, load_vision_language_weights
-from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel
+from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel, image_blocks
 from megaft.parallel.comm import group_rank, group_size
 from megaft.parallel.tensor.shard import shard_of
 from megaft.validation import validate
@@ -248,3 +250,30 @@ def test_text_data_with_image_parts_is_refused_with_the_way_to_images():
     with pytest.raises(DataError, match=r"'messages'\[0\]: 'content' is a list of parts: megaft-train reads text "
                                         r"conversations .*docs/vision.md"):
         parse_record({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]})
+
+
+def test_image_mask_rule_and_its_flex_form():
+    """Docs.image_blocks: the SDPA mask is transformers' rule (causal OR same image, then the
+    window), element by element; flex_attention's mask_mod (the CUDA path, forward only on CPU)
+    gives the same attention; right padding for sequence parallel sees no image."""
+    ids, _, _ = image_batch()
+    blocks = image_blocks(ids == IMAGE)
+    assert blocks[0].tolist()[:8] == [-1, -1, 0, 0, 0, 0, -1, -1] and blocks[1].max() == 0
+    b, s = ids.shape
+    docs = Docs(torch.arange(s).expand(b, s), torch.zeros_like(ids), image_blocks=blocks)
+    q, k, v = (torch.randn(b, 2, s, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for window in (None, 3):
+        mask = document_mask(docs, window)[:, 0]
+        for r in range(b):
+            for i in range(s):
+                for j in range(s):
+                    both_ways = blocks[r, i] >= 0 and blocks[r, i] == blocks[r, j]
+                    want = (j <= i or both_ways) and (window is None or j > i - window)
+                    assert bool(mask[r, i, j]) == want, (window, r, i, j)
+        assert (mask & ~torch.ones(s, s, dtype=torch.bool).tril()).any()  # some key after its query is seen
+        block = create_block_mask(mask_mod(docs, window), b, None, s, s, device="cpu")
+        flex = flex_attention(q, k, v, block_mask=block)
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs, window))
+        torch.testing.assert_close(flex, sdpa, atol=1e-6, rtol=1e-6)  # softmax of the same scores, other kernels
+    padded = docs.padded(s + 3)
+    assert (padded.image_blocks[:, s:] == -1).all() and torch.equal(padded.image_blocks[:, :s], blocks)
