@@ -1,0 +1,103 @@
+"""A conversation with images from a data file, end to end: megaft's reader
+(megaft.data.image_chat) and model (megaft.models.vision) against transformers' Gemma3Processor
+and Gemma3ForConditionalGeneration on the same file and checkpoint: the same inputs, the loss
+over the assistant's tokens and every gradient equal in fp32."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from data.image_fixture import SIZE, TOKENS_PER_IMAGE, make_processor, write_images
+
+from megaft.data.chat import ChatEncoder
+from megaft.data.image_chat import ImageChatEncoder, read_image_chat
+from megaft.data.images import ImageProcessing
+from megaft.data.templates import load_chat_template
+from megaft.data.tokenizer import load_tokenizer
+from megaft.models.vision.config import vision_language_config
+from megaft.models.vision.hf import hf_names, load_vision_language_weights
+from megaft.models.vision.model import VisionLanguageModel
+
+pytestmark = pytest.mark.exact
+
+
+@torch.no_grad()
+def _checkpoint(path: str) -> transformers.Gemma3Processor:
+    """The processor fixture's tokenizer and template beside a random tiny model of its vocabulary."""
+    processor = make_processor(path)
+    tok = processor.tokenizer
+    text = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=128, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=SIZE, patch_size=7,
+                                             vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
+                                    boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id)
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).float()
+    for name, p in model.named_parameters():  # every tensor moves the loss (as tests/models/vlm_fixture.py)
+        p.copy_(torch.randn_like(p) * (0.3 if "mm_input_projection" in name else 0.1)
+                + (1.0 if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight"))
+                   else 0.0))
+    model.save_pretrained(path)
+    return processor
+
+
+def test_data_file_to_loss_and_gradients_equal_transformers(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    processor = _checkpoint(ckpt)
+    names = write_images(str(tmp_path / "img"))
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": f"img/{names['RGB']}"},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A red cat."},
+        {"role": "user", "content": [{"type": "image", "image": f"img/{names['RGBA']}"},
+                                     {"type": "text", "text": "And this one?"}]},
+        {"role": "assistant", "content": "A dog."}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    chat = ChatEncoder(load_tokenizer(ckpt), load_chat_template("auto", ckpt), "assistant")
+    data = read_image_chat(str(tmp_path / "chat.jsonl"), ImageChatEncoder(chat, ImageProcessing.from_checkpoint(ckpt)),
+                           seq_len=128)
+    (sample,) = data.samples
+    ids = torch.tensor([sample.ids])
+    target = torch.tensor([sample.target])
+    labels = torch.where(target, ids, -100)[:, 1:]  # megaft's labels: the next token where it is a target
+    labels = torch.cat([labels, torch.full((1, 1), -100)], dim=1)
+
+    messages = json.loads(json.dumps(record["messages"]))
+    for m in messages:
+        for part in m["content"] if isinstance(m["content"], list) else []:
+            if part["type"] == "image":
+                part["image"] = str(tmp_path / part["image"])
+    inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert torch.equal(inputs["input_ids"], ids) and torch.equal(inputs["pixel_values"],
+                                                                 torch.from_numpy(sample.pixels))
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32,
+                                                                            attn_implementation="eager").train()
+    out = reference(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                    token_type_ids=inputs["token_type_ids"], labels=torch.where(target, ids, -100))
+    out.loss.backward()
+
+    model = VisionLanguageModel(vision_language_config(ckpt))
+    load_vision_language_weights(model, ckpt, tp_rank=0, tp_size=1)
+    loss = model.loss_sum(ids, labels, torch.from_numpy(sample.pixels)) / (labels != -100).sum()
+    assert int((labels != -100).sum()) == len("A red cat.") + len("A dog.") + 2  # the answers, their <end_of_turn>
+    # fp32 on both sides, sums in other orders: ~1e-7 relative; 1e-5 of each tensor's largest element
+    torch.testing.assert_close(loss, out.loss.detach(), atol=1e-5 * float(out.loss.detach()), rtol=0)
+    loss.backward()
+    reference_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        ref = next(n for n in ["model." + c if not c.startswith("model.") else c
+                               for c in hf_names(name, "gemma3_text")] if n in reference_grads)
+        want = reference_grads[ref]
+        scale = want.abs().max()
+        if name.startswith("vision_tower.") and name.endswith("k_proj.bias"):  # zero but for rounding (test_vision)
+            scale = reference_grads[ref.replace("k_proj", "q_proj")].abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(param.grad, want, atol=float(1e-5 * scale), rtol=0, msg=lambda m: f"{name}: {m}")
