@@ -29,6 +29,7 @@ from megaft.models.vision.config import vision_language_config
 from megaft.models.vision.hf import export_vision_language, hf_names, load_vision_language_weights
 from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel, image_blocks
 from megaft.parallel.comm import group_rank, group_size
+from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import shard_of
 from megaft.validation import validate
 from models.hf_fixture import checkpoint_tensors
@@ -50,10 +51,18 @@ def _reference(path: str):
     return model.train()  # no dropout in the config; train() is what fine-tuning runs
 
 
-def _reference_run(path: str):
-    """transformers' logits, loss and gradients (by its parameter names) on image_batch()."""
-    model = _reference(path)
+def _batch(seq: int = 20):
+    """image_batch() cut to `seq` tokens (an odd length makes sequence parallel pad)."""
     ids, labels, pixels = image_batch()
+    labels = labels[:, :seq].clone()
+    labels[:, -1] = -100  # its target was cut off
+    return ids[:, :seq], labels, pixels
+
+
+def _reference_run(path: str, seq: int = 20):
+    """transformers' logits, loss and gradients (by its parameter names) on _batch(seq)."""
+    model = _reference(path)
+    ids, labels, pixels = _batch(seq)
     out = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long(),
                 labels=F.pad(labels[:, :-1], (1, 0), value=-100))
     out.loss.backward()
@@ -78,13 +87,13 @@ def _scale_close(got: torch.Tensor, want: torch.Tensor, what: str, scale=None) -
     torch.testing.assert_close(got, want, atol=float(1e-5 * scale), rtol=0, msg=lambda m: f"{what}: {m}")
 
 
-def check_layout(path: str, out: str, group) -> None:
+def check_layout(path: str, out: str, group, sequence_parallel: bool = False, seq: int = 20) -> None:
     """Our model at tp=group's size against transformers; then export and compare."""
-    want_logits, want_loss, want_grads = _reference_run(path)
+    want_logits, want_loss, want_grads = _reference_run(path, seq)
     cfg = vision_language_config(path)
-    model = VisionLanguageModel(cfg, group=group)
+    model = VisionLanguageModel(cfg, group=group, sequence_parallel=sequence_parallel)
     load_vision_language_weights(model, path, tp_rank=group_rank(group), tp_size=group_size(group))
-    ids, labels, pixels = image_batch()
+    ids, labels, pixels = _batch(seq)
     logits = model(ids, pixels)
     head = shard_of(model.language_model.lm_head.weight)
     start, end = head.real_bounds(group_rank(group), group_size(group)) if head else (0, want_logits.shape[-1])
@@ -92,6 +101,7 @@ def check_layout(path: str, out: str, group) -> None:
     loss = model.loss_sum(ids, labels, pixels) / (labels != -100).sum()
     _scale_close(loss, want_loss, "loss")
     loss.backward()
+    sync_sequence_parallel_grads(list(model.parameters()), group)  # what the optimizer does (sp: norms, tower)
     hf_params = set(want_grads)
     checked = 0
     for name, param in model.named_parameters():
@@ -211,9 +221,12 @@ def test_refusals(hf_dir, tmp_path):
 
 def _tp2_rank(rank: int, world: int, path: str, out: str) -> None:
     check_layout(path, out, dist.group.WORLD)
+    # sequence parallel: 19 tokens padded to shards of 10; row 0 has an image on each rank's shard, row 1's
+    # image straddles the two (positions 7-10)
+    check_layout(path, out + "-sp", dist.group.WORLD, sequence_parallel=True, seq=19)
 
 
-def test_tp2_matches_transformers(hf_dir, tmp_path):
+def test_tp2_and_sequence_parallel_match_transformers(hf_dir, tmp_path):
     spawn(2, _tp2_rank, hf_dir, str(tmp_path / "export"))
 
 
@@ -229,9 +242,10 @@ def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
                  "python -m megaft.models.hf.multimodal text",
                  "parallel.pp=2 with images: the vision tower is not placed on a pipeline stage yet; fix: "
                  "parallel.pp=1",
-                 "parallel.cp=2 with images", "fix: parallel.cp=1", "fix: parallel.sequence_parallel=false",
+                 "parallel.cp=2 with images", "fix: parallel.cp=1",
                  "data.packing=docs with images", "fix: data.packing=none"):
         assert any(want in p for p in problems), (want, problems)
+    assert not any("sequence_parallel" in p for p in problems)  # images work under sequence parallel
     plain = Config()
     plain.model.init_from = hf_dir
     plain.data.packing = "none"

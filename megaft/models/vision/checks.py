@@ -3,9 +3,8 @@ rank starts: every unsupported combination at once, each with its fix (docs/visi
 
 Gemma 3 with images computes equal to transformers (megaft.models.vision) but megaft-train
 does not feed images yet, so a multimodal checkpoint is refused with the way to fine-tune
-its text model; the layouts images will not support at first (pp, cp, sequence parallel,
-packing) are named too, so a config that asks for them learns it now. Qwen2-VL and
-Qwen2.5-VL are not read yet."""
+its text model; the layouts images do not support yet (pp, cp, packing) are named too, so
+a config that asks for them learns it now. Qwen2-VL and Qwen2.5-VL are not read yet."""
 from __future__ import annotations
 
 import json
@@ -50,9 +49,6 @@ def check_vision_run(cfg: Config) -> list[str]:
     if par.cp > 1:
         problems.append(f"parallel.cp={par.cp} with images: an image's tokens attend to each other both ways, "
                         "across the cp chunks, which the ring does not do yet; fix: parallel.cp=1")
-    if par.sequence_parallel and par.tp > 1:
-        problems.append("parallel.sequence_parallel=true with images: image features are not yet scattered over "
-                        "the sequence shards; fix: parallel.sequence_parallel=false")
     if packing != "none":
         problems.append(f"data.packing={packing} with images: packing that keeps an image and its tokens in one "
                         "document is not supported yet; fix: data.packing=none (one conversation per row)")

@@ -25,7 +25,8 @@ from megaft.models.decoder import Decoder, rope_of
 from megaft.models.vision.config import VisionLanguageConfig
 from megaft.models.vision.projector import Gemma3Projector
 from megaft.models.vision.siglip import SiglipTower
-from megaft.parallel.comm import Group
+from megaft.parallel.comm import Group, group_rank
+from megaft.parallel.tensor.shard import mark_sequence_parallel
 
 
 def image_blocks(is_image: torch.Tensor) -> torch.Tensor:
@@ -35,21 +36,38 @@ def image_blocks(is_image: torch.Tensor) -> torch.Tensor:
     return torch.where(is_image, start.long().cumsum(1) - 1, -1)
 
 
+def shard_scatter(x: torch.Tensor, is_image: torch.Tensor, features: torch.Tensor, rank: int) -> torch.Tensor:
+    """masked_scatter of `features` [image tokens, dim] (row-major order over [batch, seq]) into
+    `x`, this tp rank's sequence shard [batch, seq / tp, dim] of the right-padded rows."""
+    local = x.shape[1]
+    is_image = F.pad(is_image, (0, local * (rank + 1) - is_image.shape[1])) if \
+        is_image.shape[1] < local * (rank + 1) else is_image
+    index = (is_image.flatten().cumsum(0) - 1).view(is_image.shape)[:, rank * local:(rank + 1) * local]
+    mine = is_image[:, rank * local:(rank + 1) * local]
+    return torch.where(mine.unsqueeze(-1), features[index.clamp(min=0)], x)
+
+
 class ImageTokenMismatch(ValueError):
     """A micro-batch whose image tokens do not match its images' features (a cut image)."""
 
 
 class VisionLanguageModel(nn.Module):
     """The whole multimodal model on every tp rank of `group` (language model tp-sharded,
-    tower and projector replicated). No sequence parallel, pipeline or context parallel yet:
-    validation refuses them with images (docs/vision.md)."""
+    tower and projector replicated). Under `sequence_parallel` each rank writes the features
+    of its own sequence shard (`shard_scatter`); the tower's and projector's gradients are
+    then partial and marked to be summed over tp like the norms' (megaft.parallel.tensor.grads).
+    No pipeline or context parallel yet: validation refuses them with images (docs/vision.md)."""
 
-    def __init__(self, cfg: VisionLanguageConfig, *, group: Group = None, kernels: Optional[KernelsConfig] = None):
+    def __init__(self, cfg: VisionLanguageConfig, *, group: Group = None, sequence_parallel: bool = False,
+                 kernels: Optional[KernelsConfig] = None):
         super().__init__()
         self.vlm, self.cfg = cfg, cfg.text  # `cfg`: the language model's, as Decoder's (checkpoint code reads it)
         self.vision_tower = SiglipTower(cfg.vision)
         self.multi_modal_projector = Gemma3Projector(cfg)
-        self.language_model = Decoder(cfg.text, group=group, kernels=kernels)
+        self.language_model = Decoder(cfg.text, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
+        if self.language_model.sp:  # each rank's features feed only its sequence shard: partial grads, summed
+            for p in [*self.vision_tower.parameters(), *self.multi_modal_projector.parameters()]:  # over tp
+                mark_sequence_parallel(p)
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, 3, size, size] -> [images, mm_tokens_per_image, text dim]."""
@@ -66,10 +84,12 @@ class VisionLanguageModel(nn.Module):
         if n_tokens != n_images * self.vlm.mm_tokens_per_image:
             raise ImageTokenMismatch(f"Image features and image tokens do not match: {n_tokens} image tokens, "
                                      f"{n_images} images of {self.vlm.mm_tokens_per_image} tokens")
-        if n_images:
-            features = self.image_features(pixel_values).to(x.dtype)
-            x = x.masked_scatter(is_image.unsqueeze(-1), features)
-        return x
+        if not n_images:
+            return x
+        features = self.image_features(pixel_values).to(x.dtype)
+        if not self.language_model.sp:
+            return x.masked_scatter(is_image.unsqueeze(-1), features)  # transformers' op
+        return shard_scatter(x, is_image, features.flatten(0, 1), group_rank(self.language_model.group))
 
     def docs(self, input_ids: torch.Tensor) -> Docs:
         """One causal sequence per row with the images seen both ways."""
