@@ -5,7 +5,10 @@ as transformers' chat templates take them:
 
     {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is it?"}]}
 
-Image paths are relative to the data file's folder. The conversation is rendered by the
+LLaMA-Factory's ShareGPT form is read too: `{"conversations": [{"from": "human", "value":
+"<image>What is it?"}, {"from": "gpt", "value": ...}], "images": ["cat.png"]}`, each `<image>`
+taking the next path of `images` (`sharegpt_messages`). Image paths are relative to the data
+file's folder. The conversation is rendered by the
 checkpoint's chat template (Gemma 3's writes <start_of_image> for each image part), then,
 as Gemma3Processor does, each <start_of_image> becomes "\\n\\n<start_of_image>", the image's
 mm_tokens_per_image image tokens, "<end_of_image>\\n\\n"; the text is tokenized once. The
@@ -29,6 +32,8 @@ from megaft.data.images import ImageProcessing, load_image, pixel_values
 from megaft.data.jsonl import scan_json_lines, where
 
 PART_TYPES = ("text", "image")
+IMAGE_PLACEHOLDER = "<image>"  # LLaMA-Factory's ShareGPT placeholder
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _FIX = 'fix: write each part as {"type": "text", "text": str} or {"type": "image", "image": PATH}'
 
 
@@ -48,10 +53,48 @@ class ImageData:
     dropped_lines: list = field(default_factory=list)  # FILE:LINE of each, for the log
 
 
+def sharegpt_messages(obj: dict) -> list[dict]:
+    """LLaMA-Factory's ShareGPT form with images: `<image>` placeholders in the turns' values, the
+    files in an `images` list in order; as messages with text and image parts."""
+    turns = checked_turns(obj["conversations"], "conversations", "from", "value")
+    images = obj.get("images") or []
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise DataError("'images' must be a list of paths; fix: \"images\": [\"img/a.png\", ...]")
+    if isinstance(obj.get("system"), str) and obj["system"]:
+        turns = [{"from": "system", "value": obj["system"]}] + turns
+    messages, left = [], list(images)
+    for i, turn in enumerate(turns):
+        speaker, value = turn.get("from"), turn.get("value")
+        if speaker not in SHAREGPT_ROLES or not isinstance(value, str):
+            raise DataError(f"'conversations'[{i}] needs \"from\" (human, gpt or system) and a \"value\" string")
+        pieces = value.split(IMAGE_PLACEHOLDER)
+        if len(pieces) == 1:
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+            continue
+        parts = []
+        for j, piece in enumerate(pieces):
+            if j:
+                if not left:
+                    raise DataError(f"'conversations'[{i}] has more {IMAGE_PLACEHOLDER} placeholders than 'images' "
+                                    "lists; fix: one path in 'images' per placeholder, in order")
+                parts.append({"type": "image", "image": left.pop(0)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": parts})
+    if left:
+        raise DataError(f"'images' lists {len(images)} paths for {len(images) - len(left)} {IMAGE_PLACEHOLDER} "
+                        "placeholders; fix: one placeholder per image, where it appears in the turn")
+    return messages
+
+
 def parse_image_chat(obj: object, base_dir: str) -> tuple[list[dict], list[str]]:
-    """(messages as the template takes them, image paths resolved against `base_dir`)."""
+    """(messages as the template takes them, image paths resolved against `base_dir`), from
+    `{"messages": [...]}` or ShareGPT's `{"conversations": [...], "images": [...]}`."""
+    if isinstance(obj, dict) and "conversations" in obj and "messages" not in obj:
+        obj = {"messages": sharegpt_messages(obj)}
     if not isinstance(obj, dict) or "messages" not in obj:
-        raise DataError('expected {"messages": [...]} (content a string or a list of text and image parts)')
+        raise DataError('expected {"messages": [...]} (content a string or a list of text and image parts) or '
+                        '{"conversations": [...], "images": [...]}')
     messages, paths = [], []
     for i, turn in enumerate(checked_turns(obj["messages"], "messages", "role", "content")):
         where_ = f"'messages'[{i}]"

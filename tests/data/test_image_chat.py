@@ -138,3 +138,23 @@ def test_refusals_name_the_line(setup, tmp_path, line, match):
     data.write_text(json.dumps(line) + "\n")
     with pytest.raises(DataError, match=match):
         read_image_chat(str(data), _encoder(os.path.join(root, "ckpt")), seq_len=1000)
+
+
+def test_sharegpt_images_read_as_the_messages_form(setup):
+    """LLaMA-Factory's `<image>` placeholders with an `images` list give the same sample as the
+    equivalent messages; the counts must agree."""
+    root, _, names = setup
+    base = os.path.join(root, "data")
+    sharegpt = {"system": "Be brief.", "images": [f"img/{names['RGB']}", f"img/{names['L']}", f"img/{names['P']}"],
+                "conversations": [{"from": "human", "value": "<image>What is this?"},
+                                  {"from": "gpt", "value": "A cat."},
+                                  {"from": "human", "value": "And these?<image><image>"},
+                                  {"from": "gpt", "value": "Dogs."}]}
+    enc = _encoder(os.path.join(root, "ckpt"))
+    got = enc.encode(*parse_image_chat(sharegpt, base))
+    want = enc.encode(*parse_image_chat(_conversation(names, ["RGB", "L", "P"]), base))
+    assert (got.ids, got.target) == (want.ids, want.target) and np.array_equal(got.pixels, want.pixels)
+    for images, match in ((sharegpt["images"][:2], "more <image> placeholders than 'images' lists"),
+                          (sharegpt["images"] + ["img/x.png"], "'images' lists 4 paths for 3 <image> placeholders")):
+        with pytest.raises(DataError, match=match):
+            parse_image_chat({**sharegpt, "images": images}, base)
