@@ -24,8 +24,9 @@ from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
 from megaft.models.arch.spec import HFCheckpointError, HFConfigError
 from megaft.models.attention.documents import Docs, document_mask, mask_mod
+from megaft.models.hf.export import hf_config_dict
 from megaft.models.hf.load import checkpoint_files
-from megaft.models.vision.config import vision_language_config
+from megaft.models.vision.config import vision_config_dict, vision_language_config
 from megaft.models.vision.hf import export_vision_language, hf_names, load_vision_language_weights
 from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel, image_blocks
 from megaft.parallel.comm import group_rank, group_size
@@ -291,3 +292,28 @@ def test_image_mask_rule_and_its_flex_form():
         torch.testing.assert_close(flex, sdpa, atol=1e-6, rtol=1e-6)  # softmax of the same scores, other kernels
     padded = docs.padded(s + 3)
     assert (padded.image_blocks[:, s:] == -1).all() and torch.equal(padded.image_blocks[:, :s], blocks)
+
+
+@pytest.mark.parametrize("name", ["gemma-3-4b-it", "gemma-3-27b-it", "medgemma-27b-it"])
+def test_published_configs_read_as_transformers_reads_them(name, tmp_path):
+    """The published multimodal configs (tests/models/real_configs) give transformers' Gemma3Config
+    shapes; what export writes reads back the same."""
+    raw = json.loads(open(os.path.join(os.path.dirname(__file__), "real_configs", f"{name}.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = vision_language_config(str(tmp_path))
+    theirs = transformers.Gemma3Config(**raw)
+    v, tv, tt = cfg.vision, theirs.vision_config, theirs.text_config
+    assert (v.dim, v.ffn_dim, v.n_layers, v.n_heads, v.image_size, v.patch_size, v.channels, v.eps) == (
+        tv.hidden_size, tv.intermediate_size, tv.num_hidden_layers, tv.num_attention_heads, tv.image_size,
+        tv.patch_size, tv.num_channels, tv.layer_norm_eps)
+    assert (cfg.text.dim, cfg.text.n_layers, cfg.text.n_heads, cfg.text.vocab_size) == (
+        tt.hidden_size, tt.num_hidden_layers, tt.num_attention_heads, tt.vocab_size)
+    assert (cfg.mm_tokens_per_image, cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id, cfg.pool) == (
+        theirs.mm_tokens_per_image, theirs.image_token_id, theirs.boi_token_id, theirs.eoi_token_id, 4)
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "config.json").write_text(json.dumps(vision_config_dict(cfg, hf_config_dict(cfg.text), "bfloat16")))
+    back = vision_language_config(str(again))
+    assert dataclasses.replace(back, text=None) == dataclasses.replace(cfg, text=None)
+    assert dataclasses.replace(back.text, name="", init_from="") == dataclasses.replace(cfg.text, name="",
+                                                                                       init_from="")
