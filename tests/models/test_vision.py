@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from megaft.config import Config
 from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
+from megaft.inference.vision import generate_with_images
 from megaft.models.arch.spec import HFCheckpointError, HFConfigError
 from megaft.models.attention.documents import Docs, document_mask, mask_mod
 from megaft.models.hf.export import hf_config_dict
@@ -317,3 +318,21 @@ def test_published_configs_read_as_transformers_reads_them(name, tmp_path):
     assert dataclasses.replace(back, text=None) == dataclasses.replace(cfg, text=None)
     assert dataclasses.replace(back.text, name="", init_from="") == dataclasses.replace(cfg.text, name="",
                                                                                        init_from="")
+
+
+def test_greedy_generation_with_images_equals_transformers(hf_dir):
+    """megaft.inference.vision against transformers' generate (greedy) on a prompt with two images."""
+    ids, _, pixels = image_batch()
+    prompt = ids[0, :16]  # ends after the second image
+    model = VisionLanguageModel(vision_language_config(hf_dir))
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    reference = _reference(hf_dir).eval()
+    want = reference.generate(input_ids=prompt[None], pixel_values=pixels[:2],
+                              token_type_ids=(prompt[None] == IMAGE).long(), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    got = generate_with_images(model, prompt.tolist(), pixels[:2], max_new_tokens=8, eos_id=None,
+                               device=torch.device("cpu"))
+    assert got == want and len(got) == 8
+    other = generate_with_images(model, prompt.tolist(), pixels[:2].flip(-1), max_new_tokens=8, eos_id=None,
+                                 device=torch.device("cpu"))
+    assert other != got  # the images decide the answer here

@@ -101,3 +101,30 @@ def test_data_file_to_loss_and_gradients_equal_transformers(tmp_path):
             scale = reference_grads[ref.replace("k_proj", "q_proj")].abs().max()
         assert scale > 0, name
         torch.testing.assert_close(param.grad, want, atol=float(1e-5 * scale), rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_chat_answers_about_an_image_as_transformers_generates(tmp_path, capsys):
+    """`megaft-chat HF_DIR --prompt TEXT --image PATH` prints the greedy answer transformers' generate
+    gives for the processor's inputs of the same turn."""
+    from tokenizers import Tokenizer
+
+    from megaft.chat.cli import main
+
+    ckpt = str(tmp_path / "ckpt")
+    processor = _checkpoint(ckpt)
+    image = str(tmp_path / "img" / write_images(str(tmp_path / "img"))["RGBA"])
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is this?"}]}]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32,
+                                                                            attn_implementation="eager").eval()
+    eos = processor.tokenizer.eos_token_id
+    new = reference.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                             pad_token_id=processor.tokenizer.pad_token_id)[0, inputs["input_ids"].shape[1]:].tolist()
+    new = new[:new.index(eos)] if eos in new else new
+    assert new, "transformers' answer is empty: the comparison would prove little"
+    assert main([ckpt, "--prompt", "What is this?", "--image", image, "--max-new-tokens", "6", "device=cpu"]) == 0
+    assert capsys.readouterr().out == Tokenizer.from_file(f"{ckpt}/tokenizer.json").decode(new) + "\n"
+    assert main([ckpt, "--image", image]) == 2
+    assert "--image needs --prompt" in capsys.readouterr().err
