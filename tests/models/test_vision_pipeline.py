@@ -128,3 +128,17 @@ def test_chat_answers_about_an_image_as_transformers_generates(tmp_path, capsys)
     assert capsys.readouterr().out == Tokenizer.from_file(f"{ckpt}/tokenizer.json").decode(new) + "\n"
     assert main([ckpt, "--image", image]) == 2
     assert "--image needs --prompt" in capsys.readouterr().err
+
+
+def test_export_carries_the_processor(tmp_path):
+    """An export beside its tokenizer's processor files reads back as the same processor."""
+    from megaft.models.vision.hf import export_vision_language
+
+    ckpt = str(tmp_path / "ckpt")
+    _checkpoint(ckpt)
+    model = VisionLanguageModel(vision_language_config(ckpt))
+    load_vision_language_weights(model, ckpt, tp_rank=0, tp_size=1)
+    out = export_vision_language(model, str(tmp_path / "out"), tokenizer_json=ckpt, tp_group=None, is_writer=True)
+    assert ImageProcessing.from_checkpoint(out) == ImageProcessing.from_checkpoint(ckpt)
+    again = transformers.AutoProcessor.from_pretrained(out)
+    assert (type(again).__name__, again.image_seq_length) == ("Gemma3Processor", TOKENS_PER_IMAGE)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Iterator, Optional
 
 import torch
@@ -36,6 +37,7 @@ from megaft.parallel.comm import Group, group_size
 from megaft.parallel.tensor.shard import full_shape
 
 LM, TOWER, PROJ = "language_model.", "vision_tower.", "multi_modal_projector."
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # transformers 4's, 5's
 
 
 def hf_names(name: str, arch: str) -> list[str]:
@@ -102,12 +104,22 @@ def _gathered(model: nn.Module, group: Group, dtype: Optional[torch.dtype]) -> I
         yield hf_names(name, model.cfg.arch)[0], full.to("cpu", dtype or full.dtype).contiguous()
 
 
+def _copy_processor(tokenizer_json: str, dst: str) -> None:
+    """The image processor's files beside the tokenizer (so transformers' AutoProcessor, and
+    megaft.data.images, read the export as they read the original)."""
+    src = tokenizer_json if os.path.isdir(tokenizer_json) else os.path.dirname(tokenizer_json)
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
 @torch.no_grad()
 def export_vision_language(model: nn.Module, out_dir: str, *, tokenizer_json: Optional[str], tp_group: Group,
                            is_writer: bool, dtype: Optional[torch.dtype] = None,
                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """Write `model` as a Gemma3ForConditionalGeneration checkpoint in the new folder `out_dir`
-    (collective over `tp_group`; `is_writer` writes). Returns `out_dir`."""
+    (collective over `tp_group`; `is_writer` writes), with the tokenizer's and the image
+    processor's files from beside `tokenizer_json`. Returns `out_dir`."""
     tensors_out = _gathered(model, tp_group, dtype)
     if not is_writer:
         for _ in tensors_out:  # take part in every gather
@@ -121,6 +133,7 @@ def export_vision_language(model: nn.Module, out_dir: str, *, tokenizer_json: Op
                 json.dump(vision_config_dict(model.vlm, text, str(first_dtype).removeprefix("torch.")), f, indent=2)
             if tokenizer_json:
                 copy_tokenizer(tokenizer_json, tmp)
+                _copy_processor(tokenizer_json, tmp)
     if group_size(tp_group) > 1:
         dist.barrier(group=tp_group)
     return out_dir
