@@ -3,8 +3,8 @@ vision-language Gemma 3 checkpoint (megaft.models.vision), on this process's dev
 
 The user turn is the image then the text, rendered by the checkpoint's chat template and
 expanded as Gemma3Processor expands images (megaft.data.image_chat); the image is read and
-processed as the checkpoint's processor does (megaft.data.images). Decoding reruns the whole
-sequence each step (megaft.inference.vision: no KV cache with images yet); one rank."""
+processed as the checkpoint's processor does (megaft.data.images). Decoding runs the prompt
+once with its images and caches it (megaft.inference.vision); one rank."""
 from __future__ import annotations
 
 import sys

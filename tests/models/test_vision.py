@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from megaft.config import Config
 from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
+from megaft.inference.kv_cache import kv_cache
 from megaft.inference.vision import generate_with_images
 from megaft.models.arch.spec import HFCheckpointError, HFConfigError
 from megaft.models.attention.documents import Docs, document_mask, mask_mod
@@ -321,7 +322,8 @@ def test_published_configs_read_as_transformers_reads_them(name, tmp_path):
 
 
 def test_greedy_generation_with_images_equals_transformers(hf_dir):
-    """megaft.inference.vision against transformers' generate (greedy) on a prompt with two images."""
+    """megaft.inference.vision against transformers' generate (greedy) on a prompt with two images,
+    with the KV cache (the prompt's image mask cached as attended) and without."""
     ids, _, pixels = image_batch()
     prompt = ids[0, :16]  # ends after the second image
     model = VisionLanguageModel(vision_language_config(hf_dir))
@@ -333,6 +335,23 @@ def test_greedy_generation_with_images_equals_transformers(hf_dir):
     got = generate_with_images(model, prompt.tolist(), pixels[:2], max_new_tokens=8, eos_id=None,
                                device=torch.device("cpu"))
     assert got == want and len(got) == 8
+    uncached = generate_with_images(model, prompt.tolist(), pixels[:2], max_new_tokens=8, eos_id=None,
+                                    device=torch.device("cpu"), cache=False)
+    assert uncached == want
+    # the cached step's logits, not only their argmax: a new token after the cached image prompt
+    full = torch.tensor(prompt.tolist() + got[:3])
+    with torch.no_grad(), kv_cache(model, len(full)) as state:
+        state.real = len(prompt)
+        model(prompt[None], pixels[:2])
+        state.advance()
+        steps = []
+        for token in got[:3]:
+            state.real = 1
+            steps.append(model(torch.tensor([[token]]))[0, -1])
+            state.advance()
+        whole = model(full[None], pixels[:2])[0, len(prompt):]
+    # fp32, the same sums but for SDPA's path (cached keys vs the whole row): 1e-5 of the largest logit
+    torch.testing.assert_close(torch.stack(steps), whole, atol=1e-5 * float(whole.abs().max()), rtol=0)
     other = generate_with_images(model, prompt.tolist(), pixels[:2].flip(-1), max_new_tokens=8, eos_id=None,
                                  device=torch.device("cpu"))
     assert other != got  # the images decide the answer here

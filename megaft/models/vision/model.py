@@ -106,7 +106,11 @@ class VisionLanguageModel(nn.Module):
         return x
 
     def forward(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """This tp rank's vocabulary slice of the logits [batch, seq, padded vocab / tp]."""
+        """This tp rank's vocabulary slice of the logits [batch, seq, padded vocab / tp]. Text alone
+        (no pixels, no image token) is the language model's causal forward: the same numbers, and
+        the path a KV-cached decoding step takes (megaft.inference.vision)."""
+        if pixel_values is None and not bool((input_ids == self.vlm.image_token_id).any()):
+            return self.language_model(input_ids)
         return self.language_model.head_out(self.blocks(input_ids, pixel_values))[:, :input_ids.shape[1]]
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
