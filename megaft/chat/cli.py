@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="launcher.nproc=N and/or parallel.tp=N (tensor parallel over N local ranks), device=cpu|cuda")
     p.add_argument("--prompt", help="answer this one user message on stdout and exit")
     p.add_argument("--image", help="with --prompt: an image the prompt is about (a vision-language Gemma 3 "
-                   "checkpoint, one rank; docs/vision.md)")
+                   "checkpoint; docs/vision.md)")
     p.add_argument("--system", help="the system message")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temp > 0)")
@@ -71,10 +71,6 @@ def _problems(args) -> list[str]:
     if args.image is not None and args.prompt is None:
         problems.append("--image needs --prompt (one answer about the image; the interactive chat takes no images "
                         "yet)")
-    if args.image is not None and any(o.split("=")[0] in ("launcher.nproc", "parallel.tp") and o.split("=")[1] != "1"
-                                      for o in args.overrides if "=" in o):
-        problems.append("--image runs on one rank (no tensor parallel with images in megaft-chat yet); fix: drop "
-                        "launcher.nproc / parallel.tp")
     return problems
 
 
@@ -104,14 +100,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if chat.template is None:
             print(f"megaft-chat: warning: {chat.origin} has no chat template, so each line is continued as plain "
                   "text, without history; fix: --template chatml|llama3|FILE.jinja", file=sys.stderr)
+        engine = _engine(chat, nproc, device)
         if args.image is not None:
             from megaft.chat.image import answer_image
-            from megaft.launch.rank import pick_device
 
-            answer_image(chat, args.prompt, args.image, sampling=Sampling(args.temp, args.top_p, args.seed),
-                         max_new_tokens=args.max_new_tokens, device=pick_device(device, 0), system=args.system)
+            answer_image(engine, chat, args.prompt, args.image, sampling=Sampling(args.temp, args.top_p, args.seed),
+                         max_new_tokens=args.max_new_tokens, system=args.system)
             return 0
-        engine = _engine(chat, nproc, device)
         tok = Tokenizer.from_file(chat.tokenizer)
         session = Session(chat.template, Sampling(args.temp, args.top_p, args.seed), system=args.system)
         if args.prompt is not None:

@@ -1,10 +1,11 @@
 """`megaft-chat HF_DIR --prompt TEXT --image PATH`: one answer about an image from a
-vision-language Gemma 3 checkpoint (megaft.models.vision), on this process's device.
+vision-language Gemma 3 checkpoint (megaft.models.vision).
 
 The user turn is the image then the text, rendered by the checkpoint's chat template and
 expanded as Gemma3Processor expands images (megaft.data.image_chat); the image is read and
-processed as the checkpoint's processor does (megaft.data.images). Decoding runs the prompt
-once with its images and caches it (megaft.inference.vision); one rank."""
+processed as the checkpoint's processor does (megaft.data.images). The engine's ranks
+(megaft.chat.engine: one, or tensor parallel) decode it with megaft.inference.vision: the
+prompt runs once with its images and is cached."""
 from __future__ import annotations
 
 import sys
@@ -12,7 +13,7 @@ from typing import Optional, TextIO
 
 import torch
 
-from megaft.chat.load import ChatError, ChatModel, compute
+from megaft.chat.load import ChatError, ChatModel
 
 
 def image_prompt(chat: ChatModel, user: str, image: str, system: Optional[str] = None
@@ -33,35 +34,27 @@ def image_prompt(chat: ChatModel, user: str, image: str, system: Optional[str] =
     return ids, torch.from_numpy(pixel_values(load_image(image), proc))[None]
 
 
-def answer_image(chat: ChatModel, user: str, image: str, *, sampling, max_new_tokens: int, device: torch.device,
+def answer_image(engine, chat: ChatModel, user: str, image: str, *, sampling, max_new_tokens: int,
                  system: Optional[str] = None, out: Optional[TextIO] = None) -> str:
-    """Stream the answer to `user` about `image` into `out`; returns it."""
+    """Stream the answer to `user` about `image` into `out` (the engine's model: a
+    vision-language checkpoint, one rank or tensor parallel); returns it."""
     from tokenizers import Tokenizer
 
     from megaft.chat.session import TextStream
-    from megaft.inference.vision import generate_with_images
-    from megaft.models.vision.config import vision_language_config
-    from megaft.models.vision.hf import load_vision_language_weights
-    from megaft.models.vision.model import VisionLanguageModel
 
     out = out or sys.stdout
-    model = VisionLanguageModel(vision_language_config(chat.hf_dir))
-    load_vision_language_weights(model, chat.hf_dir, tp_rank=0, tp_size=1)
-    model = model.to(device).eval()
     ids, pixels = image_prompt(chat, user, image, system)
-    room = model.cfg.max_seq_len - len(ids)
+    room = engine.max_len - len(ids)
     if room < 1:
         raise ChatError(f"the prompt with its image is {len(ids)} tokens, the model reads at most "
-                        f"{model.cfg.max_seq_len}; fix: a shorter prompt")
+                        f"{engine.max_len}; fix: a shorter prompt")
     stream = TextStream(Tokenizer.from_file(chat.tokenizer))
 
-    def show(_: int, token: int) -> None:
+    def show(token: int) -> None:
         out.write(stream.push(token))
         out.flush()
 
-    with torch.inference_mode(), compute(chat, device):
-        generate_with_images(model, ids, pixels, max_new_tokens=min(max_new_tokens, room), eos_id=chat.stop_ids,
-                             device=device, sampling=sampling, on_token=show)
+    engine.answer(ids, sampling, 0, min(max_new_tokens, room), show, pixels=pixels)
     out.write(stream.finish() + "\n")
     out.flush()
     return stream.text

@@ -105,7 +105,7 @@ def test_data_file_to_loss_and_gradients_equal_transformers(tmp_path):
 
 def test_chat_answers_about_an_image_as_transformers_generates(tmp_path, capsys):
     """`megaft-chat HF_DIR --prompt TEXT --image PATH` prints the greedy answer transformers' generate
-    gives for the processor's inputs of the same turn."""
+    gives for the processor's inputs of the same turn, on one rank and at tp=2."""
     from tokenizers import Tokenizer
 
     from megaft.chat.cli import main
@@ -124,8 +124,11 @@ def test_chat_answers_about_an_image_as_transformers_generates(tmp_path, capsys)
                              pad_token_id=processor.tokenizer.pad_token_id)[0, inputs["input_ids"].shape[1]:].tolist()
     new = new[:new.index(eos)] if eos in new else new
     assert new, "transformers' answer is empty: the comparison would prove little"
-    assert main([ckpt, "--prompt", "What is this?", "--image", image, "--max-new-tokens", "6", "device=cpu"]) == 0
-    assert capsys.readouterr().out == Tokenizer.from_file(f"{ckpt}/tokenizer.json").decode(new) + "\n"
+    text = Tokenizer.from_file(f"{ckpt}/tokenizer.json").decode(new) + "\n"
+    for ranks in ("1", "2"):  # one rank, then tensor parallel over two local ranks (gloo)
+        assert main([ckpt, "--prompt", "What is this?", "--image", image, "--max-new-tokens", "6", "device=cpu",
+                     f"parallel.tp={ranks}"]) == 0
+        assert capsys.readouterr().out == text, ranks
     assert main([ckpt, "--image", image]) == 2
     assert "--image needs --prompt" in capsys.readouterr().err
 
