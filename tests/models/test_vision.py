@@ -36,7 +36,7 @@ from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import shard_of
 from megaft.validation import validate
 from models.hf_fixture import checkpoint_tensors
-from models.vlm_fixture import IMAGE, image_batch, make_hf_gemma3
+from models.vlm_fixture import IMAGE, hf_gemma3_config, image_batch, make_hf_gemma3
 
 pytestmark = pytest.mark.exact
 
@@ -355,3 +355,29 @@ def test_greedy_generation_with_images_equals_transformers(hf_dir):
     other = generate_with_images(model, prompt.tolist(), pixels[:2].flip(-1), max_new_tokens=8, eos_id=None,
                                  device=torch.device("cpu"))
     assert other != got  # the images decide the answer here
+
+
+def test_untied_head_loads_and_exports(tmp_path):
+    """An untied lm_head (language_model.lm_head.weight as transformers saves it) loads, gives
+    transformers' logits and exports under the same name."""
+    cfg = hf_gemma3_config()
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = False
+    torch.manual_seed(3)
+    theirs = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    theirs.save_pretrained(str(tmp_path / "src"))
+    ours = VisionLanguageModel(vision_language_config(str(tmp_path / "src")))
+    assert not ours.cfg.tie_embeddings
+    load_vision_language_weights(ours, str(tmp_path / "src"), tp_rank=0, tp_size=1)
+    ids, _, pixels = image_batch()
+    with torch.no_grad():
+        want = theirs(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
+        got = ours(ids, pixels)[..., :want.shape[-1]]
+    _scale_close(got, want, "logits")
+    out = export_vision_language(ours, str(tmp_path / "out"), tokenizer_json=None, tp_group=None, is_writer=True)
+    exported, original = checkpoint_tensors(out), checkpoint_tensors(str(tmp_path / "src"))
+    assert torch.equal(exported["language_model.lm_head.weight"], original["language_model.lm_head.weight"])
+    assert not torch.equal(original["language_model.lm_head.weight"],
+                           original["language_model.model.embed_tokens.weight"])
