@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megaft.config import Config
+from megaft.config.lora import LoraConfig
 from megaft.data.errors import DataError
 from megaft.data.formats import parse_record
 from megaft.inference.kv_cache import kv_cache
@@ -34,6 +35,8 @@ from megaft.models.vision.model import ImageTokenMismatch, VisionLanguageModel, 
 from megaft.parallel.comm import group_rank, group_size
 from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
 from megaft.parallel.tensor.shard import shard_of
+from megaft.peft.lora import adapters
+from megaft.peft.vision import apply_vision_lora, export_vision_adapter
 from megaft.validation import validate
 from models.hf_fixture import checkpoint_tensors
 from models.vlm_fixture import IMAGE, hf_gemma3_config, image_batch, make_hf_gemma3
@@ -381,3 +384,35 @@ def test_untied_head_loads_and_exports(tmp_path):
     assert torch.equal(exported["language_model.lm_head.weight"], original["language_model.lm_head.weight"])
     assert not torch.equal(original["language_model.lm_head.weight"],
                            original["language_model.model.embed_tokens.weight"])
+
+
+def test_lora_on_the_language_model_loads_in_peft(hf_dir, tmp_path):
+    """Adapters on the language model (tower and projector frozen), exported for peft: peft's
+    Gemma3ForConditionalGeneration with the adapter gives our logits, with no adapter in the tower."""
+    import peft
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    model = VisionLanguageModel(vision_language_config(hf_dir))
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    apply_vision_lora(model, lora, seed=0, tp_rank=0, tp_size=1)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".adapter." in n} != set()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, adapter in adapters(model.language_model):  # B starts at zero: give the update a value
+            adapter.B.copy_(torch.randn(adapter.B.shape, generator=gen) * 0.1)
+    ids, _, pixels = image_batch()
+    with torch.no_grad():
+        ours = model(ids, pixels)
+    out = export_vision_adapter(model, lora, str(tmp_path / "adapter"), tp_group=None, is_writer=True, base=hf_dir)
+    theirs_model = peft.PeftModel.from_pretrained(_reference(hf_dir), out).eval()
+    lora_modules = [n for n, m in theirs_model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)]
+    assert len(lora_modules) == len(list(adapters(model.language_model))) == 2 * 7
+    assert not any("vision_tower" in n or "multi_modal_projector" in n for n in lora_modules)
+    with torch.no_grad():
+        theirs = theirs_model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
+        base = theirs_model.get_base_model()
+        with theirs_model.disable_adapter():
+            plain = base(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
+    _scale_close(ours[..., :theirs.shape[-1]], theirs, "logits with adapters")
+    assert (theirs - plain).abs().max() > 1e-2 * theirs.abs().max()  # the adapters matter
