@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from megaft.data.chat import ChatEncoder
 from megaft.data.errors import DataError
@@ -182,3 +183,32 @@ def read_image_chat(path: str, encoder: ImageChatEncoder, seq_len: int) -> Image
             continue
         out.samples.append(sample)
     return out
+
+
+@dataclass
+class ImageBatch:
+    """Rows of conversations with images, right-padded to the longest: input_ids [rows, seq],
+    labels [rows, seq] (the next token where it is a target, else -100), pixels [images, 3, H, W]
+    (the rows' images in row order, as the model consumes them)."""
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    pixels: torch.Tensor
+
+    @property
+    def n_targets(self) -> int:
+        return int((self.labels != -100).sum())
+
+
+def collate(samples: list, pad_id: int) -> ImageBatch:
+    """The ImageBatch of `samples` (ImageSample): each row's labels are its ids shifted left where
+    the next token is a target; padding is never a target."""
+    seq = max(len(s.ids) for s in samples)
+    ids = torch.full((len(samples), seq), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), seq), -100, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, :len(s.ids)] = torch.tensor(s.ids)
+        nxt = torch.tensor(s.ids[1:])
+        labels[row, :len(s.ids) - 1] = torch.where(torch.tensor(s.target[1:]), nxt, -100)
+    pixels = [torch.from_numpy(s.pixels) for s in samples if len(s.pixels)]
+    first = samples[0].pixels
+    return ImageBatch(ids, labels, torch.cat(pixels) if pixels else torch.zeros((0,) + first.shape[1:]))

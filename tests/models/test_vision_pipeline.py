@@ -12,7 +12,7 @@ import transformers
 from data.image_fixture import SIZE, TOKENS_PER_IMAGE, make_processor, write_images
 
 from megaft.data.chat import ChatEncoder
-from megaft.data.image_chat import ImageChatEncoder, read_image_chat
+from megaft.data.image_chat import ImageChatEncoder, collate, read_image_chat
 from megaft.data.images import ImageProcessing
 from megaft.data.templates import load_chat_template
 from megaft.data.tokenizer import load_tokenizer
@@ -145,3 +145,46 @@ def test_export_carries_the_processor(tmp_path):
     assert ImageProcessing.from_checkpoint(out) == ImageProcessing.from_checkpoint(ckpt)
     again = transformers.AutoProcessor.from_pretrained(out)
     assert (type(again).__name__, again.image_seq_length) == ("Gemma3Processor", TOKENS_PER_IMAGE)
+
+
+def test_a_collated_batch_gives_the_token_weighted_loss(tmp_path):
+    """Two conversations of different lengths and image counts, read and collated into one padded
+    batch (megaft.data.image_chat.collate): the batch's mean loss is transformers' per-conversation
+    losses weighted by their target counts."""
+    ckpt = str(tmp_path / "ckpt")
+    processor = _checkpoint(ckpt)
+    names = write_images(str(tmp_path / "img"))
+
+    def conversation(images, answer):
+        return {"messages": [{"role": "user", "content": [{"type": "image", "image": f"img/{names[m]}"}
+                                                          for m in images] + [{"type": "text", "text": "Which?"}]},
+                             {"role": "assistant", "content": answer}]}
+
+    records = [conversation(["RGB", "L"], "Both are noise."), conversation(["P"], "A dog.")]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    chat = ChatEncoder(load_tokenizer(ckpt), load_chat_template("auto", ckpt), "assistant")
+    data = read_image_chat(str(tmp_path / "chat.jsonl"), ImageChatEncoder(chat, ImageProcessing.from_checkpoint(ckpt)),
+                           seq_len=128)
+    batch = collate(data.samples, pad_id=processor.tokenizer.pad_token_id)
+    assert batch.input_ids.shape[0] == 2 and batch.pixels.shape[0] == 3
+    assert batch.n_targets == len("Both are noise.") + len("A dog.") + 2
+    model = VisionLanguageModel(vision_language_config(ckpt))
+    load_vision_language_weights(model, ckpt, tp_rank=0, tp_size=1)
+    with torch.no_grad():
+        ours = model.loss_sum(batch.input_ids, batch.labels, batch.pixels) / batch.n_targets
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32,
+                                                                            attn_implementation="eager").eval()
+    total, count = 0.0, 0
+    for record, sample in zip(records, data.samples):
+        messages = json.loads(json.dumps(record["messages"]))
+        for part in messages[0]["content"]:
+            if part["type"] == "image":
+                part["image"] = str(tmp_path / part["image"])
+        inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+        labels = torch.where(torch.tensor([sample.target]), inputs["input_ids"], -100)
+        with torch.no_grad():
+            loss = reference(**inputs, labels=labels).loss
+        n = int((labels[:, 1:] != -100).sum())
+        total, count = total + float(loss) * n, count + n
+    # fp32, sums in other orders: 1e-5 of the loss
+    assert count == batch.n_targets and abs(float(ours) - total / count) <= 1e-5 * total / count
