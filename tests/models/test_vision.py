@@ -416,3 +416,15 @@ def test_lora_on_the_language_model_loads_in_peft(hf_dir, tmp_path):
             plain = base(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
     _scale_close(ours[..., :theirs.shape[-1]], theirs, "logits with adapters")
     assert (theirs - plain).abs().max() > 1e-2 * theirs.abs().max()  # the adapters matter
+
+
+def test_a_wrong_shape_is_named(hf_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 63)
+    save_file(tensors, str(bad / "model.safetensors"))
+    model = VisionLanguageModel(vision_language_config(hf_dir))
+    with pytest.raises(HFCheckpointError, match=r"multi_modal_projector.mm_input_projection_weight has shape "
+                                                r"\[32, 63\], expected \[32, 64\] from config.json"):
+        load_vision_language_weights(model, str(bad), tp_rank=0, tp_size=1)

@@ -72,11 +72,12 @@ def _sources(model: nn.Module, files: dict[str, str], path: str, tp_size: int) -
     extra = sorted(n for n in files if n not in used and n not in ignored)
     if extra:
         problems.append(f"unexpected tensors: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
-    for name, src in out.items():
-        with safe_open(files[src.hf], "pt") as f:
-            shape = tuple(f.get_slice(src.hf).get_shape())
-        if shape != src.shape:
-            problems.append(f"{src.hf} has shape {list(shape)}, expected {list(src.shape)} from config.json")
+    for file in sorted({files[src.hf] for src in out.values()}):  # each file opened once
+        with safe_open(file, "pt") as f:
+            for src in out.values():
+                if files[src.hf] == file and tuple(f.get_slice(src.hf).get_shape()) != src.shape:
+                    problems.append(f"{src.hf} has shape {list(f.get_slice(src.hf).get_shape())}, expected "
+                                    f"{list(src.shape)} from config.json")
     if problems:
         raise HFCheckpointError(f"{path}: cannot load the multimodal checkpoint:\n  " + "\n  ".join(problems))
     return out
