@@ -34,6 +34,7 @@ from megaft.distill.checks import check_teacher
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
+from megaft.models.vision.checks import check_vision_run
 from megaft.optim.checks import check_fused, check_muon_layout
 from megaft.pref.checks import check_reference, reference_dir_problems
 
@@ -286,6 +287,9 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
         file_problems = _model_file_problems(cfg.model.init_from)
         if file_problems:  # the architecture lives in the missing files
             return problems + file_problems
+        vision = check_vision_run(cfg)
+        if vision:  # a vision-language checkpoint: its layouts named before resolve reads it as a text model
+            return problems + vision
     if cfg.model.init_from or not any("tokenizer" in p for p in problems):
         try:
             resolve(cfg)

@@ -1,7 +1,8 @@
-"""`megaft-chat RUN_DIR|HF_DIR [--prompt TEXT] [options] [launcher.nproc=N parallel.tp=N device=D]`.
+"""`megaft-chat RUN_DIR|HF_DIR [--prompt TEXT [--image PATH]] [options] [launcher.nproc=N parallel.tp=N device=D]`.
 
 Without --prompt: an interactive chat in the terminal, answers streamed as they are
-generated. With --prompt: one answer to stdout (nothing else there), then exit.
+generated. With --prompt: one answer to stdout (nothing else there), then exit; with --image
+too, about that image (a vision-language Gemma 3 checkpoint: megaft.chat.image).
 Exit status: 0 done, 1 a rank failed, 2 a bad argument or nothing to chat with.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="launcher.nproc=N and/or parallel.tp=N (tensor parallel over N local ranks), device=cpu|cuda")
     p.add_argument("--prompt", help="answer this one user message on stdout and exit")
+    p.add_argument("--image", help="with --prompt: an image the prompt is about (a vision-language Gemma 3 "
+                   "checkpoint; docs/vision.md)")
     p.add_argument("--system", help="the system message")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temp > 0)")
@@ -65,6 +68,9 @@ def _problems(args) -> list[str]:
         problems.append(f"--top-p {args.top_p:g}: top_p is in (0, 1]")
     if args.max_new_tokens < 1:
         problems.append(f"--max-new-tokens {args.max_new_tokens}: at least 1")
+    if args.image is not None and args.prompt is None:
+        problems.append("--image needs --prompt (one answer about the image; the interactive chat takes no images "
+                        "yet)")
     return problems
 
 
@@ -95,6 +101,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"megaft-chat: warning: {chat.origin} has no chat template, so each line is continued as plain "
                   "text, without history; fix: --template chatml|llama3|FILE.jinja", file=sys.stderr)
         engine = _engine(chat, nproc, device)
+        if args.image is not None:
+            from megaft.chat.image import answer_image
+
+            answer_image(engine, chat, args.prompt, args.image, sampling=Sampling(args.temp, args.top_p, args.seed),
+                         max_new_tokens=args.max_new_tokens, system=args.system)
+            return 0
         tok = Tokenizer.from_file(chat.tokenizer)
         session = Session(chat.template, Sampling(args.temp, args.top_p, args.seed), system=args.system)
         if args.prompt is not None:

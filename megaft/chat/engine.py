@@ -21,11 +21,23 @@ from typing import Callable
 
 import torch
 
-from megaft.chat.load import ChatError, ChatModel, build_model, compute
+from megaft.chat.load import ChatError, ChatModel, build_model, compute, max_seq_len
 from megaft.inference.generate import Sampling, generate
 
 OnToken = Callable[[int], None]
 TIMEOUT_S = 600  # a collective that waits longer than this fails (a rank died or hung)
+
+
+def _generate(model, ids, pixels, chat: ChatModel, device, sampling, step, max_new_tokens, on_token):
+    """The answer's new ids: a text model's `generate`, or with `pixels` (a vision-language model)
+    megaft.inference.vision's."""
+    if pixels is None:
+        return generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=chat.stop_ids, device=device,
+                        sampling=sampling, step=step, on_token=on_token)[0]
+    from megaft.inference.vision import generate_with_images
+
+    return generate_with_images(model, ids, pixels, max_new_tokens=max_new_tokens, eos_id=chat.stop_ids,
+                                device=device, sampling=sampling, step=step, on_token=on_token)
 
 
 class RankError(ChatError):
@@ -41,10 +53,11 @@ class LocalEngine:
         self.max_len = self.model.cfg.max_seq_len
 
     def answer(self, ids: list[int], sampling: Sampling, step: int, max_new_tokens: int,
-               on_token: OnToken) -> list[int]:
+               on_token: OnToken, pixels=None) -> list[int]:
+        """`pixels`: the images of `ids` (a vision-language model, megaft.chat.image)."""
         with torch.inference_mode(), compute(self.chat, self.device):
-            return generate(self.model, [ids], max_new_tokens=max_new_tokens, eos_id=self.chat.stop_ids,
-                            device=self.device, sampling=sampling, step=step, on_token=lambda _, t: on_token(t))[0]
+            return _generate(self.model, ids, pixels, self.chat, self.device, sampling, step, max_new_tokens,
+                             lambda _, t: on_token(t))
 
     def close(self) -> None:
         pass
@@ -70,10 +83,9 @@ def _rank_main(rank: int, nproc: int, init_file: str, chat: ChatModel, device_se
         replies.put(("ready", rank))
         send = (lambda _, token: replies.put(("token", token))) if rank == 0 else None
         while (request := requests.get()) is not None:
-            ids, sampling, step, max_new_tokens = request
+            ids, sampling, step, max_new_tokens, pixels = request
             with torch.inference_mode(), compute(chat, device):
-                generate(model, [ids], max_new_tokens=max_new_tokens, eos_id=chat.stop_ids, device=device,
-                         sampling=sampling, step=step, on_token=send)
+                _generate(model, ids, pixels, chat, device, sampling, step, max_new_tokens, send)
             if rank == 0:
                 replies.put(("done", rank))
     except Exception as exc:  # reported by the parent (RankError); no traceback on the terminal
@@ -88,9 +100,7 @@ class RanksEngine:
     """The model tensor-parallel over `nproc` spawned local ranks (module docstring)."""
 
     def __init__(self, chat: ChatModel, nproc: int, device_setting: str):
-        from megaft.models.hf.config import hf_model_config
-
-        self.max_len = hf_model_config(chat.hf_dir).max_seq_len
+        self.max_len = max_seq_len(chat)
         ctx = multiprocessing.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="megaft-chat-rdzv-")
         init_file = os.path.join(self._tmp.name, "init")
@@ -124,9 +134,9 @@ class RanksEngine:
             return reply
 
     def answer(self, ids: list[int], sampling: Sampling, step: int, max_new_tokens: int,
-               on_token: OnToken) -> list[int]:
+               on_token: OnToken, pixels=None) -> list[int]:
         for q in self.requests:
-            q.put((ids, sampling, step, max_new_tokens))
+            q.put((ids, sampling, step, max_new_tokens, pixels))
         out, interrupted = [], False
         while True:
             try:

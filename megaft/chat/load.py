@@ -125,11 +125,20 @@ def _stop_ids(hf_dir: str, tokenizer: str, template) -> tuple[int, ...]:
 def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=None,
                 device: torch.device = torch.device("cpu")):
     """This tp rank's Decoder of `chat.hf_dir` (its slice of every sharded weight), in eval mode,
-    with the run's kernels (auto ones decided as megaft-train does) and MoE routing."""
+    with the run's kernels (auto ones decided as megaft-train does) and MoE routing; a
+    vision-language checkpoint's VisionLanguageModel (tower replicated, megaft.models.vision)."""
     from megaft.models.decoder import Decoder
     from megaft.models.hf.config import hf_model_config
     from megaft.models.hf.load import load_hf_weights
 
+    if is_vision_language(chat):
+        from megaft.models.vision.config import vision_language_config
+        from megaft.models.vision.hf import load_vision_language_weights
+        from megaft.models.vision.model import VisionLanguageModel
+
+        vlm = VisionLanguageModel(vision_language_config(chat.hf_dir), group=group)
+        load_vision_language_weights(vlm, chat.hf_dir, tp_rank=tp_rank, tp_size=tp_size)
+        return vlm.to(device).eval()
     cfg = hf_model_config(chat.hf_dir)
     kernels = chat.kernels
     if kernels is not None:
@@ -140,6 +149,25 @@ def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=No
     model = Decoder(cfg, group=group, kernels=kernels, routing=chat.routing)
     load_hf_weights(model, chat.hf_dir, tp_rank=tp_rank, tp_size=tp_size)
     return model.to(device).eval()
+
+
+def is_vision_language(chat: ChatModel) -> bool:
+    """Whether `chat.hf_dir` is a vision-language Gemma 3 (megaft.models.vision)."""
+    from megaft.models.hf.config import read_hf_config
+    from megaft.models.vision.config import is_multimodal
+
+    return is_multimodal(read_hf_config(chat.hf_dir))
+
+
+def max_seq_len(chat: ChatModel) -> int:
+    """The longest sequence the model of `chat` reads (its language model's)."""
+    if is_vision_language(chat):
+        from megaft.models.vision.config import vision_language_config
+
+        return vision_language_config(chat.hf_dir).text.max_seq_len
+    from megaft.models.hf.config import hf_model_config
+
+    return hf_model_config(chat.hf_dir).max_seq_len
 
 
 def compute(chat: ChatModel, device: torch.device):

@@ -87,6 +87,11 @@ class ChatEncoder:
         is the index of the first target (what PackedStream must keep in view for the
         targets to count)."""
         text, spans = self.render(messages, tools)
+        return self.encode_rendered(messages, text, spans)
+
+    def encode_rendered(self, messages: list[dict], text: str, spans: list[tuple[int, int]]) -> Encoded:
+        """`encode` of a conversation already rendered to `text` with its assistant `spans`
+        (megaft.data.images renders, then writes each image's tokens into the text)."""
         self.untrained += trains_nothing({"messages": messages}, self.train_on)
         enc = self.tok.encode(text, add_special_tokens=False)
         ids = enc.ids

@@ -117,6 +117,10 @@ def checked_message(turn: dict, where: str) -> dict:
         raise DataError(f"{where} is a {role} turn with 'tool_calls'; fix: only assistant turns call tools "
                         "(put the call in an assistant turn, the result in a tool turn)")
     out = {"role": role}
+    if isinstance(turn.get("content"), list):  # transformers' parts form, images included
+        raise DataError(f"{where}: 'content' is a list of parts: megaft-train reads text conversations (content a "
+                        "string); conversations with images are read by megaft.data.image_chat for Gemma 3 and "
+                        "not fed to megaft-train yet (docs/vision.md); fix: write the content as a string")
     if not calls or "content" in turn:  # an assistant's call may come without text
         what = "a tool turn (the call's result as a string)" if role == "tool" else "every turn"
         out["content"] = _string(turn, "content", where, what)

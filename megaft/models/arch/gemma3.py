@@ -5,8 +5,9 @@ pre_feedforward_layernorm, post_feedforward_layernorm), qk-norm, scores scaled b
 query_pre_attn_scalar ** -0.5, sliding-window layers (5 of every 6 by default) with their
 own RoPE base (rope_local_base_freq / rope_parameters.sliding_attention) and the global
 layers' RoPE (possibly scaled); logit soft-capping when config.json sets it (as Gemma 2).
-The multimodal Gemma 3 checkpoints (model_type gemma3) are not read: their text model is
-extracted first and merged back after (megaft.models.hf.multimodal)."""
+The multimodal Gemma 3 checkpoints (model_type gemma3) are not read by this spec: their text
+model is extracted first and merged back after (megaft.models.hf.multimodal); with their
+images they are megaft.models.vision's."""
 from megaft.models.arch.gemma import SPEC as GEMMA
 from megaft.models.arch.spec import ArchSpec, ModelConfig, get, refuse_unless, rope_fields, window_field
 

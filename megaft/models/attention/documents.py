@@ -7,7 +7,9 @@ window if the layer has one. Right padding is one more "document" of its own: it
 only padding, and has no loss. A document may also see a shared prefix (`prefix_ids`: the
 prompt of a preference pair whose two answers follow it in the row, pref.share_prompt): a
 tree of depth one; flash-attn's varlen segments cannot say that, so such rows take flex or
-the explicit mask.
+the explicit mask. Images (`image_blocks`, Gemma 3): the tokens of one image also see each
+other's later tokens (transformers' token_type_ids mask: causal OR same image, then the
+sliding window); no varlen segment says that either.
 
 Kernels, first that runs: flash-attn's varlen kernel when the package is installed on a
 CUDA device (the documents of a micro-batch laid end to end, `cu_seqlens` marking them);
@@ -44,6 +46,9 @@ class Docs:
     # A shared prefix (preference pairs with pref.share_prompt): each token also sees the earlier
     # tokens of the document whose id this holds (its own id: none more); None = plain documents.
     prefix_ids: Optional[torch.Tensor] = None
+    # Images attended bidirectionally (Gemma 3): [batch, seq] the index of the image a token belongs
+    # to (a run of image tokens), -1 for text; None = no images.
+    image_blocks: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _once(self, key, build: Callable):
@@ -55,7 +60,8 @@ class Docs:
     def to(self, device) -> "Docs":
         cp = None if self.cp is None else self.cp.to(device)
         prefix = None if self.prefix_ids is None else self.prefix_ids.to(device)
-        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp, prefix)
+        images = None if self.image_blocks is None else self.image_blocks.to(device)
+        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp, prefix, images)
 
     def padded(self, seq: int) -> "Docs":
         """Right-padded to `seq` tokens (sequence parallel pads ids to a multiple of tp):
@@ -67,8 +73,9 @@ class Docs:
             raise ValueError("context-parallel chunks are never padded: data.seq_len / cp must be a multiple of tp")
         last = self.doc_ids.max(dim=1, keepdim=True).values + 1
         prefix = None if self.prefix_ids is None else torch.cat([self.prefix_ids, last.expand(-1, pad)], dim=1)
+        images = None if self.image_blocks is None else F.pad(self.image_blocks, (0, pad), value=-1)
         return Docs(F.pad(self.position_ids, (0, pad)), torch.cat([self.doc_ids, last.expand(-1, pad)], dim=1),
-                    prefix_ids=prefix)
+                    prefix_ids=prefix, image_blocks=images)
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [b*s, d] at the flattened position_ids, gathered once for all layers."""
@@ -95,13 +102,18 @@ class Docs:
 
 def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:
     """[batch, 1, seq, seq] boolean (True = attend): same document (or the query's shared
-    prefix), causal, and at most `window` keys back (itself included) when given."""
+    prefix), causal or within the query's image, and at most `window` keys back (itself
+    included) when given."""
     seq = docs.doc_ids.shape[1]
     i = torch.arange(seq, device=docs.doc_ids.device)
     same = docs.doc_ids[:, :, None] == docs.doc_ids[:, None, :]
     if docs.prefix_ids is not None:
         same |= docs.prefix_ids[:, :, None] == docs.doc_ids[:, None, :]
-    allowed = (i[None, :] <= i[:, None]).unsqueeze(0) & same
+    order = (i[None, :] <= i[:, None]).unsqueeze(0)
+    if docs.image_blocks is not None:  # transformers' blockwise_overlay, OR-ed into the causal mask
+        blocks = docs.image_blocks
+        order = order | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
+    allowed = order & same
     if window is not None:
         allowed &= (i[None, :] > i[:, None] - window).unsqueeze(0)
     return allowed.unsqueeze(1)
@@ -109,11 +121,14 @@ def document_mask(docs: Docs, window: Optional[int] = None) -> torch.Tensor:
 
 def mask_mod(docs: Docs, window: Optional[int] = None):
     """The same rule as `document_mask`, as flex_attention's mask_mod(b, h, q, kv)."""
-    doc, prefix = docs.doc_ids, docs.prefix_ids
+    doc, prefix, blocks = docs.doc_ids, docs.prefix_ids, docs.image_blocks
 
     def allowed(b, h, q, kv):
         same = doc[b, q] == doc[b, kv]
-        ok = (kv <= q) & (same if prefix is None else same | (prefix[b, q] == doc[b, kv]))
+        order = kv <= q
+        if blocks is not None:
+            order = order | ((blocks[b, q] == blocks[b, kv]) & (blocks[b, q] >= 0))
+        ok = order & (same if prefix is None else same | (prefix[b, q] == doc[b, kv]))
         return ok & (kv > q - window) if window is not None else ok
 
     return allowed
@@ -185,7 +200,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Docs, window
     """Attention of packed documents: flash-attn's varlen kernel, else compiled
     flex_attention with a block mask on CUDA, else SDPA with the explicit mask
     (`kernel_name` says which)."""
-    if flash_available(q.device) and docs.prefix_ids is None:  # a shared prefix is no varlen segment
+    if flash_available(q.device) and docs.prefix_ids is None and docs.image_blocks is None:  # no varlen segment
+        # says a shared prefix or an image seen both ways
         return varlen_attend(q, k, v, docs, window)
     if flex_available(q.device):
         return _compiled_flex()(q, k, v, block_mask=docs.mask(window, True), enable_gqa=gqa)

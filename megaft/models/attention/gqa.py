@@ -11,7 +11,8 @@
 * tp wider than the kv heads: kv heads replicated (megaft.models.attention.kv_heads);
 * `query_pre_attn_scalar` (Gemma 2/3): the scores' scale, applied to q;
 * `attn_softcap` (Gemma 2): soft-capped scores, explicit attention (megaft.models.attention.softcap);
-* generation's KV cache (`cache`, set by megaft.inference.kv_cache while decoding).
+* generation's KV cache (`cache`, set by megaft.inference.kv_cache while decoding; a prompt
+  with images runs the `docs` path and fills it: megaft.inference.vision).
 """
 from __future__ import annotations
 
@@ -135,6 +136,8 @@ class Attention(nn.Module):
         if docs is not None:
             q, k = rope_at(q.transpose(1, 2), k.transpose(1, 2), cos, sin, docs, self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale
+            if self.cache is not None:  # a prompt with images (megaft.inference.vision): cached as it is
+                self.cache.extend(k, v)  # attended, with the images' mask; the new tokens follow causally
             if docs.cp is not None:  # context parallel: this rank's chunks, the ring over the cp group;
                 # it keeps only q, k, v, out and the log-sum-exp: selective recompute has nothing to add
                 out = ring_attention(q, k, v, docs.cp, self.window)

@@ -56,8 +56,13 @@ def hf_model_config(path: str, base: Optional[ModelConfig] = None) -> ModelConfi
     max_position_embeddings, the model's own limit (the rotary tables cover it).
     bos/eos/pad ids and max_position_embeddings are kept in `extra` for export.
     """
+    return model_config_of(read_hf_config(path), os.path.join(path, CONFIG), path, base)
+
+
+def model_config_of(raw: dict[str, Any], file: str, path: str, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """`hf_model_config` of a parsed config.json `raw` (read from `file`, of the checkpoint in
+    `path`): a multimodal checkpoint hands its completed text_config here."""
     base = base or ModelConfig()
-    raw, file = read_hf_config(path), os.path.join(path, CONFIG)
     quant = raw.get("quantization_config") if readable_quantized(raw) else None
     raw = screen(raw, file, base.hf_ignore_keys)
     spec = spec_for(raw.get("model_type"), file)

@@ -1,0 +1,214 @@
+"""Conversations with images -> token ids, a loss mask and pixel values (Gemma 3).
+
+A line of the data file is `{"messages": [...]}` whose `content` may be a list of parts,
+as transformers' chat templates take them:
+
+    {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is it?"}]}
+
+LLaMA-Factory's ShareGPT form is read too: `{"conversations": [{"from": "human", "value":
+"<image>What is it?"}, {"from": "gpt", "value": ...}], "images": ["cat.png"]}`, each `<image>`
+taking the next path of `images` (`sharegpt_messages`). Image paths are relative to the data
+file's folder. The conversation is rendered by the
+checkpoint's chat template (Gemma 3's writes <start_of_image> for each image part), then,
+as Gemma3Processor does, each <start_of_image> becomes "\\n\\n<start_of_image>", the image's
+mm_tokens_per_image image tokens, "<end_of_image>\\n\\n"; the text is tokenized once. The
+assistant spans found on the rendered text (megaft.data.chat) move with the expansion, so
+data.train_on keeps its meaning; the image tokens are never targets (with train_on=all
+neither: predicting a placeholder teaches nothing).
+
+Never cut an image: a conversation longer than data.seq_len is dropped whole and counted
+(`ImageData.dropped_long`, with its FILE:LINE); nothing is truncated."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megaft.data.chat import ChatEncoder
+from megaft.data.errors import DataError
+from megaft.data.formats import checked_turns
+from megaft.data.images import ImageProcessing, load_image, pixel_values
+from megaft.data.jsonl import scan_json_lines, where
+
+PART_TYPES = ("text", "image")
+IMAGE_PLACEHOLDER = "<image>"  # LLaMA-Factory's ShareGPT placeholder
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_FIX = 'fix: write each part as {"type": "text", "text": str} or {"type": "image", "image": PATH}'
+
+
+@dataclass
+class ImageSample:
+    """One conversation: ids and targets (as megaft.data.encode.Encoded) and its images'
+    pixels [images, 3, height, width] float32 (in the order their tokens appear)."""
+    ids: list
+    target: list
+    pixels: np.ndarray
+
+
+@dataclass
+class ImageData:
+    samples: list = field(default_factory=list)
+    dropped_long: int = 0  # conversations longer than data.seq_len: dropped whole, never cut
+    dropped_lines: list = field(default_factory=list)  # FILE:LINE of each, for the log
+
+
+def sharegpt_messages(obj: dict) -> list[dict]:
+    """LLaMA-Factory's ShareGPT form with images: `<image>` placeholders in the turns' values, the
+    files in an `images` list in order; as messages with text and image parts."""
+    turns = checked_turns(obj["conversations"], "conversations", "from", "value")
+    images = obj.get("images") or []
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise DataError("'images' must be a list of paths; fix: \"images\": [\"img/a.png\", ...]")
+    if isinstance(obj.get("system"), str) and obj["system"]:
+        turns = [{"from": "system", "value": obj["system"]}] + turns
+    messages, left = [], list(images)
+    for i, turn in enumerate(turns):
+        speaker, value = turn.get("from"), turn.get("value")
+        if speaker not in SHAREGPT_ROLES or not isinstance(value, str):
+            raise DataError(f"'conversations'[{i}] needs \"from\" (human, gpt or system) and a \"value\" string")
+        pieces = value.split(IMAGE_PLACEHOLDER)
+        if len(pieces) == 1:
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+            continue
+        parts = []
+        for j, piece in enumerate(pieces):
+            if j:
+                if not left:
+                    raise DataError(f"'conversations'[{i}] has more {IMAGE_PLACEHOLDER} placeholders than 'images' "
+                                    "lists; fix: one path in 'images' per placeholder, in order")
+                parts.append({"type": "image", "image": left.pop(0)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": parts})
+    if left:
+        raise DataError(f"'images' lists {len(images)} paths for {len(images) - len(left)} {IMAGE_PLACEHOLDER} "
+                        "placeholders; fix: one placeholder per image, where it appears in the turn")
+    return messages
+
+
+def parse_image_chat(obj: object, base_dir: str) -> tuple[list[dict], list[str]]:
+    """(messages as the template takes them, image paths resolved against `base_dir`), from
+    `{"messages": [...]}` or ShareGPT's `{"conversations": [...], "images": [...]}`."""
+    if isinstance(obj, dict) and "conversations" in obj and "messages" not in obj:
+        obj = {"messages": sharegpt_messages(obj)}
+    if not isinstance(obj, dict) or "messages" not in obj:
+        raise DataError('expected {"messages": [...]} (content a string or a list of text and image parts) or '
+                        '{"conversations": [...], "images": [...]}')
+    messages, paths = [], []
+    for i, turn in enumerate(checked_turns(obj["messages"], "messages", "role", "content")):
+        where_ = f"'messages'[{i}]"
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise DataError(f"{where_} has role {role!r}; fix: system, user or assistant (tool turns with images "
+                            "are not supported)")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise DataError(f"{where_}: 'content' must be a string or a list of parts; {_FIX}")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in PART_TYPES or not isinstance(part.get(kind), str):
+                raise DataError(f"{where_}['content'][{j}] is not a text or image part; {_FIX}")
+            if kind == "image":
+                if role == "assistant":
+                    raise DataError(f"{where_}: an assistant turn holds an image; fix: images go in user turns")
+                paths.append(os.path.join(base_dir, part["image"]))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part["text"]})
+        messages.append({"role": role, "content": parts})
+    return messages, paths
+
+
+def expand_images(text: str, spans: list, proc: ImageProcessing, n_images: int) -> tuple[str, list]:
+    """Each <start_of_image> of the rendered `text` replaced by the image's whole sequence; the
+    character `spans` (assistant output) moved by what was inserted before them."""
+    pieces = text.split(proc.boi)
+    if len(pieces) - 1 != n_images:
+        raise DataError(f"the rendered conversation holds {len(pieces) - 1} {proc.boi} for {n_images} image parts; "
+                        f"fix: one image part per image (and no literal {proc.boi} in the text), and a chat "
+                        "template that writes it for image parts (the checkpoint's own)")
+    starts, at = [], 0
+    for piece in pieces[:-1]:
+        at += len(piece)
+        starts.append(at)
+        at += len(proc.boi)
+    grow = len(proc.image_sequence) - len(proc.boi)
+
+    def moved(pos: int) -> int:
+        return pos + grow * sum(s + len(proc.boi) <= pos for s in starts)
+
+    return proc.image_sequence.join(pieces), [(moved(a), moved(b)) for a, b in spans]
+
+
+class ImageChatEncoder:
+    """Encodes conversations with images through a ChatEncoder (template, train_on)."""
+
+    def __init__(self, chat: ChatEncoder, proc: ImageProcessing):
+        self.chat, self.proc = chat, proc
+        self.image_id = chat.tok.token_to_id(proc.image_token)
+        missing = [t for t in (proc.boi, proc.eoi, proc.image_token) if chat.tok.token_to_id(t) is None]
+        if missing:
+            raise DataError(f"the tokenizer lacks the image tokens {missing}; fix: the checkpoint's own tokenizer")
+
+    def encode(self, messages: list[dict], paths: list[str]) -> ImageSample:
+        text, spans = self.chat.render(messages)
+        text, spans = expand_images(text, spans, self.proc, len(paths))
+        enc = self.chat.encode_rendered(messages, text, spans)
+        target = [t and i != self.image_id for t, i in zip(enc.target, enc.ids)]
+        pixels = np.stack([pixel_values(load_image(p), self.proc) for p in paths]) if paths else \
+            np.zeros((0, 3, self.proc.height, self.proc.width), np.float32)
+        return ImageSample(enc.ids, target, pixels)
+
+
+def read_image_chat(path: str, encoder: ImageChatEncoder, seq_len: int) -> ImageData:
+    """Every conversation of the JSONL file `path` within `seq_len` tokens; longer ones are
+    dropped whole and counted, never cut. Raises DataError(FILE:LINE: ...)."""
+    base = os.path.dirname(os.path.abspath(path))
+    out = ImageData()
+    for lineno, parsed, problem in scan_json_lines(path, lambda obj: parse_image_chat(obj, base), "conversations"):
+        if problem is not None:
+            raise DataError(f"{where(path, lineno)}: {problem}")
+        try:
+            sample = encoder.encode(*parsed)
+        except DataError as e:
+            raise DataError(f"{where(path, lineno)}: {e}") from None
+        if len(sample.ids) > seq_len:
+            out.dropped_long += 1
+            out.dropped_lines.append(where(path, lineno))
+            continue
+        out.samples.append(sample)
+    return out
+
+
+@dataclass
+class ImageBatch:
+    """Rows of conversations with images, right-padded to the longest: input_ids [rows, seq],
+    labels [rows, seq] (the next token where it is a target, else -100), pixels [images, 3, H, W]
+    (the rows' images in row order, as the model consumes them)."""
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    pixels: torch.Tensor
+
+    @property
+    def n_targets(self) -> int:
+        return int((self.labels != -100).sum())
+
+
+def collate(samples: list, pad_id: int) -> ImageBatch:
+    """The ImageBatch of `samples` (ImageSample): each row's labels are its ids shifted left where
+    the next token is a target; padding is never a target."""
+    seq = max(len(s.ids) for s in samples)
+    ids = torch.full((len(samples), seq), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), seq), -100, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, :len(s.ids)] = torch.tensor(s.ids)
+        nxt = torch.tensor(s.ids[1:])
+        labels[row, :len(s.ids) - 1] = torch.where(torch.tensor(s.target[1:]), nxt, -100)
+    pixels = [torch.from_numpy(s.pixels) for s in samples if len(s.pixels)]
+    first = samples[0].pixels
+    return ImageBatch(ids, labels, torch.cat(pixels) if pixels else torch.zeros((0,) + first.shape[1:]))
