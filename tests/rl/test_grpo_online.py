@@ -6,6 +6,7 @@
   rl.max_completion_length tokens, the shorter ones ended by the eos, rewards that vary;
 - dp2 with ZeRO-3, tp2 with sequence parallelism, pp2 and cp2 generate the same completions as the
   single process (each prompt's draws seeded by its step and position) and train the same steps;
+- RUN_DIR/samples.jsonl holds each step's first group, decoded, with its rewards;
 - a resumed run regenerates the uninterrupted one's rollouts and cuts its log back;
 - validation names what online generation needs.
 """
@@ -64,6 +65,28 @@ def test_generated_groups_are_what_was_asked(inputs):
     assert len({tuple(c) for g in groups for c in g["completion_ids"]}) > 3 * 2 * G // 2
 
 
+def _samples(run_dir) -> list[dict]:
+    with open(f"{run_dir}/samples.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_samples_hold_each_steps_first_group_with_its_rewards(inputs):
+    """RUN_DIR/samples.jsonl: a line a step (metrics.jsonl's numbers), the step's first prompt and its
+    G completions decoded, and `letters`' rewards of them, as the step scored them."""
+    from rl.grpo_cases import letters
+    from tokenizers import Tokenizer
+
+    ckpt, _, root = inputs
+    tok = Tokenizer.from_file(f"{ckpt}/tokenizer.json")
+    samples, groups = _samples(root / "single"), _groups(root / "single")
+    assert [s["step"] for s in samples] == [1, 2, 3]
+    for s, group in zip(samples, groups[::2]):  # 2 groups a step: the first of each
+        assert s["prompt"] == tok.decode(group["prompt_ids"], skip_special_tokens=True)
+        assert s["completions"] == [tok.decode(c, skip_special_tokens=True) for c in group["completion_ids"]]
+        want = letters(completions=s["completions"], answer=[group["answer"]] * G)  # the prompt line's extras
+        assert list(s["rewards"]) == ["letters"] and s["rewards"]["letters"] == want and len(want) == G
+
+
 def test_the_online_run_equals_a_run_on_its_logged_rollouts(inputs, tmp_path):
     ckpt, _, root = inputs
     cfg = online_config(ckpt, None)
@@ -104,6 +127,7 @@ def test_a_resumed_run_regenerates_the_uninterrupted_one(inputs, tmp_path):
     again.train.save_every = 2
     run(resolve(again), ParallelGrid.single(), run_dir)
     assert _groups(run_dir) == _groups(root / "single")  # step 3's groups cut back, then generated again
+    assert _samples(run_dir) == _samples(root / "single")  # and step 3's samples line
     got, want = _lines(run_dir), _lines(root / "single")
     assert got[-1]["step"] == 3
     for key in COMPARED:

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
+import os
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
 import torch
 
+from megaft.checkpoint.state import trim_metrics
 from megaft.config.rl import RLConfig
 from megaft.data.build import build_tokenizer
 from megaft.data.templates import load_chat_template, tokenizer_dir_of
@@ -89,6 +93,8 @@ class RolloutData:
     same_length: bool = False  # pp > 1: every micro-batch of a step as long as the longest
     online: Optional[OnlineRollouts] = None  # rl.prompts: each step's groups generated
     score: Optional[Callable[[list[Group]], torch.Tensor]] = None  # online: rl.reward's [completions, functions]
+    run_dir: str = ""  # rank 0 appends each step's first group to RUN_DIR/samples.jsonl (`log_first_group`)
+    _trimmed: bool = False  # samples.jsonl cut back to the first step this process trains
     task = None
     eval_batches = []
     packing = "none"
@@ -113,6 +119,8 @@ class RolloutData:
     def batch(self, step: int) -> RolloutBatch:
         g = self.rl.num_generations
         groups, rewards = self._step_groups(step)
+        if self.run_dir and self.grid.rank == 0:
+            self.log_first_group(step + 1, groups[0], rewards[:g])
         inputs, labels = group_rows(groups, self.seq_len, self.pad_id)
         weights = torch.tensor(self.rl.reward_weights or [1.0] * len(self.names))
         advantages, metrics = group_advantages(rewards, weights, g, self.rl.scale_rewards)
@@ -139,6 +147,25 @@ class RolloutData:
                             reward_metrics=metrics, valid=micro[3])
 
 
+    def log_first_group(self, step: int, group: Group, rewards: torch.Tensor) -> None:
+        """One line of RUN_DIR/samples.jsonl for metrics.jsonl's `step`: the step's first prompt, its G
+        completions (decoded without special tokens, as the reward functions read them) and each
+        function's rewards (null: declined). A resumed run first drops the lines after its checkpoint."""
+        path = os.path.join(self.run_dir, "samples.jsonl")
+        if not self._trimmed:
+            trim_metrics(path, step - 1)
+            self._trimmed = True
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        completions = [decode(c) for c in group.completion_ids]
+        line = {"step": step, "prompt": decode(group.prompt_ids), "completions": completions,
+                "rewards": {name: [None if math.isnan(v) else v for v in rewards[:, j].tolist()]
+                            for j, name in enumerate(self.names)}}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def build_data(parts: RunParts) -> RolloutData:
     """rl.rollouts' groups (read in every rank: validation parsed the file before any started), or
     rl.prompts' prompts, whose groups the policy generates each step (the step part attaches it)."""
@@ -161,13 +188,14 @@ def build_data(parts: RunParts) -> RolloutData:
         online = OnlineRollouts(read_rl_prompts(rl.prompts, tok, template), num_generations=rl.num_generations,
                                 max_completion_length=rl.max_completion_length, seq_len=cfg.data.seq_len, grid=grid,
                                 run_dir=parts.run_dir)
-        return RolloutData(tok, eos_id, [], None, names, rl, grid, online=online, score=score, **shape)
+        return RolloutData(tok, eos_id, [], None, names, rl, grid, online=online, score=score, run_dir=parts.run_dir,
+                           **shape)
     groups = read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
                            cfg.model.vocab_size, scored=bool(rl.reward))
     # scored once: the file and the functions fix every completion's rewards
     rewards = score(groups) if rl.reward else logged_rewards(groups)
     return RolloutData(tok, eos_id, groups, rewards.view(len(groups), rl.num_generations, -1), names, rl, grid,
-                       **shape)
+                       run_dir=parts.run_dir, **shape)
 
 
 class GrpoObjective:
