@@ -13,7 +13,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 TEST_ARGS ?=
 
-.PHONY: install train test lint bench clean slurm-up slurm-down gpu-check gpu-wheels
+.PHONY: install train rl test lint bench clean slurm-up slurm-down gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ ONE_GPU = $(PY) -c "import torch; print('parallel=single launcher.nproc=1' if to
 
 train: $(STAMP)
 	$(VENV)/bin/megaft-train $$($(ONE_GPU)) $(ARGS)
+
+# GRPO that learns (docs/rl.md): a short `make train` run, then GRPO with the exact_match reward on
+# its task's training prompts; prints the held-out accuracy before and after (benchmarks/rl_demo.py).
+rl: $(STAMP)
+	$(PY) -m benchmarks.rl_demo $(ARGS)
 
 # As root, start the single-host Slurm (slurm/cluster.sh) so tests/slurm runs; where it
 # cannot start, tests/slurm skips or fails with the reason. The cluster stays up afterwards.
