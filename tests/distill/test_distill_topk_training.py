@@ -1,0 +1,144 @@
+"""train.objective=distill with distill.top_k end to end: the teacher scored once into its top-k per
+target token (megaft.distill.stored), training against it with no teacher held.
+
+- k = vocabulary repeats the online teacher's run (loss and grad norm at every step);
+- tp2 (the student's vocabulary split) and dp2 ZeRO-3 with k = 8 repeat the single process (one spawn);
+- distill.scores keeps the scored top-k under its fingerprint, a second run reads it; a stored file of
+  other target tokens, k or tokenizer is refused with the fix and left as it was;
+- validation refuses top_k < 1 or above the vocabulary, packed streams, pp and cp; the memory
+  estimate holds no teacher.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from models.hf_fixture import VOCAB, make_hf_llama
+from multirank import spawn
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from train_cases import layout_grid, read_rows, run
+
+from distill.distill_cases import COMPARED, distill_config, write_sft
+from megaft.distill.stored import load_topk, save_topk
+from megaft.distill.topk import TopK
+from megaft.parallel.grid import ParallelGrid
+from megaft.perf.memory import estimate_ranks
+from megaft.validation import resolve, validate
+
+pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+
+LAYOUTS = {"tp2": dict(tp=2), "dp2_zero3": dict(dp=2, zero=3)}
+
+
+def topk_config(ckpt, teacher, data, k, *, scores=None, micro=2, packing="none"):
+    cfg = distill_config(ckpt, teacher, data, micro=micro, packing=packing)
+    cfg.distill.top_k, cfg.distill.scores = k, scores
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill_topk")
+    ckpt, teacher, data = str(root / "student"), str(root / "teacher"), str(root / "sft.jsonl")
+    make_hf_llama(ckpt, seed=1)
+    make_hf_llama(teacher, seed=2)
+    write_sft(data)
+    return ckpt, teacher, data, root
+
+
+def _curve(run_dir):
+    rows = [r for r in read_rows(run_dir) if "loss" in r]
+    assert len(rows) == 2 and len({r["loss"] for r in rows}) == 2 and min(r["loss"] for r in rows) > 0
+    return rows
+
+
+def _close(got, want, what):
+    """The same fp32 terms summed in other orders (vocabulary slices, the k ids sorted by the teacher's
+    probability, tokens over ranks), through one Adam update: the layout tests' 5e-5 relative."""
+    failures = []
+    for g, w in zip(got, want):
+        for key in COMPARED:
+            if abs(g[key] - w[key]) > 5e-5 * max(abs(w[key]), 1e-1):
+                failures.append(f"{what} step {w['step']} {key}: {g[key]} against {w[key]}")
+    return failures
+
+
+def test_k_vocabulary_repeats_the_online_teacher(inputs):
+    ckpt, teacher, data, root = inputs
+    run(resolve(distill_config(ckpt, teacher, data)), ParallelGrid.single(), str(root / "online"))
+    run(resolve(topk_config(ckpt, teacher, data, VOCAB)), ParallelGrid.single(), str(root / "k_vocab"))
+    failures = _close(_curve(str(root / "k_vocab")), _curve(str(root / "online")), "k = vocabulary")
+    assert not failures, "\n".join(failures)
+
+
+def _layouts_rank(rank, world, ckpt, teacher, data, root):
+    for name, par in LAYOUTS.items():
+        cfg = topk_config(ckpt, teacher, data, 8, micro=1 if par.get("dp") else 2)
+        for key, value in par.items():
+            setattr(cfg.parallel, key, value)
+        run(resolve(cfg), layout_grid(par), os.path.join(root, name))
+
+
+def test_tp2_and_dp2_equal_the_single_process(inputs):
+    ckpt, teacher, data, root = inputs
+    spawn(2, _layouts_rank, ckpt, teacher, data, str(root / "layouts"))
+    failures = []
+    for name, par in LAYOUTS.items():
+        single = str(root / "single" / name)
+        run(resolve(topk_config(ckpt, teacher, data, 8, micro=1 if par.get("dp") else 2)), ParallelGrid.single(),
+            single)
+        failures += _close(_curve(str(root / "layouts" / name)), _curve(single), name)
+    assert not failures, "\n".join(failures)
+
+
+def test_scores_are_kept_and_read(inputs):
+    ckpt, teacher, data, root = inputs
+    scores = str(root / "scores")
+    run(resolve(topk_config(ckpt, teacher, data, 8, scores=scores)), ParallelGrid.single(), str(root / "first"))
+    (stored,) = os.listdir(scores)
+    path = os.path.join(scores, stored)
+    # a second run of the same fingerprint reads the file: poisoned log-probs change its loss
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(path)
+    save_file({**tensors, "logps": tensors["logps"] - 1.0}, path, metadata=meta)
+    run(resolve(topk_config(ckpt, teacher, data, 8, scores=scores)), ParallelGrid.single(), str(root / "second"))
+    first, second = _curve(str(root / "first")), _curve(str(root / "second"))
+    assert abs(first[0]["loss"] - second[0]["loss"]) > 1e-3 * first[0]["loss"]
+    assert os.listdir(scores) == [stored]
+
+
+def test_a_stored_file_of_other_data_is_refused(tmp_path):
+    parts = {"n_targets": 5, "top_k": 3, "tokenizer_sha256": "a"}
+    top = TopK(torch.zeros(5, 3, dtype=torch.long), torch.full((5, 3), -2.0), torch.full((5,), -1.0))
+    path = str(tmp_path / "teacher-topk-x.safetensors")
+    save_topk(path, top, parts)
+    before = open(path, "rb").read()
+    assert torch.equal(load_topk(path, parts).logps, top.logps)
+    for other, words in (({"n_targets": 6}, "holds 5 target tokens and this run's data 6"),
+                         ({"top_k": 4}, "keeps k=3 ids a token and this run asks distill.top_k=4"),
+                         ({"tokenizer_sha256": "b"}, "another tokenizer")):
+        with pytest.raises(ValueError, match="fix: move or delete") as err:
+            load_topk(path, {**parts, **other})
+        assert words in str(err.value), err.value
+    assert open(path, "rb").read() == before  # nothing saved is lost
+    assert load_topk(str(tmp_path / "none.safetensors"), parts) is None
+
+
+def test_validation_and_memory(inputs):
+    ckpt, teacher, data, _ = inputs
+    assert validate(resolve(topk_config(ckpt, teacher, data, 8)), 1) == []
+    for k, words in ((0, "distill.top_k=0 must be >= 1"), (VOCAB + 1, f"exceeds the vocabulary ({VOCAB} tokens)")):
+        problems = validate(resolve(topk_config(ckpt, teacher, data, k)), 1)
+        assert any(words in p for p in problems), problems
+    problems = validate(resolve(topk_config(ckpt, teacher, data, 8, packing="stream")), 1)
+    assert any("fix: data.packing=docs or none" in p for p in problems), problems
+    cfg = topk_config(ckpt, teacher, data, 8)
+    cfg.parallel.pp = 2
+    problems = validate(resolve(cfg), 2)
+    assert any("built for parallel.pp=1 and parallel.cp=1" in p for p in problems), problems
+    online = resolve(distill_config(ckpt, teacher, data))
+    assert estimate_ranks(online, 1)[0].frozen > 0
+    assert estimate_ranks(resolve(topk_config(ckpt, teacher, data, 8)), 1)[0].frozen == 0
