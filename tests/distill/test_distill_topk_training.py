@@ -142,3 +142,25 @@ def test_validation_and_memory(inputs):
     online = resolve(distill_config(ckpt, teacher, data))
     assert estimate_ranks(online, 1)[0].frozen > 0
     assert estimate_ranks(resolve(topk_config(ckpt, teacher, data, 8)), 1)[0].frozen == 0
+
+
+def test_megaft_score_stores_what_a_training_run_reads(inputs, tmp_path):
+    """megaft-score with distill.scores (megaft-train at train.max_steps=0) writes the top-k file a training
+    run of the same fingerprint reads (the run's own scoring would write a second, equal file)."""
+    import subprocess
+    import sys
+
+    ckpt, teacher, data, _ = inputs
+    scores = str(tmp_path / "scores")
+    script = "import sys; from megaft.cli import score; sys.argv[0] = 'megaft-score'; sys.exit(score())"
+    args = ["device=cpu", "parallel.tp=1", "launcher.nproc=1", f"model.init_from={ckpt}", f"data.path={data}",
+            "data.seq_len=16", "data.packing=none",
+            "train.objective=distill", f"distill.teacher={teacher}", "distill.top_k=8", "distill.temperature=2.0",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.progress=false",
+            f"hydra.run.dir={tmp_path / 'scoring'}", f"distill.scores={scores}"]
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (stored,) = os.listdir(scores)
+    before = os.stat(os.path.join(scores, stored)).st_mtime_ns
+    run(resolve(topk_config(ckpt, teacher, data, 8, scores=scores)), ParallelGrid.single(), str(tmp_path / "train"))
+    assert os.listdir(scores) == [stored] and os.stat(os.path.join(scores, stored)).st_mtime_ns == before
