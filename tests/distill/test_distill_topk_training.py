@@ -1,8 +1,10 @@
 """train.objective=distill with distill.top_k end to end: the teacher scored once into its top-k per
 target token (megaft.distill.stored), training against it with no teacher held.
 
-- k = vocabulary repeats the online teacher's run (loss and grad norm at every step);
-- tp2 (the student's vocabulary split) and dp2 ZeRO-3 with k = 8 repeat the single process (one spawn);
+- k = vocabulary repeats the online teacher's run (loss and grad norm at every step), unpacked and on
+  packed documents with the cross-entropy mixed in;
+- tp2 (the student's vocabulary split), dp2 ZeRO-3 and tp2 sp on packed documents with k = 8 repeat
+  the single process (one spawn);
 - distill.scores keeps the scored top-k under its fingerprint, a second run reads it; a stored file of
   other target tokens, k or tokenizer is refused with the fix and left as it was;
 - validation refuses top_k < 1 or above the vocabulary, packed streams, pp and cp; the memory
@@ -29,7 +31,18 @@ from megaft.validation import resolve, validate
 
 pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
 
-LAYOUTS = {"tp2": dict(tp=2), "dp2_zero3": dict(dp=2, zero=3)}
+# name -> parallel settings (and data.packing), every one on 2 ranks in one spawn
+LAYOUTS = {"tp2": dict(tp=2), "dp2_zero3": dict(dp=2, zero=3),
+           "tp2_sp_docs": dict(tp=2, sequence_parallel=True, packing="docs")}
+
+
+def _layout_config(ckpt, teacher, data, par, *, single):
+    par = dict(par)
+    cfg = topk_config(ckpt, teacher, data, 8, micro=1 if par.get("dp") else 2, packing=par.pop("packing", "none"))
+    if not single:
+        for key, value in par.items():
+            setattr(cfg.parallel, key, value)
+    return resolve(cfg)
 
 
 def topk_config(ckpt, teacher, data, k, *, scores=None, micro=2, packing="none"):
@@ -65,20 +78,24 @@ def _close(got, want, what):
     return failures
 
 
-def test_k_vocabulary_repeats_the_online_teacher(inputs):
+@pytest.mark.parametrize("packing,alpha", [("none", 0.0), ("docs", 0.3)])
+def test_k_vocabulary_repeats_the_online_teacher(inputs, packing, alpha):
+    """Rows of unpacked sequences, and of documents packed several to a row (the plan's pieces), with the
+    cross-entropy mixed in."""
     ckpt, teacher, data, root = inputs
-    run(resolve(distill_config(ckpt, teacher, data)), ParallelGrid.single(), str(root / "online"))
-    run(resolve(topk_config(ckpt, teacher, data, VOCAB)), ParallelGrid.single(), str(root / "k_vocab"))
-    failures = _close(_curve(str(root / "k_vocab")), _curve(str(root / "online")), "k = vocabulary")
+    online = distill_config(ckpt, teacher, data, packing=packing, alpha=alpha)
+    top = topk_config(ckpt, teacher, data, VOCAB, packing=packing)
+    top.distill.alpha = alpha
+    run(resolve(online), ParallelGrid.single(), str(root / f"online_{packing}"))
+    run(resolve(top), ParallelGrid.single(), str(root / f"k_vocab_{packing}"))
+    failures = _close(_curve(str(root / f"k_vocab_{packing}")), _curve(str(root / f"online_{packing}")), packing)
     assert not failures, "\n".join(failures)
 
 
 def _layouts_rank(rank, world, ckpt, teacher, data, root):
     for name, par in LAYOUTS.items():
-        cfg = topk_config(ckpt, teacher, data, 8, micro=1 if par.get("dp") else 2)
-        for key, value in par.items():
-            setattr(cfg.parallel, key, value)
-        run(resolve(cfg), layout_grid(par), os.path.join(root, name))
+        grid = layout_grid({k: v for k, v in par.items() if k != "packing"})
+        run(_layout_config(ckpt, teacher, data, par, single=False), grid, os.path.join(root, name))
 
 
 def test_tp2_and_dp2_equal_the_single_process(inputs):
@@ -87,8 +104,7 @@ def test_tp2_and_dp2_equal_the_single_process(inputs):
     failures = []
     for name, par in LAYOUTS.items():
         single = str(root / "single" / name)
-        run(resolve(topk_config(ckpt, teacher, data, 8, micro=1 if par.get("dp") else 2)), ParallelGrid.single(),
-            single)
+        run(_layout_config(ckpt, teacher, data, par, single=True), ParallelGrid.single(), single)
         failures += _close(_curve(str(root / "layouts" / name)), _curve(single), name)
     assert not failures, "\n".join(failures)
 
