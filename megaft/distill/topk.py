@@ -134,7 +134,9 @@ def _chunk_divergence(student: torch.Tensor, ids: torch.Tensor, logps: torch.Ten
                       start: int, beta: float, temperature: float, group: Group) -> torch.Tensor:
     s = vocab_log_softmax(student.float() / temperature, group)
     held, cols = _owned(ids, start, s.shape[-1])
-    at = reduce_from_tp(torch.where(held, s.gather(1, cols), 0.0), group)  # each id from its one slice
+    # each id from its one slice (a slice of padding columns only holds none and has nothing to gather)
+    mine = torch.where(held, s.gather(1, cols), 0.0) if s.shape[-1] else s.new_zeros(ids.shape)
+    at = reduce_from_tp(mine, group)
     s_tail = _tail(s, _off_mask(ids, held, cols, s.shape[-1]), group)
     return bucket_divergence(torch.cat([at, s_tail[:, None]], -1), torch.cat([logps, tail[:, None]], -1), beta)
 
