@@ -16,6 +16,7 @@ refused with the fix, never overwritten.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,8 +93,6 @@ def score_corpus(teacher: Callable[[torch.Tensor], torch.Tensor], rows: CorpusRo
 
 def fingerprint_parts(cfg, rows: CorpusRows, tokenizer_json: str) -> dict[str, Any]:
     """What the stored top-k of `cfg`'s corpus depends on."""
-    import dataclasses
-
     from megaft.pref.scores import NOT_NUMBERS, _checkpoint_identity, _resolved_model
 
     teacher = cfg.distill.teacher
