@@ -30,7 +30,7 @@ from megaft.data.build import build_tokenizer
 from megaft.data.checks import check_data
 from megaft.data.errors import DataError
 from megaft.data.prompts import check_samples
-from megaft.distill.checks import check_teacher
+from megaft.distill.checks import check_teacher, check_top_k
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
@@ -260,6 +260,9 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
 
         problems += check_teacher(cfg.distill, cfg.model, cfg.parallel.tp,
                                   tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
+    if cfg.train.objective == "distill" and cfg.distill.top_k is not None:
+        problems += check_top_k(cfg.distill.top_k, vocab_size=cfg.model.vocab_size, pp=cfg.parallel.pp,
+                                cp=cfg.parallel.cp, packing=cfg.data.packing)
     if cfg.train.objective == "distill" and cfg.model.n_experts > 0:
         problems.append("train.objective=distill of a mixture of experts is not built (the router terms are not "
                         "added); fix: a dense student")

@@ -26,6 +26,13 @@ class DistillConfig:
     # none: alpha = 0, the default, is TRL's loss)
     alpha: float = 0.0
     chunk_tokens: int = 1024  # target tokens whose fp32 log-probs (both models') are held at once
+    # null: the teacher online at the run's layout | k: the teacher scored once before step 1 into its k most
+    # likely ids and their log-probs (at distill.temperature) per target token, plus the tail's mass; training
+    # then holds no teacher (megaft.distill.topk: the divergence over the k ids and the tail as one bucket)
+    top_k: Optional[int] = None
+    # with top_k: a folder keeping the scored top-k under the fingerprint of the teacher, data, tokenizer, k,
+    # temperature and seq_len (as pref.scores); a run of the same fingerprint reads it. null: scored every run
+    scores: Optional[str] = None
 
     @property
     def effective_beta(self) -> float:
@@ -50,6 +57,12 @@ def check_distill(cfg: DistillConfig, objective: str) -> list[str]:
     if not 0 <= cfg.alpha <= 1:
         problems.append(f"distill.alpha={cfg.alpha} must be in [0, 1] (the cross-entropy's share); fix: 0 "
                         "(TRL's pure divergence)")
+    if cfg.top_k is not None and cfg.top_k < 1:
+        problems.append(f"distill.top_k={cfg.top_k} must be >= 1 (the teacher's ids kept per target token); fix: "
+                        "distill.top_k=64, or null for the whole vocabulary online")
+    if cfg.scores and cfg.top_k is None:
+        problems.append(f"distill.scores={cfg.scores} keeps a stored top-k teacher, read with distill.top_k only; "
+                        "fix: set distill.top_k or drop distill.scores")
     if cfg.chunk_tokens < 1:
         problems.append(f"distill.chunk_tokens={cfg.chunk_tokens} must be >= 1")
     if not cfg.teacher:

@@ -145,28 +145,35 @@ class PackedDocs:
         pos = np.zeros((size, n), dtype=np.int64)
         seg = np.zeros((size, n), dtype=np.int64)
         seqlens = []
-        for r in range(size):
-            epoch, k = self._locate(step * size + r)
-            plan = self._plan(epoch)
+        for r, pieces in enumerate(self.pieces(step, size)):
             at = 0
-            for j in range(plan.ptr[k], plan.ptr[k + 1]):
-                d, s, length = int(plan.doc[j]), int(plan.start[j]), int(plan.length[j])
+            for i, (d, s, length) in enumerate(pieces):
                 doc_ids, doc_target = self.corpus.doc(d)
                 ids[r, at:at + length] = doc_ids[s:s + length]
                 nxt = slice(s + 1, min(s + length + 1, len(doc_ids)))  # next tokens, same document
                 span = nxt.stop - nxt.start
                 labels[r, at:at + span] = np.where(doc_target[nxt], doc_ids[nxt], IGNORE_INDEX)
                 pos[r, at:at + length] = np.arange(length)
-                seg[r, at:at + length] = j - plan.ptr[k]
+                seg[r, at:at + length] = i
                 seqlens.append(length)
                 at += length
             if at < n:  # the padding is one more segment, so segments tile the row
                 pos[r, at:] = np.arange(n - at)
-                seg[r, at:] = plan.ptr[k + 1] - plan.ptr[k]
+                seg[r, at:] = len(pieces)
                 seqlens.append(n - at)
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
         return DocBatch(*(torch.from_numpy(a) for a in (ids, labels, pos, seg)), cu)
+
+    def pieces(self, step: int, size: int) -> list[list[tuple[int, int, int]]]:
+        """Each row's (document, first token, length) pieces, in order, of sequences step*size ... ."""
+        rows = []
+        for r in range(size):
+            epoch, k = self._locate(step * size + r)
+            plan = self._plan(epoch)
+            rows.append([(int(plan.doc[j]), int(plan.start[j]), int(plan.length[j]))
+                         for j in range(plan.ptr[k], plan.ptr[k + 1])])
+        return rows
 
     def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), LongTensor[size, seq_len], as PackedStream.global_batch."""

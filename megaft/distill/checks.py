@@ -7,7 +7,7 @@ from typing import Optional
 from megaft.config.distill import DistillConfig
 from megaft.models.checks import check_model
 
-__all__ = ["check_teacher"]
+__all__ = ["check_teacher", "check_top_k"]
 
 
 def _vocab(path: str):
@@ -47,4 +47,20 @@ def check_teacher(cfg: DistillConfig, model, tp: int, tokenizer_dir: Optional[st
         problems.append(f"distill.teacher={path}'s tokenizer maps tokens to other ids than the student's "
                         f"({mine}): token-by-token distillation would compare different tokens (cross-tokenizer "
                         "distillation is not built); fix: a teacher of the student's tokenizer")
+    return problems
+
+
+def check_top_k(top_k: int, *, vocab_size: int, pp: int, cp: int, packing: str) -> list[str]:
+    """distill.top_k against the student's vocabulary and the layouts the stored teacher serves."""
+    problems = []
+    if top_k > vocab_size:
+        problems.append(f"distill.top_k={top_k} exceeds the vocabulary ({vocab_size} tokens); fix: "
+                        f"distill.top_k={vocab_size} (the whole vocabulary: the full divergence) or less")
+    if packing == "stream":
+        problems.append("distill.top_k scores each document once from its own start, and data.packing=stream "
+                        "gives a token the context of the documents before it; fix: data.packing=docs or none")
+    if pp > 1 or cp > 1:
+        problems.append(f"distill.top_k is built for parallel.pp=1 and parallel.cp=1 (got pp={pp}, cp={cp}): the "
+                        "stored rows are not yet passed through the pipeline schedule or the context shards; fix: "
+                        "pp=1 and cp=1 (tp and dp are supported), or the online teacher (distill.top_k=null)")
     return problems

@@ -119,6 +119,8 @@ def objective_terms(cfg) -> ObjectiveTerms:
     if objective == "grpo":  # the reference's log-probs of every step's completions
         kl = int(cfg.rl.beta != 0.0)
         return ObjectiveTerms(frozen_models=kl, frozen_forwards=kl)
+    if objective == "distill" and cfg.distill.top_k is not None:  # scored once before step 1: no teacher held
+        return ObjectiveTerms()
     if objective == "distill":  # the teacher: its own shape, read from its checkpoint when there is one
         return ObjectiveTerms(frozen_models=1, frozen_forwards=1, frozen_model=_teacher_shape(cfg))
     if objective == "reward":  # a pair's two rows through a model with the scalar head

@@ -59,3 +59,24 @@ def test_the_time_model_prices_the_teachers_own_forward(tmp_path):
     compute = {name: step_cost(c, cluster, 1).terms["compute"] for name, c in
                (("big", big), ("same", same), ("sft", sft))}
     assert compute["sft"] < compute["same"] < compute["big"]
+
+
+def test_a_stored_top_k_teacher_is_not_held(tmp_path):
+    """distill.top_k: the teacher scores the corpus once while the Trainer is built and is freed; the
+    estimate counts no teacher and no teacher forwards."""
+    ckpt, teacher, data = str(tmp_path / "student"), str(tmp_path / "teacher"), str(tmp_path / "sft.jsonl")
+    make_hf_llama(ckpt, seed=1)
+    make_bigger_teacher(teacher)
+    write_sft(data)
+    cfg = distill_config(ckpt, teacher, data)
+    cfg.distill.top_k = 8
+    cfg = resolve(cfg)
+    (tmp_path / "run").mkdir()
+    trainer = Trainer(cfg, ParallelGrid.single(), str(tmp_path / "run"))
+    gc.collect()
+    others = [m for m in gc.get_objects() if isinstance(m, Decoder) and m is not trainer.parts.model]
+    assert others == []
+    est = estimate_ranks(cfg, 1)[0]
+    assert est.frozen == 0
+    cfg.distill.top_k = None
+    assert estimate_ranks(cfg, 1)[0].frozen > 0

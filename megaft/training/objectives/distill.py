@@ -27,7 +27,8 @@ from megaft.models.hf.config import hf_model_config
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import token_logps
 from megaft.training.model import build_model
-from megaft.training.objectives.sft import build_data
+from megaft.training.objectives.distill_topk import TopKDistillStep, with_rows
+from megaft.training.objectives.sft import build_data as sft_data
 from megaft.training.protocols import RunParts, StepBatch, StepPart
 from megaft.training.step import PipelineStep, PlainStep, precision_autocast
 
@@ -123,5 +124,14 @@ class PipelineDistillStep(PipelineStep):
         return self.run_schedule(batch, divisor, head=head)
 
 
+def build_data(parts: RunParts):
+    """sft's data part; with distill.top_k each micro-batch also carries its target tokens' rows of
+    the stored teacher (megaft.training.objectives.distill_topk)."""
+    data = sft_data(parts)
+    return data if parts.cfg.distill.top_k is None else with_rows(data, parts)
+
+
 def build_step(parts: RunParts) -> StepPart:
+    if parts.cfg.distill.top_k is not None:
+        return TopKDistillStep(parts, teacher_model)
     return PipelineDistillStep(parts) if parts.grid.pp_size > 1 else DistillStep(parts)
