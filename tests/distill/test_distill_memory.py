@@ -3,6 +3,7 @@ its own shape beside the student, equal to the bytes of the teacher a distill Tr
 from __future__ import annotations
 
 import gc
+import weakref
 
 from models.hf_fixture import make_hf_llama
 
@@ -14,6 +15,12 @@ from megaft.training.loop import Trainer
 from megaft.validation import resolve
 
 
+def _earlier_decoders() -> weakref.WeakSet:
+    """The Decoders alive before a test builds its Trainer (another test's, not yet collected): not counted."""
+    gc.collect()
+    return weakref.WeakSet(m for m in gc.get_objects() if isinstance(m, Decoder))
+
+
 def test_the_teacher_is_the_model_the_estimate_counts(tmp_path):
     ckpt, teacher, data = str(tmp_path / "student"), str(tmp_path / "teacher"), str(tmp_path / "sft.jsonl")
     make_hf_llama(ckpt, seed=1)
@@ -21,10 +28,11 @@ def test_the_teacher_is_the_model_the_estimate_counts(tmp_path):
     write_sft(data)
     cfg = resolve(distill_config(ckpt, teacher, data))
     (tmp_path / "run").mkdir()
+    earlier = _earlier_decoders()
     trainer = Trainer(cfg, ParallelGrid.single(), str(tmp_path / "run"))
     gc.collect()
     student = trainer.parts.model
-    others = [m for m in gc.get_objects() if isinstance(m, Decoder) and m is not student]
+    others = [m for m in gc.get_objects() if isinstance(m, Decoder) and m is not student and m not in earlier]
     held = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in others]
     mine = sum(p.numel() * p.element_size() for p in student.parameters())
     est = estimate_ranks(cfg, 1)[0]
@@ -72,9 +80,11 @@ def test_a_stored_top_k_teacher_is_not_held(tmp_path):
     cfg.distill.top_k = 8
     cfg = resolve(cfg)
     (tmp_path / "run").mkdir()
+    earlier = _earlier_decoders()
     trainer = Trainer(cfg, ParallelGrid.single(), str(tmp_path / "run"))
     gc.collect()
-    others = [m for m in gc.get_objects() if isinstance(m, Decoder) and m is not trainer.parts.model]
+    others = [m for m in gc.get_objects() if isinstance(m, Decoder) and m is not trainer.parts.model
+              and m not in earlier]
     assert others == []
     est = estimate_ranks(cfg, 1)[0]
     assert est.frozen == 0
