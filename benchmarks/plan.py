@@ -24,9 +24,10 @@ conf/cluster/<cluster>.yaml: a Llama-shaped model with the same FLOPs (multi-hea
 attention, SwiGLU width 8/3 x hidden = GPT's 4 x hidden MLP), bf16, micro-batch 1,
 sequence parallelism with tp, ZeRO-1 (Megatron's distributed optimizer) with bf16
 params and fp32 gradient reduction. The model predicts megaft's step, so it differs from
-Megatron where megaft differs: megaft overlaps no tp collective and reduces pp > 1
-gradients after the schedule; the interleaving and micro-batch size of the published
-runs are not in the table (1 and 1 assumed here).
+Megatron where megaft differs: megaft overlaps no tp collective ("after" turns on
+cluster.tp_overlap, the like-for-like setting, for these rows), overlaps no parameter
+all-gather with the next forward, and reduces pp > 1 gradients after the schedule; the
+interleaving and micro-batch size of the published runs are not in the table (1 and 1 assumed here).
 Only the cost is compared: megaft's memory estimate (no activation recomputation) is
 not applied to these layouts.
 
