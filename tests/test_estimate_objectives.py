@@ -107,13 +107,14 @@ def test_the_time_model_prices_pairs_and_the_online_reference():
             (("sft", sft), ("precompute", dpo("precompute")), ("online", dpo("online")))}
     for cfg in (cost["precompute"], cost["online"]):
         assert cfg.tokens_per_step == 2 * cost["sft"].tokens_per_step
-    # at one rate per FLOP (no GEMM curve) twice the tokens cost exactly twice; under the h100 curve
-    # (megaft.perf.gemm, issue 42) a pair's micro-batch has twice the GEMM rows, whose waves fill as well
-    # or better: at most twice, within 1%
-    flat = dataclasses.replace(cluster, gemm_sms=0)
+    # at one rate per FLOP (no GEMM curve) and per elementwise byte (no launch gaps) twice the tokens
+    # cost exactly twice; under the h100 curve (megaft.perf.gemm, issue 42) a pair's micro-batch has
+    # twice the GEMM rows, whose waves fill as well or better, and as many kernel launches (1 us each,
+    # megaft.perf.kernels_cost): at most twice, within 2% (1.97 measured; 1% before launches were priced)
+    flat = dataclasses.replace(cluster, gemm_sms=0, kernel_gap_us=0.0)
     assert step_cost(dpo("precompute"), flat, 8).terms["compute"] == pytest.approx(
         2 * step_cost(sft, flat, 8).terms["compute"], rel=1e-9)
-    assert 0.99 * 2 < cost["precompute"].terms["compute"] / cost["sft"].terms["compute"] <= 2
+    assert 0.98 * 2 < cost["precompute"].terms["compute"] / cost["sft"].terms["compute"] <= 2
     fwd_share = cost["online"].terms["compute"] / cost["precompute"].terms["compute"] - 1
     assert 0.25 < fwd_share < 0.5  # a forward is about a third of forward + backward
     lora = dataclasses.replace(dpo("online"), lora=dataclasses.replace(sft.lora, rank=16))

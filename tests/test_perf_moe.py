@@ -211,8 +211,9 @@ def test_planner_compute_follows_the_active_flops():
     """megaft-plan prices a block by the FLOPs its tokens multiply: the compute term of a
     top-1 mixture is the dense model's scaled by the FLOPs ratio, and its MFU reads the same count."""
     # at one rate for every FLOP (no GEMM curve, gemm_sms=0): under the curve a tiny model's GEMMs
-    # are priced by their shapes (megaft.perf.gemm, tests/test_perf_gemm.py), not their FLOPs alone
-    seq, h100 = 32, dataclasses.replace(cluster(), gemm_sms=0)
+    # are priced by their shapes (megaft.perf.gemm, tests/test_perf_gemm.py), not their FLOPs alone; no
+    # elementwise kernels (hbm_fraction=0): they are priced by bytes (tests/test_perf_kernels.py)
+    seq, h100 = 32, dataclasses.replace(cluster(), gemm_sms=0, hbm_fraction=0.0)
     dense = step_cost(run_config(ModelConfig(**SHAPE), seq=seq), h100, 1)
     top1 = step_cost(run_config(moe("mixtral", top_k=1), seq=seq), h100, 1)
     assert top1.flops_per_token == flops_per_token(moe("mixtral", top_k=1), seq)

@@ -122,11 +122,13 @@ def test_70b_picks_zero3_over_all_ranks_or_tp_within_a_node(tmp_path):
     lay = assert_top_is_valid(cfg, shaped, result)
     # ZeRO-3 over all 64 ranks with full recompute at tp=1 (FSDP's way) first: with GEMMs priced by
     # shape (issue 42) tp = 4's narrower GEMMs lose waves, which its un-overlapped collectives add
-    # to; tp 4 within a node with pp and dp is a close second (it was first, ZeRO-3 third, before)
+    # to; tp 4 within a node with pp and dp is a close second (it was first, ZeRO-3 third, before).
+    # With the elementwise kernels and the loss priced by bytes (megaft.perf.kernels_cost) the second
+    # falls from 0.6% to 2.1% behind: pp = 8 puts the 128k-wide loss on its last stage
     assert (lay.tp, lay.pp, lay.dp, lay.zero, lay.recompute) == (1, 1, 64, 3, "full"), lay
     second = result.ranked[1]
     assert 1 < second.layout.tp <= 8 and second.layout.dp > 1, second.layout
-    assert second.cost.step_s < 1.02 * result.ranked[0].cost.step_s
+    assert second.cost.step_s < 1.03 * result.ranked[0].cost.step_s
 
 
 def test_405b_needs_tp_pp_and_dp(tmp_path):

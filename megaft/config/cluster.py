@@ -36,6 +36,16 @@ class ClusterConfig:
     gemm_tile_m: int = 128  # output tile rows of one thread block
     gemm_tile_n: int = 256  # output tile columns of one thread block
     gemm_sms: int = 0  # streaming multiprocessors: tiles run this many at a time (waves)
+    # elementwise, norm and loss kernels by bytes over HBM (megaft.perf.kernels_cost); 0 = not priced
+    hbm_fraction: float = 0.0  # achievable fraction of hbm_tbps for a memory-bound kernel (measured)
+    kernel_gap_us: float = 0.0  # GPU idle between two back-to-back kernels (launch), per kernel
+    # fused kernels (Megatron's, or torch.compile'd blocks); false = eager PyTorch: unfused norms,
+    # rotary and activations, and the host's per-op dispatch (eager_op_us) the GPU may wait on
+    compiled: bool = True
+    eager_op_us: float = 0.0  # host time to dispatch one eager op (compiled: false only)
+    # tp collectives overlapped with the adjacent GEMMs (Megatron/TransformerEngine's tp_comm_overlap);
+    # megaft's runtime does not overlap them, so its own plans keep this false
+    tp_overlap: bool = False
     nvlink_gbps: float = 0.0  # intra-node link, GB/s per device per direction
     nvlink_latency_us: float = 0.0  # per ring step inside a node
     ib_gbps: float = 0.0  # inter-node network, GB/s per device per direction (one NIC per GPU)

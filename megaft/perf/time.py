@@ -12,10 +12,15 @@ to the step (`StepCost.step_s`):
   (m, n, k) shape, forward and both backward GEMMs (small and skinny ones run far below peak);
   the attention core and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
   which prices every FLOP in a preset without a curve and at fp32 (the curves are bf16's).
+  With `cluster.hbm_fraction` > 0 a block also pays its norms, rotary, gated activation and
+  residual adds, and the last stage its cross-entropy, by the bytes they move over HBM, plus
+  `cluster.kernel_gap_us` per kernel; under `cluster.compiled: false` (eager PyTorch) by the
+  unfused ops' bytes, and a pass takes at least its host dispatch time (megaft.perf.kernels_cost).
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
   with sequence parallelism reduce-scatter + all-gather: the same bytes), three with a
   shared expert (its MLP reduces on its own), plus the vocab-parallel embedding and head;
-  megaft does not overlap them with compute.
+  megaft does not overlap them with compute. `cluster.tp_overlap` (what Megatron's published runs
+  do, not megaft's runtime) hides each block collective's halves behind the GEMMs next to them.
 * **cp_comm**: the context-parallel ring (megaft.parallel.context.ring): per block, cp-1 K/V
   blocks in forward, and in backward cp-1 K/V blocks plus cp fp32 dK/dV accumulators, each
   a p2p over the cp group's link, hidden behind the attention core's compute of the block
@@ -88,6 +93,7 @@ from megaft.perf.counts import (
 )
 from megaft.perf.gemm import GemmCurve, Linear, block_linears, linear_s
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
+from megaft.perf.kernels_cost import KernelCosts, add_block_kernels, block_passes, loss_passes, pass_s
 from megaft.perf.memory import objective_terms
 from megaft.perf.muon import block_matrix_elements, block_ns_flops, tp_gathered
 from megaft.pipeline.partition import stage_layers
@@ -247,6 +253,25 @@ def _block_s(m, seq: int, layer: int, tokens: int, tp: int, ep: int, rate: float
     return f + rest, d + rest, w + rest
 
 
+def _overlapped_tp_s(m, layer: int, tokens: int, tp: int, ep: int, curve, rate: float, one: float,
+                     wgrad: bool = True) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of block `layer`'s tp collectives under cluster.tp_overlap
+    (Megatron/TransformerEngine's tp_comm_overlap): each of its collectives (`one`: an all-reduce, or a
+    reduce-scatter + all-gather) is half before and half after a linear (the all-gather before q/k/v
+    and gate/up, the reduce-scatter after o and down; the reverse in backward) and hides behind that
+    linear's GEMMs only, pass by pass; a half without a listed linear (latent attention) shows.
+    `wgrad`: False under LoRA (the frozen linears compute no weight gradient)."""
+    halves = 2 * _block_collectives(m, layer)
+    linears = block_linears(m, layer, tokens, tp, ep)[:halves]
+    if curve is None:
+        times = [(lin.flops / rate, 2 * lin.flops / rate) for lin in linears]
+    else:
+        times = [(f, d + (w if wgrad else 0.0)) for f, d, w in (linear_s(lin, curve) for lin in linears)]
+    rest = (halves - len(times)) * one / 2
+    return (rest + sum(max(0.0, one / 2 - f) for f, _ in times),
+            rest + sum(max(0.0, one / 2 - b) for _, b in times))
+
+
 def _head_s(m, tokens: int, tp: int, rate: float, curve) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of the output head (vocab/tp columns)."""
     if curve is None:
@@ -275,6 +300,7 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
     lora = cfg.lora if cfg.lora.rank > 0 else None
+    kc = KernelCosts.of(cluster, cluster_hbm_tbps(cluster))  # elementwise kernels (megaft.perf.kernels_cost)
     # per block (a mixture of experts' differ from the dense ones): forward and backward compute,
     # what model.recompute runs again (the whole block under full, the attention core and the
     # activation under selective), the parameters ZeRO moves (this ep rank's experts) and the trained ones
@@ -289,6 +315,9 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             layer_f += adapter_f
         else:
             adapters, layer_b = lp, dgrad + wgrad
+        if kc:  # norms, rotary, the activation, residual adds, launches (and an eager host)
+            passes = block_passes(m, i, tokens, tp, par.sequence_parallel, act, kc.compiled)
+            layer_f, layer_b, core_f = add_block_kernels(layer_f, layer_b, core_f, passes, kc)
         return layer_f, layer_b, {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0), lp, adapters
 
     f, b, again, params, trained = zip(*per_block(m, block))
@@ -309,19 +338,26 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         head_b, head_f = head_d + 2 * head_adapter_f, head_f + head_adapter_f
     else:
         head_b = head_d + head_w
+    if kc:  # the cross-entropy over this rank's logits
+        loss_f, loss_b = loss_passes(m, tokens, tp, act, kc.compiled)
+        head_f, head_b = head_f + pass_s(loss_f, kc), head_b + pass_s(loss_b, kc)
+    if cluster.tp_overlap and tp > 1:  # megaft's runtime does not overlap: its plans keep this off
+        hidden = per_block(m, lambda i: _overlapped_tp_s(m, i, tokens, tp, ep, curve, rate, tp_one, not lora))
+        tp_f, tp_b = [x for x, _ in hidden], [y for _, y in hidden]
+    else:
+        tp_f = tp_b = [tp_one * n for n in per_block(m, lambda i: _block_collectives(m, i))]
     vocab_bytes = m.vocab_size * m.dim / tp * wbytes
-    block_colls = per_block(m, lambda i: _block_collectives(m, i))
     b_again = [x + y for x, y in zip(b, again)]  # model.recompute runs (part of) the forward again
     out = []
     for s, ids in enumerate(stage_layers(m.n_layers, stages, par.pp_layers)):
         first, last, n = s == 0, s == stages - 1, len(ids)
         span = slice(ids.start, ids.stop)  # a stage's blocks are consecutive: slices sum in the same order
-        colls = sum(block_colls[span])
+        colls_f, colls_b = sum(tp_f[span]), sum(tp_b[span])  # the blocks' collectives (exposed)
         c = {"f_compute": sum(f[span]) + (head_f if last else 0.0)}
         c["b_compute"] = sum(b_again[span]) + (head_b if last else 0.0)
-        c["f_tp"] = tp_one * (colls + first + (last and par.sequence_parallel)) + (
+        c["f_tp"] = colls_f + tp_one * (first + (last and par.sequence_parallel)) + (
             3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
-        c["b_tp"] = tp_one * (colls + last) + (tp_one * colls if m.recompute == "full" else 0.0)
+        c["b_tp"] = colls_b + tp_one * last + (colls_f if m.recompute == "full" else 0.0)
         c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
         c["b_cp"] = n * ring_b
         moe = sum(map(m.is_moe, ids))  # full recompute: the forward's all-to-alls run again in backward
@@ -330,8 +366,12 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             fm = terms.frozen_model or m  # a distillation teacher: its own shape, its layers split over the stages
             f_ids = ids if fm is m else stage_layers(fm.n_layers, stages, None)[s]
             frozen_f = sum(_block_s(fm, seq, i, tokens, tp, ep, rate, curve)[0] for i in f_ids)
-            c["f_compute"] += terms.frozen_forwards * (frozen_f + (_head_s(fm, tokens, tp, rate, curve)[0]
-                                                                   if last else 0.0))
+            head = _head_s(fm, tokens, tp, rate, curve)[0] if last else 0.0
+            if kc:  # its blocks' elementwise kernels, and its log-probs read the logits as the loss does
+                frozen_f += sum(pass_s(block_passes(fm, i, tokens, tp, par.sequence_parallel, act, kc.compiled)[0],
+                                       kc) for i in f_ids)
+                head += pass_s(loss_passes(fm, tokens, tp, act, kc.compiled)[0], kc) if last else 0.0
+            c["f_compute"] += terms.frozen_forwards * (frozen_f + head)
             for k in ("f_tp", "f_cp", "f_ep"):
                 c[k] *= 1 + terms.frozen_forwards
         c["f_zero"] = c["b_zero"] = 0.0

@@ -35,6 +35,10 @@ def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
     if cfg.gemm_sms > 0 and not (0 < cfg.gemm_ceiling <= 1 and cfg.gemm_tile_m >= 1 and cfg.gemm_tile_n >= 1):
         problems.append(f"cluster.gemm_ceiling={cfg.gemm_ceiling} must be in (0, 1] and cluster.gemm_tile_m/n >= 1 "
                         "with a GEMM curve (gemm_sms > 0); fix: the device's measured values, or gemm_sms=0")
+    if not 0 <= cfg.hbm_fraction <= 1 or cfg.kernel_gap_us < 0 or cfg.eager_op_us < 0:
+        problems.append(f"cluster.hbm_fraction={cfg.hbm_fraction} must be in [0, 1] (0: elementwise kernels not "
+                        f"priced), cluster.kernel_gap_us={cfg.kernel_gap_us} and cluster.eager_op_us="
+                        f"{cfg.eager_op_us} >= 0; fix: the device's measured values")
     if cluster_hbm_tbps(cfg) <= 0:
         problems.append(f"cluster.hbm_tbps={cluster_hbm_tbps(cfg)} must be > 0; fix: the datasheet's value")
     for name in ("nvlink_gbps", "ib_gbps", "pcie_gbps", "host_memory_gbps"):
