@@ -33,7 +33,7 @@ class ClusterConfig:
     matmul_fraction: float = 0.0
     # GEMM efficiency by shape (megaft.perf.gemm); gemm_sms = 0: no curve (every FLOP at matmul_fraction)
     gemm_ceiling: float = 0.0  # fraction of the dense peak a large, wave-filling GEMM reaches (measured MAMF)
-    gemm_tile_m: int = 128  # output tile rows of one thread block
+    gemm_tile_m: int = 128  # output tile rows of one thread block (cuBLASLt's 128x256 tile, conf/cluster/h100.yaml)
     gemm_tile_n: int = 256  # output tile columns of one thread block
     gemm_sms: int = 0  # streaming multiprocessors: tiles run this many at a time (waves)
     # elementwise, norm and loss kernels by bytes over HBM (megaft.perf.kernels_cost); 0 = not priced
