@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from typing import Optional
 
@@ -108,6 +109,10 @@ def diagnose(exc: BaseException, run_dir: str, rank: int, world: int, timeout_s:
     error = _named(head, crashed, silent, wait, timeout_s)
     report = hang_report(run_dir, world, since) if rank == 0 else None  # under srun: in rank 0's log
     if rank == 0:
+        if report and os.environ.get("SLURM_PROCID") is not None:
+            # printed now, not only with the exception: tearing the process group down first may take
+            # longer than the others' grace, and srun's kill would cut the report
+            print(f"{error}\n{report}", file=sys.stderr, flush=True)
         write_json_atomic(_reported(run_dir), {"time": time.time()})
     else:
         _await_report(run_dir, since, wait)
