@@ -41,6 +41,12 @@ class HFExport:
         cfg, grid = self.cfg, self.grid
         tok_json = self._tokenizer_json()
         writer = grid.tp_rank == 0 and grid.replica_rank == 0
+        if hasattr(self.model, "vision_tower"):  # a multimodal Gemma 3: Gemma3ForConditionalGeneration's layout
+            from megaft.models.vision.hf import export_vision_language
+
+            export_vision_language(self.model, os.path.join(self.run_dir, "hf"), tokenizer_json=tok_json,
+                                   tp_group=grid.tp_group, is_writer=writer)
+            return
         if cfg.lora.rank > 0:  # a peft adapter folder in hf/ (+ the merged model in hf_merged/)
             from megaft.peft.export import export_lora
 
