@@ -1,7 +1,8 @@
 """megaft-train on a multimodal Gemma 3 (docs/vision.md): the Trainer, as megaft-train runs it,
 on a tiny random checkpoint saved by transformers and an image chat file. The first step's
 loss is Gemma3ForConditionalGeneration's on the same batch; tp2, tp2 with sequence parallel
-and dp2 ZeRO-1 give the single process's loss curve; too-long conversations are dropped and
+and dp2 ZeRO-1 and ZeRO-2 give the single process's loss curve (also when one dp rank's
+micro-batch has no image); too-long conversations are dropped and
 counted in summary.json; a frozen tower keeps its weights; the export loads in transformers."""
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def case(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vlm_train"))
     ckpt, data = write_case(root)
     train(vlm_config(ckpt, data), ParallelGrid.single(), os.path.join(root, "single"))
+    train(vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), micro=1, batch=2), ParallelGrid.single(),
+          os.path.join(root, "mixed"))
     return root, ckpt, data
 
 
@@ -101,9 +104,37 @@ def test_frozen_tower_and_projector_keep_their_weights(case, tmp_path):
 def test_layouts_give_the_single_process_loss_curve(case):
     root, ckpt, data = case
     spawn(2, train_layouts, root, ckpt, data)
-    want = _losses(os.path.join(root, "single"))
-    for name in LAYOUTS:
-        got = _losses(os.path.join(root, name))
+    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed")]:
+        want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, name))
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
             assert g == pytest.approx(w, rel=RTOL), f"{name} step {step}: {g} vs {w}"
+
+
+def test_resumed_run_continues_the_loss_curve(case, tmp_path):
+    """Stopped after 2 steps with a checkpoint, then run again: the 3 losses are the uninterrupted run's
+    (the parameters and AdamW state come back, and the batches are a function of the step)."""
+    from megaft.training.loop import Trainer
+
+    root, ckpt, data = case
+    for stop_after in (2, None):
+        cfg = vlm_config(ckpt, data)
+        cfg.train.save_every = 1
+        Trainer(cfg, ParallelGrid.single(), str(tmp_path)).fit(stop_after=stop_after)
+        if stop_after:
+            assert len(_losses(str(tmp_path))) == 2
+    assert _losses(str(tmp_path)) == _losses(os.path.join(root, "single"))  # same ops in the same order
+
+
+def test_validation_names_the_line_of_a_missing_image(case, tmp_path):
+    from megaft.validation import validate
+
+    _, ckpt, data = case
+    with open(data) as f:
+        lines = f.readlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + lines[1].replace("img/", "missing/"))
+    cfg = vlm_config(ckpt, data)
+    cfg.data.path = str(bad)
+    problems = validate(cfg, 1)
+    assert any(f"{bad}:2: image" in p and "is not a file" in p for p in problems), problems

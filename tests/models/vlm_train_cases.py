@@ -20,7 +20,8 @@ QUESTIONS = [("What is this?", "A red cat."), ("Name it.", "A dog."), ("Color?",
              ("Which one?", "The left."), ("And here?", "Nothing."), ("Say it.", "Yes.")]
 TOO_LONG = 2  # conversations whose answer pushes them past SEQ_LEN
 # name -> parallel settings of the layouts compared with the single process (2 ranks each)
-LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_zero1": dict(dp=2, zero=1)}
+LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_zero1": dict(dp=2, zero=1),
+           "dp2_zero2": dict(dp=2, zero=2)}
 
 
 def write_case(root: str) -> tuple[str, str]:
@@ -42,17 +43,31 @@ def write_case(root: str) -> tuple[str, str]:
     path = os.path.join(root, "chat.jsonl")
     with open(path, "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
+    write_mixed(root, names)
     return ckpt, path
 
 
-def vlm_config(ckpt: str, data: str, world: int = 1, **parallel) -> Config:
-    """The run: 3 steps of 4 conversations in micro-batches of 2, validated (and resolved) as
-    megaft-train validates it."""
+def write_mixed(root: str, names: list[str]) -> str:
+    """A file of two conversations, one with an image and one of text alone: at dp2 with one row
+    per rank, one rank runs the tower and the other does not, every step."""
+    path = os.path.join(root, "mixed.jsonl")
+    lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"img/{names[0]}"},
+                                                        {"type": "text", "text": "What is this?"}]},
+                           {"role": "assistant", "content": "A red cat."}]},
+             {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    return path
+
+
+def vlm_config(ckpt: str, data: str, world: int = 1, *, micro: int = 2, batch: int = 4, **parallel) -> Config:
+    """The run: 3 steps of `batch` conversations in micro-batches of `micro`, validated (and
+    resolved) as megaft-train validates it."""
     cfg = Config()
     cfg.device = "cpu"
     cfg.model.init_from, cfg.data.path, cfg.data.packing, cfg.data.seq_len = ckpt, data, "none", SEQ_LEN
     t = cfg.train
-    t.max_steps, t.micro_batch_size, t.global_batch_size, t.eval_every, t.progress = STEPS, 2, 4, 100, False
+    t.max_steps, t.micro_batch_size, t.global_batch_size, t.eval_every, t.progress = STEPS, micro, batch, 100, False
     t.log_phases, t.tensorboard = False, "false"
     cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 0
     for key, value in parallel.items():
@@ -73,3 +88,6 @@ def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> Non
         cfg = vlm_config(ckpt, data, world, **par)
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, device="cpu")
         train(cfg, grid, os.path.join(root, name))
+    # a step where one dp rank's micro-batch has no image: its tower gets no gradient from it
+    cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=1)
+    train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "mixed_dp2"))
