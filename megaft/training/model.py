@@ -76,6 +76,10 @@ def build_vision_model(cfg: Config, grid: ParallelGrid, kernels: KernelsConfig) 
     model = VisionLanguageModel(vision_language_config(cfg.model.init_from, base=cfg.model), group=grid.tp_group,
                                 sequence_parallel=cfg.parallel.sequence_parallel, kernels=kernels)
     load_vision_language_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    if cfg.lora.rank > 0:  # the recipe of megaft.peft.vision: all frozen, adapters on the language model
+        from megaft.peft.vision import apply_vision_lora
+
+        apply_vision_lora(model, cfg.lora, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     frozen = {"vision": model.vision_tower, "projector": model.multi_modal_projector}
     for name in cfg.model.freeze:
         frozen[name].requires_grad_(False)

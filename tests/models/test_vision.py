@@ -245,9 +245,12 @@ def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
     cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, 2, 2, True
     cfg.data.packing = "docs"
     cfg.parallel.zero, cfg.lora.rank, cfg.model.freeze = 3, 4, ["vision", "tower"]
+    cfg.lora.targets, cfg.train.export_hf = ["q", "lm_head"], True
     problems = validate(cfg, 16)
     for want in ("data.path must name one JSONL file", "python -m megaft.models.hf.multimodal text",
-                 "parallel.zero=3 with images", "lora.rank=4 with images", "model.freeze: 'tower' is not a part",
+                 "parallel.zero=3 with images", "lora.targets=lm_head with images",
+                 "lora.rank=4 with images writes the peft adapter only", "fix: lora.export_merged=false",
+                 "model.freeze: 'tower' is not a part",
                  "parallel.pp=2 with images: the vision tower is not placed on a pipeline stage yet; fix: "
                  "parallel.pp=1",
                  "parallel.cp=2 with images", "fix: parallel.cp=1",

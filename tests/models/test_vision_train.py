@@ -18,7 +18,16 @@ from safetensors.torch import load_file
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.objectives.images import build_data
 from megaft.training.protocols import RunParts
-from models.vlm_train_cases import LAYOUTS, STEPS, TOO_LONG, train, train_layouts, vlm_config, write_case
+from models.vlm_train_cases import (
+    LAYOUTS,
+    STEPS,
+    TOO_LONG,
+    train,
+    train_layouts,
+    vlm_config,
+    with_lora,
+    write_case,
+)
 
 pytestmark = pytest.mark.exact
 
@@ -39,6 +48,7 @@ def case(tmp_path_factory):
     train(vlm_config(ckpt, data), ParallelGrid.single(), os.path.join(root, "single"))
     train(vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), micro=1, batch=2), ParallelGrid.single(),
           os.path.join(root, "mixed"))
+    train(with_lora(vlm_config(ckpt, data)), ParallelGrid.single(), os.path.join(root, "lora"))
     return root, ckpt, data
 
 
@@ -104,7 +114,7 @@ def test_frozen_tower_and_projector_keep_their_weights(case, tmp_path):
 def test_layouts_give_the_single_process_loss_curve(case):
     root, ckpt, data = case
     spawn(2, train_layouts, root, ckpt, data)
-    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed")]:
+    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed"), ("lora_tp2", "lora")]:
         want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, name))
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
@@ -138,3 +148,28 @@ def test_validation_names_the_line_of_a_missing_image(case, tmp_path):
     cfg.data.path = str(bad)
     problems = validate(cfg, 1)
     assert any(f"{bad}:2: image" in p and "is not a file" in p for p in problems), problems
+
+
+def test_lora_run_trains_adapters_that_peft_loads(case):
+    """LoRA through megaft-train: the first loss is the base model's (B starts at 0), only the
+    adapters train, and RUN_DIR/hf is a peft adapter of Gemma3ForConditionalGeneration that
+    changes transformers' logits."""
+    import peft
+
+    root, ckpt, data = case
+    run = os.path.join(root, "lora")
+    got, base = _losses(run), _losses(os.path.join(root, "single"))
+    assert got[0] == pytest.approx(base[0], rel=RTOL) and got[-1] < got[0]
+    with open(os.path.join(run, "summary.json")) as f:
+        summary = json.load(f)
+    assert 0 < summary["trainable_params"] < summary["params"] / 10
+    cfg = vlm_config(ckpt, data)
+    batch = build_data(RunParts(cfg, ParallelGrid.single())).batch(0)
+    ids, pixels = batch.inputs[0], batch.pixels[0]
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    image_id = model.config.image_token_index
+    with torch.no_grad():
+        before = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == image_id).long()).logits
+        tuned = peft.PeftModel.from_pretrained(model, os.path.join(run, "hf")).eval()
+        after = tuned(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == image_id).long()).logits
+    assert (after - before).abs().max() > 1e-3 * before.abs().max()

@@ -77,6 +77,15 @@ def vlm_config(ckpt: str, data: str, world: int = 1, *, micro: int = 2, batch: i
     return cfg
 
 
+def with_lora(cfg: Config, world: int = 1) -> Config:
+    """LoRA on the language model (megaft.peft.vision's recipe), exported as a peft adapter only."""
+    cfg.lora.rank, cfg.lora.alpha, cfg.lora.export_merged = 4, 8, False
+    cfg.optim.lr = 1e-2  # adapters start at B = 0: a larger step so that 3 steps move the loss
+    problems = validate(cfg, world)
+    assert not problems, problems
+    return cfg
+
+
 def train(cfg: Config, grid: ParallelGrid, run_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     return Trainer(cfg, grid, run_dir).fit()
@@ -88,6 +97,8 @@ def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> Non
         cfg = vlm_config(ckpt, data, world, **par)
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, device="cpu")
         train(cfg, grid, os.path.join(root, name))
+    train(with_lora(vlm_config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
+          os.path.join(root, "lora_tp2"))
     # a step where one dp rank's micro-batch has no image: its tower gets no gradient from it
     cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=1)
     train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "mixed_dp2"))

@@ -4,8 +4,8 @@ rank starts: every unsupported combination at once, each with its fix (docs/visi
 megaft-train trains a multimodal Gemma 3 with images (megaft.training.objectives.images) on
 the layouts tested equal to one process: tp (with or without sequence parallel) and dp with
 ZeRO 0-2. What those tests do not cover yet is refused by name, so a config that asks for it
-learns it now: pp, cp, packing, ZeRO-3, LoRA, objectives other than sft, an eval file and
-samples (both would need images). Qwen2-VL and Qwen2.5-VL are not read yet."""
+learns it now: pp, cp, packing, ZeRO-3, LoRA on the head or exported merged, objectives
+other than sft, an eval file and samples (both would need images). Qwen2-VL and Qwen2.5-VL are not read yet."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 from megaft.config import Config
+from megaft.config.keep import exports_merged
 
 NOT_YET = {"qwen2_5_vl": "Qwen2.5-VL", "qwen2_vl": "Qwen2-VL"}
 FREEZABLE = ("vision", "projector")  # model.freeze's names: the tower, the projector
@@ -67,10 +68,12 @@ def check_vision_run(cfg: Config) -> list[str]:
     if par.zero > 2:
         problems.append(f"parallel.zero={par.zero} with images: ZeRO-3 does not gather the vision tower yet; "
                         "fix: parallel.zero=1 or 2")
-    if cfg.lora.rank > 0:
-        problems.append(f"lora.rank={cfg.lora.rank} with images: megaft-train does not put adapters on a "
-                        "vision-language model yet (megaft.peft.vision does, from Python); fix: lora.rank=0 "
-                        "with model.freeze=[vision,projector]")
+    if cfg.lora.rank > 0 and "lm_head" in cfg.lora.targets:
+        problems.append("lora.targets=lm_head with images: an adapter on the head of a vision-language model is "
+                        "not exported yet; fix: drop lm_head from lora.targets")
+    if exports_merged(cfg) and trains_images(cfg):
+        problems.append(f"lora.rank={cfg.lora.rank} with images writes the peft adapter only, not the merged model "
+                        "yet; fix: lora.export_merged=false")
     if str(cfg.train.objective) != "sft":
         problems.append(f"train.objective={cfg.train.objective} with images: only sft reads image chats yet; "
                         "fix: train.objective=sft")
