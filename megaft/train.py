@@ -27,8 +27,9 @@ def prepare_data(cfg: Config, *, progress: bool) -> None:
     from megaft.config.data import data_sources
     from megaft.config.pref import reads_pairs
     from megaft.data.prepare import prepare_dataset
+    from megaft.models.vision.checks import trains_images
 
-    if not data_sources(cfg.data):
+    if not data_sources(cfg.data) or trains_images(cfg):  # image chats: every rank reads them in memory
         return
     if reads_pairs(cfg.train.objective):  # pairs always come from the store (megaft.pref.store)
         from megaft.pref.store import prepare_pairs

@@ -34,7 +34,7 @@ from megaft.distill.checks import check_teacher, check_top_k
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
-from megaft.models.vision.checks import check_vision_run
+from megaft.models.vision.checks import check_vision_run, trains_images
 from megaft.optim.checks import check_fused, check_muon_layout
 from megaft.pref.checks import check_reference, reference_dir_problems
 
@@ -46,7 +46,12 @@ def resolve(cfg: Config) -> Config:
         from megaft.models.hf.config import hf_model_config
 
         # Shape fields from config.json; dropout, init and padding stay as configured.
-        cfg.model = hf_model_config(cfg.model.init_from, base=cfg.model)
+        if trains_images(cfg):  # a multimodal Gemma 3: the language model's (the tower's: its own config)
+            from megaft.models.vision.config import vision_language_config
+
+            cfg.model = vision_language_config(cfg.model.init_from, base=cfg.model).text
+        else:
+            cfg.model = hf_model_config(cfg.model.init_from, base=cfg.model)
     elif cfg.model.vocab_size == 0:
         cfg.model.vocab_size = build_tokenizer(cfg.data, init_from=None).get_vocab_size()
     if is_reward(cfg.train.objective):  # a reward model: the scalar head instead of the LM head
@@ -155,6 +160,8 @@ def check_fixed_settings(cfg: Config) -> list[str]:
     pairs = None
     if reads_pairs(cfg.train.objective):
         from megaft.pref.data import pair_source_problems as pairs
+    elif trains_images(cfg):  # conversations with image parts (megaft.data.image_chat)
+        from megaft.data.image_chat import image_source_problems as pairs
     problems += check_data(cfg.data, init_from=cfg.model.init_from, pairs=pairs)
     problems += check_pref(cfg.pref, cfg.train.objective)
     problems += check_reward(cfg.reward, cfg.train.objective)
@@ -291,8 +298,10 @@ def validate(cfg: Config, world_size: int, *, gpu_budget: tuple[int, str] | None
         if file_problems:  # the architecture lives in the missing files
             return problems + file_problems
         vision = check_vision_run(cfg)
-        if vision:  # a vision-language checkpoint: its layouts named before resolve reads it as a text model
+        if vision:  # a vision-language checkpoint: what it does not support, named before resolve reads it
             return problems + vision
+    else:  # model.freeze names parts only a vision-language checkpoint has
+        problems += check_vision_run(cfg)
     if cfg.model.init_from or not any("tokenizer" in p for p in problems):
         try:
             resolve(cfg)

@@ -71,6 +71,9 @@ class ModelConfig:
     # config.json keys you know do not change the math, read as metadata instead of refused (not
     # quantization_config); the run's config.yaml and summary.json record them
     hf_ignore_keys: List[str] = field(default_factory=list)
+    # parts of a vision-language model kept as loaded: vision (the tower) | projector; they get no
+    # gradient and no optimizer state (docs/vision.md)
+    freeze: List[str] = field(default_factory=list)
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; megaft.models.moe); 0 experts = dense MLPs
     n_experts: int = 0  # routed experts of each MoE layer (HF num_local_experts / num_experts)
     top_k: int = 2  # experts each token goes to (HF num_experts_per_tok)

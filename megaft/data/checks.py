@@ -25,7 +25,8 @@ def check_data(cfg: DataConfig, *, init_from: Optional[str] = None,
     the JSONL files, so a malformed line is reported as "FILE:LINE: what is
     wrong; fix: ..." here rather than as a crash on all ranks. `init_from` (the
     model's HF checkpoint, if any) tells which tokenizer the run will use. `pairs`: the
-    files hold preference pairs, checked by this (megaft.pref.data.pair_source_problems).
+    files hold preference pairs or image chats, checked by this (megaft.pref.data.pair_source_problems,
+    megaft.data.image_chat.image_source_problems).
     """
     problems = []
     if cfg.seq_len < 2:

@@ -185,6 +185,23 @@ def read_image_chat(path: str, encoder: ImageChatEncoder, seq_len: int) -> Image
     return out
 
 
+def image_source_problems(path: str, limit: int) -> tuple[list[str], bool]:
+    """check_data's scan of an image chat file (validation, before any rank starts): at most
+    `limit` "LINE: problem" strings (a line that does not parse, an image file that is missing),
+    and True (the file holds conversations: the template check applies)."""
+    base, problems = os.path.dirname(os.path.abspath(path)), []
+    for lineno, parsed, problem in scan_json_lines(path, lambda obj: parse_image_chat(obj, base), "conversations"):
+        if problem is None:
+            missing = [p for p in parsed[1] if not os.path.isfile(p)]
+            problem = f"image {missing[0]} is not a file; fix: image paths are relative to the data file" \
+                if missing else None
+        if problem is not None:
+            problems.append(f"{where(path, lineno)}: {problem}")
+        if len(problems) >= limit:
+            break
+    return problems, True
+
+
 @dataclass
 class ImageBatch:
     """Rows of conversations with images, right-padded to the longest: input_ids [rows, seq],

@@ -4,6 +4,7 @@ folder in hf/ and the merged model in hf_merged/ (megaft.peft.export)."""
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
 import torch
@@ -41,6 +42,21 @@ class HFExport:
         cfg, grid = self.cfg, self.grid
         tok_json = self._tokenizer_json()
         writer = grid.tp_rank == 0 and grid.replica_rank == 0
+        if hasattr(self.model, "vision_tower"):  # a multimodal Gemma 3: Gemma3ForConditionalGeneration's layout
+            from megaft.models.vision.hf import export_vision_language
+
+            out = os.path.join(self.run_dir, "hf")
+            if writer and os.path.isdir(out):  # a run finished again replaces its export, as export_hf does
+                shutil.rmtree(out)
+            if cfg.lora.rank > 0:  # a peft adapter of Gemma3ForConditionalGeneration (validation: no merged model)
+                from megaft.peft.vision import export_vision_adapter
+
+                export_vision_adapter(self.model, cfg.lora, out, tp_group=grid.tp_group, is_writer=writer,
+                                      base=cfg.model.init_from)
+                return
+            export_vision_language(self.model, out, tokenizer_json=tok_json, tp_group=grid.tp_group,
+                                   is_writer=writer)
+            return
         if cfg.lora.rank > 0:  # a peft adapter folder in hf/ (+ the merged model in hf_merged/)
             from megaft.peft.export import export_lora
 

@@ -260,6 +260,7 @@ class Trainer:
                                        shared_prefix=cfg.pref.share_prompt),
             packing=parts.data.packing, hf_ignore_keys=list(cfg.model.hf_ignore_keys) or None,
             conversations_without_assistant=parts.data.untrained,
+            dropped_long=getattr(parts.data, "dropped_long", None),  # an image chat's (never cut)
             moe=moe_record(cfg.model, parts.kernels.record, ep=cfg.parallel.ep, routing=cfg.moe),
             reference_s=parts.step.reference_s, optimizer=getattr(parts.optim.optimizer, "record", None),
             # megaft-report's MFU: model FLOPs per token need the shape and the sequence length.

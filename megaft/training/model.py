@@ -6,8 +6,11 @@ import math
 
 import torch
 
+from megaft.config import Config
+from megaft.config.kernels import KernelsConfig
 from megaft.kernels.autotune import decide_kernels
 from megaft.models.decoder import Decoder
+from megaft.models.vision.checks import trains_images
 from megaft.parallel.comm import all_reduce
 from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.shard import full_shape
@@ -33,6 +36,8 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
     cfg, grid = parts.cfg, parts.grid
     par = cfg.parallel
     kernels = (parts.kernels or choose_kernels(parts)).config
+    if trains_images(cfg):
+        return build_vision_model(cfg, grid, kernels)
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
                            group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
@@ -57,6 +62,27 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
         init_params(model, cfg.model, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     if cfg.lora.rank > 0:  # LoRA: freeze the base, attach seeded adapters (megaft.peft)
         apply_lora(model, cfg.lora, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    return model.to(grid.device)
+
+
+def build_vision_model(cfg: Config, grid: ParallelGrid, kernels: KernelsConfig) -> torch.nn.Module:
+    """The multimodal Gemma 3 of model.init_from (megaft.models.vision): the language model
+    sharded over tp, the tower and projector replicated; model.freeze's parts keep their
+    loaded weights (no gradient, so no optimizer state: FlatParams takes trainable ones)."""
+    from megaft.models.vision.config import vision_language_config
+    from megaft.models.vision.hf import load_vision_language_weights
+    from megaft.models.vision.model import VisionLanguageModel
+
+    model = VisionLanguageModel(vision_language_config(cfg.model.init_from, base=cfg.model), group=grid.tp_group,
+                                sequence_parallel=cfg.parallel.sequence_parallel, kernels=kernels)
+    load_vision_language_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    if cfg.lora.rank > 0:  # the recipe of megaft.peft.vision: all frozen, adapters on the language model
+        from megaft.peft.vision import apply_vision_lora
+
+        apply_vision_lora(model, cfg.lora, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    frozen = {"vision": model.vision_tower, "projector": model.multi_modal_projector}
+    for name in cfg.model.freeze:
+        frozen[name].requires_grad_(False)
     return model.to(grid.device)
 
 

@@ -49,6 +49,7 @@ class StepBatch:
     docs: Optional[list[Docs]]  # each micro-batch's packed-document layout (data.packing=docs), else None
     n_targets: int  # target tokens of the global batch (at least 1): the loss is their mean
     tokens: int  # tokens of the global batch (throughput)
+    pixels: Optional[list[torch.Tensor]] = None  # each micro-batch's images [images, 3, H, W] (a VLM), else None
 
 
 @dataclass

@@ -74,6 +74,8 @@ class RunSummary:
     restarts: Optional[int] = field(default=None, **_SOMETIMES)  # launcher restarts and requeues
     # chat data: training conversations with no assistant turn, which train nothing (data.train_on=assistant)
     conversations_without_assistant: Optional[int] = field(default=None, **_SOMETIMES)
+    # conversations with images longer than data.seq_len: dropped whole, never cut (megaft.data.image_chat)
+    dropped_long: Optional[int] = field(default=None, **_SOMETIMES)
     # config.json keys read as metadata on the user's word (model.hf_ignore_keys), when there are any
     hf_ignore_keys: Optional[list] = field(default=None, **_SOMETIMES)
     # a mixture of experts: experts, top_k, its MoE layers, the grouped GEMM and the token dispatch

@@ -238,14 +238,19 @@ def test_tp2_and_sequence_parallel_match_transformers(hf_dir, tmp_path):
 
 def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
     """A vision-language checkpoint in a training config: every unsupported setting named at
-    once with its fix, before any rank starts; Qwen2.5-VL by name."""
+    once with its fix, before any rank starts (a supported one trains: test_vision_train.py);
+    Qwen2.5-VL by name."""
     cfg = Config()
     cfg.model.init_from = hf_dir
     cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, 2, 2, True
     cfg.data.packing = "docs"
+    cfg.parallel.zero, cfg.lora.rank, cfg.model.freeze = 3, 4, ["vision", "tower"]
+    cfg.lora.targets, cfg.train.export_hf = ["q", "lm_head"], True
     problems = validate(cfg, 16)
-    for want in ("is a vision-language Gemma 3 (Gemma3ForConditionalGeneration): megaft-train does not feed images",
-                 "python -m megaft.models.hf.multimodal text",
+    for want in ("data.path must name one JSONL file", "python -m megaft.models.hf.multimodal text",
+                 "parallel.zero=3 with images", "lora.targets=lm_head with images",
+                 "lora.rank=4 with images writes the peft adapter only", "fix: lora.export_merged=false",
+                 "model.freeze: 'tower' is not a part",
                  "parallel.pp=2 with images: the vision tower is not placed on a pipeline stage yet; fix: "
                  "parallel.pp=1",
                  "parallel.cp=2 with images", "fix: parallel.cp=1",
@@ -256,8 +261,11 @@ def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
     plain.model.init_from = hf_dir
     plain.data.packing = "none"
     problems = validate(plain, 2)
-    assert sum("with images" in p for p in problems) == 0  # only the one problem that always holds
-    assert any("megaft-train does not feed images" in p for p in problems)
+    assert sum("with images" in p for p in problems) == 0  # only the missing data file
+    assert any("data.path must name one JSONL file" in p for p in problems)
+    text = Config()
+    text.model.freeze = ["vision"]
+    assert any("only a vision-language model has parts to freeze" in p for p in validate(text, 1))
     qwen = tmp_path / "qwen"
     shutil.copytree(hf_dir, qwen)
     (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from data.image_fixture import SIZE, TOKENS_PER_IMAGE, make_processor, write_images
+from data.image_fixture import TOKENS_PER_IMAGE, write_images
 
 from megaft.data.chat import ChatEncoder
 from megaft.data.image_chat import ImageChatEncoder, collate, read_image_chat
@@ -19,39 +19,14 @@ from megaft.data.tokenizer import load_tokenizer
 from megaft.models.vision.config import vision_language_config
 from megaft.models.vision.hf import hf_names, load_vision_language_weights
 from megaft.models.vision.model import VisionLanguageModel
+from models.vlm_fixture import make_processor_gemma3
 
 pytestmark = pytest.mark.exact
 
 
-@torch.no_grad()
-def _checkpoint(path: str) -> transformers.Gemma3Processor:
-    """The processor fixture's tokenizer and template beside a random tiny model of its vocabulary."""
-    processor = make_processor(path)
-    tok = processor.tokenizer
-    text = transformers.Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=128, sliding_window=5,
-        layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                             num_attention_heads=2, image_size=SIZE, patch_size=7,
-                                             vision_use_head=False)
-    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                    mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
-                                    boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id)
-    torch.manual_seed(1)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).float()
-    for name, p in model.named_parameters():  # every tensor moves the loss (as tests/models/vlm_fixture.py)
-        p.copy_(torch.randn_like(p) * (0.3 if "mm_input_projection" in name else 0.1)
-                + (1.0 if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight"))
-                   else 0.0))
-    model.save_pretrained(path)
-    return processor
-
-
 def test_data_file_to_loss_and_gradients_equal_transformers(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    processor = _checkpoint(ckpt)
+    processor = make_processor_gemma3(ckpt)
     names = write_images(str(tmp_path / "img"))
     record = {"messages": [
         {"role": "user", "content": [{"type": "image", "image": f"img/{names['RGB']}"},
@@ -111,7 +86,7 @@ def test_chat_answers_about_an_image_as_transformers_generates(tmp_path, capsys)
     from megaft.chat.cli import main
 
     ckpt = str(tmp_path / "ckpt")
-    processor = _checkpoint(ckpt)
+    processor = make_processor_gemma3(ckpt)
     image = str(tmp_path / "img" / write_images(str(tmp_path / "img"))["RGBA"])
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": "What is this?"}]}]
@@ -138,7 +113,7 @@ def test_export_carries_the_processor(tmp_path):
     from megaft.models.vision.hf import export_vision_language
 
     ckpt = str(tmp_path / "ckpt")
-    _checkpoint(ckpt)
+    make_processor_gemma3(ckpt)
     model = VisionLanguageModel(vision_language_config(ckpt))
     load_vision_language_weights(model, ckpt, tp_rank=0, tp_size=1)
     out = export_vision_language(model, str(tmp_path / "out"), tokenizer_json=ckpt, tp_group=None, is_writer=True)
@@ -152,7 +127,7 @@ def test_a_collated_batch_gives_the_token_weighted_loss(tmp_path):
     batch (megaft.data.image_chat.collate): the batch's mean loss is transformers' per-conversation
     losses weighted by their target counts."""
     ckpt = str(tmp_path / "ckpt")
-    processor = _checkpoint(ckpt)
+    processor = make_processor_gemma3(ckpt)
     names = write_images(str(tmp_path / "img"))
 
     def conversation(images, answer):

@@ -1,9 +1,11 @@
 """A tiny random Gemma3ForConditionalGeneration saved by transformers, and batches with
-images for the vision-language tests (tests/models/test_vision.py)."""
+images for the vision-language tests (tests/models/test_vision.py); `make_processor_gemma3`: a model
+beside the processor fixture (a real tokenizer, chat template and image processor)."""
 from __future__ import annotations
 
 import torch
 import transformers
+from data.image_fixture import SIZE, TOKENS_PER_IMAGE, make_processor
 
 from models.hf_fixture import VOCAB, write_char_tokenizer
 
@@ -60,3 +62,29 @@ def image_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         labels[i, :len(row) - 1] = ids[i, 1:len(row)]
     pixels = torch.rand(3, 3, 28, 28, generator=gen) * 2 - 1  # the processor's [-1, 1] range
     return ids, labels, pixels
+
+
+@torch.no_grad()
+def make_processor_gemma3(path: str) -> transformers.Gemma3Processor:
+    """The processor fixture's tokenizer and template beside a random tiny model of its vocabulary."""
+    processor = make_processor(path)
+    tok = processor.tokenizer
+    text = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=128, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=SIZE, patch_size=7,
+                                             vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=tok.image_token_id,
+                                    boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id)
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).float()
+    for name, p in model.named_parameters():  # every tensor moves the loss (as make_hf_gemma3)
+        p.copy_(torch.randn_like(p) * (0.3 if "mm_input_projection" in name else 0.1)
+                + (1.0 if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight"))
+                   else 0.0))
+    model.save_pretrained(path)
+    return processor

@@ -1,22 +1,28 @@
 """What validation says of a vision-language checkpoint in model.init_from, before any
 rank starts: every unsupported combination at once, each with its fix (docs/vision.md).
 
-Gemma 3 with images computes equal to transformers (megaft.models.vision) but megaft-train
-does not feed images yet, so a multimodal checkpoint is refused with the way to fine-tune
-its text model; the layouts images do not support yet (pp, cp, packing) are named too, so
-a config that asks for them learns it now. Qwen2-VL and Qwen2.5-VL are not read yet."""
+megaft-train trains a multimodal Gemma 3 with images (megaft.training.objectives.images) on
+the layouts tested equal to one process: tp (with or without sequence parallel) and dp with
+ZeRO 0-2. What those tests do not cover yet is refused by name, so a config that asks for it
+learns it now: pp, cp, packing, ZeRO-3, LoRA on the head or exported merged, objectives
+other than sft, an eval file and samples (both would need images). Qwen2-VL and Qwen2.5-VL are not read yet."""
 from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from megaft.config import Config
+from megaft.config.keep import exports_merged
 
 NOT_YET = {"qwen2_5_vl": "Qwen2.5-VL", "qwen2_vl": "Qwen2-VL"}
+FREEZABLE = ("vision", "projector")  # model.freeze's names: the tower, the projector
 
 
-def multimodal_kind(init_from: str) -> str | None:
+def multimodal_kind(init_from: Optional[str]) -> str | None:
     """`gemma3` or a NOT_YET model_type when config.json describes a vision-language model, else None."""
+    if not init_from:
+        return None
     try:
         with open(os.path.join(init_from, "config.json")) as f:
             raw = json.load(f)
@@ -28,21 +34,28 @@ def multimodal_kind(init_from: str) -> str | None:
     return kind if kind in NOT_YET else None
 
 
+def trains_images(cfg: Config) -> bool:
+    """True when the run trains a multimodal Gemma 3 with images (its model, data and step parts)."""
+    return multimodal_kind(cfg.model.init_from) == "gemma3"
+
+
 def check_vision_run(cfg: Config) -> list[str]:
-    """Problems of training from a vision-language checkpoint (empty for any other model)."""
+    """Problems of training from a vision-language checkpoint (empty for any other model, and
+    for a Gemma 3 run on a supported layout)."""
     init_from = cfg.model.init_from
-    kind = multimodal_kind(init_from) if init_from else None
+    kind, freeze = multimodal_kind(init_from), list(cfg.model.freeze)
     if kind is None:
-        return []
+        return [f"model.freeze={freeze}: only a vision-language model has parts to freeze (vision, projector); "
+                "fix: model.freeze=[]"] if freeze else []
     where = f"model.init_from={init_from}"
     if kind in NOT_YET:
         return [f"{where}: model_type {kind} ({NOT_YET[kind]}) is not supported yet (megaft reads Gemma 3's "
                 "vision-language checkpoints, docs/vision.md); fix: a Gemma 3 checkpoint, or a text model"]
-    par, packing = cfg.parallel, str(cfg.data.packing)
-    problems = [f"{where} is a vision-language Gemma 3 (Gemma3ForConditionalGeneration): megaft-train does not "
-                "feed images to it yet (the model and the image data are megaft.models.vision and "
-                "megaft.data.image_chat, docs/vision.md); fix: to fine-tune on text, take its text model out with "
-                f"`python -m megaft.models.hf.multimodal text {init_from} DST` and set model.init_from=DST"]
+    par, data, packing = cfg.parallel, cfg.data, str(cfg.data.packing)
+    text_fix = (f"or, to fine-tune on text, take its text model out with `python -m megaft.models.hf.multimodal "
+                f"text {init_from} DST` and set model.init_from=DST")
+    problems = [f"model.freeze: {name!r} is not a part of the model; fix: a list of {', '.join(FREEZABLE)}"
+                for name in freeze if name not in FREEZABLE]
     if par.pp > 1:
         problems.append(f"parallel.pp={par.pp} with images: the vision tower is not placed on a pipeline stage "
                         "yet; fix: parallel.pp=1")
@@ -52,4 +65,26 @@ def check_vision_run(cfg: Config) -> list[str]:
     if packing != "none":
         problems.append(f"data.packing={packing} with images: packing that keeps an image and its tokens in one "
                         "document is not supported yet; fix: data.packing=none (one conversation per row)")
+    if par.zero > 2:
+        problems.append(f"parallel.zero={par.zero} with images: ZeRO-3 does not gather the vision tower yet; "
+                        "fix: parallel.zero=1 or 2")
+    if cfg.lora.rank > 0 and "lm_head" in cfg.lora.targets:
+        problems.append("lora.targets=lm_head with images: an adapter on the head of a vision-language model is "
+                        "not exported yet; fix: drop lm_head from lora.targets")
+    if exports_merged(cfg) and trains_images(cfg):
+        problems.append(f"lora.rank={cfg.lora.rank} with images writes the peft adapter only, not the merged model "
+                        "yet; fix: lora.export_merged=false")
+    if str(cfg.train.objective) != "sft":
+        problems.append(f"train.objective={cfg.train.objective} with images: only sft reads image chats yet; "
+                        "fix: train.objective=sft")
+    if not data.path or data.sources:
+        problems.append(f"{where} trains on image chats: data.path must name one JSONL file of conversations "
+                        f"(a data.sources mixture or a generated task is not read yet); fix: data.path=FILE, "
+                        f"{text_fix}")
+    if data.eval_path:
+        problems.append("data.eval_path with images: evaluation does not feed images yet; fix: unset "
+                        "data.eval_path")
+    if cfg.train.sample_every > 0:
+        problems.append("train.sample_every with images: samples do not take an image yet; fix: "
+                        "train.sample_every=0 (megaft-chat --image answers with an image)")
     return problems

@@ -23,11 +23,13 @@ from megaft.data.sources import read_source
 from megaft.data.tasks import Task
 from megaft.data.tokenizer import special_ids
 from megaft.models.attention.documents import Docs
+from megaft.models.vision.checks import trains_images
 from megaft.parallel.context import context_shard
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.agreed import agreed_store
+from megaft.training.objectives import images
 from megaft.training.protocols import Batches, RunParts, StepBatch
-from megaft.training.step import build_step
+from megaft.training.step import build_step as build_text_step
 
 __all__ = ["DataParts", "build_data", "build_step", "micro_batches"]
 
@@ -88,12 +90,21 @@ class DataParts:
         return batch.input_ids, batch.labels, Docs(batch.position_ids, batch.doc_ids)
 
 
+def build_step(parts: RunParts):
+    """sft's step part: the plain or pipelined text step (megaft.training.step), or the step
+    that feeds each micro-batch's images (megaft.training.objectives.images)."""
+    return images.build_step(parts) if trains_images(parts.cfg) else build_text_step(parts)
+
+
 def build_data(parts: RunParts) -> DataParts:
     """Tokenizer, training stream and eval batches of cfg.data. Conversations are rendered
     with the chat template; packing=docs|none packs whole documents (megaft.data.packed),
     from the prepared, memory-mapped store for files (megaft.data.prepare: prepared once,
-    usually by the launcher before any rank starts), in memory for a generated task."""
+    usually by the launcher before any rank starts), in memory for a generated task.
+    A multimodal Gemma 3 reads conversations with images (megaft.training.objectives.images)."""
     cfg, grid = parts.cfg, parts.grid
+    if trains_images(cfg):
+        return images.build_data(parts)
     data, init_from = cfg.data, cfg.model.init_from
     tok = build_tokenizer(data, init_from=init_from)
     eos_token = cfg.model.extra.get("eos_token_id")

@@ -1,0 +1,144 @@
+"""train.objective=sft on conversations with images: a multimodal Gemma 3 (megaft.models.vision).
+
+The data part reads the image chat file once on every rank (megaft.data.image_chat: pixels
+and image tokens as Gemma3Processor makes them; a conversation longer than data.seq_len is
+dropped whole and counted, never cut). A step's global batch is a pure function of (seed,
+step): a seeded permutation of the conversations per epoch. It is padded to its longest row
+as one batch, so every layout computes on the same shapes, then split over dp into
+micro-batches, each with its rows' images in order. The step part runs the model's loss
+with those pixels; the loss is the token-weighted mean over the global batch, as sft's.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Optional
+
+import torch
+from tokenizers import Tokenizer
+
+from megaft.data.build import build_tokenizer, chat_encoder
+from megaft.data.errors import DataError
+from megaft.data.image_chat import ImageChatEncoder, ImageSample, collate, read_image_chat
+from megaft.data.images import ImageProcessing
+from megaft.data.tokenizer import special_ids
+from megaft.parallel.grid import ParallelGrid
+from megaft.training.protocols import Batches, RunParts, StepBatch
+from megaft.training.step import _Step, precision_autocast
+
+
+@dataclass
+class ImageDataPart:
+    """The conversations with images and the order a run reads them in; `batch(step)` is this
+    rank's micro-batches of step `step`'s global batch, pixels beside ids and labels."""
+
+    tokenizer: Tokenizer
+    eos_id: Optional[int]
+    samples: list[ImageSample]
+    pad_id: int
+    grid: ParallelGrid
+    global_batch_size: int
+    micro_batch_size: int
+    seed: int
+    dropped_long: int  # conversations longer than data.seq_len, dropped whole (summary.json)
+    untrained: Optional[int] = None  # conversations with no assistant turn under train_on=assistant
+    task = None
+    packing = "none"
+    unit = "conversations"
+    eval_batches: Batches = field(default_factory=list)
+    _orders: dict = field(default_factory=dict, repr=False)
+
+    def units_in(self, epochs: Fraction) -> Fraction:
+        return len(self.samples) * epochs
+
+    def order(self, epoch: int) -> list[int]:
+        """The conversations of `epoch` in their seeded order (the same on every rank)."""
+        if epoch not in self._orders:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._orders[epoch] = torch.randperm(len(self.samples), generator=gen).tolist()
+        return self._orders[epoch]
+
+    def rows(self, step: int) -> list[ImageSample]:
+        """The global batch of step `step`, epochs following each other without a gap."""
+        n = len(self.samples)
+        first = step * self.global_batch_size
+        return [self.samples[self.order(i // n)[i % n]] for i in range(first, first + self.global_batch_size)]
+
+    def batch(self, step: int) -> StepBatch:
+        rows = self.rows(step)
+        whole = collate(rows, self.pad_id)  # padded to the global batch's longest row, in every layout
+        starts = [0, *itertools.accumulate(len(s.pixels) for s in rows)]  # each row's first image
+        share = len(rows) // self.grid.dp_size
+        first = self.grid.dp_rank * share
+        inputs, labels, pixels = [], [], []
+        for r in range(first, first + share, self.micro_batch_size):
+            end = r + self.micro_batch_size
+            inputs.append(whole.input_ids[r:end])
+            labels.append(whole.labels[r:end])
+            pixels.append(whole.pixels[starts[r]:starts[end]])
+        return StepBatch(inputs, labels, None, max(whole.n_targets, 1), int(whole.input_ids.numel()), pixels)
+
+
+def build_data(parts: RunParts) -> ImageDataPart:
+    """The image chat file data.path read with the checkpoint's tokenizer, chat template and
+    image processor (validation refused every other source before any rank started)."""
+    cfg = parts.cfg
+    data, ckpt = cfg.data, cfg.model.init_from
+    tok = build_tokenizer(data, init_from=ckpt)
+    eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
+    chat = chat_encoder(data, tok, init_from=ckpt)
+    if chat is None:
+        raise DataError(f"{data.path}: image chats need a chat template and {ckpt} has none; fix: "
+                        "data.chat_template=PATH of a Jinja template that writes <start_of_image> per image")
+    read = read_image_chat(data.path, ImageChatEncoder(chat, ImageProcessing.from_checkpoint(ckpt)), data.seq_len)
+    if not read.samples:
+        raise DataError(f"{data.path}: no conversation fits data.seq_len={data.seq_len} ({read.dropped_long} "
+                        "dropped whole, never cut); fix: raise data.seq_len")
+    return ImageDataPart(tok, eos_id, read.samples, pad_id, parts.grid, cfg.train.global_batch_size,
+                         cfg.train.micro_batch_size, data.seed, read.dropped_long, chat.untrained)
+
+
+class ImageStep(_Step):
+    """Forward and backward of each micro-batch, its images fed to the tower (pp = 1); the dp
+    buckets reduce during the last backward, as PlainStep's."""
+
+    def __init__(self, model, optim, grid: ParallelGrid, phases, autocast):
+        super().__init__(grid, phases, autocast)
+        self.model, self.optim = model, optim
+
+    def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
+        device, phase = self.grid.device, self.phases.phase
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, (ids, labels, pixels) in enumerate(zip(batch.inputs, batch.labels, batch.pixels)):
+            if i == len(batch.inputs) - 1:
+                self.optim.arm_reduction()  # buckets reduce during the last backward only
+            with phase("forward"), self.autocast():
+                loss = self.model.loss_sum(ids.to(device), labels.to(device),
+                                           pixels.to(device) if len(pixels) else None)
+            with phase("backward"):
+                (loss / divisor).backward()
+            loss_sum += loss.detach().double()
+        return loss_sum
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}  # a dense language model: no router statistics
+
+    def finish_step(self) -> None:
+        pass
+
+    def eval_loss(self, batches: Batches) -> Optional[float]:
+        return None  # data.eval_path is refused with images (megaft.models.vision.checks)
+
+    @property
+    def generator(self):
+        return self.model
+
+    @property
+    def current_action(self):
+        return None
+
+
+def build_step(parts: RunParts) -> ImageStep:
+    autocast = precision_autocast(parts.cfg.precision, parts.grid.device)
+    return ImageStep(parts.model, parts.optim, parts.grid, parts.phases, autocast)
