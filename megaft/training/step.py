@@ -72,6 +72,22 @@ class PlainStep(_Step):
         self.model, self.optim = model, optim
         self.router_stats = StepRouterStats.of(model)
 
+    def backward_each(self, batch: StepBatch, divisor: float, loss_of) -> torch.Tensor:
+        """Backpropagate `loss_of(i, inputs, labels, docs)` / divisor of each micro-batch i (computed in
+        the forward phase, on the device; the dp buckets reduce during the last backward); returns
+        their sum (fp64). The loop of the objectives whose loss is one tensor (distillation's)."""
+        device, phase = self.grid.device, self.phases.phase
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
+            if i == len(batch.inputs) - 1:
+                self.optim.arm_reduction()  # buckets reduce during the last backward only
+            with phase("forward"):
+                loss = loss_of(i, mb_in.to(device), mb_lab.to(device), batch.docs[i] if batch.docs else None)
+            with phase("backward"):
+                (loss / divisor).backward()
+            loss_sum += loss.detach().double()
+        return loss_sum
+
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(loss) / divisor over the micro-batches (plus, for a mixture of
         experts, the router terms averaged over the global batch's micro-batches,

@@ -76,22 +76,13 @@ class DistillStep(PlainStep):
         """Backpropagate sum(loss) / divisor over the micro-batches; the loss sum (fp64)."""
         if self.model.cfg.n_experts > 0:
             raise NotImplementedError("train.objective=distill of a mixture of experts (validation refuses it)")
-        device, phase = self.grid.device, self.phases.phase
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
-            if i == len(batch.inputs) - 1:
-                self.optim.arm_reduction()  # buckets reduce during the last backward only
-            docs = batch.docs[i] if batch.docs else None
-            inputs, labels = mb_in.to(device), mb_lab.to(device)
-            with phase("forward"):
-                with torch.no_grad(), self.autocast():
-                    teacher = self.teacher(inputs, docs)
-                with self.autocast():
-                    loss = self.loss(self.model(inputs, docs), teacher, labels)
-            with phase("backward"):
-                (loss / divisor).backward()
-            loss_sum += loss.detach().double()
-        return loss_sum
+
+        def loss_of(i: int, inputs: torch.Tensor, labels: torch.Tensor, docs) -> torch.Tensor:
+            with torch.no_grad(), self.autocast():
+                teacher = self.teacher(inputs, docs)
+            with self.autocast():
+                return self.loss(self.model(inputs, docs), teacher, labels)
+        return self.backward_each(batch, divisor, loss_of)
 
 
 class PipelineDistillStep(PipelineStep):

@@ -106,15 +106,8 @@ class TopKDistillStep(PlainStep):
 
     def forward_backward(self, batch: RowsBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(loss) / divisor over the micro-batches; the loss sum (fp64)."""
-        device, phase = self.grid.device, self.phases.phase
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (mb_in, mb_lab) in enumerate(zip(batch.inputs, batch.labels)):
-            if i == len(batch.inputs) - 1:
-                self.optim.arm_reduction()  # buckets reduce during the last backward only
-            docs = batch.docs[i] if batch.docs else None
-            with phase("forward"), self.autocast():
-                loss = self._loss(self.model(mb_in.to(device), docs), mb_lab.to(device), batch.rows[i])
-            with phase("backward"):
-                (loss / divisor).backward()
-            loss_sum += loss.detach().double()
-        return loss_sum
+
+        def loss_of(i: int, inputs: torch.Tensor, labels: torch.Tensor, docs) -> torch.Tensor:
+            with self.autocast():
+                return self._loss(self.model(inputs, docs), labels, batch.rows[i])
+        return self.backward_each(batch, divisor, loss_of)
