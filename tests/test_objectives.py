@@ -16,8 +16,9 @@ def test_the_registry_holds_exactly_the_objectives_validation_accepts():
     assert objective_of("grpo").build_data is grpo.build_data and objective_of("grpo").build_step is grpo.build_step
     assert (objective_of("reward").build_data, objective_of("reward").build_step) == \
         (reward.build_data, reward.build_step)
+    # sft's data part (distill.build_data adds the stored teacher's rows under distill.top_k), distillation's step
     assert (objective_of("distill").build_data, objective_of("distill").build_step) == \
-        (sft.build_data, distill.build_step)  # sft's data, distillation's step
+        (distill.build_data, distill.build_step)
     for name in set(OBJECTIVE_CHOICES) - {"sft", "grpo", "reward", "distill"}:
         assert (objective_of(name).build_data, objective_of(name).build_step) == \
             (preference.build_data, preference.build_step), name

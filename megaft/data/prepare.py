@@ -167,16 +167,18 @@ def _open_verified(path: str, verify: str, vocab: int, *, repair: bool = False) 
         return None
     try:
         return PreparedDataset(path, verify=verify, vocab_size=vocab)
-    except FileNotFoundError:  # another process, holding the lock, is moving a damaged store aside
-        if repair:
-            raise
-        return None
     except StoreDamagedError as exc:
         if repair:
             log.warning("%s; rebuilding it from the sources", exc)
             aside = tempfile.mkdtemp(prefix=f".damaged-{os.path.basename(path)}-", dir=os.path.dirname(path))
             os.rename(path, os.path.join(aside, "store"))  # out of the way at once, then deleted
             shutil.rmtree(aside, ignore_errors=True)
+        return None
+    except (FileNotFoundError, DataError):
+        # another process, holding the lock, moved a damaged store aside between is_complete and the
+        # open (a file gone, or the manifest): wait for its rebuild at the lock
+        if repair:
+            raise
         return None
 
 

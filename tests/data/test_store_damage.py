@@ -98,3 +98,19 @@ def test_ranks_agree_on_the_store_before_training(setup, tmp_path):  # noqa: F81
     spawn(2, _agree_on_ranks, [cfg, other], ckpt, str(tmp_path))
     for r in range(2):
         assert "prepared datasets hold different tokens" in open(tmp_path / f"rank_{r}.txt").read()
+
+
+def test_a_store_moved_aside_while_opening_sends_the_reader_to_the_lock(setup, monkeypatch):  # noqa: F811
+    """Another rank, holding the lock, moves a damaged store aside between this rank's completeness
+    check and its open (the manifest gone): this rank waits at the lock for the rebuild (None), it
+    does not fail; holding the lock itself, the error stands."""
+    from megaft.data import prepare as prep
+    from megaft.data.errors import DataError
+
+    cfg, ckpt, _ = setup
+    ds = prepare_dataset(cfg, init_from=ckpt, eos_token_id=2, progress=False)
+    os.remove(os.path.join(ds.path, "manifest.json"))  # what the other rank's rename leaves this one
+    monkeypatch.setattr(prep, "is_complete", lambda path: True)  # it was complete at the check
+    assert prep._open_verified(ds.path, "full", None) is None
+    with pytest.raises(DataError, match="not a complete prepared dataset"):
+        prep._open_verified(ds.path, "full", None, repair=True)
