@@ -311,6 +311,7 @@ def test_layout_equals_single_process(runs, layout):
         assert (got[name] - w).abs().max() <= bound, name
 
 
+@pytest.mark.exact  # also under the second CPU code path (make test)
 @pytest.mark.parametrize("layout", list(LORA))
 def test_lora_layouts_equal_the_single_process(runs, layout):
     """LoRA adapters on Muon: tp=2 gathers a column linear's B and a row linear's A whole over tp
