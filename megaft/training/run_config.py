@@ -16,12 +16,17 @@ sets apart.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
+import functools
 import os
+import typing
 from dataclasses import dataclass
 from typing import Optional
 
 import yaml
 from omegaconf import OmegaConf
+from omegaconf._utils import get_omega_conf_dumper
 
 from megaft.config import Config
 from megaft.config.train import accumulation_steps
@@ -56,11 +61,43 @@ def write_run_config(run_dir: str, run: RunConfig) -> str:
     path = os.path.join(run_dir, FILE)
     derived = {DERIVED: {"world_size": run.world_size, "accumulation_steps": run.accumulation_steps,
                          **epochs_record(run.config)}}
-    text = HEADER + OmegaConf.to_yaml(OmegaConf.structured(run.config)) + yaml.safe_dump(derived, sort_keys=False)
+    text = HEADER + config_yaml(run.config) + yaml.safe_dump(derived, sort_keys=False)
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
     return path
+
+
+def config_yaml(cfg: Config) -> str:
+    """`OmegaConf.to_yaml(OmegaConf.structured(cfg))`'s text, made from the dataclasses directly: the
+    structured copy cost ~40 ms of a tiny run's ~400 (every test run and every restart writes one)."""
+    return yaml.dump(_plain(cfg, type(cfg)), default_flow_style=False, allow_unicode=True, sort_keys=False,
+                     Dumper=get_omega_conf_dumper())
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _plain(value, hint):
+    """`value` as OmegaConf's container holds it: dataclasses as dicts, enums by name, tuples as lists,
+    an int in a float field as a float (OmegaConf converts it on assignment)."""
+    if dataclasses.is_dataclass(value):
+        hints = _hints(type(value))
+        return {f.name: _plain(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.name
+    if typing.get_origin(hint) is typing.Union:  # Optional[X] -> X
+        hint = next((a for a in typing.get_args(hint) if a is not type(None)), None)
+    args = typing.get_args(hint)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, args[0] if args else None) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v, args[1] if len(args) == 2 else None) for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def epochs_record(cfg: Config) -> dict:
