@@ -29,6 +29,9 @@ class RLConfig:
     max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
     # the policy's (and the reference's) log-probs are of logits / temperature; rl.prompts samples at it
     temperature: float = 1.0
+    # nucleus sampling of rl.prompts' rollouts: each draw keeps the most likely tokens whose probabilities reach
+    # top_p (transformers' TopPLogitsWarper, after the temperature); 1.0 (TRL's default) keeps every token
+    top_p: float = 1.0
     beta: float = 0.0  # the KL coefficient; 0 (TRL's default): no KL term and no reference model
     # beta > 0: a Hugging Face checkpoint of the same architecture the KL term compares with; null = the
     # model the run starts from (model.init_from or the seeded init; with LoRA the base, as TRL)
@@ -72,6 +75,9 @@ def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_bat
                         "rl.epsilon_high (DeepSeek-V3.2 uses 10) or null")
     if cfg.temperature <= 0:
         problems.append(f"rl.temperature={cfg.temperature} must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        problems.append(f"rl.top_p={cfg.top_p} must be in (0, 1] (the probability mass each draw keeps); fix: e.g. "
+                        "0.95, or 1.0 to keep every token")
     return problems
 
 

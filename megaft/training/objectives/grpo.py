@@ -372,11 +372,11 @@ def build_step(parts: RunParts) -> StepPart:
 
 
 def rollout_generator(parts: RunParts, step) -> Callable[[list[list[int]], int, int], list[list[int]]]:
-    """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, no
-    nucleus, seeded by train.seed and the draw's step; through the pipeline's stages under pp, with
-    ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
+    """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, then
+    rl.top_p's nucleus (transformers' order), seeded by train.seed and the draw's step; through the
+    pipeline's stages under pp, with ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
     cfg, grid = parts.cfg, parts.grid
-    sampling = Sampling(temperature=cfg.rl.temperature, top_p=1.0, seed=cfg.train.seed)
+    sampling = Sampling(temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.train.seed)
     eos = parts.data.eos_id
     listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
     eos = sorted({eos, *(listed if isinstance(listed, list) else [listed])} - {None})
