@@ -42,6 +42,11 @@ class RLConfig:
     scale_rewards: str = "group"  # group | batch | none: the std advantages are divided by
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default): how token losses are averaged
     use_bias_correction_kl: bool = True  # the k3 KL times the importance ratio (TRL's default)
+    # mu: optimizer steps per generated (or read) batch, each on the same micro-batches; > 1: the clipped ratio's
+    # old log-probs are the generating weights' (TRL's num_iterations; 1: on-policy, the ratio is 1)
+    num_iterations: int = 1
+    # drop from the loss completions cut at their length limit (last token no eos): TRL's, DAPO's overlong filter
+    mask_truncated_completions: bool = False
 
 
 def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_batch_size: int) -> list[str]:
@@ -73,6 +78,9 @@ def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_bat
     if cfg.delta is not None and cfg.delta <= 1 + (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high):
         problems.append(f"rl.delta={cfg.delta} caps the ratio below the clip range's top; fix: rl.delta > 1 + "
                         "rl.epsilon_high (DeepSeek-V3.2 uses 10) or null")
+    if isinstance(cfg.num_iterations, bool) or not isinstance(cfg.num_iterations, int) or cfg.num_iterations < 1:
+        problems.append(f"rl.num_iterations={cfg.num_iterations!r} must be a whole number >= 1 (the optimizer steps "
+                        "each generated batch is trained on); fix: 1 (on-policy, TRL's default) or e.g. 2")
     if cfg.temperature <= 0:
         problems.append(f"rl.temperature={cfg.temperature} must be > 0")
     if not 0 < cfg.top_p <= 1:
