@@ -111,6 +111,9 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
     if cfg.reference and cfg.beta == 0.0:
         problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
                         "(e.g. 0.04) or rl.reference=null")
+    if cfg.rollouts and cfg.top_p != 1.0:
+        problems.append(f"rl.top_p={cfg.top_p} filters the draws of generated rollouts, and rl.rollouts={cfg.rollouts} "
+                        "are read, not drawn; fix: rl.top_p=1.0, or generate with rl.prompts=FILE")
     if packing == "docs":
         problems.append("train.objective=grpo gives each completion a row of its own; fix: data.packing=none")
     return problems

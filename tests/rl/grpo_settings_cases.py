@@ -56,9 +56,18 @@ LAYOUTS = {"mu2_dp2_zero3": ("mu2", dict(dp=2, zero=3)), "mu2_pp2": ("mu2", dict
            "online_mu2_dp2": ("online_mu2", dict(dp=2, zero=1))}
 
 
+RESUMED = dict(dp=2, zero=3)  # mu2 stopped inside generation 1 and resumed: each rank reads its own rl_state file
+
+
 def settings_rank(rank: int, world: int, ckpt: str, rollouts: str, prompts: str, root: str) -> None:
     for name, (what, par) in LAYOUTS.items():
         cfg = settings_config(ckpt, rollouts, prompts, what, micro=2 if par.get("dp") else 4)
         for k, v in par.items():
             setattr(cfg.parallel, k, v)
         run(resolve(cfg), layout_grid(par), os.path.join(root, name))
+    for steps in (3, 4):  # a checkpoint after step 3 (generation 1's first), then on to step 4 from it
+        cfg = settings_config(ckpt, rollouts, prompts, "mu2", micro=2)
+        cfg.train.max_steps, cfg.train.save_every = steps, 3
+        for k, v in RESUMED.items():
+            setattr(cfg.parallel, k, v)
+        run(resolve(cfg), layout_grid(RESUMED), os.path.join(root, "mu2_dp2_resumed"))

@@ -7,8 +7,8 @@ single process (one spawn of 2 ranks runs every layout).
   from the generating weights) on megaft's weights after the first step; dp2 ZeRO-3 with
   accumulation, pp2 and online generation at dp2 repeat the single process; an online run equals
   the replay of its logged rollouts; a run resumed inside a generation (its old log-probs and groups
-  read back from RUN_DIR/rl_state) repeats the uninterrupted one bit for bit, and without the file
-  or at another layout is refused with the fix;
+  read back from RUN_DIR/rl_state) repeats the uninterrupted one bit for bit (and at dp2 ZeRO-3 the
+  single process), and without the file or at another layout is refused with the fix;
 - mask_truncated_completions: the first step equals TRL's with mask_truncated_completions=True
   (loss, gradient norm, entropy) and differs from the unmasked one; cp2 repeats it;
 - top_p = 0.7: tp2 with sequence parallelism draws the single process's completions, which differ
@@ -78,6 +78,18 @@ def test_every_layout_equals_the_single_process(inputs, layouts, name):
             assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, g["step"], key, g[key], w[key])
     if os.path.exists(single / "rollouts.jsonl"):  # online: the same draws at the layout
         assert _jsonl(layouts / name / "rollouts.jsonl") == _jsonl(single / "rollouts.jsonl")
+
+
+def test_a_resumed_dp2_run_equals_the_single_process(inputs, layouts):
+    """dp2 ZeRO-3 at mu = 2, resumed after step 3 inside generation 1: each rank reads back its own
+    share of the old log-probs (RUN_DIR/rl_state/generation1.rank<r>.pt) and step 4 is one process's."""
+    root = inputs[3]
+    assert {"generation1.rank0.pt", "generation1.rank1.pt"} <= set(os.listdir(layouts / "mu2_dp2_resumed" / "rl_state"))
+    got, want = _lines(layouts / "mu2_dp2_resumed"), _lines(root / "mu2")
+    assert [line["step"] for line in got] == [1, 2, 3, 4]
+    for key in COMPARED:
+        assert got[3][key] == pytest.approx(want[3][key], rel=2e-5, abs=1e-6), key
+    assert got[3]["clip_ratio/region_mean"] > 0  # the resumed step is off-policy: its old log-probs were read
 
 
 def test_mu_steps_share_their_generation(inputs):

@@ -5,7 +5,7 @@ TopPLogitsWarper after the temperature).
 - top_p = 1 is the unfiltered draw bit for bit (every rollout made before rl.top_p existed stays);
 - a nucleus narrower than the top token's probability is greedy: an online run's first rollouts
   equal transformers' greedy `generate` of the checkpoint;
-- validation refuses a top_p outside (0, 1] with the fix.
+- validation refuses a top_p outside (0, 1], or with logged rollouts (nothing is drawn), with the fix.
 (tp ranks draw the same tokens at top_p < 1: tests/rl/test_grpo_settings.py and
 tests/models/test_generate.py.)
 """
@@ -93,3 +93,7 @@ def test_validation_refuses_top_p_outside_0_1(tmp_path):
     good = online_config(ckpt, prompts)
     good.rl.top_p = 0.9
     assert validate(good, 1) == []
+    logged = online_config(ckpt, None)  # read rollouts are not drawn: a nucleus would be ignored
+    logged.rl.prompts, logged.rl.rollouts, logged.rl.top_p = None, prompts, 0.9
+    assert any("rl.top_p=0.9 filters the draws of generated rollouts" in p and "fix:" in p
+               for p in validate(logged, 1))
