@@ -48,9 +48,11 @@ class Generation:
         torch.save({"index": self.index, "layout": layout, "groups": groups, "rewards": self.rewards,
                     "old_logps": {i: t.cpu() for i, t in self.old_logps.items()}}, path + ".tmp")
         os.replace(path + ".tmp", path)  # whole or absent
-        for old in range(keep_from):
-            if os.path.exists(self.path(run_dir, old, grid.rank)):
-                os.remove(self.path(run_dir, old, grid.rank))
+        folder, mine = os.path.dirname(path), f".rank{grid.rank}.pt"
+        for name in os.listdir(folder):
+            index = name[len("generation"):-len(mine)] if name.startswith("generation") and name.endswith(mine) else ""
+            if index.isdigit() and int(index) < keep_from:
+                os.remove(os.path.join(folder, name))
 
     @classmethod
     def load(cls, run_dir: str, index: int, step: int, grid: ParallelGrid, layout: dict) -> "Generation":
