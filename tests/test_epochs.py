@@ -93,10 +93,13 @@ def test_pairs_and_completions(ckpt, tmp_path):
     rollouts = tmp_path / "rollouts.jsonl"
     with open(ckpt / "ckpt" / "config.json") as f:
         write_rollouts(str(rollouts), vocab=json.load(f)["vocab_size"])
-    grpo = chat_config(ckpt, "data.path=null", "data.packing=none", "train.objective=grpo", f"rl.rollouts={rollouts}",
-                       f"rl.num_generations={G}", "rl.max_completion_length=8", "data.seq_len=16",
-                       "train.epochs=1.5", f"train.global_batch_size={2 * G}", f"train.micro_batch_size={G}")
-    assert resolved(grpo, tmp_path / "grpo") == math.ceil(1.5 * 6 * G / (2 * G)) == 5
+    grpo = ["data.path=null", "data.packing=none", "train.objective=grpo", f"rl.rollouts={rollouts}",
+            f"rl.num_generations={G}", "rl.max_completion_length=8", "data.seq_len=16", "train.epochs=1.5",
+            f"train.global_batch_size={2 * G}", f"train.micro_batch_size={G}"]
+    assert resolved(chat_config(ckpt, *grpo), tmp_path / "grpo") == math.ceil(1.5 * 6 * G / (2 * G)) == 5
+    # rl.num_iterations=2: each batch trained twice (TRL's sampler repeats it), so a pass takes twice the steps
+    mu2 = chat_config(ckpt, *grpo, "rl.num_iterations=2")
+    assert resolved(mu2, tmp_path / "grpo_mu2") == math.ceil(2 * 1.5 * 6 * G / (2 * G)) == 9
 
 
 def test_a_restarted_run_keeps_the_steps_its_config_recorded(ckpt, tmp_path):

@@ -29,6 +29,9 @@ class RLConfig:
     max_completion_length: int = 256  # dr_grpo's constant length; longer logged completions are refused
     # the policy's (and the reference's) log-probs are of logits / temperature; rl.prompts samples at it
     temperature: float = 1.0
+    # nucleus sampling of rl.prompts' rollouts: each draw keeps the most likely tokens whose probabilities reach
+    # top_p (transformers' TopPLogitsWarper, after the temperature); 1.0 (TRL's default) keeps every token
+    top_p: float = 1.0
     beta: float = 0.0  # the KL coefficient; 0 (TRL's default): no KL term and no reference model
     # beta > 0: a Hugging Face checkpoint of the same architecture the KL term compares with; null = the
     # model the run starts from (model.init_from or the seeded init; with LoRA the base, as TRL)
@@ -39,6 +42,11 @@ class RLConfig:
     scale_rewards: str = "group"  # group | batch | none: the std advantages are divided by
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default): how token losses are averaged
     use_bias_correction_kl: bool = True  # the k3 KL times the importance ratio (TRL's default)
+    # mu: optimizer steps per generated (or read) batch, each on the same micro-batches; > 1: the clipped ratio's
+    # old log-probs are the generating weights' (TRL's num_iterations; 1: on-policy, the ratio is 1)
+    num_iterations: int = 1
+    # drop from the loss completions cut at their length limit (last token no eos): TRL's, DAPO's overlong filter
+    mask_truncated_completions: bool = False
 
 
 def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_batch_size: int) -> list[str]:
@@ -70,8 +78,14 @@ def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_bat
     if cfg.delta is not None and cfg.delta <= 1 + (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high):
         problems.append(f"rl.delta={cfg.delta} caps the ratio below the clip range's top; fix: rl.delta > 1 + "
                         "rl.epsilon_high (DeepSeek-V3.2 uses 10) or null")
+    if isinstance(cfg.num_iterations, bool) or not isinstance(cfg.num_iterations, int) or cfg.num_iterations < 1:
+        problems.append(f"rl.num_iterations={cfg.num_iterations!r} must be a whole number >= 1 (the optimizer steps "
+                        "each generated batch is trained on); fix: 1 (on-policy, TRL's default) or e.g. 2")
     if cfg.temperature <= 0:
         problems.append(f"rl.temperature={cfg.temperature} must be > 0")
+    if not 0 < cfg.top_p <= 1:
+        problems.append(f"rl.top_p={cfg.top_p} must be in (0, 1] (the probability mass each draw keeps); fix: e.g. "
+                        "0.95, or 1.0 to keep every token")
     return problems
 
 
@@ -97,6 +111,9 @@ def check_rl_run(cfg: RLConfig, objective: str, *, has_data_file: bool, n_expert
     if cfg.reference and cfg.beta == 0.0:
         problems.append(f"rl.reference={cfg.reference} is read by the KL term only, and rl.beta=0; fix: rl.beta > 0 "
                         "(e.g. 0.04) or rl.reference=null")
+    if cfg.rollouts and cfg.top_p != 1.0:
+        problems.append(f"rl.top_p={cfg.top_p} filters the draws of generated rollouts, and rl.rollouts={cfg.rollouts} "
+                        "are read, not drawn; fix: rl.top_p=1.0, or generate with rl.prompts=FILE")
     if packing == "docs":
         problems.append("train.objective=grpo gives each completion a row of its own; fix: data.packing=none")
     return problems

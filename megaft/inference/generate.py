@@ -70,15 +70,17 @@ def _argmax(model, logits: torch.Tensor) -> torch.Tensor:
     return every[best, torch.arange(every.shape[1]), 1].long()
 
 
-def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(scores: torch.Tensor, top_p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
     """transformers' TopPLogitsWarper: -inf for the least likely tokens whose cumulative
-    probability stays at or below 1 - top_p (the most likely token always kept)."""
+    probability (ascending, ties in torch.sort's order) stays at or below 1 - top_p, the
+    `min_tokens_to_keep` most likely always kept (generate's sampling keeps 1). top_p = 1: the
+    scores themselves (no sort, no copy)."""
     if top_p >= 1.0:
         return scores
     sorted_scores, order = torch.sort(scores, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove = cumulative <= (1 - top_p)
-    remove[..., -1:] = False
+    remove[..., -min_tokens_to_keep:] = False
     return scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
 
 

@@ -12,6 +12,17 @@ global batch's completions, so the dp-reduced, accumulated gradient is the singl
 Under pp the last stage computes it from its logits. On-policy (rl.num_iterations = 1): the
 log-probs the rollouts were sampled with are these weights', so the ratio is 1 with gradient.
 
+rl.num_iterations = mu > 1 (TRL's generate_every = steps_per_generation x mu): a generation's batch
+(its groups, rewards and advantages) is trained on for mu optimizer steps, steps g mu .. g mu + mu - 1,
+in the same micro-batches; the clipped ratio's old log-probs are the first of those steps' own
+forward, detached, and a run resumed inside a generation reads them back from RUN_DIR/rl_state
+(megaft.rl.iterations).
+
+rl.mask_truncated_completions: a completion whose last token is no eos (nor the pad id) was cut
+at its length limit; its tokens leave the loss, the token counts, the metrics and (a mixture of
+experts) the router statistics, as TRL zeroes its completion_mask. It still counts in N and in
+its group's rewards.
+
 rl.beta > 0: the KL term's reference model (rl.reference, or the starting model built again;
 with LoRA the base without adapters, as TRL's) is kept beside the policy at the same tp/pp
 layout, whole under ZeRO (it is only read), in eval mode, and scores each micro-batch's rows
@@ -46,6 +57,7 @@ from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import decoder_token_logps, token_entropy
 from megaft.rl.advantages import function_metrics, group_advantages
+from megaft.rl.iterations import Generation
 from megaft.rl.losses import COLUMNS, GlobalCounts, GrpoStats, completion_losses, grpo_terms
 from megaft.rl.online import OnlineRollouts, read_rl_prompts
 from megaft.rl.rewards import load_reward, reward_name
@@ -71,6 +83,8 @@ class RolloutBatch(StepBatch):
     # per micro-batch [rows, length]: True at a row's tokens (prompt and completion), what a mixture of
     # experts' router statistics count (transformers' attention_mask in TRL's aux loss)
     valid: Optional[list[torch.Tensor]] = None
+    generation: Optional["Generation"] = None  # the batch the step trains on (its old log-probs: mu > 1)
+    iteration: int = 0  # which of the generation's rl.num_iterations steps this is
 
 
 @dataclass
@@ -94,6 +108,9 @@ class RolloutData:
     online: Optional[OnlineRollouts] = None  # rl.prompts: each step's groups generated
     score: Optional[Callable[[list[Group]], torch.Tensor]] = None  # online: rl.reward's [completions, functions]
     run_dir: str = ""  # rank 0 appends each step's first group to RUN_DIR/samples.jsonl (`log_first_group`)
+    stop_ids: frozenset = frozenset()  # eos ids and the pad id: a completion ending otherwise was truncated
+    save_every: int = 0  # train.save_every: which generations' saved state a resume may still read
+    _generation: Optional[Generation] = None  # the generation the current steps train on
     _trimmed: bool = False  # samples.jsonl cut back to the first step this process trains
     task = None
     eval_batches = []
@@ -105,35 +122,76 @@ class RolloutData:
     def units_in(self, epochs: Fraction) -> Fraction:
         """The completions of the first `epochs` passes over the groups or prompts (rl.num_generations each)."""
         n = len(self.online.prompts) if self.online is not None else len(self.groups)
-        return epochs * n * self.rl.num_generations
+        return epochs * n * self.rl.num_generations * self.rl.num_iterations  # each batch trained mu times
 
-    def _step_groups(self, step: int) -> tuple[list[Group], torch.Tensor]:
-        """The step's groups and their rewards [completions, functions]."""
+    def _step_groups(self, index: int) -> tuple[list[Group], torch.Tensor]:
+        """Generation `index`'s groups and their rewards [completions, functions]."""
         per_step = self.global_batch_size // self.rl.num_generations
         if self.online is not None:  # collective: the policy generates them (megaft.rl.online)
-            groups = self.online.groups(step, per_step)
+            groups = self.online.groups(index, per_step)
             return groups, self.score(groups)
-        ids = step_groups(len(self.groups), step, per_step)
+        ids = step_groups(len(self.groups), index, per_step)
         return [self.groups[i] for i in ids], self.rewards[ids].reshape(-1, len(self.names))
+
+    def layout(self) -> dict:
+        """What the saved old log-probs' shapes depend on (Generation.load checks it)."""
+        grid = self.grid
+        return dict(tp=grid.tp_size, cp=grid.cp_size, dp=grid.dp_size, pp=grid.pp_size,
+                    micro_batch_size=self.micro_batch_size, multiple=self.multiple, same_length=self.same_length)
+
+    def generation(self, step: int) -> Generation:
+        """The generation step `step` trains on: made at its first step, read back from RUN_DIR when a
+        resumed run starts inside it."""
+        mu = self.rl.num_iterations
+        index = step // mu
+        if self._generation is None or self._generation.index != index:
+            if step % mu:
+                self._generation = Generation.load(self.run_dir, index, step, self.grid, self.layout())
+            else:
+                self._generation = Generation(index, *self._step_groups(index))
+        return self._generation
+
+    def save_generation(self, batch: RolloutBatch) -> None:
+        """After the first of a generation's mu > 1 steps (its old log-probs taken): its state on disk,
+        for a resume inside it."""
+        mu = self.rl.num_iterations
+        if mu == 1 or batch.iteration or not self.run_dir:
+            return
+        step = batch.generation.index * mu
+        last_save = step - step % self.save_every if self.save_every > 0 else step
+        batch.generation.save(self.run_dir, self.grid, self.layout(), keep_from=last_save // mu)
+
+    def truncated(self, groups: list[Group]) -> torch.Tensor:
+        """[completions] True where rl.mask_truncated_completions drops the completion: its last
+        token is neither an eos nor the pad id (TRL's is_truncated)."""
+        return torch.tensor([self.rl.mask_truncated_completions and c[-1] not in self.stop_ids
+                             for grp in groups for c in grp.completion_ids], dtype=torch.bool)
 
     def batch(self, step: int) -> RolloutBatch:
         g = self.rl.num_generations
-        groups, rewards = self._step_groups(step)
+        generation = self.generation(step)
+        groups, rewards = generation.groups, generation.rewards
         if self.run_dir and self.grid.rank == 0:
             self.log_first_group(step + 1, groups[0], rewards[:g])
         inputs, labels = group_rows(groups, self.seq_len, self.pad_id)
+        truncated = self.truncated(groups)
+        kept = labels.masked_fill(truncated.unsqueeze(1), -100)  # the loss's labels
         weights = torch.tensor(self.rl.reward_weights or [1.0] * len(self.names))
         advantages, metrics = group_advantages(rewards, weights, g, self.rl.scale_rewards)
         metrics.update(function_metrics(rewards, self.names))
-        mask = labels != -100
+        mask = kept != -100
         counts = GlobalCounts(completions=len(advantages), tokens=float(mask.sum()),
                               max_completion_length=self.rl.max_completion_length)
         share = len(advantages) // self.grid.dp_size
         mine = slice(self.grid.dp_rank * share, (self.grid.dp_rank + 1) * share)
-        lengths = torch.tensor([len(grp.prompt_ids) + len(c) for grp in groups for c in grp.completion_ids])
+        # a truncated completion's tokens are no row's tokens for the router (TRL's attention_mask)
+        cut = iter(truncated.tolist())
+        lengths = torch.tensor([len(grp.prompt_ids) + (0 if next(cut) else len(c))
+                                for grp in groups for c in grp.completion_ids])
         valid = torch.arange(self.seq_len) < lengths.unsqueeze(1)
-        micro = [list(x[mine].split(self.micro_batch_size)) for x in (inputs, labels, advantages, valid)]
-        ends = [row_length(lab, self.multiple) for lab in micro[1]]
+        # lengths from the unmasked labels: the same micro-batch shapes with and without the mask
+        ends = [row_length(lab, self.multiple) for lab in labels[mine].split(self.micro_batch_size)]
+        micro = [list(x[mine].split(self.micro_batch_size)) for x in (inputs, kept, advantages, valid)]
         if self.same_length and ends:
             ends = [max(ends)] * len(ends)
         docs = [] if self.grid.cp_size > 1 else None
@@ -144,7 +202,8 @@ class RolloutData:
                 docs.append(d)
         tokens = sum(len(grp.prompt_ids) + len(c) for grp in groups for c in grp.completion_ids)
         return RolloutBatch(micro[0], micro[1], docs, len(advantages), tokens, advantages=micro[2], counts=counts,
-                            reward_metrics=metrics, valid=micro[3])
+                            reward_metrics=metrics, valid=micro[3], generation=generation,
+                            iteration=step % self.rl.num_iterations)
 
 
     def log_first_group(self, step: int, group: Group, rewards: torch.Tensor) -> None:
@@ -183,6 +242,9 @@ def build_data(parts: RunParts) -> RolloutData:
     shape = dict(seq_len=cfg.data.seq_len, pad_id=pad_id, global_batch_size=cfg.train.global_batch_size,
                  micro_batch_size=cfg.train.micro_batch_size, multiple=multiple, same_length=par.pp > 1)
     names = [reward_name(spec) for spec in rl.reward] if rl.reward else [REWARD_NAME]
+    listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
+    shape.update(stop_ids=frozenset({eos_id, pad_id, *(listed if isinstance(listed, list) else [listed])} - {None}),
+                 save_every=cfg.train.save_every)
     if rl.prompts:
         template = load_chat_template(cfg.data.chat_template, tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
         online = OnlineRollouts(read_rl_prompts(rl.prompts, tok, template), num_generations=rl.num_generations,
@@ -217,7 +279,13 @@ class GrpoObjective:
         policy's per-token entropy, for the metric)."""
         batch, device = self.batch, self.grid.device
         labels = batch.labels[i].to(device)
-        sums, table = grpo_terms(logps, None, ref_logps, batch.advantages[i].to(device), labels != -100,
+        old = None  # on-policy: the detached log-probs themselves (ratio 1)
+        if self.rl.num_iterations > 1 and batch.generation is not None:
+            if batch.iteration == 0:  # the generating weights: the ratio's denominator for the mu steps
+                batch.generation.old_logps[i] = logps.detach().clone()
+            else:
+                old = batch.generation.old_logps[i].to(device)
+        sums, table = grpo_terms(logps, old, ref_logps, batch.advantages[i].to(device), labels != -100,
                                  entropies=entropies, **self.settings)
         if self.grid.cp_size > 1:  # each cp rank holds chunks of every row: whole-completion sums
             sums = reduce_from_tp(sums, self.grid.cp_group)
@@ -262,6 +330,7 @@ class GrpoStep(PlainStep):
         cfg, grid = parts.cfg, parts.grid
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.objective = GrpoObjective(cfg.rl, grid)
+        self.data: RolloutData = parts.data  # saves each generation's state (rl.num_iterations > 1)
         self.reference = reference_model(parts)
         self.temperature = cfg.rl.temperature  # the log-probs of logits / T, the policy's and the reference's
 
@@ -301,6 +370,7 @@ class GrpoStep(PlainStep):
             with phase("backward"):
                 (objective / divisor).backward()
             loss_sum += losses.detach().double().sum()
+        self.data.save_generation(batch)
         return loss_sum
 
     # the global batch's c_i sum: over dp only (every cp rank holds the same completions' losses)
@@ -324,6 +394,7 @@ class PipelineGrpoStep(PipelineStep):
         self.logps = logits_scorer(self.model, grid, cfg.rl.temperature)
         self.temperature = cfg.rl.temperature
         self.objective = GrpoObjective(cfg.rl, grid)
+        self.data: RolloutData = parts.data  # saves each generation's state (rl.num_iterations > 1)
         reference = reference_model(parts)
         self.reference: Optional[PipelineRuntime] = None if reference is None else PipelineRuntime(
             reference, grid, cfg.parallel.schedule, self.runtime.m, cfg.parallel.vpp)
@@ -352,7 +423,9 @@ class PipelineGrpoStep(PipelineStep):
                                       vocab_size=self.model.cfg.vocab_size)
             return self.objective.losses(self.logps(logits, labels), i, refs[i], entropies).sum()
         weight = router_weight(batch.n_targets, len(batch.inputs), self.grid.dp_size, self.model.routing)
-        return self.run_schedule(batch, divisor, head=head, router_weight=weight, router_valid=batch.valid)
+        loss_sum = self.run_schedule(batch, divisor, head=head, router_weight=weight, router_valid=batch.valid)
+        self.data.save_generation(batch)
+        return loss_sum
 
     total_loss = GrpoStep.total_loss
 
@@ -372,11 +445,11 @@ def build_step(parts: RunParts) -> StepPart:
 
 
 def rollout_generator(parts: RunParts, step) -> Callable[[list[list[int]], int, int], list[list[int]]]:
-    """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, no
-    nucleus, seeded by train.seed and the draw's step; through the pipeline's stages under pp, with
-    ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
+    """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, then
+    rl.top_p's nucleus (transformers' order), seeded by train.seed and the draw's step; through the
+    pipeline's stages under pp, with ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
     cfg, grid = parts.cfg, parts.grid
-    sampling = Sampling(temperature=cfg.rl.temperature, top_p=1.0, seed=cfg.train.seed)
+    sampling = Sampling(temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.train.seed)
     eos = parts.data.eos_id
     listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
     eos = sorted({eos, *(listed if isinstance(listed, list) else [listed])} - {None})
