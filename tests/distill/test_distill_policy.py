@@ -103,6 +103,38 @@ def test_a_conversations_prompt_is_its_turns_before_the_last_assistant_turn(inpu
     assert prompt_of(enc.ids, enc.target, 1000) == want and len(want) < len(enc.ids)
 
 
+# the data's rows are cut at 64 tokens (the generated rows are not: each prompt leaves room for its completion)
+@pytest.mark.filterwarnings("ignore:8 of 8 documents are longer than seq_len")
+def test_a_chat_runs_prompts_are_its_conversations_before_the_last_assistant_turn(inputs, tmp_path):
+    """End to end through the prepared store: every generated row starts with one of the file's
+    conversations' messages[:-1] rendered with the generation prompt, and its completion follows it."""
+    from tokenizers import Tokenizer
+
+    from megaft.data.prompts import render_prompt
+
+    ckpt, teacher, _, root = inputs
+    chats = str(tmp_path / "chat.jsonl")
+    with open(chats, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"messages": [{"role": "user", "content": "ab"[:1 + i % 2] + "xy"[i % 2:]},
+                                             {"role": "assistant", "content": "cdefg"[:2 + i % 3]}]}) + "\n")
+    cfg = policy_config(ckpt, teacher, chats, sampling_temperature=0.0, steps=1)
+    # chatml in the fixture's character vocabulary: ~52 prompt tokens, and the model holds 64 positions
+    cfg.data.chat_template, cfg.data.seq_len, cfg.data.long_docs = "chatml", 64, "truncate"
+    _, seen = _fit(resolve(cfg), root / "chat")
+    tok, template = Tokenizer.from_file(f"{ckpt}/tokenizer.json"), load_chat_template("chatml", ckpt)
+    with open(chats) as f:
+        prompts = [tok.encode(render_prompt({"messages": json.loads(line)["messages"][:-1]}, template),
+                              add_special_tokens=False).ids for line in f]
+    rows = 0
+    for ids, labels in zip(seen[0].inputs, seen[0].labels):
+        for row, lab in zip(ids, labels):
+            first = int((lab != -100).nonzero()[0]) + 1  # the completion's first token
+            assert row[:first].tolist() in prompts
+            rows += 1
+    assert rows == 4
+
+
 def _trl_batch(ids: torch.Tensor, labels: torch.Tensor, gen_cfg) -> dict:
     """TRL's GKD batch of megaft's generated rows: generate_on_policy_outputs on a stub model whose
     generate returns them (the prompts, then the completions, pads after a finished one)."""
