@@ -32,8 +32,8 @@ from megaft.training.protocols import RunParts, StepBatch
 
 __all__ = ["GeneratedBatch", "PolicyData", "completion_generator", "source_metrics", "with_generation"]
 
-# (whose: STUDENT | TEACHER, prompt ids, max new tokens, the draws' seed step) -> the completion's ids
-Generate = Callable[[str, list[int], int, int], list[int]]
+# (whose: STUDENT | TEACHER, {position: (prompt ids, max new tokens)}, step) -> {position: the completion's ids}
+Generate = Callable[[str, dict[int, tuple[list[int], int]], int], dict[int, list[int]]]
 
 
 @dataclasses.dataclass
@@ -76,10 +76,9 @@ class PolicyData(DataParts):
         if self.generate is None:
             raise RuntimeError("PolicyData.generate is not attached (megaft.training.objectives.distill.build_step)")
         grid = self.grid
-        mine = {}
-        for j in range(grid.dp_rank, len(prompts), grid.dp_size):
-            room = min(self.distill.max_new_tokens, self.seq_len - len(prompts[j]))
-            mine[j] = self.generate(source, prompts[j], room, draw_seed(step, j))
+        asked = {j: (prompts[j], min(self.distill.max_new_tokens, self.seq_len - len(prompts[j])))
+                 for j in range(grid.dp_rank, len(prompts), grid.dp_size)}
+        mine = self.generate(source, asked, step)
         made = [mine]
         if grid.dp_size > 1:
             made = [None] * grid.dp_size
@@ -105,15 +104,19 @@ def completion_generator(parts: RunParts, student, teacher, autocast) -> Generat
     listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
     eos = sorted({parts.data.eos_id, *(listed if isinstance(listed, list) else [listed])} - {None})
 
-    def run(source: str, prompt: list[int], max_new_tokens: int, seed_step: int) -> list[int]:
-        model = student if source == STUDENT else teacher
+    def one(model, prompt: list[int], max_new_tokens: int, seed_step: int) -> list[int]:
         kw = dict(max_new_tokens=max_new_tokens, eos_id=eos, sampling=sampling, step=seed_step, keep_eos=True)
-        # the student's ZeRO-3 shards gathered; the teacher is whole
+        if isinstance(model, Decoder):
+            with autocast():
+                return generate(model, [prompt], device=grid.device, **kw)[0]
+        return pipeline_generate(model, [prompt], autocast=autocast, **kw)[0]
+
+    def run(source: str, asked: dict[int, tuple[list[int], int]], step: int) -> dict[int, list[int]]:
+        model = student if source == STUDENT else teacher
+        # the student's ZeRO-3 shards gathered once for the step's prompts; the teacher is whole. Each prompt
+        # alone, its draws seeded by its position (megaft.rl.online.draw_seed): the same at every layout
         with parts.optim.whole_params() if source == STUDENT else contextlib.nullcontext():
-            if isinstance(model, Decoder):
-                with autocast():
-                    return generate(model, [prompt], device=grid.device, **kw)[0]
-            return pipeline_generate(model, [prompt], autocast=autocast, **kw)[0]
+            return {j: one(model, prompt, room, draw_seed(step, j)) for j, (prompt, room) in asked.items()}
     return run
 
 
