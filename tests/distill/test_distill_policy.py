@@ -6,7 +6,8 @@
 - 2 steps on the student's (or the teacher's, seq_kd) sampled completions equal a torch loop over the
   same completions through transformers' models with TRL's own code: GKDTrainer.generate_on_policy_outputs
   (fed the completions by a stub model) builds the batch, GKDTrainer.compute_loss scores it; the loss,
-  the grad norm and every trained weight;
+  the grad norm and every trained weight; and on the student's first generated batch, the gradient of
+  every weight against transformers' under GKDTrainer.compute_loss;
 - at sampling temperature 0 the student's and the teacher's completions are transformers' greedy generate;
 - lmbda = 0 keeps sft's data part, and a step lmbda leaves to the data is that run's step bit for bit;
 - a resumed run generates and trains as the uninterrupted one, bit for bit;
@@ -207,6 +208,50 @@ def test_generated_steps_equal_trl_gkd(inputs, lmbda, seq_kd, beta):
             torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=name)  # after 2 Adam updates
             moved += 1
     assert moved >= 10
+
+
+def test_every_gradient_on_a_generated_batch_is_trls(inputs):
+    """The student's first generated batch: megaft's Decoder and loss (megaft.distill.losses, in chunks)
+    against transformers' Llama under GKDTrainer.compute_loss on TRL's batch of the same completions;
+    the loss and the gradient of every weight."""
+    from megaft.distill.losses import token_divergence
+    from megaft.models.decoder import Decoder
+    from megaft.models.hf.config import hf_model_config
+    from megaft.models.hf.export import hf_tensors
+    from megaft.models.hf.load import load_hf_weights
+
+    ckpt, teacher, data, root = inputs
+    cfg = resolve(policy_config(ckpt, teacher, data, lmbda=1.0, steps=1))
+    _, seen = _fit(cfg, root / "grads")
+    batch = seen[0]
+    inputs_, labels = torch.cat(batch.inputs), torch.cat(batch.labels)
+
+    def decoder(path):
+        model = Decoder(hf_model_config(path))
+        load_hf_weights(model, path, tp_rank=0, tp_size=1)
+        return model
+    ours, ours_teacher = decoder(ckpt), decoder(teacher).eval()
+    with torch.no_grad():
+        t = ours_teacher(inputs_)
+    loss = token_divergence(ours(inputs_), t, labels, beta=0.5, vocab_size=cfg.model.vocab_size, chunk=5).sum()
+    (loss / batch.n_targets).backward()
+
+    load = lambda p: transformers.LlamaForCausalLM.from_pretrained(  # noqa: E731
+        p, dtype=torch.float32, attn_implementation="eager")
+    hf, hf_teacher = load(ckpt).train(), load(teacher).eval()
+    hf.model.embed_tokens.padding_idx = None  # as in _reference: megaft trains the pad id's row
+    trainer = SimpleNamespace(teacher_model=hf_teacher, beta=0.5, generalized_jsd_loss=GKD.generalized_jsd_loss)
+    gen_cfg = transformers.GenerationConfig(eos_token_id=EOS, pad_token_id=PAD)
+    want_loss = GKD.compute_loss(trainer, hf, _trl_batch(inputs_, labels, gen_cfg), num_items_in_batch=batch.n_targets)
+    want_loss.backward()
+    torch.testing.assert_close(loss / batch.n_targets, want_loss, rtol=1e-5, atol=1e-7)
+    want = {n: p.grad for n, p in hf.named_parameters()}
+    got = {k: v for n, p in ours.named_parameters() for k, v in hf_tensors(n, p.grad, cfg.model).items()}
+    assert set(got) == set(want)
+    for name, grad in want.items():
+        assert grad.abs().max() > 0, name
+        # the same fp32 math in two programs: sums in other orders (a few ulps of the largest element)
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
 
 
 @pytest.mark.parametrize("seq_kd", [False, True])
