@@ -12,7 +12,7 @@
 - lmbda = 0 keeps sft's data part, and a step lmbda leaves to the data is that run's step bit for bit;
 - a resumed run generates and trains as the uninterrupted one, bit for bit;
 - dp2 ZeRO-3, tp2 sp, pp2 and cp2 equal the single process (marked exact: one spawn);
-- validation refuses a stored top-k teacher and packed rows with generation, each with its fix.
+- validation refuses a stored top-k teacher, packed rows and plain text with generation, each with its fix.
 """
 from __future__ import annotations
 
@@ -328,7 +328,7 @@ def test_every_layout_generates_and_trains_as_the_single_process(inputs):
     assert not failures, "\n".join(failures)
 
 
-def test_validation_names_what_generation_cannot_do(inputs):
+def test_validation_names_what_generation_cannot_do(inputs, tmp_path):
     ckpt, teacher, data, _ = inputs
     assert validate(resolve(policy_config(ckpt, teacher, data)), 1) == []
     cases = [(dict(top_k=8), "fix: distill.top_k=null"), (dict(lmbda=1.5), "distill.lmbda=1.5 must be in [0, 1]"),
@@ -340,6 +340,11 @@ def test_validation_names_what_generation_cannot_do(inputs):
             setattr(cfg.distill, k, v)
         problems = validate(resolve(cfg), 1)
         assert any(words in p for p in problems), (change, problems)
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"completion": "ab", "prompt": "cdef"}) + "\n" + json.dumps({"text": "abcdef"}) + "\n")
+    problems = validate(resolve(policy_config(ckpt, teacher, str(text))), 1)
+    assert any(f"{text} holds plain text (example 2)" in p and "fix: prompt/completion or chat" in p
+               for p in problems), problems
     packed = policy_config(ckpt, teacher, data, lmbda=0.0, seq_kd=True)
     packed.data.packing = "docs"
     problems = validate(resolve(packed), 1)
