@@ -14,7 +14,8 @@ import math
 import os
 
 from megaft.config import Config, Device, Precision
-from megaft.config.distill import check_distill
+from megaft.config.data import data_sources
+from megaft.config.distill import check_distill, check_generation_run
 from megaft.config.keep import exports_hf, exports_merged
 from megaft.config.launcher import check_launcher
 from megaft.config.lora import check_lora, check_lora_model, check_lora_moe
@@ -30,7 +31,7 @@ from megaft.data.build import build_tokenizer
 from megaft.data.checks import check_data
 from megaft.data.errors import DataError
 from megaft.data.prompts import check_samples
-from megaft.distill.checks import check_teacher, check_top_k
+from megaft.distill.checks import check_prompts, check_teacher, check_top_k
 from megaft.eval.checks import check_then_eval
 from megaft.kernels.checks import check_kernels
 from megaft.models.checks import check_model
@@ -270,6 +271,10 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     if cfg.train.objective == "distill" and cfg.distill.top_k is not None:
         problems += check_top_k(cfg.distill.top_k, vocab_size=cfg.model.vocab_size, pp=cfg.parallel.pp,
                                 cp=cfg.parallel.cp, packing=cfg.data.packing)
+    if cfg.train.objective == "distill":
+        problems += check_generation_run(cfg.distill, packing=cfg.data.packing)
+        if cfg.distill.generates:
+            problems += check_prompts([s.path for s in data_sources(cfg.data)])
     if cfg.train.objective == "distill" and cfg.model.n_experts > 0:
         problems.append("train.objective=distill of a mixture of experts is not built (the router terms are not "
                         "added); fix: a dense student")

@@ -7,7 +7,9 @@ from typing import Optional
 from megaft.config.distill import DistillConfig
 from megaft.models.checks import check_model
 
-__all__ = ["check_teacher", "check_top_k"]
+__all__ = ["check_prompts", "check_teacher", "check_top_k"]
+
+SCANNED = 1000  # the lines of each source check_prompts reads
 
 
 def _vocab(path: str):
@@ -64,3 +66,22 @@ def check_top_k(top_k: int, *, vocab_size: int, pp: int, cp: int, packing: str) 
                         "stored rows are not yet passed through the pipeline schedule or the context shards; fix: "
                         "pp=1 and cp=1 (tp and dp are supported), or the online teacher (distill.top_k=null)")
     return problems
+
+
+def check_prompts(paths: list[str], lines: int = SCANNED) -> list[str]:
+    """distill.lmbda/seq_kd against the data: generated completions continue each example's prompt, and a plain
+    text line has none (its prompt would be its first token). The first `lines` examples of each source."""
+    from megaft.data.errors import DataError
+    from megaft.data.sources import read_source
+
+    for path in paths:
+        try:
+            examples = read_source(path, max_lines=lines)
+        except (DataError, OSError):  # check_data reports the source's own problems
+            continue
+        text = next((n for n, ex in enumerate(examples, start=1) if "text" in ex), None)
+        if text is not None:
+            return [f"distill.lmbda/seq_kd sample completions of each example's prompt, and {path} holds plain "
+                    f"text (example {text}), which has none; fix: prompt/completion or chat lines (the prompt: "
+                    "the turns before the last assistant turn), or distill.lmbda=0 distill.seq_kd=false"]
+    return []

@@ -14,6 +14,7 @@ from typing import Any
 from megaft import checkpoint
 from megaft.config import Config
 from megaft.config.train import use_tensorboard
+from megaft.distill.policy import METRICS as DISTILL_METRICS
 from megaft.models.moe.metrics import ROUTER_KEYS
 from megaft.parallel.grid import ParallelGrid
 from megaft.peft.base import lora_record
@@ -31,8 +32,9 @@ from megaft.training.stragglers import StragglerMonitor
 from megaft.training.summary import RunSummary
 
 # the step part's own metrics beside `loss` (MoE router terms, preference rewards, GRPO's; per MoE layer:
-# moe/<layer>/...; per GRPO reward function: rewards/<name>/mean and std; a reward model's TRL metrics)
-STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS + RL_METRICS + REWARD_METRICS
+# moe/<layer>/...; per GRPO reward function: rewards/<name>/mean and std; a reward model's TRL metrics; who
+# wrote an on-policy distillation step's completions)
+STEP_KEYS = ROUTER_KEYS + PREF_METRICS + ORPO_METRICS + RL_METRICS + REWARD_METRICS + DISTILL_METRICS
 
 
 class Records:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from typing import Optional
 
 import torch
 import transformers
@@ -18,8 +19,9 @@ LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 COMPARED = ("loss", "grad_norm")
 
 
-def write_sft(path: str, n: int = 16, seed: int = 0) -> None:
-    """`n` prompt/completion lines of different lengths (letters only: the fixture's character vocabulary)."""
+def write_sft(path: str, n: int = 16, seed: int = 0, prompt_len: Optional[int] = None) -> None:
+    """`n` prompt/completion lines of different lengths (letters only: the fixture's character vocabulary);
+    `prompt_len`: every prompt that long."""
     rng = random.Random(seed)
 
     def word(lo: int, hi: int) -> str:
@@ -27,7 +29,8 @@ def write_sft(path: str, n: int = 16, seed: int = 0) -> None:
 
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps({"prompt": word(2, 6), "completion": word(2, 8)}) + "\n")
+            prompt = word(prompt_len, prompt_len) if prompt_len else word(2, 6)
+            f.write(json.dumps({"prompt": prompt, "completion": word(2, 8)}) + "\n")
 
 
 def distill_config(ckpt: str, teacher: str, data: str, *, beta: float = 0.5, temperature: float = 2.0,
@@ -93,3 +96,34 @@ def layouts_rank(rank: int, world: int, ckpt: str, teacher: str, data: str, root
     for name, par in LAYOUTS.items():
         grid = layout_grid({k: v for k, v in par.items() if k not in SETTINGS})
         run(layout_config(ckpt, teacher, data, name, single=False), grid, os.path.join(root, name))
+
+
+def policy_config(ckpt: str, teacher: str, data: str, *, lmbda: float = 1.0, seq_kd: bool = False,
+                  beta: float = 0.5, sampling_temperature: Optional[float] = None, steps: int = 2, micro: int = 2,
+                  seed: int = 0) -> Config:
+    """distill_config on generated completions (at temperature 1, GKDTrainer's loss), at most 8 new tokens."""
+    cfg = distill_config(ckpt, teacher, data, beta=beta, temperature=1.0, steps=steps, micro=micro)
+    d = cfg.distill
+    d.lmbda, d.seq_kd, d.max_new_tokens, d.sampling_temperature = lmbda, seq_kd, 8, sampling_temperature
+    cfg.train.seed = seed
+    return cfg
+
+
+# name -> parallel settings of the on-policy runs on 2 ranks (each against the single process)
+POLICY_LAYOUTS = {"policy_dp2_zero3": dict(dp=2, zero=3), "policy_tp2_sp": dict(tp=2, sequence_parallel=True),
+                  "policy_pp2": dict(pp=2), "policy_cp2": dict(cp=2)}
+POLICY = dict(lmbda=0.5, seq_kd=True, steps=2)  # train.seed 0 draws the teacher's step, then the student's
+
+
+def policy_layout_config(ckpt: str, teacher: str, data: str, name: Optional[str]) -> Config:
+    """The on-policy run of POLICY at layout `name` (None: the single process)."""
+    par = POLICY_LAYOUTS.get(name, {})
+    cfg = policy_config(ckpt, teacher, data, micro=1 if par.get("dp") else 2, **POLICY)
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return resolve(cfg)
+
+
+def policy_layouts_rank(rank: int, world: int, ckpt: str, teacher: str, data: str, root: str) -> None:
+    for name, par in POLICY_LAYOUTS.items():
+        run(policy_layout_config(ckpt, teacher, data, name), layout_grid(par), os.path.join(root, name))

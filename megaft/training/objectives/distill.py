@@ -23,10 +23,12 @@ from typing import Optional
 import torch
 
 from megaft.distill.losses import token_divergence
+from megaft.distill.policy import DATA
 from megaft.models.hf.config import hf_model_config
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import token_logps
 from megaft.training.model import build_model
+from megaft.training.objectives.distill_policy import PolicyData, completion_generator, source_metrics, with_generation
 from megaft.training.objectives.distill_topk import TopKDistillStep, with_rows
 from megaft.training.objectives.sft import build_data as sft_data
 from megaft.training.protocols import RunParts, StepBatch, StepPart
@@ -71,9 +73,14 @@ class DistillStep(PlainStep):
         super().__init__(parts.model, parts.optim, grid, parts.phases, precision_autocast(cfg.precision, grid.device))
         self.teacher = teacher_model(parts)
         self.loss = DistillLoss(parts, self.model.group, cfg.model.vocab_size)
+        self.distill, self.source = cfg.distill, None
+
+    def step_metrics(self) -> dict[str, float]:
+        return {**super().step_metrics(), **source_metrics(self.distill, self.source)}
 
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
         """Backpropagate sum(loss) / divisor over the micro-batches; the loss sum (fp64)."""
+        self.source = getattr(batch, "source", DATA)
         if self.model.cfg.n_experts > 0:
             raise NotImplementedError("train.objective=distill of a mixture of experts (validation refuses it)")
 
@@ -96,6 +103,10 @@ class PipelineDistillStep(PipelineStep):
         self.teacher = PipelineRuntime(teacher_model(parts), grid, cfg.parallel.schedule, self.runtime.m,
                                        cfg.parallel.vpp)
         self.loss = DistillLoss(parts, grid.tp_group, cfg.model.vocab_size)
+        self.distill, self.source = cfg.distill, None
+
+    def step_metrics(self) -> dict[str, float]:
+        return {**super().step_metrics(), **source_metrics(self.distill, self.source)}
 
     def _teacher_logits(self, batch: StepBatch) -> list[Optional[torch.Tensor]]:
         device = self.grid.device
@@ -107,6 +118,7 @@ class PipelineDistillStep(PipelineStep):
         if self.model.cfg.n_experts > 0:
             raise NotImplementedError("train.objective=distill of a mixture of experts (validation refuses it)")
         device = self.grid.device
+        self.source = getattr(batch, "source", DATA)
         with self.phases.phase("forward"):
             teacher = self._teacher_logits(batch)
 
@@ -117,12 +129,18 @@ class PipelineDistillStep(PipelineStep):
 
 def build_data(parts: RunParts):
     """sft's data part; with distill.top_k each micro-batch also carries its target tokens' rows of
-    the stored teacher (megaft.training.objectives.distill_topk)."""
+    the stored teacher (megaft.training.objectives.distill_topk); with distill.lmbda or seq_kd some
+    steps' completions are generated (megaft.training.objectives.distill_policy)."""
     data = sft_data(parts)
-    return data if parts.cfg.distill.top_k is None else with_rows(data, parts)
+    if parts.cfg.distill.top_k is not None:
+        return with_rows(data, parts)
+    return with_generation(data, parts) if parts.cfg.distill.generates else data
 
 
 def build_step(parts: RunParts) -> StepPart:
     if parts.cfg.distill.top_k is not None:
         return TopKDistillStep(parts, teacher_model)
-    return PipelineDistillStep(parts) if parts.grid.pp_size > 1 else DistillStep(parts)
+    step = PipelineDistillStep(parts) if parts.grid.pp_size > 1 else DistillStep(parts)
+    if isinstance(parts.data, PolicyData):  # distill.lmbda / seq_kd: the student or the teacher generates
+        parts.data.generate = completion_generator(parts, step.generator, step.teacher, step.autocast)
+    return step
