@@ -81,8 +81,9 @@ def run(cfg: Config, run_dir: str) -> None:
     prepare_run(cfg, run_dir, world, speaks=env is None or env.rank == 0,
                 extra=[] if env else check_local_launch(cfg))
     if env is not None:
-        from megaft.launch.rank import RunStoppedError, run_rank, stopped_message
+        from megaft.launch.rank import run_rank
         from megaft.launch.runlock import run_lock
+        from megaft.launch.stopped import RunStoppedError, stopped_message
 
         with run_lock(run_dir, enabled=env.rank == 0):  # one run per run directory (rank 0 holds it)
             summary = run_rank(cfg, run_dir, env)
@@ -121,7 +122,7 @@ def _hydra_main(dcfg: DictConfig) -> None:
         sys.exit(2)
     except RuntimeError as exc:
         from megaft.launch.local import InterruptedRunError
-        from megaft.launch.rank import EXIT_STOPPED, RunStoppedError
+        from megaft.launch.stopped import EXIT_STOPPED, RunStoppedError
 
         if isinstance(exc, RunStoppedError):
             print(f"megaft-train: {exc}", file=sys.stderr)

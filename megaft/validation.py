@@ -84,10 +84,12 @@ def _model_file_problems(init_from: str) -> list[str]:
 
 def check_local_launch(cfg: Config) -> list[str]:
     """Problems of starting launcher.nproc ranks on this machine."""
-    import torch
-
     if cfg.launcher.nproc < 1:
         return [f"launcher.nproc={cfg.launcher.nproc} must be >= 1"]
+    if cfg.device == "cpu":  # gloo ranks: any number (and no torch import in the launcher)
+        return []
+    import torch
+
     gpus = torch.cuda.device_count()
     if cfg.device != "cpu" and gpus and cfg.launcher.nproc > gpus:
         return [f"launcher.nproc={cfg.launcher.nproc} ranks but {gpus} GPU(s): NCCL needs one GPU per rank; "

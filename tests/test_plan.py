@@ -347,20 +347,27 @@ def test_user_overrides_keep_what_megaft_train_needs():
 
 def test_the_planner_and_cfg_job_import_no_torch(tmp_path):
     # A planner and a config print need no torch (issue 37): megaft-plan on Llama-3.1-70B's config.json
-    # and `megaft-train --cfg job`, each run whole in a fresh interpreter, never import it.
+    # and `megaft-train --cfg job`, each run whole in a fresh interpreter, never import it; nor does the
+    # launcher of a CPU run (its ranks do), which saves each local run one torch import.
     import subprocess
     import sys
 
     ckpt = checkpoint(tmp_path, "70B")
     for entry, args in (("plan", [f"model.init_from={ckpt}", "cluster=h100", "cluster.nodes=8",
                                   f"hydra.run.dir={tmp_path / 'plan'}"]),
-                        ("train", ["--cfg", "job"])):
+                        ("train", ["--cfg", "job"]),
+                        ("train", ["device=cpu", "parallel.tp=1", "launcher.nproc=2", "model.n_layers=1",
+                                   "data.task_train_size=200", "data.task_eval_size=4", "data.seq_len=16",
+                                   "train.max_steps=1", "train.micro_batch_size=4", "train.global_batch_size=8",
+                                   "train.progress=false", "train.tensorboard=false", "train.export_hf=false",
+                                   f"hydra.run.dir={tmp_path / 'run'}"])):
         code = ("import sys; import megaft.cli as c; sys.argv = ['x'] + sys.argv[1:]\n"
                 "try:\n    c." + entry + "()\nexcept SystemExit:\n    pass\n"
                 "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path)
         assert out.stdout.strip().endswith("NO TORCH"), (entry, out.stdout[-2000:], out.stderr[-2000:])
     assert (tmp_path / "plan" / "plan.json").is_file()  # the plan really ran
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2  # so did the ranks
 
 
 @pytest.mark.parametrize("config_name, overrides", [

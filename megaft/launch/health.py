@@ -28,8 +28,6 @@ import sys
 import time
 from typing import Optional
 
-import torch.distributed as dist
-
 from megaft.fileio import write_json_atomic
 
 HEALTH_DIR = ".health"
@@ -48,6 +46,8 @@ class RankFailureError(RuntimeError):
 
 def is_comm_failure(exc: BaseException) -> bool:
     """Whether `exc` is a collective's failure (timeout or lost peer) rather than this rank's own bug."""
+    import torch.distributed as dist  # here: the launcher that reads the markers imports no torch
+
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _COMM_PATTERNS)

@@ -19,6 +19,7 @@ from the newest checkpoint; summary.json then records `restarts`.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
@@ -28,13 +29,11 @@ import time
 import traceback
 from typing import Callable, Optional
 
-import torch.multiprocessing as mp
-
 from megaft.config import Config
 from megaft.launch import health
 from megaft.launch.elastic import record_restarts
-from megaft.launch.rank import EXIT_STOPPED, RunStoppedError, local_worker, stopped_message
 from megaft.launch.runlock import run_lock
+from megaft.launch.stopped import EXIT_STOPPED, RunStoppedError, stopped_message
 from megaft.signals import STOP_SIGNALS, WARNING_SIGNALS
 
 Worker = Callable[[int, Config, str, int, str], None]  # (local_rank, cfg, run_dir, nproc, init_file)
@@ -60,6 +59,12 @@ def _detach() -> None:
         pass
     if os.getppid() == 1:  # the parent died before the prctl
         os._exit(1)
+
+
+def _local_worker(local_rank: int, cfg: Config, run_dir: str, nproc: int, init_file: str) -> None:
+    from megaft.launch.rank import local_worker
+
+    local_worker(local_rank, cfg, run_dir, nproc, init_file)
 
 
 def _child(worker: Worker, rank: int, cfg: Config, run_dir: str, nproc: int, init_file: str, errors) -> None:
@@ -167,14 +172,17 @@ def _run_once(cfg: Config, run_dir: str, worker: Worker) -> None:
         raise RunStoppedError(stopped_message({"stopped_by": "SIGTERM" if forwarder.stops else "a signal"}))
 
 
-def launch_local(cfg: Config, run_dir: str, worker: Worker = local_worker) -> None:
+def launch_local(cfg: Config, run_dir: str, worker: Optional[Worker] = None) -> None:
     """Spawn nproc ranks running `worker` and wait; raises RankFailedError on the first failed rank
     once `launcher.max_restarts` restarts are used up (each restart resumes the newest checkpoint).
 
     Rendezvous goes through a file in a fresh temporary directory, so concurrent runs
     on one machine never race for a TCP port. `worker` is for tests (fault injection).
     The run directory's lock is held throughout (RunLockedError before any rank starts).
+    The default worker is megaft.launch.rank.local_worker, imported in each rank only: this
+    process (megaft-train's parent on a CPU run) never imports torch.
     """
+    worker = worker or _local_worker
     with run_lock(run_dir):
         restarts = 0
         while True:

@@ -17,6 +17,7 @@ from megaft.launch import health
 from megaft.launch.elastic import record_restarts, requeue_after_loss
 from megaft.launch.env import DistEnv
 from megaft.launch.preempt import requeue, restart_count
+from megaft.launch.stopped import EXIT_STOPPED, RunStoppedError, stopped_message  # noqa: F401 (their old home)
 from megaft.launch.trace import CollectiveTrace
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.stop import PreemptFlag
@@ -65,21 +66,6 @@ def process_group(cfg: Config, env: DistEnv, run_dir: str,
     finally:
         trace.uninstall()
         dist.destroy_process_group()
-
-
-# megaft-train's exit status for a run stopped by a signal after saving a checkpoint: not
-# finished, so not 0 (a Slurm `afterok` chain must not start); run again to resume. 75 is
-# sysexits' EX_TEMPFAIL, "try again later" (docs/tools.md's table).
-EXIT_STOPPED = 75
-
-
-class RunStoppedError(RuntimeError):
-    """Training stopped before train.max_steps on a signal, with a checkpoint to resume from."""
-
-
-def stopped_message(summary: dict) -> str:
-    return (f"stopped by {summary['stopped_by']} after saving a checkpoint, before train.max_steps; run again in "
-            f"the same directory to resume (exit status {EXIT_STOPPED})")
 
 
 def run_rank(cfg: Config, run_dir: str, env: DistEnv, threads: int = 0, spec=None) -> dict:

@@ -249,6 +249,8 @@ def memory_budget(cfg, target: Optional[tuple[int, str]] = None) -> tuple[Option
         return int(cfg.launcher.gpu_mem_gb * GIB), f"launcher.gpu_mem_gb={cfg.launcher.gpu_mem_gb:g}"
     if target is not None:
         return target
+    if cfg.device == "cpu":  # no GPU to ask (and no torch import in a CPU run's launcher)
+        return None, ""
     import torch
 
     if resolve_device(cfg.device) == "cuda" and torch.cuda.is_available():

@@ -24,9 +24,6 @@ from fractions import Fraction
 from typing import Optional
 
 from megaft.config import Config
-from megaft.parallel.grid import ParallelGrid
-from megaft.training.objectives import objective_of
-from megaft.training.protocols import RunParts
 from megaft.training.run_config import stored_epoch_steps
 
 
@@ -54,6 +51,11 @@ def steps_for(units: Fraction, global_batch_size: int) -> int:
 
 def count_epoch_steps(cfg: Config) -> EpochSteps:
     """train.epochs counted on the data: the objective's data part, built as a rank builds it."""
+    # here, not at the top: a run sized in steps starts its ranks without torch in the launcher
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.objectives import objective_of
+    from megaft.training.protocols import RunParts
+
     t = cfg.train
     with warnings.catch_warnings():  # the ranks warn about the data (long documents, ...) themselves
         warnings.simplefilter("ignore")

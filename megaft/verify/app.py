@@ -20,7 +20,7 @@ SLURM_TASK_BODY = slurm_body  # what each Slurm task runs under hydra/launcher=s
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="train")
 def _hydra_main(dcfg: DictConfig) -> None:
     from megaft.launch.env import external_env
-    from megaft.launch.rank import EXIT_STOPPED, RunStoppedError
+    from megaft.launch.stopped import EXIT_STOPPED, RunStoppedError
 
     cfg: Config = OmegaConf.to_object(dcfg)
     run_dir = HydraConfig.get().runtime.output_dir
