@@ -56,6 +56,12 @@ class ClusterConfig:
     # a megaft-commbench run dir (or its commbench.json): its measured intra-/inter-node all-reduce bus
     # bandwidth and latency replace nvlink_*/ib_* (megaft.plan.measured); null = the datasheet's
     measured: Optional[str] = None
+    # calibrated factors (megaft.perf.rates; plan.calibrate=RUN_DIR derives them from a finished run and
+    # prints them as these overrides): 1 = the preset's cited figures as they are
+    compute_scale: float = 1.0  # multiplies every compute second (GEMMs, attention, elementwise kernels, launches)
+    comm_scale: float = 1.0  # multiplies every collective's and p2p message's time (bandwidth and latency)
+    optimizer_scale: float = 1.0  # multiplies the AdamW update's time (its bytes over HBM)
+    step_overhead_s: float = 0.0  # seconds per step outside every phase (data, logging): the `overhead` term
 
     @property
     def world_size(self) -> int:
@@ -83,6 +89,9 @@ class PlanConfig:
     probe: int = 0
     probe_steps: int = 6  # optimizer steps per probe run (the first is warm-up and not measured)
     probe_timeout_min: float = 60.0  # wait at most this long for the probe array, then cancel it
+    # a finished megaft-train run dir (or a megaft-plan calibration.json): its measured phase times
+    # set cluster.compute_scale, comm_scale, optimizer_scale and step_overhead_s (megaft.plan.calibrate)
+    calibrate: Optional[str] = None
 
 
 def check_plan(cfg: PlanConfig) -> list[str]:

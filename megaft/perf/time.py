@@ -57,13 +57,10 @@ block's backward is its forward plus the attention core's second matmul, and the
 adapters add their own forward and backward; the dp reduction, ZeRO-2's reduce-scatter,
 the parameter all-gather and AdamW move the adapters only (ZeRO-3 is refused with LoRA).
 
-Collectives use the ring formulas with the bandwidth of the slowest link the group
-spans (NVLink when the group fits in a node; across nodes the NICs of the group's
-ranks in a node, as NCCL runs one ring per NIC), times `cluster.comm_fraction`:
-all-reduce 2(n−1)/n·B/bw + 2(n−1)·α, reduce-scatter and all-gather (n−1)/n·B/bw +
-(n−1)·α (B: the whole buffer). Groups are laid out as megaft orders ranks (tp fastest,
-then cp, dp, pp), so a dp group fits in a node when tp·dp ≤ gpus_per_node and holds
-gpus_per_node / tp ranks of each node otherwise.
+Collectives and compute are priced at the rates of megaft.perf.rates: ring formulas over the
+link a group spans, and the device's peak, GEMM curve and HBM, each corrected by the cluster's
+calibrated factors (`cluster.compute_scale`, `cluster.comm_scale`, `cluster.optimizer_scale`;
+`cluster.step_overhead_s`, the **overhead** term: what a step spends outside every phase).
 """
 from __future__ import annotations
 
@@ -91,17 +88,18 @@ from megaft.perf.counts import (
     rank_layer_ids,
     trainable_rank_params,
 )
-from megaft.perf.gemm import GemmCurve, Linear, block_linears, linear_s
+from megaft.perf.gemm import Linear, block_linears, linear_s
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
-from megaft.perf.kernels_cost import KernelCosts, add_block_kernels, block_passes, loss_passes, pass_s
+from megaft.perf.kernels_cost import add_block_kernels, block_passes, loss_passes, pass_s
 from megaft.perf.memory import objective_terms
 from megaft.perf.muon import block_matrix_elements, block_ns_flops, tp_gathered
+from megaft.perf.rates import all_reduce_s, all_to_all_s, compute_rates, gather_s, group_link, p2p_s
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
 
 TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer",
-         "offload")
+         "offload", "overhead")
 
 
 def p2p_bytes(precision: str) -> int:
@@ -112,44 +110,6 @@ def p2p_bytes(precision: str) -> int:
 ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
 MIB = 2 ** 20
 
-
-@dataclass(frozen=True)
-class Link:
-    """One collective's transport: bandwidth in bytes/s and latency per ring step in s."""
-
-    bandwidth: float
-    latency: float
-
-
-def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of an n-rank group over a buffer of `nbytes`."""
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
-
-
-def gather_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather or reduce-scatter; `nbytes` is the whole (gathered) buffer."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
-
-
-def p2p_s(nbytes: float, link: Link) -> float:
-    return nbytes / link.bandwidth + link.latency
-
-
-def all_to_all_s(sent: float, n: int, cluster, stride: int = 1) -> float:
-    """All-to-all of an n-rank group `stride` apart in megaft's rank order, each rank sending
-    `sent` bytes to the others, as much to each (uniform routing). Within a node: NVLink,
-    sent/bw + (n−1)·α. Across nodes each rank's rows to the other nodes' ranks leave by its
-    own NIC while the rest cross NVLink at the same time: the slower of the two, plus the
-    (n−1) network steps' latency."""
-    if n <= 1:
-        return 0.0
-    nvlink = cluster.nvlink_gbps * 1e9 * cluster.comm_fraction
-    if n * stride <= cluster.gpus_per_node:
-        return sent / nvlink + (n - 1) * cluster.nvlink_latency_us * 1e-6
-    per_node = max(1, min(n, cluster.gpus_per_node // stride))  # the group's ranks in one node
-    remote = sent * (n - per_node) / (n - 1)
-    return (max(remote / (cluster.ib_gbps * 1e9 * cluster.comm_fraction), (sent - remote) / nvlink)
-            + (n - 1) * cluster.ib_latency_us * 1e-6)
 
 
 def _a2a_s(cfg, cluster, tokens: int) -> float:
@@ -174,18 +134,6 @@ def _over_replicas(collective, count: float, expert: float, nbytes: int, cluster
     experts = group_link(cluster, replicas // par.ep, par.tp * par.ep)
     return (collective((count - expert) * nbytes, replicas, link)
             + collective(expert * nbytes, replicas // par.ep, experts))
-
-
-def group_link(cluster, size: int, stride: int = 1) -> Link:
-    """The link of a group of `size` ranks `stride` apart in megaft's rank order (tp
-    fastest: a dp group has stride tp). Within a node: NVLink. Across nodes: NCCL runs
-    one ring per NIC, so a group with k ranks in each node moves k NICs' worth, up to
-    NVLink's rate."""
-    if size * stride <= cluster.gpus_per_node:
-        return Link(cluster.nvlink_gbps * 1e9 * cluster.comm_fraction, cluster.nvlink_latency_us * 1e-6)
-    per_node = max(1, min(size, cluster.gpus_per_node // stride))
-    gbps = min(cluster.nvlink_gbps, per_node * cluster.ib_gbps)
-    return Link(gbps * 1e9 * cluster.comm_fraction, cluster.ib_latency_us * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -287,9 +235,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     terms = objective_terms(cfg)  # a preference pair is 2 rows; a frozen model's forward per micro-batch
     tokens = terms.rows * cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
     dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
-    peak = cluster_peak_tflops(cluster, str(cfg.precision))
-    rate = peak * 1e12 * cluster.matmul_fraction  # the FLOPs no GEMM curve prices (all of them without one)
-    curve = GemmCurve.of(cluster, str(cfg.precision), peak, cluster_hbm_tbps(cluster))
+    # the FLOPs no GEMM curve prices (all of them without one), the curve, the elementwise kernels
+    rate, curve, kc = compute_rates(cluster, str(cfg.precision))
     act = 2 if cfg.precision in ("bf16", "fp16") else 4
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
@@ -300,7 +247,6 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
     lora = cfg.lora if cfg.lora.rank > 0 else None
-    kc = KernelCosts.of(cluster, cluster_hbm_tbps(cluster))  # elementwise kernels (megaft.perf.kernels_cost)
     # per block (a mixture of experts' differ from the dense ones): forward and backward compute,
     # what model.recompute runs again (the whole block under full, the attention core and the
     # activation under selective), the parameters ZeRO moves (this ep rank's experts) and the trained ones
@@ -504,6 +450,7 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
     terms["ep_comm"] = micro * sum(c["f_ep"] + c["b_ep"] for c in mine)
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
+    terms["overhead"] = cluster.step_overhead_s  # outside every phase: data, logging (calibrated)
     _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay.b[0])  # gradients reduce over dp×cp
     rows = objective_terms(cfg).rows
     return StepCost(terms=terms, tokens_per_step=rows * cfg.train.global_batch_size * cfg.data.seq_len,
@@ -538,7 +485,7 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         host = owned * ADAM_BYTES / (cluster.host_memory_gbps * 1e9 / cluster.gpus_per_node)
         terms["offload"] = max(pcie, host)
     else:
-        terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12)
+        terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12) * cluster.optimizer_scale
     if cfg.optim.name == "muon":
         _add_muon_terms(terms, cfg, cluster, dp, r)
 
@@ -549,7 +496,7 @@ def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     m, par = cfg.model, cfg.parallel
     ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r]
     share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
-    rate = cluster_peak_tflops(cluster, "bf16") * 1e12 * cluster.matmul_fraction  # Newton-Schulz runs in bf16
+    rate = compute_rates(cluster, "bf16").rate  # Newton-Schulz runs in bf16
     steps = cfg.optim.muon.ns_steps
     lora = cfg.lora if cfg.lora.rank else None  # only the adapters train (and take Muon)
     terms["optimizer"] += sum(block_ns_flops(m, steps, i, par.ep, lora) for i in ids) / share / rate
