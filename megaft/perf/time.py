@@ -78,7 +78,6 @@ from megaft.perf.counts import (
     expert_params,
     flops_per_token,
     head_adapter_params,
-    head_forward_flops,
     layer_forward_flops,
     layer_params,
     mfu,
@@ -88,9 +87,10 @@ from megaft.perf.counts import (
     rank_layer_ids,
     trainable_rank_params,
 )
-from megaft.perf.gemm import Linear, block_linears, linear_s
+from megaft.perf.gemm import block_linears, linear_s
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
-from megaft.perf.kernels_cost import add_block_kernels, block_passes, loss_passes, pass_s
+from megaft.perf.head import head_params, head_s, head_tp_s, loss_s, with_score_head
+from megaft.perf.kernels_cost import add_block_kernels, block_passes, pass_s
 from megaft.perf.memory import objective_terms
 from megaft.perf.muon import block_matrix_elements, block_ns_flops, tp_gathered
 from megaft.perf.rates import all_reduce_s, all_to_all_s, compute_rates, gather_s, group_link, p2p_s
@@ -220,13 +220,6 @@ def _overlapped_tp_s(m, layer: int, tokens: int, tp: int, ep: int, curve, rate: 
             rest + sum(max(0.0, one / 2 - b) for _, b in times))
 
 
-def _head_s(m, tokens: int, tp: int, rate: float, curve) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) seconds of the output head (vocab/tp columns)."""
-    if curve is None:
-        return (tokens * head_forward_flops(m) / tp / rate,) * 3
-    return linear_s(Linear(tokens, m.dim, -(-m.vocab_size // tp)), curve)
-
-
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring, the ep
     all-to-alls and ZeRO (exposed)."""
@@ -242,7 +235,7 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     gbytes = 2 if par.grad_compression == "bf16" else 4
     tp_link, dp_link = group_link(cluster, tp), group_link(cluster, dp, tp)
     tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
-    head_f, head_d, head_w = _head_s(m, tokens, tp, rate, curve)
+    head_f, head_d, head_w = head_s(m, tokens, tp, par.sequence_parallel, rate, curve)  # an LM's, or a score
     attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
     ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
     a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
@@ -279,20 +272,20 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         return seen[key]
 
     if lora:
-        head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
+        head_adapters = 0 if m.score_head else head_adapter_params(m, lora, -(-m.vocab_size // tp))
         head_adapter_f = tokens * 2.0 * head_adapters / rate
         head_b, head_f = head_d + 2 * head_adapter_f, head_f + head_adapter_f
     else:
         head_b = head_d + head_w
-    if kc:  # the cross-entropy over this rank's logits
-        loss_f, loss_b = loss_passes(m, tokens, tp, act, kc.compiled)
-        head_f, head_b = head_f + pass_s(loss_f, kc), head_b + pass_s(loss_b, kc)
+    loss_f, loss_b = loss_s(m, tokens, tp, act, kc)  # the cross-entropy over this rank's logits
+    head_f, head_b = head_f + loss_f, head_b + loss_b
+    head_tp_f, head_tp_b = head_tp_s(m, tokens, tp, par.sequence_parallel, tp_one, tp_link)
     if cluster.tp_overlap and tp > 1:  # megaft's runtime does not overlap: its plans keep this off
         hidden = per_block(m, lambda i: _overlapped_tp_s(m, i, tokens, tp, ep, curve, rate, tp_one, not lora))
         tp_f, tp_b = [x for x, _ in hidden], [y for _, y in hidden]
     else:
         tp_f = tp_b = [tp_one * n for n in per_block(m, lambda i: _block_collectives(m, i))]
-    vocab_bytes = m.vocab_size * m.dim / tp * wbytes
+    vocab_bytes, head_bytes = m.vocab_size * m.dim / tp * wbytes, head_params(m, tp) * wbytes
     b_again = [x + y for x, y in zip(b, again)]  # model.recompute runs (part of) the forward again
     out = []
     for s, ids in enumerate(stage_layers(m.n_layers, stages, par.pp_layers)):
@@ -301,9 +294,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         colls_f, colls_b = sum(tp_f[span]), sum(tp_b[span])  # the blocks' collectives (exposed)
         c = {"f_compute": sum(f[span]) + (head_f if last else 0.0)}
         c["b_compute"] = sum(b_again[span]) + (head_b if last else 0.0)
-        c["f_tp"] = colls_f + tp_one * (first + (last and par.sequence_parallel)) + (
-            3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
-        c["b_tp"] = colls_b + tp_one * last + (colls_f if m.recompute == "full" else 0.0)
+        c["f_tp"] = colls_f + tp_one * first + (head_tp_f if last else 0.0)  # the embedding's, the head's
+        c["b_tp"] = colls_b + (head_tp_b if last else 0.0) + (colls_f if m.recompute == "full" else 0.0)
         c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
         c["b_cp"] = n * ring_b
         moe = sum(map(m.is_moe, ids))  # full recompute: the forward's all-to-alls run again in backward
@@ -312,17 +304,17 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             fm = terms.frozen_model or m  # a distillation teacher: its own shape, its layers split over the stages
             f_ids = ids if fm is m else stage_layers(fm.n_layers, stages, None)[s]
             frozen_f = sum(_block_s(fm, seq, i, tokens, tp, ep, rate, curve)[0] for i in f_ids)
-            head = _head_s(fm, tokens, tp, rate, curve)[0] if last else 0.0
+            head = head_s(fm, tokens, tp, par.sequence_parallel, rate, curve)[0] if last else 0.0
             if kc:  # its blocks' elementwise kernels, and its log-probs read the logits as the loss does
                 frozen_f += sum(pass_s(block_passes(fm, i, tokens, tp, par.sequence_parallel, act, kc.compiled)[0],
                                        kc) for i in f_ids)
-                head += pass_s(loss_passes(fm, tokens, tp, act, kc.compiled)[0], kc) if last else 0.0
+                head += loss_s(fm, tokens, tp, act, kc)[0] if last else 0.0
             c["f_compute"] += terms.frozen_forwards * (frozen_f + head)
             for k in ("f_tp", "f_cp", "f_ep"):
                 c[k] *= 1 + terms.frozen_forwards
         c["f_zero"] = c["b_zero"] = 0.0
         if par.zero == 3 and dp > 1:  # prefetch hides a block's gather behind the previous block's compute
-            ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
+            ends = gather_s(vocab_bytes, dp, dp_link) * first + gather_s(head_bytes, dp, dp_link) * last
             ag = [zero_s(gather_s, params[i], experts[i], wbytes) for i in ids]
             agrs = [a + zero_s(gather_s, params[i], experts[i], gbytes) for a, i in zip(ag, ids)]
             c["f_zero"] = ag[0] + sum(max(0.0, ag[j] - f[ids[j - 1]]) for j in range(1, n)) + ends
@@ -332,7 +324,9 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             if lora:
                 count = sum(trained[span]) + (head_adapters if last else 0)
             else:
-                count = sum(params[span]) + (m.vocab_size * m.dim / tp if first or last else 0)
+                # the embedding and an LM head (once on a stage holding both), or the score
+                count = sum(params[span]) + (m.vocab_size * m.dim / tp if first or (last and not m.score_head) else 0)
+                count += head_params(m, tp) if last and m.score_head else 0
             grads = count * gbytes
             bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
             c["b_zero"] = max(bucket, zero_s(gather_s, count, sum(experts[span]), gbytes) - c["b_compute"])
@@ -355,6 +349,7 @@ class _Layout:
 
 
 def _layout(cfg, cluster, world_size: int) -> _Layout:
+    cfg = with_score_head(cfg)  # a reward model's scalar head in place of the LM head (megaft.perf.head)
     m, par = cfg.model, cfg.parallel
     dp, micro, schedule = _schedule_of(cfg, world_size)
     stages = _stage_costs(cfg, cluster, dp)
