@@ -36,6 +36,12 @@ class ClusterConfig:
     gemm_tile_m: int = 128  # output tile rows of one thread block (cuBLASLt's 128x256 tile, conf/cluster/h100.yaml)
     gemm_tile_n: int = 256  # output tile columns of one thread block
     gemm_sms: int = 0  # streaming multiprocessors: tiles run this many at a time (waves)
+    # the attention core by sequence length (megaft.perf.attention): a flash kernel's measured TFLOP/s at
+    # these sequence lengths (bf16, head dim 128); empty = the core at matmul_fraction, whole rows
+    attention_seq: List[int] = field(default_factory=list)
+    attention_fwd_tflops: List[float] = field(default_factory=list)  # forward, no mask (FLOPs 4 s^2 d h)
+    attention_fwd_causal_tflops: List[float] = field(default_factory=list)  # causal forward (FLOPs counted at half)
+    attention_bwd_tflops: List[float] = field(default_factory=list)  # backward, no mask (FLOPs 2.5 x the forward's)
     # elementwise, norm and loss kernels by bytes over HBM (megaft.perf.kernels_cost); 0 = not priced
     hbm_fraction: float = 0.0  # achievable fraction of hbm_tbps for a memory-bound kernel (measured)
     kernel_gap_us: float = 0.0  # GPU idle between two back-to-back kernels (launch), per kernel

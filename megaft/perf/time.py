@@ -10,7 +10,8 @@ to the step (`StepCost.step_s`):
   of MoE blocks weighs what its tokens multiply). With a GEMM curve in the cluster preset
   (`cluster.gemm_*`, megaft.perf.gemm) every linear of a block and the head is priced by its
   (m, n, k) shape, forward and both backward GEMMs (small and skinny ones run far below peak);
-  the attention core and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
+  the attention core (or by a flash kernel's causal curve, `cluster.attention_*`, megaft.perf.attention)
+  and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
   which prices every FLOP in a preset without a curve and at fp32 (the curves are bf16's).
   With `cluster.hbm_fraction` > 0 a block also pays its norms, rotary, gated activation and
   residual adds, and the last stage its cross-entropy, by the bytes they move over HBM, plus
@@ -71,6 +72,7 @@ import numpy as np
 from megaft.config.parallel import resolve_dp
 from megaft.config.train import accumulation_steps
 from megaft.forks import fork_map
+from megaft.perf.attention import AttentionCurve
 from megaft.perf.counts import (
     a2a_bytes,
     adapter_layer_params,
@@ -165,7 +167,7 @@ class StepCost:
         return max(self.terms, key=self.terms.get)
 
 
-def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
+def _ring_s(cfg, cluster, tokens: int, core_f: float, core_b: float) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one block's cp ring for this rank's `tokens`."""
     m, par = cfg.model, cfg.parallel
     cp = par.cp
@@ -176,7 +178,7 @@ def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
     link = group_link(cluster, cp, par.tp)
     forward = (cp - 1) * p2p_s(kv * act, link)
     backward = (cp - 1) * p2p_s(kv * act, link) + cp * p2p_s(kv * 4, link)
-    return max(0.0, forward - core_f), max(0.0, backward - 2 * core_f)
+    return max(0.0, forward - core_f), max(0.0, backward - core_b)
 
 
 def _block_collectives(m, layer: int) -> int:
@@ -237,7 +239,10 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
     head_f, head_d, head_w = head_s(m, tokens, tp, par.sequence_parallel, rate, curve)  # an LM's, or a score
     attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
-    ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
+    # ... or by the preset's flash-kernel curve, causal, at the sequence of each call (megaft.perf.attention)
+    attention = AttentionCurve.of(cluster, str(cfg.precision))
+    att_f, att_b = attention.core_s(attention_f * rate, seq // par.cp) if attention else (attention_f, 2 * attention_f)
+    ring_f, ring_b = _ring_s(cfg, cluster, tokens, att_f, att_b)
     a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
     lora = cfg.lora if cfg.lora.rank > 0 else None
     # per block (a mixture of experts' differ from the dense ones): forward and backward compute,
@@ -245,7 +250,7 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     # activation under selective), the parameters ZeRO moves (this ep rank's experts) and the trained ones
     def block(i: int) -> tuple[float, float, float, int, int]:
         layer_f, dgrad, wgrad = _block_s(m, seq, i, tokens, tp, ep, rate, curve)
-        core_f = attention_f + tokens * mlp_activation_flops(m, i) / tp / rate
+        core_f = att_f + tokens * mlp_activation_flops(m, i) / tp / rate
         lp = layer_params(m, tp, i, ep)
         if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
             adapters = adapter_layer_params(m, lora, tp, i, ep)[0]
@@ -254,6 +259,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             layer_f += adapter_f
         else:
             adapters, layer_b = lp, dgrad + wgrad
+        if attention:  # the core at the kernel's rates instead of matmul_fraction (twice the forward in backward)
+            layer_f, layer_b = layer_f + att_f - attention_f, layer_b + att_b - 2 * attention_f
         if kc:  # norms, rotary, the activation, residual adds, launches (and an eager host)
             passes = block_passes(m, i, tokens, tp, par.sequence_parallel, act, kc.compiled)
             layer_f, layer_b, core_f = add_block_kernels(layer_f, layer_b, core_f, passes, kc)
@@ -304,6 +311,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             fm = terms.frozen_model or m  # a distillation teacher: its own shape, its layers split over the stages
             f_ids = ids if fm is m else stage_layers(fm.n_layers, stages, None)[s]
             frozen_f = sum(_block_s(fm, seq, i, tokens, tp, ep, rate, curve)[0] for i in f_ids)
+            if attention and fm is m:  # the policy's core by the kernel's curve (a teacher's stays at the rate)
+                frozen_f += len(f_ids) * (att_f - attention_f)
             head = head_s(fm, tokens, tp, par.sequence_parallel, rate, curve)[0] if last else 0.0
             if kc:  # its blocks' elementwise kernels, and its log-probs read the logits as the loss does
                 frozen_f += sum(pass_s(block_passes(fm, i, tokens, tp, par.sequence_parallel, act, kc.compiled)[0],

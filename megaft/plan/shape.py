@@ -40,6 +40,11 @@ def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
         problems.append(f"cluster.hbm_fraction={cfg.hbm_fraction} must be in [0, 1] (0: elementwise kernels not "
                         f"priced), cluster.kernel_gap_us={cfg.kernel_gap_us} and cluster.eager_op_us="
                         f"{cfg.eager_op_us} >= 0; fix: the device's measured values")
+    curve = (cfg.attention_seq, cfg.attention_fwd_tflops, cfg.attention_fwd_causal_tflops, cfg.attention_bwd_tflops)
+    if any(curve) and not (len(set(map(len, curve))) == 1 and all(x > 0 for c in curve for x in c)
+                           and list(cfg.attention_seq) == sorted(set(cfg.attention_seq))):
+        problems.append(f"cluster.attention_seq={list(cfg.attention_seq)} and the attention_*_tflops lists must be "
+                        "as long, positive, the lengths increasing; fix: the kernel's measured rates, or all empty")
     for name in ("compute_scale", "comm_scale", "optimizer_scale"):
         if getattr(cfg, name) <= 0:
             problems.append(f"cluster.{name}={getattr(cfg, name)} must be > 0 (1 = uncalibrated); fix: "
