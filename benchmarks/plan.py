@@ -1,16 +1,21 @@
 """The planner's cost model against Megatron-LM's and torchtitan's published H100 numbers.
 
-    python -m benchmarks.plan [--cluster h100] [--matmul-fraction F]
+    python -m benchmarks.plan [--cluster h100] [--matmul-fraction F] [--megatron-attention cudnn|fa2]
 
-Every row is priced twice: "before" (the GEMM curve, megaft.perf.gemm, for every linear and the
-attention core at matmul_fraction: the model of issue 42's first slice, no elementwise kernel, no
-tp overlap) and "after" (the preset's elementwise, norm and loss kernels by bytes over HBM plus a
-launch gap per kernel, megaft.perf.kernels_cost, each row in its framework's mode: Megatron's
-rows compiled (its fused kernels) with its tp communication overlapped with the GEMMs
-(cluster.tp_overlap, which megaft's runtime lacks); torchtitan's rows eager (no torch.compile)
-on their 2.4 TB/s HBM2e). The published rows are a held-out test: no parameter of either model
-was fitted to them row by row (matmul_fraction 0.7 was calibrated on the whole Megatron table's
-mean before the curve existed; the other parameters are cited in conf/cluster/).
+Every row is priced twice, each in its framework's mode: Megatron's rows compiled (its fused
+kernels) with its tp communication overlapped with the GEMMs (cluster.tp_overlap, which megaft's
+runtime lacks); torchtitan's rows eager (no torch.compile) on their 2.4 TB/s HBM2e. "before": the
+GEMM curve (megaft.perf.gemm) for every linear, the elementwise, norm and loss kernels by bytes
+over HBM plus a launch gap per kernel (megaft.perf.kernels_cost), and the attention core at
+matmul_fraction over whole rows. "after": the same with the attention core by a flash kernel's
+measured causal curve (megaft.perf.attention): torchtitan's rows FlashAttention-2, which PyTorch's
+SDPA flash backend runs (the preset's curve), Megatron's rows cuDNN's fused attention, which
+TransformerEngine runs on H100 (assumed: the table does not say; `--megatron-attention fa2` prices
+them with FlashAttention-2 instead), both from the same published benchmark (FlashAttention-3
+paper, Figures 5 (c), (d) and 6 (b), H100 SXM5, head dim 128, the head dim of every row here).
+The published rows are a held-out test: no parameter of either model was fitted to them row by
+row (matmul_fraction 0.7 was calibrated on the whole Megatron table's mean before the curve
+existed; the other parameters are cited in conf/cluster/).
 
 Source: NVIDIA/Megatron-LM, README "Performance Benchmarking", images/model_table.png
 (added in commit f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, 2024-07-15): GPT models with a
@@ -75,6 +80,12 @@ TORCHTITAN_8B = ((8, 16, 5762), (128, 256, 5605))
 LLAMA31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
 TORCHTITAN_SEQ = 8192
 GRAND_TETON_HBM_TBPS = 2.4  # torchtitan docs/performance.md: "96GB HBM2e with 2.4 TB/sec peak memory bandwidth"
+# cuDNN's fused attention on H100 SXM5, bf16, head dim 128, TFLOP/s (FlashAttention-3 paper, arXiv:2407.08608,
+# cuDNN 9.1.1.17 bars of Figure 5 (c) forward, (d) causal forward, Figure 6 (b) backward); the same
+# sequence lengths as conf/cluster/h100.yaml's FlashAttention-2 curve
+CUDNN_ATTENTION = dict(attention_fwd_tflops=[497, 574, 617, 609, 600, 595],
+                       attention_fwd_causal_tflops=[315, 410, 484, 518, 529, 539],
+                       attention_bwd_tflops=[305, 408, 465, 499, 518, 516])
 
 
 def load_cluster(name: str) -> ClusterConfig:
@@ -138,7 +149,7 @@ def torchtitan_rows(models: dict) -> dict:
     cluster of torchtitan's rows); returns label -> errors."""
     labels = list(models)
     print("\nvs torchtitan's Llama 3.1 8B FSDP rows (docs/performance.md Tables 1 and 3; bf16, eager, 500 W H100s)"
-          "\ntorchtitan rows after: eager (compiled: false), hbm 2.4 TB/s, no tp")
+          "\ntorchtitan rows: eager (compiled: false), hbm 2.4 TB/s, no tp; after: FlashAttention-2's causal curve")
     print(f"{'GPUs':>5} {'batch':>5} {'pub TPS/GPU':>11} "
           + " ".join(f"{label + ' TPS':>14} {'error':>7}" for label in labels) + "  bottleneck (2nd), last model")
     errors: dict = {label: [] for label in labels}
@@ -158,22 +169,27 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default="h100", help="conf/cluster/<name>.yaml")
     ap.add_argument("--matmul-fraction", type=float, default=None, help="override cluster.matmul_fraction")
+    ap.add_argument("--megatron-attention", choices=("cudnn", "fa2"), default="cudnn",
+                    help="the attention kernel of Megatron's rows after (fa2: the preset's FlashAttention-2 curve)")
     args = ap.parse_args(argv)
     cluster = load_cluster(args.cluster)
     if args.matmul_fraction is not None:
         cluster.matmul_fraction = args.matmul_fraction
-    before = dataclasses.replace(cluster, hbm_fraction=0.0, tp_overlap=False)
     # Megatron's rows: its fused kernels, tp communication overlapped (README: "fine-grained overlapping
     # of DP, TP and PP communication"); torchtitan's: eager PyTorch on Grand Teton's 2.4 TB/s HBM2e
-    megatron_after = dataclasses.replace(cluster, compiled=True, tp_overlap=True)
-    titan_after = dataclasses.replace(cluster, compiled=False, tp_overlap=False, hbm_tbps=GRAND_TETON_HBM_TBPS)
+    megatron = dataclasses.replace(cluster, compiled=True, tp_overlap=True)
+    titan = dataclasses.replace(cluster, compiled=False, tp_overlap=False, hbm_tbps=GRAND_TETON_HBM_TBPS)
+    no_curve = dict(attention_seq=[], attention_fwd_tflops=[], attention_fwd_causal_tflops=[], attention_bwd_tflops=[])
+    kernel = CUDNN_ATTENTION if args.megatron_attention == "cudnn" else {}
     print(f"megaft cost model on cluster={args.cluster} (matmul_fraction {cluster.matmul_fraction:g}, GEMM curve: "
           f"ceiling {cluster.gemm_ceiling:g}, {cluster.gemm_sms} SMs, {cluster.gemm_tile_m}x{cluster.gemm_tile_n} "
-          f"tiles; after: hbm_fraction {cluster.hbm_fraction:g}, kernel gap {cluster.kernel_gap_us:g} us, eager op "
+          f"tiles; hbm_fraction {cluster.hbm_fraction:g}, kernel gap {cluster.kernel_gap_us:g} us, eager op "
           f"{cluster.eager_op_us:g} us) vs Megatron-LM's published H100 table (README, images/model_table.png)")
-    print("Megatron rows after: compiled (fused kernels), tp_overlap on")
-    megatron = megatron_rows({"before": before, "after": megatron_after})
-    titan = torchtitan_rows({"before": before, "after": titan_after})
+    print(f"Megatron rows: compiled (fused kernels), tp_overlap on; after: the attention core by "
+          f"{args.megatron_attention}'s causal curve")
+    megatron = megatron_rows({"before": dataclasses.replace(megatron, **no_curve),
+                              "after": dataclasses.replace(megatron, **kernel)})
+    titan = torchtitan_rows({"before": dataclasses.replace(titan, **no_curve), "after": titan})
     models = ("before", "after")
     print("\nall published rows:")
     for label in models:

@@ -298,7 +298,7 @@ def test_measured_links_from_a_real_commbench_run(tmp_path):
     inter-node link, not measured on one host, stays; a wrong file is a clear error."""
     from megaft.commbench.app import run as commbench
     from megaft.config.commbench import CommbenchConfig
-    from megaft.perf.time import Link
+    from megaft.perf.rates import Link
     from megaft.plan.report import plan_json
 
     bench = Config()

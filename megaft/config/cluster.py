@@ -36,6 +36,12 @@ class ClusterConfig:
     gemm_tile_m: int = 128  # output tile rows of one thread block (cuBLASLt's 128x256 tile, conf/cluster/h100.yaml)
     gemm_tile_n: int = 256  # output tile columns of one thread block
     gemm_sms: int = 0  # streaming multiprocessors: tiles run this many at a time (waves)
+    # the attention core by sequence length (megaft.perf.attention): a flash kernel's measured TFLOP/s at
+    # these sequence lengths (bf16, head dim 128); empty = the core at matmul_fraction, whole rows
+    attention_seq: List[int] = field(default_factory=list)
+    attention_fwd_tflops: List[float] = field(default_factory=list)  # forward, no mask (FLOPs 4 s^2 d h)
+    attention_fwd_causal_tflops: List[float] = field(default_factory=list)  # causal forward (FLOPs counted at half)
+    attention_bwd_tflops: List[float] = field(default_factory=list)  # backward, no mask (FLOPs 2.5 x the forward's)
     # elementwise, norm and loss kernels by bytes over HBM (megaft.perf.kernels_cost); 0 = not priced
     hbm_fraction: float = 0.0  # achievable fraction of hbm_tbps for a memory-bound kernel (measured)
     kernel_gap_us: float = 0.0  # GPU idle between two back-to-back kernels (launch), per kernel
@@ -56,6 +62,12 @@ class ClusterConfig:
     # a megaft-commbench run dir (or its commbench.json): its measured intra-/inter-node all-reduce bus
     # bandwidth and latency replace nvlink_*/ib_* (megaft.plan.measured); null = the datasheet's
     measured: Optional[str] = None
+    # calibrated factors (megaft.perf.rates; plan.calibrate=RUN_DIR derives them from a finished run and
+    # prints them as these overrides): 1 = the preset's cited figures as they are
+    compute_scale: float = 1.0  # multiplies every compute second (GEMMs, attention, elementwise kernels, launches)
+    comm_scale: float = 1.0  # multiplies every collective's and p2p message's time (bandwidth and latency)
+    optimizer_scale: float = 1.0  # multiplies the AdamW update's time (its bytes over HBM)
+    step_overhead_s: float = 0.0  # seconds per step outside every phase (data, logging): the `overhead` term
 
     @property
     def world_size(self) -> int:
@@ -83,6 +95,9 @@ class PlanConfig:
     probe: int = 0
     probe_steps: int = 6  # optimizer steps per probe run (the first is warm-up and not measured)
     probe_timeout_min: float = 60.0  # wait at most this long for the probe array, then cancel it
+    # a finished megaft-train run dir (or a megaft-plan calibration.json): its measured phase times
+    # set cluster.compute_scale, comm_scale, optimizer_scale and step_overhead_s (megaft.plan.calibrate)
+    calibrate: Optional[str] = None
 
 
 def check_plan(cfg: PlanConfig) -> list[str]:

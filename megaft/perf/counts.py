@@ -133,19 +133,20 @@ def _attention_params(m: ModelConfig, tp: int) -> int:
 
 def matmul_params(m: ModelConfig) -> int:
     """Weights that take part in a matmul per token: every linear of every block and the
-    output head (the embedding lookup is a gather; a tied head still multiplies). Of a
-    mixture of experts only the active ones (mlp_matmul_params): the router, top_k experts,
-    the shared expert and its gate."""
+    output head (the embedding lookup is a gather; a tied head still multiplies; a reward
+    model's head is its scalar score). Of a mixture of experts only the active ones
+    (mlp_matmul_params): the router, top_k experts, the shared expert and its gate."""
     return (m.n_layers * _attention_matmul_params(m) + sum(per_block(m, lambda i: mlp_matmul_params(m, i)))
-            + m.dim * m.vocab_size)
+            + m.dim * (1 if m.score_head else m.vocab_size))
 
 
 def total_params(m: ModelConfig) -> int:
     """Weights of the whole model as built (no tp, no vocabulary padding): every block with all
-    its experts, norms and biases, the input embedding, the final norm and an untied head."""
+    its experts, norms and biases, the input embedding, the final norm and an untied head (a
+    reward model: its scalar score, nothing tied)."""
     vocab = m.vocab_size * m.dim
     return (sum(per_block(m, lambda i: layer_params(m, 1, i))) + vocab + m.dim
-            + (0 if m.tie_embeddings else vocab))
+            + (m.dim if m.score_head else 0 if m.tie_embeddings else vocab))
 
 
 def layer_params(m: ModelConfig, tp: int, layer: Optional[int] = None, ep: int = 1) -> int:
@@ -246,8 +247,9 @@ def expert_adapter_params(m: ModelConfig, lora: LoraConfig, tp: int, layer: int,
 
 
 def head_adapter_params(m: ModelConfig, lora: LoraConfig, vocab_local: int) -> int:
-    """Parameters of the lm_head adapter on one tp rank holding `vocab_local` head rows (0 unless targeted)."""
-    return lora.rank * (m.dim + vocab_local) if "lm_head" in lora.targets else 0
+    """Parameters of the lm_head adapter on one tp rank holding `vocab_local` head rows (0 unless targeted;
+    0 for a reward model, which has no lm_head)."""
+    return lora.rank * (m.dim + vocab_local) if "lm_head" in lora.targets and not m.score_head else 0
 
 
 def lora_rank_bytes(m: ModelConfig, lora: LoraConfig, par, r: int, n: int, layers: Sequence[int]) -> tuple[int, int]:

@@ -65,6 +65,11 @@ def device(gpu_type: str) -> Optional[Device]:
     return next((d for d in DEVICES if d.gpu_type and d.gpu_type == gpu_type.lower()), None)
 
 
+def device_match(device_name: Optional[str]) -> str:
+    """The table's name a GPU name (torch.cuda.get_device_name) matches ("H100"; the longest), "" when none."""
+    return next((d.match for d in _BY_NAME if device_name and d.match in device_name), "")
+
+
 def peak_tflops(device_name: Optional[str], precision: str = "bf16") -> Optional[float]:
     """The dense peak of a GPU name (torch.cuda.get_device_name) for a precision
     (fp32 | bf16 | fp16), or None when unknown."""

@@ -10,7 +10,8 @@ to the step (`StepCost.step_s`):
   of MoE blocks weighs what its tokens multiply). With a GEMM curve in the cluster preset
   (`cluster.gemm_*`, megaft.perf.gemm) every linear of a block and the head is priced by its
   (m, n, k) shape, forward and both backward GEMMs (small and skinny ones run far below peak);
-  the attention core and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
+  the attention core (or by a flash kernel's causal curve, `cluster.attention_*`, megaft.perf.attention)
+  and the FLOPs not listed as linears run at `peak × cluster.matmul_fraction`,
   which prices every FLOP in a preset without a curve and at fp32 (the curves are bf16's).
   With `cluster.hbm_fraction` > 0 a block also pays its norms, rotary, gated activation and
   residual adds, and the last stage its cross-entropy, by the bytes they move over HBM, plus
@@ -57,13 +58,10 @@ block's backward is its forward plus the attention core's second matmul, and the
 adapters add their own forward and backward; the dp reduction, ZeRO-2's reduce-scatter,
 the parameter all-gather and AdamW move the adapters only (ZeRO-3 is refused with LoRA).
 
-Collectives use the ring formulas with the bandwidth of the slowest link the group
-spans (NVLink when the group fits in a node; across nodes the NICs of the group's
-ranks in a node, as NCCL runs one ring per NIC), times `cluster.comm_fraction`:
-all-reduce 2(n−1)/n·B/bw + 2(n−1)·α, reduce-scatter and all-gather (n−1)/n·B/bw +
-(n−1)·α (B: the whole buffer). Groups are laid out as megaft orders ranks (tp fastest,
-then cp, dp, pp), so a dp group fits in a node when tp·dp ≤ gpus_per_node and holds
-gpus_per_node / tp ranks of each node otherwise.
+Collectives and compute are priced at the rates of megaft.perf.rates: ring formulas over the
+link a group spans, and the device's peak, GEMM curve and HBM, each corrected by the cluster's
+calibrated factors (`cluster.compute_scale`, `cluster.comm_scale`, `cluster.optimizer_scale`;
+`cluster.step_overhead_s`, the **overhead** term: what a step spends outside every phase).
 """
 from __future__ import annotations
 
@@ -74,6 +72,7 @@ import numpy as np
 from megaft.config.parallel import resolve_dp
 from megaft.config.train import accumulation_steps
 from megaft.forks import fork_map
+from megaft.perf.attention import AttentionCurve
 from megaft.perf.counts import (
     a2a_bytes,
     adapter_layer_params,
@@ -81,7 +80,6 @@ from megaft.perf.counts import (
     expert_params,
     flops_per_token,
     head_adapter_params,
-    head_forward_flops,
     layer_forward_flops,
     layer_params,
     mfu,
@@ -91,17 +89,19 @@ from megaft.perf.counts import (
     rank_layer_ids,
     trainable_rank_params,
 )
-from megaft.perf.gemm import GemmCurve, Linear, block_linears, linear_s
+from megaft.perf.gemm import block_linears, linear_s
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
-from megaft.perf.kernels_cost import KernelCosts, add_block_kernels, block_passes, loss_passes, pass_s
+from megaft.perf.head import head_params, head_s, head_tp_s, loss_s, with_score_head
+from megaft.perf.kernels_cost import add_block_kernels, block_passes, pass_s
 from megaft.perf.memory import objective_terms
 from megaft.perf.muon import block_matrix_elements, block_ns_flops, tp_gathered
+from megaft.perf.rates import all_reduce_s, all_to_all_s, compute_rates, gather_s, group_link, p2p_s
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
 from megaft.pipeline.simulate import replay_many
 
 TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble", "zero_comm", "dp_comm", "param_gather", "optimizer",
-         "offload")
+         "offload", "overhead")
 
 
 def p2p_bytes(precision: str) -> int:
@@ -112,44 +112,6 @@ def p2p_bytes(precision: str) -> int:
 ADAM_BYTES = 32  # per updated element: param, grad, two moments read and written (fp32)
 MIB = 2 ** 20
 
-
-@dataclass(frozen=True)
-class Link:
-    """One collective's transport: bandwidth in bytes/s and latency per ring step in s."""
-
-    bandwidth: float
-    latency: float
-
-
-def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of an n-rank group over a buffer of `nbytes`."""
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
-
-
-def gather_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather or reduce-scatter; `nbytes` is the whole (gathered) buffer."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
-
-
-def p2p_s(nbytes: float, link: Link) -> float:
-    return nbytes / link.bandwidth + link.latency
-
-
-def all_to_all_s(sent: float, n: int, cluster, stride: int = 1) -> float:
-    """All-to-all of an n-rank group `stride` apart in megaft's rank order, each rank sending
-    `sent` bytes to the others, as much to each (uniform routing). Within a node: NVLink,
-    sent/bw + (n−1)·α. Across nodes each rank's rows to the other nodes' ranks leave by its
-    own NIC while the rest cross NVLink at the same time: the slower of the two, plus the
-    (n−1) network steps' latency."""
-    if n <= 1:
-        return 0.0
-    nvlink = cluster.nvlink_gbps * 1e9 * cluster.comm_fraction
-    if n * stride <= cluster.gpus_per_node:
-        return sent / nvlink + (n - 1) * cluster.nvlink_latency_us * 1e-6
-    per_node = max(1, min(n, cluster.gpus_per_node // stride))  # the group's ranks in one node
-    remote = sent * (n - per_node) / (n - 1)
-    return (max(remote / (cluster.ib_gbps * 1e9 * cluster.comm_fraction), (sent - remote) / nvlink)
-            + (n - 1) * cluster.ib_latency_us * 1e-6)
 
 
 def _a2a_s(cfg, cluster, tokens: int) -> float:
@@ -174,18 +136,6 @@ def _over_replicas(collective, count: float, expert: float, nbytes: int, cluster
     experts = group_link(cluster, replicas // par.ep, par.tp * par.ep)
     return (collective((count - expert) * nbytes, replicas, link)
             + collective(expert * nbytes, replicas // par.ep, experts))
-
-
-def group_link(cluster, size: int, stride: int = 1) -> Link:
-    """The link of a group of `size` ranks `stride` apart in megaft's rank order (tp
-    fastest: a dp group has stride tp). Within a node: NVLink. Across nodes: NCCL runs
-    one ring per NIC, so a group with k ranks in each node moves k NICs' worth, up to
-    NVLink's rate."""
-    if size * stride <= cluster.gpus_per_node:
-        return Link(cluster.nvlink_gbps * 1e9 * cluster.comm_fraction, cluster.nvlink_latency_us * 1e-6)
-    per_node = max(1, min(size, cluster.gpus_per_node // stride))
-    gbps = min(cluster.nvlink_gbps, per_node * cluster.ib_gbps)
-    return Link(gbps * 1e9 * cluster.comm_fraction, cluster.ib_latency_us * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -217,7 +167,7 @@ class StepCost:
         return max(self.terms, key=self.terms.get)
 
 
-def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
+def _ring_s(cfg, cluster, tokens: int, core_f: float, core_b: float) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one block's cp ring for this rank's `tokens`."""
     m, par = cfg.model, cfg.parallel
     cp = par.cp
@@ -228,7 +178,7 @@ def _ring_s(cfg, cluster, tokens: int, core_f: float) -> tuple[float, float]:
     link = group_link(cluster, cp, par.tp)
     forward = (cp - 1) * p2p_s(kv * act, link)
     backward = (cp - 1) * p2p_s(kv * act, link) + cp * p2p_s(kv * 4, link)
-    return max(0.0, forward - core_f), max(0.0, backward - 2 * core_f)
+    return max(0.0, forward - core_f), max(0.0, backward - core_b)
 
 
 def _block_collectives(m, layer: int) -> int:
@@ -272,13 +222,6 @@ def _overlapped_tp_s(m, layer: int, tokens: int, tp: int, ep: int, curve, rate: 
             rest + sum(max(0.0, one / 2 - b) for _, b in times))
 
 
-def _head_s(m, tokens: int, tp: int, rate: float, curve) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) seconds of the output head (vocab/tp columns)."""
-    if curve is None:
-        return (tokens * head_forward_flops(m) / tp / rate,) * 3
-    return linear_s(Linear(tokens, m.dim, -(-m.vocab_size // tp)), curve)
-
-
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring, the ep
     all-to-alls and ZeRO (exposed)."""
@@ -287,26 +230,27 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     terms = objective_terms(cfg)  # a preference pair is 2 rows; a frozen model's forward per micro-batch
     tokens = terms.rows * cfg.train.micro_batch_size * seq // par.cp  # this rank's share of each row under cp
     dp = dp * par.cp  # ZeRO shards over the dp×cp replicas
-    peak = cluster_peak_tflops(cluster, str(cfg.precision))
-    rate = peak * 1e12 * cluster.matmul_fraction  # the FLOPs no GEMM curve prices (all of them without one)
-    curve = GemmCurve.of(cluster, str(cfg.precision), peak, cluster_hbm_tbps(cluster))
+    # the FLOPs no GEMM curve prices (all of them without one), the curve, the elementwise kernels
+    rate, curve, kc = compute_rates(cluster, str(cfg.precision))
     act = 2 if cfg.precision in ("bf16", "fp16") else 4
     wbytes = 2 if cfg.optim.master_weights else 4
     gbytes = 2 if par.grad_compression == "bf16" else 4
     tp_link, dp_link = group_link(cluster, tp), group_link(cluster, dp, tp)
     tp_one = all_reduce_s(tokens * m.dim * act, tp, tp_link)  # one block collective (AR, or RS + AG)
-    head_f, head_d, head_w = _head_s(m, tokens, tp, rate, curve)
+    head_f, head_d, head_w = head_s(m, tokens, tp, par.sequence_parallel, rate, curve)  # an LM's, or a score
     attention_f = tokens * attention_core_flops(m, seq) / tp / rate  # the attention core over whole rows
-    ring_f, ring_b = _ring_s(cfg, cluster, tokens, attention_f)
+    # ... or by the preset's flash-kernel curve, causal, at the sequence of each call (megaft.perf.attention)
+    attention = AttentionCurve.of(cluster, str(cfg.precision))
+    att_f, att_b = attention.core_s(attention_f * rate, seq // par.cp) if attention else (attention_f, 2 * attention_f)
+    ring_f, ring_b = _ring_s(cfg, cluster, tokens, att_f, att_b)
     a2a = _a2a_s(cfg, cluster, tokens)  # one MoE block's all-to-alls, each pass
     lora = cfg.lora if cfg.lora.rank > 0 else None
-    kc = KernelCosts.of(cluster, cluster_hbm_tbps(cluster))  # elementwise kernels (megaft.perf.kernels_cost)
     # per block (a mixture of experts' differ from the dense ones): forward and backward compute,
     # what model.recompute runs again (the whole block under full, the attention core and the
     # activation under selective), the parameters ZeRO moves (this ep rank's experts) and the trained ones
     def block(i: int) -> tuple[float, float, float, int, int]:
         layer_f, dgrad, wgrad = _block_s(m, seq, i, tokens, tp, ep, rate, curve)
-        core_f = attention_f + tokens * mlp_activation_flops(m, i) / tp / rate
+        core_f = att_f + tokens * mlp_activation_flops(m, i) / tp / rate
         lp = layer_params(m, tp, i, ep)
         if lora:  # frozen base linears skip their weight gradient; the adapters train (megaft.peft)
             adapters = adapter_layer_params(m, lora, tp, i, ep)[0]
@@ -315,6 +259,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             layer_f += adapter_f
         else:
             adapters, layer_b = lp, dgrad + wgrad
+        if attention:  # the core at the kernel's rates instead of matmul_fraction (twice the forward in backward)
+            layer_f, layer_b = layer_f + att_f - attention_f, layer_b + att_b - 2 * attention_f
         if kc:  # norms, rotary, the activation, residual adds, launches (and an eager host)
             passes = block_passes(m, i, tokens, tp, par.sequence_parallel, act, kc.compiled)
             layer_f, layer_b, core_f = add_block_kernels(layer_f, layer_b, core_f, passes, kc)
@@ -333,20 +279,20 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         return seen[key]
 
     if lora:
-        head_adapters = head_adapter_params(m, lora, -(-m.vocab_size // tp))
+        head_adapters = 0 if m.score_head else head_adapter_params(m, lora, -(-m.vocab_size // tp))
         head_adapter_f = tokens * 2.0 * head_adapters / rate
         head_b, head_f = head_d + 2 * head_adapter_f, head_f + head_adapter_f
     else:
         head_b = head_d + head_w
-    if kc:  # the cross-entropy over this rank's logits
-        loss_f, loss_b = loss_passes(m, tokens, tp, act, kc.compiled)
-        head_f, head_b = head_f + pass_s(loss_f, kc), head_b + pass_s(loss_b, kc)
+    loss_f, loss_b = loss_s(m, tokens, tp, act, kc)  # the cross-entropy over this rank's logits
+    head_f, head_b = head_f + loss_f, head_b + loss_b
+    head_tp_f, head_tp_b = head_tp_s(m, tokens, tp, par.sequence_parallel, tp_one, tp_link)
     if cluster.tp_overlap and tp > 1:  # megaft's runtime does not overlap: its plans keep this off
         hidden = per_block(m, lambda i: _overlapped_tp_s(m, i, tokens, tp, ep, curve, rate, tp_one, not lora))
         tp_f, tp_b = [x for x, _ in hidden], [y for _, y in hidden]
     else:
         tp_f = tp_b = [tp_one * n for n in per_block(m, lambda i: _block_collectives(m, i))]
-    vocab_bytes = m.vocab_size * m.dim / tp * wbytes
+    vocab_bytes, head_bytes = m.vocab_size * m.dim / tp * wbytes, head_params(m, tp) * wbytes
     b_again = [x + y for x, y in zip(b, again)]  # model.recompute runs (part of) the forward again
     out = []
     for s, ids in enumerate(stage_layers(m.n_layers, stages, par.pp_layers)):
@@ -355,9 +301,8 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         colls_f, colls_b = sum(tp_f[span]), sum(tp_b[span])  # the blocks' collectives (exposed)
         c = {"f_compute": sum(f[span]) + (head_f if last else 0.0)}
         c["b_compute"] = sum(b_again[span]) + (head_b if last else 0.0)
-        c["f_tp"] = colls_f + tp_one * (first + (last and par.sequence_parallel)) + (
-            3 * all_reduce_s(tokens * 4, tp, tp_link) if last and tp > 1 else 0.0)  # CE max, sum, target
-        c["b_tp"] = colls_b + tp_one * last + (colls_f if m.recompute == "full" else 0.0)
+        c["f_tp"] = colls_f + tp_one * first + (head_tp_f if last else 0.0)  # the embedding's, the head's
+        c["b_tp"] = colls_b + (head_tp_b if last else 0.0) + (colls_f if m.recompute == "full" else 0.0)
         c["f_cp"] = n * ring_f * (2 if m.recompute == "full" else 1)  # full: the forward's ring runs again
         c["b_cp"] = n * ring_b
         moe = sum(map(m.is_moe, ids))  # full recompute: the forward's all-to-alls run again in backward
@@ -366,17 +311,19 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             fm = terms.frozen_model or m  # a distillation teacher: its own shape, its layers split over the stages
             f_ids = ids if fm is m else stage_layers(fm.n_layers, stages, None)[s]
             frozen_f = sum(_block_s(fm, seq, i, tokens, tp, ep, rate, curve)[0] for i in f_ids)
-            head = _head_s(fm, tokens, tp, rate, curve)[0] if last else 0.0
+            if attention and fm is m:  # the policy's core by the kernel's curve (a teacher's stays at the rate)
+                frozen_f += len(f_ids) * (att_f - attention_f)
+            head = head_s(fm, tokens, tp, par.sequence_parallel, rate, curve)[0] if last else 0.0
             if kc:  # its blocks' elementwise kernels, and its log-probs read the logits as the loss does
                 frozen_f += sum(pass_s(block_passes(fm, i, tokens, tp, par.sequence_parallel, act, kc.compiled)[0],
                                        kc) for i in f_ids)
-                head += pass_s(loss_passes(fm, tokens, tp, act, kc.compiled)[0], kc) if last else 0.0
+                head += loss_s(fm, tokens, tp, act, kc)[0] if last else 0.0
             c["f_compute"] += terms.frozen_forwards * (frozen_f + head)
             for k in ("f_tp", "f_cp", "f_ep"):
                 c[k] *= 1 + terms.frozen_forwards
         c["f_zero"] = c["b_zero"] = 0.0
         if par.zero == 3 and dp > 1:  # prefetch hides a block's gather behind the previous block's compute
-            ends = gather_s(vocab_bytes, dp, dp_link) * (first + last)
+            ends = gather_s(vocab_bytes, dp, dp_link) * first + gather_s(head_bytes, dp, dp_link) * last
             ag = [zero_s(gather_s, params[i], experts[i], wbytes) for i in ids]
             agrs = [a + zero_s(gather_s, params[i], experts[i], gbytes) for a, i in zip(ag, ids)]
             c["f_zero"] = ag[0] + sum(max(0.0, ag[j] - f[ids[j - 1]]) for j in range(1, n)) + ends
@@ -386,7 +333,9 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
             if lora:
                 count = sum(trained[span]) + (head_adapters if last else 0)
             else:
-                count = sum(params[span]) + (m.vocab_size * m.dim / tp if first or last else 0)
+                # the embedding and an LM head (once on a stage holding both), or the score
+                count = sum(params[span]) + (m.vocab_size * m.dim / tp if first or (last and not m.score_head) else 0)
+                count += head_params(m, tp) if last and m.score_head else 0
             grads = count * gbytes
             bucket = gather_s(min(par.bucket_mb * MIB, grads), dp, dp_link)
             c["b_zero"] = max(bucket, zero_s(gather_s, count, sum(experts[span]), gbytes) - c["b_compute"])
@@ -409,6 +358,7 @@ class _Layout:
 
 
 def _layout(cfg, cluster, world_size: int) -> _Layout:
+    cfg = with_score_head(cfg)  # a reward model's scalar head in place of the LM head (megaft.perf.head)
     m, par = cfg.model, cfg.parallel
     dp, micro, schedule = _schedule_of(cfg, world_size)
     stages = _stage_costs(cfg, cluster, dp)
@@ -504,6 +454,7 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
     terms["ep_comm"] = micro * sum(c["f_ep"] + c["b_ep"] for c in mine)
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
+    terms["overhead"] = cluster.step_overhead_s  # outside every phase: data, logging (calibrated)
     _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay.b[0])  # gradients reduce over dp×cp
     rows = objective_terms(cfg).rows
     return StepCost(terms=terms, tokens_per_step=rows * cfg.train.global_batch_size * cfg.data.seq_len,
@@ -538,7 +489,7 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         host = owned * ADAM_BYTES / (cluster.host_memory_gbps * 1e9 / cluster.gpus_per_node)
         terms["offload"] = max(pcie, host)
     else:
-        terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12)
+        terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12) * cluster.optimizer_scale
     if cfg.optim.name == "muon":
         _add_muon_terms(terms, cfg, cluster, dp, r)
 
@@ -549,7 +500,7 @@ def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     m, par = cfg.model, cfg.parallel
     ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r]
     share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
-    rate = cluster_peak_tflops(cluster, "bf16") * 1e12 * cluster.matmul_fraction  # Newton-Schulz runs in bf16
+    rate = compute_rates(cluster, "bf16").rate  # Newton-Schulz runs in bf16
     steps = cfg.optim.muon.ns_steps
     lora = cfg.lora if cfg.lora.rank else None  # only the adapters train (and take Muon)
     terms["optimizer"] += sum(block_ns_flops(m, steps, i, par.ep, lora) for i in ids) / share / rate

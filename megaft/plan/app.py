@@ -28,6 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from megaft.config import Config, ConfigError, compose_once, conf_dir, register_configs
 from megaft.fileio import write_json_atomic
 from megaft.forks import usable_cpus
+from megaft.plan.calibrate import FILE as CALIBRATION_FILE
+from megaft.plan.calibrate import format_calibration, latest
 from megaft.plan.measured import apply_measured
 from megaft.plan.report import (
     columns,
@@ -75,6 +77,9 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     cluster, plan = shaped.cluster, cfg.plan  # cluster.measured: the measured links (megaft.plan.measured)
     for note in apply_measured(cfg.cluster)[1]:
         print(f"megaft-plan: links: {note}")
+    calibration = latest(cfg.plan.calibrate) if cfg.plan.calibrate else None  # applied by planning_config
+    if calibration is not None:
+        print(format_calibration(calibration))
     # the search allocates millions of small, acyclic objects (reference counting frees them):
     # the cycle collector's passes over them found nothing and cost a fifth of the search
     collecting = gc.isenabled()  # off already under the megaft-plan command (megaft.cli.plan)
@@ -91,6 +96,8 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
             gc.enable()
     out = plan_json(result, shaped, cluster, user_overrides=user_overrides(overrides), top_k=plan.top_k,
                     explanation=explanation, experts=experts)
+    if calibration is not None:  # reusable without the run: plan.calibrate=<run_dir>/calibration.json
+        out["calibration"] = calibration.to_json()
     m = shaped.model
     print(f"megaft-plan: {m.name} ({out['model']['params'] / 1e9:.2f}B params) on {cluster.name}: "
           f"{cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} GPUs, seq_len {shaped.data.seq_len}, "
@@ -111,6 +118,10 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
             print(format_experts(experts))
     os.makedirs(run_dir, exist_ok=True)
     write_json_atomic(os.path.join(run_dir, "plan.json"), out)
+    if calibration is not None:
+        write_json_atomic(os.path.join(run_dir, CALIBRATION_FILE), out["calibration"])
+        print(f"megaft-plan: factors in {json.dumps(os.path.join(run_dir, CALIBRATION_FILE))} (plan.calibrate= it, "
+              f"or the overrides {' '.join(calibration.overrides())}, reuse them)")
     print(f"megaft-plan: {json.dumps(os.path.join(run_dir, 'plan.json'))}", flush=True)
     if plan.probe and result.ranked:
         from megaft.plan.probe import launcher_overrides, run_probe

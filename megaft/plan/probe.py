@@ -17,13 +17,15 @@ model's terms, so the error is per group of terms: forward+backward (compute and
 collectives inside forward/backward: tp, cp, ZeRO-3's gathers), optimizer (the update,
 ZeRO's parameter all-gather, offload) and exposed comm (the dp reduction nothing hides
 and the pipeline's receive waits, i.e. dp_comm + pp_bubble), plus the whole step. The
-part of a measured step outside every phase (data, logging) is shown as "not modeled".
+part of a measured step outside every phase (data, logging) is shown as "not modeled", beside the
+model's `overhead` term (cluster.step_overhead_s: 0 unless plan.calibrate set it, megaft.plan.calibrate).
 """
 from __future__ import annotations
 
 import os
 import time
 
+from megaft.plan.calibrate import TERM_GROUPS  # (name, the model's terms, the measured phases)
 from megaft.plan.multirun import measured, multirun_command, override_key, points_by_name, run_multirun, write_group
 from megaft.plan.report import format_table
 
@@ -31,11 +33,6 @@ GROUP = "plan_probe"
 # What every probe point sets; the user's own values for these are dropped.
 PROBE_KEYS = ("train.max_steps", "train.save_every", "train.save_final", "train.export_hf",
               "train.progress", "train.tensorboard", "launcher.nodes")
-TERM_GROUPS = (  # (name, the cost model's terms, the measured phase keys)
-    ("forward+backward", ("compute", "tp_comm", "cp_comm", "ep_comm", "zero_comm"), ("forward_s", "backward_s")),
-    ("optimizer", ("optimizer", "param_gather", "offload"), ("optimizer_s",)),
-    ("exposed comm", ("dp_comm", "pp_bubble"), ("comm_s",)),
-)
 COLUMNS = ("#", "plan#", "layout", "pred step s", "meas step s", "pred tok/s/GPU", "meas tok/s/GPU", "step error")
 
 
@@ -55,8 +52,8 @@ def term_errors(cost, meas: dict) -> dict:
         out[name] = {"predicted_s": pred, "measured_s": got, "ratio": pred / got if got > 0 else None}
     phases = [meas.get(p) for _, _, keys in TERM_GROUPS for p in keys]
     if meas.get("step_s") and all(v is not None for v in phases):
-        out["not modeled"] = {"predicted_s": 0.0, "measured_s": max(meas["step_s"] - sum(phases), 0.0),
-                              "ratio": None}
+        out["not modeled"] = {"predicted_s": cost.terms["overhead"],  # cluster.step_overhead_s (calibrated)
+                              "measured_s": max(meas["step_s"] - sum(phases), 0.0), "ratio": None}
     if meas.get("step_s"):
         out["step"] = {"predicted_s": cost.step_s, "measured_s": meas["step_s"], "ratio": cost.step_s / meas["step_s"]}
     return out

@@ -14,6 +14,7 @@ from megaft.config.data import DataConfig
 from megaft.data.build import build_tokenizer
 from megaft.models.checks import check_model
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops, with_device_facts
+from megaft.plan.calibrate import calibrate
 from megaft.plan.measured import apply_measured
 from megaft.validation import check_settings
 
@@ -39,6 +40,18 @@ def check_cluster(cfg: ClusterConfig, precision: str) -> list[str]:
         problems.append(f"cluster.hbm_fraction={cfg.hbm_fraction} must be in [0, 1] (0: elementwise kernels not "
                         f"priced), cluster.kernel_gap_us={cfg.kernel_gap_us} and cluster.eager_op_us="
                         f"{cfg.eager_op_us} >= 0; fix: the device's measured values")
+    curve = (cfg.attention_seq, cfg.attention_fwd_tflops, cfg.attention_fwd_causal_tflops, cfg.attention_bwd_tflops)
+    if any(curve) and not (len(set(map(len, curve))) == 1 and all(x > 0 for c in curve for x in c)
+                           and list(cfg.attention_seq) == sorted(set(cfg.attention_seq))):
+        problems.append(f"cluster.attention_seq={list(cfg.attention_seq)} and the attention_*_tflops lists must be "
+                        "as long, positive, the lengths increasing; fix: the kernel's measured rates, or all empty")
+    for name in ("compute_scale", "comm_scale", "optimizer_scale"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"cluster.{name}={getattr(cfg, name)} must be > 0 (1 = uncalibrated); fix: "
+                            "plan.calibrate=RUN_DIR derives it from a finished run")
+    if cfg.step_overhead_s < 0:
+        problems.append(f"cluster.step_overhead_s={cfg.step_overhead_s} must be >= 0; fix: 0, or "
+                        "plan.calibrate=RUN_DIR")
     if cluster_hbm_tbps(cfg) <= 0:
         problems.append(f"cluster.hbm_tbps={cluster_hbm_tbps(cfg)} must be > 0; fix: the datasheet's value")
     for name in ("nvlink_gbps", "ib_gbps", "pcie_gbps", "host_memory_gbps"):
@@ -76,7 +89,8 @@ def planning_config(cfg: Config) -> tuple[Config, list[str]]:
     """(the config every layout is applied to, problems that no layout can fix).
 
     It keeps the user's settings but the model's shapes are resolved (no init_from), the
-    cluster's links are the measured ones with cluster.measured (megaft.plan.measured), and
+    cluster's links are the measured ones with cluster.measured (megaft.plan.measured), its factors
+    those of plan.calibrate's run (megaft.plan.calibrate), and
     the data is only its sequence length and data.path (never read: the data files are
     megaft-train's to check; megaft-train refuses parallel.ep > 1 on the generated task, a
     run without data.path, and so does every layout the planner checks).
@@ -88,6 +102,9 @@ def planning_config(cfg: Config) -> tuple[Config, list[str]]:
     problems += check_plan(cfg.plan)
     model, model_problems = planning_model(cfg)
     problems += model_problems
+    if not problems and cfg.plan.calibrate:  # a finished run's phase times set the cluster's factors
+        cluster, _, calibration_problems = calibrate(dataclasses.replace(cfg, model=model), cluster)
+        problems += calibration_problems
     data = DataConfig(seq_len=cfg.data.seq_len)
     shaped = dataclasses.replace(cfg, cluster=cluster, model=model, data=dataclasses.replace(data, path=cfg.data.path))
     if not model_problems:  # the layout-free half: a single rank, the whole batch at once (no file read)
