@@ -1,0 +1,190 @@
+"""Qwen2.5-VL (megaft.models.vision.qwen_*) against transformers' Qwen2_5_VLForConditionalGeneration
+on a tiny random checkpoint it saved (transformers 5's nested config): M-RoPE positions,
+logits, loss and every parameter's gradient at tp=1 (in process) and tp=2 with and without
+sequence parallel (gloo; the tower replicated on both ranks), then the export round trip
+(the published names and flat config.json, tensors bit-exact, transformers reloads it with
+the same logits). The fixture's images have three grid shapes, windows cut by the image's
+edge and one full-attention block among three, so the window order, the 2-D rotary and the
+merger's order all enter the comparison."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from multirank import spawn
+
+from megaft.models.arch.spec import HFConfigError
+from megaft.models.vision.hf import export_vision_language, load_vision_language_weights, qwen_hf_names
+from megaft.models.vision.model import ImageTokenMismatch
+from megaft.models.vision.qwen_config import qwen_vl_config
+from megaft.models.vision.qwen_model import QwenVLModel, mrope_positions
+from megaft.parallel.comm import group_rank, group_size
+from megaft.parallel.tensor.grads import sync_sequence_parallel_grads
+from megaft.parallel.tensor.shard import shard_of
+from models.hf_fixture import checkpoint_tensors
+from models.qwen_vl_fixture import IMAGE, MERGE, make_hf_qwen_vl, qwen_batch
+
+pytestmark = pytest.mark.exact
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen_vl"))
+    make_hf_qwen_vl(path)
+    return path
+
+
+def _reference(path: str):
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").train()
+
+
+def _batch(seq: int = 24):
+    """qwen_batch() cut to `seq` tokens (19: an odd length, sequence parallel pads; no image is cut)."""
+    ids, labels, pixels, grid = qwen_batch()
+    labels = labels[:, :seq].clone()
+    labels[:, -1] = -100  # its target was cut off
+    return ids[:, :seq], labels, pixels, grid
+
+
+def _hf_inputs(ids, pixels, grid):
+    return dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
+
+
+def _reference_run(path: str, seq: int = 24):
+    model = _reference(path)
+    ids, labels, pixels, grid = _batch(seq)
+    out = model(**_hf_inputs(ids, pixels, grid), labels=F.pad(labels[:, :-1], (1, 0), value=-100))
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _local(full: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    spec = shard_of(param)
+    if spec is None:
+        return full
+    start, end = spec.real_bounds(group_rank(group), group_size(group))
+    return full.narrow(spec.dim, start, end - start)
+
+
+def _scale_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    # fp32 both sides, sums in other orders (SDPA vs eager, tp partial sums, the gathered rotary): rounding of
+    # ~1e-7 relative to the largest element summed; 1e-5 of the tensor's largest element holds on any CPU path
+    torch.testing.assert_close(got, want, atol=float(1e-5 * want.abs().max()), rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def check_layout(path: str, out: str, group, sequence_parallel: bool = False, seq: int = 24) -> None:
+    """Our model at tp=group's size against transformers; then export and compare."""
+    want_logits, want_loss, want_grads = _reference_run(path, seq)
+    cfg = qwen_vl_config(path)
+    model = QwenVLModel(cfg, group=group, sequence_parallel=sequence_parallel)
+    load_vision_language_weights(model, path, tp_rank=group_rank(group), tp_size=group_size(group))
+    ids, labels, pixels, grid = _batch(seq)
+    logits = model(ids, pixels, grid)
+    head = shard_of(model.language_model.lm_head.weight)
+    start, end = head.real_bounds(group_rank(group), group_size(group)) if head else (0, want_logits.shape[-1])
+    _scale_close(logits[..., :end - start], want_logits[..., start:end], "logits")
+    loss = model.loss_sum(ids, labels, pixels, grid) / (labels != -100).sum()
+    _scale_close(loss, want_loss, "loss")
+    loss.backward()
+    sync_sequence_parallel_grads(list(model.parameters()), group)  # what the optimizer does (sp: norms, tower)
+    checked = set()
+    for name, param in model.named_parameters():
+        ref_name = next(n for n in qwen_hf_names(name, cfg.text.arch) if n in want_grads)
+        want = _local(want_grads[ref_name], param, group)
+        assert want.abs().max() > 0, f"{ref_name}: no gradient in transformers (the test would prove nothing)"
+        spec = shard_of(param)
+        got = param.grad.narrow(spec.dim, 0, want.shape[spec.dim]) if spec is not None else param.grad
+        _scale_close(got, want, f"grad of {name}")
+        checked.add(ref_name)
+    assert checked == set(want_grads)  # every parameter of transformers' model
+    export_vision_language(model, out, tokenizer_json=path, tp_group=group, is_writer=group_rank(group) == 0)
+    original, exported = checkpoint_tensors(path), checkpoint_tensors(out)
+    assert exported.keys() == original.keys()  # transformers saves the published names: model.*, visual.*
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    with torch.no_grad():
+        again = reloaded(**_hf_inputs(ids, pixels, grid)).logits
+    torch.testing.assert_close(again, want_logits, atol=0, rtol=0)
+
+
+def test_mrope_positions_equal_get_rope_index(hf_dir):
+    model = _reference(hf_dir)
+    ids, _, _, grid = qwen_batch()
+    want, _ = model.model.get_rope_index(ids, (ids == IMAGE).int(), grid)
+    assert torch.equal(mrope_positions(ids, IMAGE, grid, MERGE), want)
+    with pytest.raises(ImageTokenMismatch, match="a run of 6 image tokens for an image of 4"):
+        mrope_positions(ids, IMAGE, grid[[2, 1, 0]], MERGE)
+
+
+def test_tp1_matches_transformers(hf_dir, tmp_path):
+    check_layout(hf_dir, str(tmp_path / "export"), None)
+
+
+def _tp2_rank(rank: int, world: int, path: str, out: str) -> None:
+    check_layout(path, out, dist.group.WORLD)
+    # sequence parallel: 19 tokens padded to shards of 10; row 0 has an image on each rank's shard, row 1's
+    # image straddles the two (positions 7-10)
+    check_layout(path, out + "-sp", dist.group.WORLD, sequence_parallel=True, seq=19)
+
+
+def test_tp2_and_sequence_parallel_match_transformers(hf_dir, tmp_path):
+    spawn(2, _tp2_rank, hf_dir, str(tmp_path / "export"))
+
+
+def test_windows_and_mrope_matter(hf_dir):
+    """The equality above would be weak if the windows or the 3-D positions changed nothing:
+    full attention in every tower block, or 1-D positions, move the logits far past the tolerance."""
+    cfg = qwen_vl_config(hf_dir)
+    model = QwenVLModel(cfg)
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    ids, _, pixels, grid = qwen_batch()
+    with torch.no_grad():
+        logits = model(ids, pixels, grid)
+        model.visual.cfg = dataclasses.replace(cfg.vision, full_attention=(0, 1, 2))
+        full = model(ids, pixels, grid)
+        model.visual.cfg = cfg.vision
+        model.docs = lambda x, g: dataclasses.replace(QwenVLModel.docs(model, x, g), dim_positions=None)
+        flat = model(ids, pixels, grid)
+    scale = logits.abs().max()
+    assert (full - logits).abs().max() > 1e-2 * scale
+    assert (flat - logits).abs().max() > 1e-2 * scale
+
+
+def test_published_config_round_trip(hf_dir, tmp_path):
+    """The exported flat config.json (the published checkpoints' form) reads back to the same
+    config as transformers 5's nested one; wrong shapes of the rotary or windows are named."""
+    model = QwenVLModel(qwen_vl_config(hf_dir))
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    out = export_vision_language(model, str(tmp_path / "out"), tokenizer_json=hf_dir, tp_group=None, is_writer=True)
+    raw = json.loads(open(os.path.join(out, "config.json")).read())
+    assert "text_config" not in raw and raw["rope_scaling"] == {"type": "mrope", "mrope_section": [2, 3, 3]}
+    first, again = qwen_vl_config(hf_dir), qwen_vl_config(out)
+    assert dataclasses.replace(again, text=None) == dataclasses.replace(first, text=None)
+    assert dataclasses.replace(again.text, name="", init_from="") == dataclasses.replace(first.text, name="",
+                                                                                         init_from="")
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    raw["rope_scaling"]["mrope_section"] = [2, 3, 4]
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFConfigError, match=r"mrope_section \[2, 3, 4\] sums to 9, not head_dim / 2 = 8"):
+        qwen_vl_config(str(bad))
+    raw["rope_scaling"]["mrope_section"] = [2, 3, 3]
+    raw["vision_config"]["window_size"] = 12
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFConfigError, match="window_size=12 must be a multiple of spatial_merge_size"):
+        qwen_vl_config(str(bad))
+    ids, _, pixels, grid = qwen_batch()
+    with pytest.raises(ImageTokenMismatch, match="Image features and image tokens do not match: 16 image tokens, "
+                                                 "12 image features"):
+        model.embed(ids, pixels, grid[:2])
