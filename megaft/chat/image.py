@@ -29,7 +29,7 @@ def image_prompt(chat: ChatModel, user: str, image: str, system: Optional[str] =
     proc = ImageProcessing.from_checkpoint(chat.hf_dir)
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
-    text, _ = expand_images(chat.template.render(messages, add_generation_prompt=True), [], proc, 1)
+    text, _ = expand_images(chat.template.render(messages, add_generation_prompt=True), [], proc, [proc.image_sequence])
     ids = Tokenizer.from_file(chat.tokenizer).encode(text, add_special_tokens=False).ids
     return ids, torch.from_numpy(pixel_values(load_image(image), proc))[None]
 
