@@ -42,7 +42,7 @@ class HFExport:
         cfg, grid = self.cfg, self.grid
         tok_json = self._tokenizer_json()
         writer = grid.tp_rank == 0 and grid.replica_rank == 0
-        if hasattr(self.model, "vision_tower"):  # a multimodal Gemma 3: Gemma3ForConditionalGeneration's layout
+        if hasattr(self.model, "vlm"):  # a vision-language model: Gemma 3's or Qwen2.5-VL's published layout
             from megaft.models.vision.hf import export_vision_language
 
             out = os.path.join(self.run_dir, "hf")
