@@ -13,6 +13,7 @@ HF checkpoint (config.json, *.safetensors, tokenizer.json); its template is its 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -62,10 +63,24 @@ def locate(path: str, template: str = "auto", dtype: Optional[str] = None) -> Ch
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(tokenizer):
         raise ChatError(f"{tokenizer} is missing; fix: copy the model's tokenizer.json into {hf_dir}")
+    if _model_type(hf_dir) == "qwen2_5_vl":
+        raise ChatError(f"{hf_dir} is a Qwen2.5-VL checkpoint: megaft-chat does not run it yet (its decoding steps "
+                        "need M-RoPE positions in the KV cache); fix: transformers' "
+                        "Qwen2_5_VLForConditionalGeneration.generate on this folder")
     chat = load_chat_template(choice, tok_dir or hf_dir)
     if dtype is not None:
         run["dtype"] = dtype
     return ChatModel(hf_dir, tokenizer, chat, _stop_ids(hf_dir, tokenizer, chat), origin, **run)
+
+
+def _model_type(hf_dir: str) -> Optional[str]:
+    """config.json's model_type, None without a readable one (the loader names that problem)."""
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
 
 
 def _run_weights(run_dir: str):

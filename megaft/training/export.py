@@ -48,7 +48,7 @@ class HFExport:
             out = os.path.join(self.run_dir, "hf")
             if writer and os.path.isdir(out):  # a run finished again replaces its export, as export_hf does
                 shutil.rmtree(out)
-            if cfg.lora.rank > 0:  # a peft adapter of Gemma3ForConditionalGeneration (validation: no merged model)
+            if cfg.lora.rank > 0:  # a peft adapter of the *ForConditionalGeneration (validation: no merged model)
                 from megaft.peft.vision import export_vision_adapter
 
                 export_vision_adapter(self.model, cfg.lora, out, tp_group=grid.tp_group, is_writer=writer,

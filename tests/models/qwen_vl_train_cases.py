@@ -14,7 +14,7 @@ from data.qwen_image_fixture import MERGE, PATCH, TEMPORAL, make_qwen_processor
 from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.validation import validate
-from models.vlm_train_cases import QUESTIONS, train, vlm_config
+from models.vlm_train_cases import QUESTIONS, train, vlm_config, with_lora
 
 SEQ_LEN = 128  # the character tokenizer spells Qwen's default system prompt: ~100 tokens with an image
 TOO_LONG = 2  # conversations whose answer pushes them past SEQ_LEN
@@ -76,7 +76,9 @@ def qwen_config(ckpt: str, data: str, world: int = 1, **parallel) -> Config:
 
 
 def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> None:
-    """Every LAYOUTS run on this rank, into root/<name>."""
+    """Every LAYOUTS run on this rank, into root/<name>, then LoRA at tp2 into root/lora_tp2."""
     for name, par in LAYOUTS.items():
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, device="cpu")
         train(qwen_config(ckpt, data, world, **par), grid, os.path.join(root, name))
+    train(with_lora(qwen_config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
+          os.path.join(root, "lora_tp2"))

@@ -188,3 +188,39 @@ def test_published_config_round_trip(hf_dir, tmp_path):
     with pytest.raises(ImageTokenMismatch, match="Image features and image tokens do not match: 16 image tokens, "
                                                  "12 image features"):
         model.embed(ids, pixels, grid[:2])
+
+
+def test_lora_on_the_language_model_loads_in_peft(hf_dir, tmp_path):
+    """Adapters on the language model (the tower frozen), exported for peft: peft's
+    Qwen2_5_VLForConditionalGeneration with the adapter gives our logits, with no adapter in the
+    tower (whose MLP has the language model's gate/up/down names)."""
+    import peft
+
+    from megaft.config.lora import LoraConfig
+    from megaft.peft.lora import adapters
+    from megaft.peft.vision import apply_vision_lora, export_vision_adapter
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    model = QwenVLModel(qwen_vl_config(hf_dir))
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    apply_vision_lora(model, lora, seed=0, tp_rank=0, tp_size=1)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".adapter." in n} != set()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, adapter in adapters(model.language_model):  # B starts at zero: give the update a value
+            adapter.B.copy_(torch.randn(adapter.B.shape, generator=gen) * 0.1)
+    ids, _, pixels, grid = qwen_batch()
+    with torch.no_grad():
+        ours = model(ids, pixels, grid)
+    out = export_vision_adapter(model, lora, str(tmp_path / "adapter"), tp_group=None, is_writer=True, base=hf_dir)
+    theirs_model = peft.PeftModel.from_pretrained(_reference(hf_dir), out).eval()
+    lora_modules = [n for n, m in theirs_model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)]
+    assert len(lora_modules) == len(list(adapters(model.language_model))) == 2 * 7
+    assert not any(".visual." in n for n in lora_modules)
+    with torch.no_grad():
+        theirs = theirs_model(**_hf_inputs(ids, pixels, grid)).logits
+        with theirs_model.disable_adapter():
+            plain = theirs_model.get_base_model()(**_hf_inputs(ids, pixels, grid)).logits
+    _scale_close(ours[..., :theirs.shape[-1]], theirs, "logits with adapters")
+    assert (theirs - plain).abs().max() > 1e-2 * theirs.abs().max()  # the adapters matter

@@ -6,8 +6,8 @@ the layouts tested equal to one process: tp (with or without sequence parallel) 
 ZeRO 0-2. What those tests do not cover yet is refused by name, so a config that asks for it
 learns it now: pp, cp, packing, ZeRO-3, LoRA on the head or exported merged, objectives
 other than sft, an eval file and samples (both would need images). Qwen2.5-VL trains the same
-way (megaft.models.vision.qwen_model) on the layouts tested for it: tp and dp with ZeRO 0-2,
-without LoRA yet. Qwen2-VL is not read yet."""
+way (megaft.models.vision.qwen_model) on the layouts tested for it: tp (with or without
+sequence parallel) and dp with ZeRO 0-2, LoRA on its language model. Qwen2-VL is not read yet."""
 from __future__ import annotations
 
 import json
@@ -73,14 +73,10 @@ def check_vision_run(cfg: Config) -> list[str]:
     if par.zero > 2:
         problems.append(f"parallel.zero={par.zero} with images: ZeRO-3 does not gather the vision tower yet; "
                         "fix: parallel.zero=1 or 2")
-    if kind == "qwen2_5_vl" and cfg.lora.rank > 0:
-        problems.append(f"lora.rank={cfg.lora.rank} with Qwen2.5-VL: adapters on its language model are not "
-                        "exported yet (Gemma 3's are); fix: lora.rank=0 (full fine-tuning, "
-                        "model.freeze=[vision,projector] for the common recipe)")
-    elif cfg.lora.rank > 0 and "lm_head" in cfg.lora.targets:
+    if cfg.lora.rank > 0 and "lm_head" in cfg.lora.targets:
         problems.append("lora.targets=lm_head with images: an adapter on the head of a vision-language model is "
                         "not exported yet; fix: drop lm_head from lora.targets")
-    if exports_merged(cfg) and kind == "gemma3":
+    if exports_merged(cfg) and trains_images(cfg):
         problems.append(f"lora.rank={cfg.lora.rank} with images writes the peft adapter only, not the merged model "
                         "yet; fix: lora.export_merged=false")
     if str(cfg.train.objective) != "sft":
