@@ -13,7 +13,6 @@ HF checkpoint (config.json, *.safetensors, tokenizer.json); its template is its 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -63,24 +62,10 @@ def locate(path: str, template: str = "auto", dtype: Optional[str] = None) -> Ch
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(tokenizer):
         raise ChatError(f"{tokenizer} is missing; fix: copy the model's tokenizer.json into {hf_dir}")
-    if _model_type(hf_dir) == "qwen2_5_vl":
-        raise ChatError(f"{hf_dir} is a Qwen2.5-VL checkpoint: megaft-chat does not run it yet (its decoding steps "
-                        "need M-RoPE positions in the KV cache); fix: transformers' "
-                        "Qwen2_5_VLForConditionalGeneration.generate on this folder")
     chat = load_chat_template(choice, tok_dir or hf_dir)
     if dtype is not None:
         run["dtype"] = dtype
     return ChatModel(hf_dir, tokenizer, chat, _stop_ids(hf_dir, tokenizer, chat), origin, **run)
-
-
-def _model_type(hf_dir: str) -> Optional[str]:
-    """config.json's model_type, None without a readable one (the loader names that problem)."""
-    try:
-        with open(os.path.join(hf_dir, "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return raw.get("model_type") if isinstance(raw, dict) else None
 
 
 def _run_weights(run_dir: str):
@@ -147,11 +132,10 @@ def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=No
     from megaft.models.hf.load import load_hf_weights
 
     if is_vision_language(chat):
-        from megaft.models.vision.config import vision_language_config
+        from megaft.models.vision.family import build_vision_language, vision_config_of
         from megaft.models.vision.hf import load_vision_language_weights
-        from megaft.models.vision.model import VisionLanguageModel
 
-        vlm = VisionLanguageModel(vision_language_config(chat.hf_dir), group=group)
+        vlm = build_vision_language(vision_config_of(chat.hf_dir), group=group)
         load_vision_language_weights(vlm, chat.hf_dir, tp_rank=tp_rank, tp_size=tp_size)
         return vlm.to(device).eval()
     cfg = hf_model_config(chat.hf_dir)
@@ -167,19 +151,21 @@ def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=No
 
 
 def is_vision_language(chat: ChatModel) -> bool:
-    """Whether `chat.hf_dir` is a vision-language Gemma 3 (megaft.models.vision)."""
+    """Whether `chat.hf_dir` is a vision-language Gemma 3 or Qwen2.5-VL (megaft.models.vision)."""
     from megaft.models.hf.config import read_hf_config
     from megaft.models.vision.config import is_multimodal
+    from megaft.models.vision.qwen_config import is_qwen_vl
 
-    return is_multimodal(read_hf_config(chat.hf_dir))
+    raw = read_hf_config(chat.hf_dir)
+    return is_multimodal(raw) or is_qwen_vl(raw)
 
 
 def max_seq_len(chat: ChatModel) -> int:
     """The longest sequence the model of `chat` reads (its language model's)."""
     if is_vision_language(chat):
-        from megaft.models.vision.config import vision_language_config
+        from megaft.models.vision.family import vision_config_of
 
-        return vision_language_config(chat.hf_dir).text.max_seq_len
+        return vision_config_of(chat.hf_dir).text.max_seq_len
     from megaft.models.hf.config import hf_model_config
 
     return hf_model_config(chat.hf_dir).max_seq_len

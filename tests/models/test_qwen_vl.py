@@ -224,3 +224,47 @@ def test_lora_on_the_language_model_loads_in_peft(hf_dir, tmp_path):
             plain = theirs_model.get_base_model()(**_hf_inputs(ids, pixels, grid)).logits
     _scale_close(ours[..., :theirs.shape[-1]], theirs, "logits with adapters")
     assert (theirs - plain).abs().max() > 1e-2 * theirs.abs().max()  # the adapters matter
+
+
+def test_greedy_generation_with_images_equals_transformers(hf_dir):
+    """megaft.inference.vision against transformers' generate (greedy) on a prompt with two images,
+    with the KV cache (the prompt's M-RoPE positions, then the text continuing at the last one + 1:
+    the cache's rope_offset, transformers' rope_deltas) and without."""
+    from megaft.inference.kv_cache import kv_cache
+    from megaft.inference.vision import generate_with_images
+
+    ids, _, pixels, grid = qwen_batch()
+    prompt = ids[0, :21]  # both images of row 0, then one text token
+    patches, grids = pixels[:48], grid[:2]
+    model = QwenVLModel(qwen_vl_config(hf_dir))
+    load_vision_language_weights(model, hf_dir, tp_rank=0, tp_size=1)
+    reference = _reference(hf_dir).eval()
+    want = reference.generate(**_hf_inputs(prompt[None], patches, grids), max_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    cpu = torch.device("cpu")
+    got = generate_with_images(model, prompt.tolist(), (patches, grids), max_new_tokens=8, eos_id=None, device=cpu)
+    assert got == want and len(got) == 8
+    uncached = generate_with_images(model, prompt.tolist(), (patches, grids), max_new_tokens=8, eos_id=None,
+                                    device=cpu, cache=False)
+    assert uncached == want
+    # the cached steps' logits, not only their argmax, against the whole sequence's
+    full = torch.tensor(prompt.tolist() + got[:3])
+    with torch.no_grad(), kv_cache(model, len(full)) as state:
+        state.real = len(prompt)
+        model(prompt[None], patches, grids)
+        assert state.rope_offset == -2 * (6 - 3)  # each image: 6 tokens (2x3 merged) advance the text by 3
+        state.advance()
+        steps = []
+        for token in got[:3]:
+            state.real = 1
+            steps.append(model(torch.tensor([[token]]))[0, -1])
+            state.advance()
+        whole = model(full[None], patches, grids)[0, len(prompt):]
+    torch.testing.assert_close(torch.stack(steps), whole, atol=1e-5 * float(whole.abs().max()), rtol=0)
+    with torch.no_grad(), kv_cache(model, len(full)) as state:  # the offset matters: without it, other logits
+        state.real = len(prompt)
+        model(prompt[None], patches, grids)
+        state.advance()
+        state.rope_offset, state.real = 0, 1
+        plain = model(torch.tensor([[got[0]]]))[0, -1]
+    assert (plain - whole[0]).abs().max() > 1e-3 * whole.abs().max()

@@ -152,11 +152,32 @@ def test_lora_run_trains_adapters_that_peft_loads(case):
     assert (after - before).abs().max() > 1e-3 * before.abs().max()
 
 
-def test_megaft_chat_refuses_qwen_vl_with_the_fix(case, capsys):
+def test_chat_answers_about_an_image_as_transformers_generates(case, capsys):
+    """`megaft-chat HF_DIR --prompt TEXT --image PATH` on the trained run's export prints the greedy
+    answer transformers' generate gives for the processor's inputs of the same turn (the KV cache
+    with M-RoPE's offset), on one rank and at tp=2."""
+    from data.qwen_image_fixture import make_qwen_processor
+    from tokenizers import Tokenizer
+
     from megaft.chat.cli import main
 
     root, _, _ = case
-    assert main([os.path.join(root, "single", "hf"), "--prompt", "Hi", "device=cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "is a Qwen2.5-VL checkpoint: megaft-chat does not run it yet" in err
-    assert "fix: transformers' Qwen2_5_VLForConditionalGeneration.generate" in err
+    hf = os.path.join(root, "single", "hf")
+    processor = make_qwen_processor(os.path.join(root, "processor"))
+    image = os.path.join(root, "img", "rgb.png")  # 30x41: resized to 24x32, 12 image tokens
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is this?"}]}]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    reference = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        hf, dtype=torch.float32, attn_implementation="eager").eval()
+    eos = processor.tokenizer.eos_token_id
+    new = reference.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                             pad_token_id=processor.tokenizer.pad_token_id)[0, inputs["input_ids"].shape[1]:].tolist()
+    new = new[:new.index(eos)] if eos in new else new
+    assert new, "transformers' answer is empty: the comparison would prove little"
+    text = Tokenizer.from_file(os.path.join(hf, "tokenizer.json")).decode(new) + "\n"
+    for ranks in ("1", "2"):  # one rank, then tensor parallel over two local ranks (gloo)
+        assert main([hf, "--prompt", "What is this?", "--image", image, "--max-new-tokens", "6", "device=cpu",
+                     f"parallel.tp={ranks}"]) == 0
+        assert capsys.readouterr().out == text, ranks

@@ -112,6 +112,11 @@ class QwenVLModel(nn.Module):
     def blocks(self, input_ids, pixel_values, image_grid_thw) -> torch.Tensor:
         lm = self.language_model
         docs = self.docs(input_ids, image_grid_thw)  # first: a cut image is named before the tower runs
+        cache = lm.layers[0].self_attn.cache
+        if cache is not None:  # a prompt filling the KV cache (megaft.inference.vision): the decoding steps'
+            if input_ids.shape[0] != 1:  # text continues at its last M-RoPE position + 1 (transformers' rope_deltas)
+                raise ValueError("decoding with images takes one prompt at a time")
+            cache.state.rope_offset = int(docs.position_ids.max()) + 1 - input_ids.shape[1]
         x, docs = self.embed(input_ids, pixel_values, image_grid_thw), lm.prepare_docs(docs)
         for i, layer in enumerate(lm.layers):
             x = layer(x, *rope_of(lm, lm.cfg, i), docs)
