@@ -14,11 +14,12 @@ from data.qwen_image_fixture import MERGE, PATCH, TEMPORAL, make_qwen_processor
 from megaft.config import Config
 from megaft.parallel.grid import ParallelGrid
 from megaft.validation import validate
-from models.vlm_train_cases import QUESTIONS, train, vlm_config, with_lora
+from models.vlm_train_cases import QUESTIONS, train, vlm_config, with_lora, write_mixed
 
 SEQ_LEN = 128  # the character tokenizer spells Qwen's default system prompt: ~100 tokens with an image
 TOO_LONG = 2  # conversations whose answer pushes them past SEQ_LEN
-LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_zero1": dict(dp=2, zero=1)}
+LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_zero1": dict(dp=2, zero=1),
+           "dp2_zero2": dict(dp=2, zero=2)}
 
 
 @torch.no_grad()
@@ -63,6 +64,7 @@ def write_case(root: str) -> tuple[str, str]:
     path = os.path.join(root, "chat.jsonl")
     with open(path, "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
+    write_mixed(root, names)
     return ckpt, path
 
 
@@ -76,9 +78,13 @@ def qwen_config(ckpt: str, data: str, world: int = 1, **parallel) -> Config:
 
 
 def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> None:
-    """Every LAYOUTS run on this rank, into root/<name>, then LoRA at tp2 into root/lora_tp2."""
+    """Every LAYOUTS run on this rank, into root/<name>, then LoRA at tp2 (root/lora_tp2) and dp2 on
+    a file where one rank's row has no image (root/mixed_dp2)."""
     for name, par in LAYOUTS.items():
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, device="cpu")
         train(qwen_config(ckpt, data, world, **par), grid, os.path.join(root, name))
     train(with_lora(qwen_config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
           os.path.join(root, "lora_tp2"))
+    # a step where one dp rank's micro-batch has no image: its tower gets no gradient from it
+    cfg = qwen_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=1)
+    train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "mixed_dp2"))

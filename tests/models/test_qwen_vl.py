@@ -268,3 +268,48 @@ def test_greedy_generation_with_images_equals_transformers(hf_dir):
         state.rope_offset, state.real = 0, 1
         plain = model(torch.tensor([[got[0]]]))[0, -1]
     assert (plain - whole[0]).abs().max() > 1e-3 * whole.abs().max()
+
+
+QWEN25_VL_7B_TEXT = {"attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+                     "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+                     "max_position_embeddings": 128000, "max_window_layers": 28, "num_attention_heads": 28,
+                     "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                     "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+
+
+@pytest.mark.parametrize("form", ["4.49", "4.53"])
+def test_published_qwen2_5_vl_7b_config_forms(tmp_path, form):
+    """Qwen2.5-VL-7B-Instruct's config.json, transcribed here in two forms: the 4.53.1 one as a public
+    repository vendors the hub's file (the text fields at the top and again in a text_config with
+    model_type qwen2_5_vl_text, layer_types and null token ids; rope_type default beside type;
+    in_chans beside in_channels), and the older flat one without text_config (rope_scaling type
+    mrope). Both read to the 7B's shapes."""
+    vision = {"depth": 32, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "hidden_size": 1280,
+              "in_chans": 3, "intermediate_size": 3420, "model_type": "qwen2_5_vl", "num_heads": 16,
+              "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+              "temporal_patch_size": 2, "tokens_per_second": 2, "window_size": 112}
+    raw = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], **QWEN25_VL_7B_TEXT, "image_token_id": 151655,
+           "model_type": "qwen2_5_vl", "sliding_window": 32768, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "video_token_id": 151656, "vision_end_token_id": 151653,
+           "vision_start_token_id": 151652, "vision_token_id": 151654}
+    if form == "4.49":
+        raw.update(rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, vision_config=vision,
+                   transformers_version="4.49.0.dev0")
+    else:
+        rope = {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}
+        raw.update(rope_scaling=rope, transformers_version="4.53.1",
+                   vision_config={**vision, "in_channels": 3, "initializer_range": 0.02, "torch_dtype": "float32"},
+                   text_config={"architectures": ["Qwen2_5_VLForConditionalGeneration"], **QWEN25_VL_7B_TEXT,
+                                "image_token_id": None, "layer_types": ["full_attention"] * 28,
+                                "model_type": "qwen2_5_vl_text", "rope_scaling": rope, "sliding_window": None,
+                                "torch_dtype": "float32", "video_token_id": None, "vision_end_token_id": 151653,
+                                "vision_start_token_id": 151652, "vision_token_id": 151654})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = qwen_vl_config(str(tmp_path))
+    t, v = cfg.text, cfg.vision
+    assert (t.arch, t.dim, t.n_layers, t.n_heads, t.kv_heads, t.hd, t.ffn_dim, t.vocab_size) == (
+        "qwen2", 3584, 28, 28, 4, 128, 18944, 152064)
+    assert (t.rope_theta, t.norm_eps, t.qkv_bias, t.tie_embeddings, t.window(0)) == (1e6, 1e-6, True, False, None)
+    assert cfg.mrope_section == (16, 24, 24) and cfg.image_token_id == 151655 and cfg.vision_start_token_id == 151652
+    assert (v.dim, v.ffn_dim, v.n_layers, v.n_heads, v.out_dim, v.patch_size, v.merge, v.window_size,
+            v.full_attention, v.channels) == (1280, 3420, 32, 16, 3584, 14, 2, 112, (7, 15, 23, 31), 3)

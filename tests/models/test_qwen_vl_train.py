@@ -1,8 +1,9 @@
 """megaft-train on Qwen2.5-VL (docs/vision.md): the Trainer, as megaft-train runs it, on a tiny
 random checkpoint saved by transformers beside a Qwen2.5-VL processor, and an image chat file
 whose images have different sizes. The first step's loss is Qwen2_5_VLForConditionalGeneration's
-on the same batch; tp2, tp2 with sequence parallel and dp2 ZeRO-1 give the single process's
-loss curve, and a LoRA run's tp2 its single process's; too-long conversations are dropped and
+on the same batch; tp2, tp2 with sequence parallel and dp2 ZeRO-1 and ZeRO-2 give the single
+process's loss curve (also when one dp rank's micro-batch has no image), and a LoRA run's tp2
+its single process's; too-long conversations are dropped and
 counted in summary.json; a frozen tower keeps its weights; the export loads in transformers
 with the trained weights, and the LoRA run's adapter loads in peft."""
 from __future__ import annotations
@@ -38,6 +39,8 @@ def case(tmp_path_factory):
     ckpt, data = write_case(root)
     train(qwen_config(ckpt, data), ParallelGrid.single(), os.path.join(root, "single"))
     train(with_lora(qwen_config(ckpt, data)), ParallelGrid.single(), os.path.join(root, "lora"))
+    train(qwen_config(ckpt, os.path.join(root, "mixed.jsonl"), micro=1, batch=2), ParallelGrid.single(),
+          os.path.join(root, "mixed"))
     return root, ckpt, data
 
 
@@ -98,7 +101,7 @@ def test_frozen_tower_and_merger_keep_their_weights(case, tmp_path):
 def test_layouts_give_the_single_process_loss_curve(case):
     root, ckpt, data = case
     spawn(2, train_layouts, root, ckpt, data)
-    for name, single in [*((n, "single") for n in LAYOUTS), ("lora_tp2", "lora")]:
+    for name, single in [*((n, "single") for n in LAYOUTS), ("lora_tp2", "lora"), ("mixed_dp2", "mixed")]:
         want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, name))
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
