@@ -184,3 +184,32 @@ def test_chat_answers_about_an_image_as_transformers_generates(case, capsys):
         assert main([hf, "--prompt", "What is this?", "--image", image, "--max-new-tokens", "6", "device=cpu",
                      f"parallel.tp={ranks}"]) == 0
         assert capsys.readouterr().out == text, ranks
+
+
+def test_freezing_the_tower_alone_trains_the_merger(case, tmp_path):
+    """model.freeze=[vision]: the patch embedding and the blocks keep their weights, the patch
+    merger (Qwen2.5-VL's projector) trains."""
+    root, ckpt, data = case
+    cfg = qwen_config(ckpt, data)
+    cfg.model.freeze = ["vision"]
+    train(cfg, ParallelGrid.single(), str(tmp_path))
+    before = load_file(os.path.join(ckpt, "model.safetensors"))
+    after = load_file(os.path.join(tmp_path, "hf", "model.safetensors"))
+    kept = [n for n in after if n.startswith(("visual.blocks.", "visual.patch_embed."))]
+    assert kept and all(torch.equal(after[n], before[n]) for n in kept)
+    assert all(not torch.equal(after[n], before[n]) for n in after if n.startswith("visual.merger."))
+
+
+def test_resumed_run_continues_the_loss_curve(case, tmp_path):
+    """Stopped after 2 steps with a checkpoint, then run again: the 3 losses are the uninterrupted
+    run's, bit for bit (the batches, grids included, are a function of the step)."""
+    from megaft.training.loop import Trainer
+
+    root, ckpt, data = case
+    for stop_after in (2, None):
+        cfg = qwen_config(ckpt, data)
+        cfg.train.save_every = 1
+        Trainer(cfg, ParallelGrid.single(), str(tmp_path)).fit(stop_after=stop_after)
+        if stop_after:
+            assert len(_losses(str(tmp_path))) == 2
+    assert _losses(str(tmp_path)) == _losses(os.path.join(root, "single"))
