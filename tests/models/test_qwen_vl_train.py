@@ -213,3 +213,34 @@ def test_resumed_run_continues_the_loss_curve(case, tmp_path):
         if stop_after:
             assert len(_losses(str(tmp_path))) == 2
     assert _losses(str(tmp_path)) == _losses(os.path.join(root, "single"))
+
+
+def test_a_fine_tune_teaches_a_fact_about_an_image_that_chat_answers(case, tmp_path, capsys):
+    """Two generated images, a red and a blue square, each asked "Color?" with its answer: 12 steps of
+    megaft-train, then megaft-chat on the export answers each image with its own color (the answer
+    depends on the image, not on the question alone)."""
+    import numpy as np
+    from PIL import Image
+    from tokenizers import Tokenizer
+
+    from megaft.chat.cli import main
+
+    _, ckpt, _ = case
+    os.makedirs(tmp_path / "img")
+    rng = np.random.default_rng(0)
+    for name, color in (("red", (220, 30, 30)), ("blue", (30, 30, 220))):
+        noisy = np.array(color)[None, None] + rng.integers(-20, 20, (30, 30, 3))
+        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(tmp_path / "img" / f"{name}.png")
+    lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"img/{c}.png"},
+                                                        {"type": "text", "text": "Color?"}]},
+                           {"role": "assistant", "content": f"{c.capitalize()}."}]} for c in ("red", "blue")]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = qwen_config(ckpt, str(tmp_path / "chat.jsonl"))
+    cfg.train.max_steps, cfg.optim.lr = 12, 1e-2
+    train(cfg, ParallelGrid.single(), str(tmp_path / "run"))
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    for color in ("red", "blue"):
+        image = str(tmp_path / "img" / f"{color}.png")
+        assert main([str(tmp_path / "run" / "hf"), "--prompt", "Color?", "--image", image, "--max-new-tokens", "8",
+                     "device=cpu"]) == 0
+        assert capsys.readouterr().out == tok.decode(tok.encode(f"{color.capitalize()}.").ids) + "\n", color
