@@ -47,10 +47,10 @@ def resolve(cfg: Config) -> Config:
         from megaft.models.hf.config import hf_model_config
 
         # Shape fields from config.json; dropout, init and padding stay as configured.
-        if trains_images(cfg):  # a multimodal Gemma 3: the language model's (the tower's: its own config)
-            from megaft.models.vision.config import vision_language_config
+        if trains_images(cfg):  # a vision-language model: the language model's (the tower's: its own config)
+            from megaft.models.vision.family import vision_config_of
 
-            cfg.model = vision_language_config(cfg.model.init_from, base=cfg.model).text
+            cfg.model = vision_config_of(cfg.model.init_from, base=cfg.model).text
         else:
             cfg.model = hf_model_config(cfg.model.init_from, base=cfg.model)
     elif cfg.model.vocab_size == 0:

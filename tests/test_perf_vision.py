@@ -55,3 +55,54 @@ def test_published_gemma3_tower():
     with torch.device("meta"):
         tower = SiglipTower(v)
     assert tower_params(v) == sum(p.numel() for p in tower.parameters()) > 4e8
+
+
+@pytest.mark.parametrize("h, w", [(4, 6), (8, 12), (6, 4)])
+def test_qwen_counts_equal_the_modules(h, w):
+    """Qwen2.5-VL's tower at three image sizes (windows cut by the edge, one full-attention block):
+    parameters against the module's, window sizes against the tower's own order, forward FLOPs
+    against FlopCounterMode (conv and linears) plus the attention cores as explicit matmuls."""
+    from megaft.models.vision.qwen_config import QwenVisionConfig
+    from megaft.models.vision.qwen_tower import QwenVisionTower, window_order
+    from megaft.perf.vision import (
+        qwen_attention_flops,
+        qwen_tower_params,
+        qwen_vision_forward_flops,
+        qwen_vision_train_flops,
+        qwen_window_lengths,
+    )
+
+    v = QwenVisionConfig(dim=32, ffn_dim=48, n_layers=3, n_heads=2, out_dim=64, patch_size=4, merge=2,
+                         window_size=16, full_attention=(1,))
+    tower = QwenVisionTower(v)
+    assert qwen_tower_params(v) == sum(p.numel() for p in tower.parameters())
+    grid = torch.tensor([[1, h, w]])
+    assert qwen_window_lengths(v, h, w) == window_order(grid, v.merge, 2)[1]
+    with FlopCounterMode(display=False) as counter:
+        tower(torch.randn(h * w, v.patch_dim), grid)
+    core = 0
+    for lengths in [qwen_window_lengths(v, h, w)] * 2 + [[h * w]]:  # two windowed blocks, one full
+        for n in lengths:
+            q = torch.randn(1, v.n_heads, n, v.dim // v.n_heads)
+            with FlopCounterMode(display=False) as one:
+                torch.softmax(q @ q.transpose(-1, -2), -1) @ q
+            core += one.get_total_flops()
+    assert qwen_attention_flops(v, h, w) == core > 0
+    measured = counter.get_total_flops() + core
+    assert qwen_vision_forward_flops(v, h, w) == measured
+    assert qwen_vision_train_flops(v, h, w) == 3 * measured
+    assert qwen_vision_train_flops(v, h, w, frozen=True) == 2 * measured
+
+
+def test_published_qwen2_5_vl_tower():
+    """Qwen2.5-VL-7B's tower (32 blocks of 1280, SwiGLU 3420, merger to 3584), built on the meta
+    device: the count is the module's."""
+    from megaft.models.vision.qwen_config import QwenVisionConfig
+    from megaft.models.vision.qwen_tower import QwenVisionTower
+    from megaft.perf.vision import qwen_tower_params
+
+    v = QwenVisionConfig(dim=1280, ffn_dim=3420, n_layers=32, n_heads=16, out_dim=3584, patch_size=14, merge=2,
+                         window_size=112, full_attention=(7, 15, 23, 31))
+    with torch.device("meta"):
+        tower = QwenVisionTower(v)
+    assert qwen_tower_params(v) == sum(p.numel() for p in tower.parameters()) > 6e8

@@ -16,22 +16,26 @@ import torch
 from megaft.chat.load import ChatError, ChatModel
 
 
-def image_prompt(chat: ChatModel, user: str, image: str, system: Optional[str] = None
-                 ) -> tuple[list[int], torch.Tensor]:
-    """(prompt ids, pixel values [1, 3, H, W]) of one user turn holding `image` and `user`."""
+def image_prompt(chat: ChatModel, user: str, image: str, system: Optional[str] = None):
+    """(prompt ids, the image's pixels) of one user turn holding `image` and `user`: pixel values
+    [1, 3, H, W] (Gemma 3), or (patches, grids) (Qwen2.5-VL), as the checkpoint's processor makes them."""
     from tokenizers import Tokenizer
 
-    from megaft.data.image_chat import expand_images
-    from megaft.data.images import ImageProcessing, load_image, pixel_values
+    from megaft.data.image_chat import expand_images, image_processing
+    from megaft.data.images import load_image
 
     if chat.template is None:
         raise ChatError(f"{chat.origin} has no chat template to place the image with; fix: --template FILE.jinja")
-    proc = ImageProcessing.from_checkpoint(chat.hf_dir)
+    proc = image_processing(chat.hf_dir)
+    pixels, grid, n_tokens = proc.image(load_image(image))
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": user}]}]
-    text, _ = expand_images(chat.template.render(messages, add_generation_prompt=True), [], proc, 1)
+    text, _ = expand_images(chat.template.render(messages, add_generation_prompt=True), [], proc,
+                            [proc.sequence(n_tokens)])
     ids = Tokenizer.from_file(chat.tokenizer).encode(text, add_special_tokens=False).ids
-    return ids, torch.from_numpy(pixel_values(load_image(image), proc))[None]
+    if grid is not None:
+        return ids, (torch.from_numpy(pixels), torch.tensor([grid]))
+    return ids, torch.from_numpy(pixels)[None]
 
 
 def answer_image(engine, chat: ChatModel, user: str, image: str, *, sampling, max_new_tokens: int,

@@ -132,11 +132,10 @@ def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=No
     from megaft.models.hf.load import load_hf_weights
 
     if is_vision_language(chat):
-        from megaft.models.vision.config import vision_language_config
+        from megaft.models.vision.family import build_vision_language, vision_config_of
         from megaft.models.vision.hf import load_vision_language_weights
-        from megaft.models.vision.model import VisionLanguageModel
 
-        vlm = VisionLanguageModel(vision_language_config(chat.hf_dir), group=group)
+        vlm = build_vision_language(vision_config_of(chat.hf_dir), group=group)
         load_vision_language_weights(vlm, chat.hf_dir, tp_rank=tp_rank, tp_size=tp_size)
         return vlm.to(device).eval()
     cfg = hf_model_config(chat.hf_dir)
@@ -152,19 +151,21 @@ def build_model(chat: ChatModel, *, tp_rank: int = 0, tp_size: int = 1, group=No
 
 
 def is_vision_language(chat: ChatModel) -> bool:
-    """Whether `chat.hf_dir` is a vision-language Gemma 3 (megaft.models.vision)."""
+    """Whether `chat.hf_dir` is a vision-language Gemma 3 or Qwen2.5-VL (megaft.models.vision)."""
     from megaft.models.hf.config import read_hf_config
     from megaft.models.vision.config import is_multimodal
+    from megaft.models.vision.qwen_config import is_qwen_vl
 
-    return is_multimodal(read_hf_config(chat.hf_dir))
+    raw = read_hf_config(chat.hf_dir)
+    return is_multimodal(raw) or is_qwen_vl(raw)
 
 
 def max_seq_len(chat: ChatModel) -> int:
     """The longest sequence the model of `chat` reads (its language model's)."""
     if is_vision_language(chat):
-        from megaft.models.vision.config import vision_language_config
+        from megaft.models.vision.family import vision_config_of
 
-        return vision_language_config(chat.hf_dir).text.max_seq_len
+        return vision_config_of(chat.hf_dir).text.max_seq_len
     from megaft.models.hf.config import hf_model_config
 
     return hf_model_config(chat.hf_dir).max_seq_len

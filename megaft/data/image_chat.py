@@ -1,4 +1,4 @@
-"""Conversations with images -> token ids, a loss mask and pixel values (Gemma 3).
+"""Conversations with images -> token ids, a loss mask and pixel values (Gemma 3, Qwen2.5-VL).
 
 A line of the data file is `{"messages": [...]}` whose `content` may be a list of parts,
 as transformers' chat templates take them:
@@ -11,7 +11,10 @@ taking the next path of `images` (`sharegpt_messages`). Image paths are relative
 file's folder. The conversation is rendered by the
 checkpoint's chat template (Gemma 3's writes <start_of_image> for each image part), then,
 as Gemma3Processor does, each <start_of_image> becomes "\\n\\n<start_of_image>", the image's
-mm_tokens_per_image image tokens, "<end_of_image>\\n\\n"; the text is tokenized once. The
+mm_tokens_per_image image tokens, "<end_of_image>\\n\\n". Qwen2.5-VL's template writes
+<|vision_start|><|image_pad|><|vision_end|>, and as Qwen2_5_VLProcessor does, the <|image_pad|>
+is repeated once per token of that image (its size: megaft.data.qwen_images). The text is
+tokenized once. The
 assistant spans found on the rendered text (megaft.data.chat) move with the expansion, so
 data.train_on keeps its meaning; the image tokens are never targets (with train_on=all
 neither: predicting a placeholder teaches nothing).
@@ -29,8 +32,9 @@ import torch
 from megaft.data.chat import ChatEncoder
 from megaft.data.errors import DataError
 from megaft.data.formats import checked_turns
-from megaft.data.images import ImageProcessing, load_image, pixel_values
+from megaft.data.images import ImageProcessing, load_image, read_json
 from megaft.data.jsonl import scan_json_lines, where
+from megaft.data.qwen_images import QwenImageProcessing
 
 PART_TYPES = ("text", "image")
 IMAGE_PLACEHOLDER = "<image>"  # LLaMA-Factory's ShareGPT placeholder
@@ -41,10 +45,12 @@ _FIX = 'fix: write each part as {"type": "text", "text": str} or {"type": "image
 @dataclass
 class ImageSample:
     """One conversation: ids and targets (as megaft.data.encode.Encoded) and its images'
-    pixels [images, 3, height, width] float32 (in the order their tokens appear)."""
+    pixels [images, 3, height, width] float32 (Gemma 3) or [patches, patch_dim] (Qwen2.5-VL, with
+    `grids`), in the order their tokens appear."""
     ids: list
     target: list
     pixels: np.ndarray
+    grids: np.ndarray | None = None  # Qwen2.5-VL: [images, 3] (t, h, w) of the patches in `pixels`
 
 
 @dataclass
@@ -124,25 +130,35 @@ def parse_image_chat(obj: object, base_dir: str) -> tuple[list[dict], list[str]]
     return messages, paths
 
 
-def expand_images(text: str, spans: list, proc: ImageProcessing, n_images: int) -> tuple[str, list]:
-    """Each <start_of_image> of the rendered `text` replaced by the image's whole sequence; the
-    character `spans` (assistant output) moved by what was inserted before them."""
-    pieces = text.split(proc.boi)
-    if len(pieces) - 1 != n_images:
-        raise DataError(f"the rendered conversation holds {len(pieces) - 1} {proc.boi} for {n_images} image parts; "
-                        f"fix: one image part per image (and no literal {proc.boi} in the text), and a chat "
+def expand_images(text: str, spans: list, proc, sequences: list[str]) -> tuple[str, list]:
+    """Each image marker of the rendered `text` (Gemma 3: <start_of_image>; Qwen2.5-VL: <|image_pad|>)
+    replaced by its image's whole sequence; the character `spans` (assistant output) moved by what
+    was inserted before them."""
+    marker = proc.marker
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(sequences):
+        raise DataError(f"the rendered conversation holds {len(pieces) - 1} {marker} for {len(sequences)} image "
+                        f"parts; fix: one image part per image (and no literal {marker} in the text), and a chat "
                         "template that writes it for image parts (the checkpoint's own)")
-    starts, at = [], 0
-    for piece in pieces[:-1]:
-        at += len(piece)
-        starts.append(at)
-        at += len(proc.boi)
-    grow = len(proc.image_sequence) - len(proc.boi)
+    ends, at = [], 0  # each marker's end in the rendered text, and how much its image adds
+    for piece, seq in zip(pieces[:-1], sequences):
+        at += len(piece) + len(marker)
+        ends.append((at, len(seq) - len(marker)))
 
     def moved(pos: int) -> int:
-        return pos + grow * sum(s + len(proc.boi) <= pos for s in starts)
+        return pos + sum(grow for end, grow in ends if end <= pos)
 
-    return proc.image_sequence.join(pieces), [(moved(a), moved(b)) for a, b in spans]
+    out = pieces[0] + "".join(seq + piece for seq, piece in zip(sequences, pieces[1:]))
+    return out, [(moved(a), moved(b)) for a, b in spans]
+
+
+def image_processing(ckpt: str):
+    """The image processing of the checkpoint in `ckpt`: Qwen2.5-VL's (patches of each image's own
+    size) for model_type qwen2_5_vl, else Gemma 3's (megaft.data.images)."""
+    config = read_json(os.path.join(ckpt, "config.json"))
+    if config.get("model_type") == "qwen2_5_vl":
+        return QwenImageProcessing.from_checkpoint(ckpt, config.get("vision_config") or {})
+    return ImageProcessing.from_checkpoint(ckpt)
 
 
 class ImageChatEncoder:
@@ -156,13 +172,20 @@ class ImageChatEncoder:
             raise DataError(f"the tokenizer lacks the image tokens {missing}; fix: the checkpoint's own tokenizer")
 
     def encode(self, messages: list[dict], paths: list[str]) -> ImageSample:
+        images = [self.proc.image(load_image(p)) for p in paths]  # (pixels, grid, tokens) of each
         text, spans = self.chat.render(messages)
-        text, spans = expand_images(text, spans, self.proc, len(paths))
+        text, spans = expand_images(text, spans, self.proc, [self.proc.sequence(n) for _, _, n in images])
         enc = self.chat.encode_rendered(messages, text, spans)
         target = [t and i != self.image_id for t, i in zip(enc.target, enc.ids)]
-        pixels = np.stack([pixel_values(load_image(p), self.proc) for p in paths]) if paths else \
-            np.zeros((0, 3, self.proc.height, self.proc.width), np.float32)
-        return ImageSample(enc.ids, target, pixels)
+        if not images:
+            return ImageSample(enc.ids, target, self.proc.empty, self._grids([]))
+        pixels = np.stack([p for p, _, _ in images]) if images[0][1] is None else np.concatenate(
+            [p for p, _, _ in images])  # Gemma 3: [images, 3, H, W]; Qwen2.5-VL: the patches of all [n, dim]
+        return ImageSample(enc.ids, target, pixels, self._grids([g for _, g, _ in images]))
+
+    def _grids(self, grids: list) -> np.ndarray | None:
+        """[images, 3] (t, h, w) in patches (Qwen2.5-VL), None for fixed-size images (Gemma 3)."""
+        return None if isinstance(self.proc, ImageProcessing) else np.asarray(grids, np.int64).reshape(-1, 3)
 
 
 def read_image_chat(path: str, encoder: ImageChatEncoder, seq_len: int) -> ImageData:
@@ -210,6 +233,7 @@ class ImageBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     pixels: torch.Tensor
+    grids: torch.Tensor | None = None  # Qwen2.5-VL: [images, 3] (t, h, w) of the rows' images, in order
 
     @property
     def n_targets(self) -> int:
@@ -228,4 +252,5 @@ def collate(samples: list, pad_id: int) -> ImageBatch:
         labels[row, :len(s.ids) - 1] = torch.where(torch.tensor(s.target[1:]), nxt, -100)
     pixels = [torch.from_numpy(s.pixels) for s in samples if len(s.pixels)]
     first = samples[0].pixels
-    return ImageBatch(ids, labels, torch.cat(pixels) if pixels else torch.zeros((0,) + first.shape[1:]))
+    grids = None if samples[0].grids is None else torch.from_numpy(np.concatenate([s.grids for s in samples]))
+    return ImageBatch(ids, labels, torch.cat(pixels) if pixels else torch.zeros((0,) + first.shape[1:]), grids)

@@ -48,13 +48,29 @@ class ImageProcessing:
         """What each image's <start_of_image> becomes in the text (Gemma3Processor's full_image_sequence)."""
         return f"\n\n{self.boi}{self.image_token * self.tokens_per_image}{self.eoi}\n\n"
 
+    @property
+    def marker(self) -> str:
+        """What the chat template writes for an image part, which the image's sequence replaces."""
+        return self.boi
+
+    def sequence(self, n_tokens: int) -> str:
+        return self.image_sequence
+
+    @property
+    def empty(self) -> np.ndarray:
+        return np.zeros((0, 3, self.height, self.width), np.float32)
+
+    def image(self, image: Image.Image) -> tuple[np.ndarray, None, int]:
+        """(pixels [3, height, width], no grid, its image tokens in the text)."""
+        return pixel_values(image, self), None, self.tokens_per_image
+
     @classmethod
     def from_checkpoint(cls, path: str) -> "ImageProcessing":
-        config = _json(os.path.join(path, "config.json"))
-        processor = _json(os.path.join(path, PROCESSOR)) if os.path.isfile(os.path.join(path, PROCESSOR)) else {}
+        config = read_json(os.path.join(path, "config.json"))
+        processor = read_json(os.path.join(path, PROCESSOR)) if os.path.isfile(os.path.join(path, PROCESSOR)) else {}
         file = os.path.join(path, PREPROCESSOR)  # transformers 4 and the published checkpoints
         if os.path.isfile(file):
-            pre = _json(file)
+            pre = read_json(file)
         else:  # transformers 5 nests it in processor_config.json
             file, pre = os.path.join(path, PROCESSOR), processor.get("image_processor") or {}
         tokens_per_image = int(config.get("mm_tokens_per_image", cls.tokens_per_image))
@@ -80,7 +96,7 @@ class ImageProcessing:
                    boi=tokens["boi_token"], eoi=tokens["eoi_token"], image_token=tokens["image_token"])
 
 
-def _json(file: str) -> dict:
+def read_json(file: str) -> dict:
     try:
         with open(file) as f:
             return json.load(f)
@@ -94,7 +110,7 @@ def _named_tokens(path: str) -> dict:
     file = os.path.join(path, "tokenizer_config.json")
     if not os.path.isfile(file):
         return {}
-    config = _json(file)
+    config = read_json(file)
     named = {**config, **(config.get("extra_special_tokens") or {})} if isinstance(
         config.get("extra_special_tokens"), dict) else config
     return {k: v for k, v in named.items() if k in GEMMA3_TOKENS and isinstance(v, str)}

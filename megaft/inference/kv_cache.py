@@ -33,10 +33,13 @@ from megaft.models.attention.softcap import softcap_attention
 
 @dataclass
 class DecodeState:
-    """Shared by a model's layers: `pos` tokens are cached; the forward in hand brings `real` new ones."""
+    """Shared by a model's layers: `pos` tokens are cached; the forward in hand brings `real` new ones.
+    `rope_offset`: added to the new tokens' RoPE positions (M-RoPE: a prompt's images take fewer
+    positions than tokens, so the text after them sits at index + offset; Qwen2.5-VL's prefill sets it)."""
 
     pos: int = 0
     real: int = 0
+    rope_offset: int = 0
 
     def advance(self) -> None:
         """After a forward: its real tokens are cached."""
@@ -90,7 +93,8 @@ class LayerCache:
 
     def positions(self, seq: int, table_len: int, device: torch.device) -> torch.Tensor:
         """The RoPE positions of a forward's `seq` tokens (padding clamped into the table)."""
-        return torch.arange(self.state.pos, self.state.pos + seq, device=device).clamp(max=table_len - 1)
+        first = self.state.pos + self.state.rope_offset
+        return torch.arange(first, first + seq, device=device).clamp(max=table_len - 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
                window: Optional[int] = None, scale: Optional[float] = None,

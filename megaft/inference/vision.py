@@ -20,19 +20,25 @@ def generate_with_images(model, prompt: list[int], pixel_values: Optional[torch.
                          eos_id: Eos, device: torch.device, sampling: Sampling = GREEDY, step: int = 0,
                          on_token: Optional[OnToken] = None, cache: bool = True) -> list[int]:
     """Continue `prompt` (its image tokens already expanded, megaft.data.image_chat) given its
-    images' `pixel_values` [images, 3, H, W]; returns the new ids (eos excluded)."""
+    images' `pixel_values` [images, 3, H, W] (Gemma 3), or (patches, grids) (Qwen2.5-VL, whose
+    prefill sets the cache's M-RoPE offset); returns the new ids (eos excluded)."""
     lm = model.language_model
     generator = draw_generator(sampling, step, device)
+    grids = None
+    if isinstance(pixel_values, tuple):
+        pixel_values, grids = pixel_values
     pixels = None if pixel_values is None else pixel_values.to(device)
+    extra = () if grids is None else (grids,)
     was_training = model.training
     model.eval()
     prefilled = [False]
 
     def next_tokens(ids: torch.Tensor) -> torch.Tensor:
         # with the cache, `ids` are the new tokens after the first step: text, no images
-        images = None if cache and prefilled[0] else pixels
+        first = not (cache and prefilled[0])
         prefilled[0] = True
-        return choose(lm, model(ids, images)[:, -1], sampling, generator)
+        return choose(lm, model(ids, *((pixels, *extra) if first else (None,) * (1 + len(extra))))[:, -1],
+                      sampling, generator)
 
     try:
         (out,) = _decode([prompt], max_new_tokens=max_new_tokens, eos_id=eos_id, device=device,

@@ -1,10 +1,12 @@
 """LoRA on a vision-language model's language model (megaft.models.vision), the common recipe:
 the tower and projector frozen, adapters on the language model's linears (`lora.targets`),
-exported as a peft adapter of transformers' Gemma3ForConditionalGeneration.
+exported as a peft adapter of transformers' Gemma3ForConditionalGeneration or
+Qwen2_5_VLForConditionalGeneration.
 
 peft names the language model's modules by their path in transformers 5's model
-(`base_model.model.model.language_model.layers.N...`), and `target_modules` is a regex that
-keeps the tower's q/k/v projections (SigLIP's have the same names) out. Adapters on the tower
+(`base_model.model.model.language_model.layers.N...`, both families), and `target_modules` is a
+regex that keeps the tower's projections out (SigLIP's q/k/v and Qwen2.5-VL's MLP have the
+language model's names). Adapters on the tower
 or projector: not yet (issue 43)."""
 from __future__ import annotations
 

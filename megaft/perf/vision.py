@@ -4,12 +4,15 @@ conventions as megaft.perf.counts (MFU counts the FLOPs the model needs: 2 per w
 patch is multiplied by in the forward, 6 in training; the attention core over every pair of
 patches, as the tower attends both ways).
 
-Not yet read by megaft-plan or the trainer's MFU (images are not trained by megaft-train
-yet, docs/vision.md); tests/test_perf_vision.py checks each count against the module and torch's
-FlopCounterMode."""
+Qwen2.5-VL's tower (`qwen_*`) is counted per image of h x w patches (its size after
+smart_resize), its windowed blocks attending within each window.
+
+Not yet read by megaft-plan or the trainer's MFU (docs/vision.md); tests/test_perf_vision.py
+checks each count against the module and torch's FlopCounterMode."""
 from __future__ import annotations
 
 from megaft.models.vision.config import SiglipConfig, VisionLanguageConfig
+from megaft.models.vision.qwen_config import QwenVisionConfig
 
 
 def tower_params(v: SiglipConfig) -> int:
@@ -50,3 +53,46 @@ def vision_train_flops(cfg: VisionLanguageConfig, *, frozen: bool = False) -> fl
     """Training FLOPs of one image: forward, input gradient and weight gradient (3 forwards); a
     frozen tower (model.freeze, to come) needs no weight gradient (2 forwards)."""
     return (2.0 if frozen else 3.0) * vision_forward_flops(cfg)
+
+
+def qwen_tower_params(v: QwenVisionConfig) -> int:
+    """Qwen2.5-VL's tower: the bias-free patch conv, per block two RMSNorms, qkv and proj and the
+    SwiGLU MLP with biases, then the merger (RMSNorm, merge² x dim -> same -> out_dim, with biases)."""
+    layer = 2 * v.dim + (v.dim * 3 * v.dim + 3 * v.dim) + (v.dim * v.dim + v.dim) \
+        + 2 * (v.dim * v.ffn_dim + v.ffn_dim) + (v.ffn_dim * v.dim + v.dim)
+    width = v.dim * v.merge ** 2
+    merger = v.dim + (width * width + width) + (width * v.out_dim + v.out_dim)
+    return v.patch_dim * v.dim + v.n_layers * layer + merger
+
+
+def qwen_window_lengths(v: QwenVisionConfig, h: int, w: int) -> list[int]:
+    """Patches per attention window of an image of h x w patches (windows of window_size pixels,
+    the last ones cut by the image's edge)."""
+    m, win = v.merge, v.window_size // v.merge // v.patch_size  # a window's side in merged tokens
+    gh, gw = h // m, w // m
+    return [min(win, gh - r) * min(win, gw - c) * m * m for r in range(0, gh, win) for c in range(0, gw, win)]
+
+
+def qwen_attention_flops(v: QwenVisionConfig, h: int, w: int) -> float:
+    """Forward FLOPs of the attention cores of all blocks for one image of h x w patches: 4 * n² * dim
+    per window of n patches in a windowed block, per image (n = h * w) in a full-attention block."""
+    windowed = sum(4.0 * n * n * v.dim for n in qwen_window_lengths(v, h, w))
+    full = 4.0 * (h * w) ** 2 * v.dim
+    n_full = sum(1 for i in range(v.n_layers) if i in v.full_attention)
+    return n_full * full + (v.n_layers - n_full) * windowed
+
+
+def qwen_vision_forward_flops(v: QwenVisionConfig, h: int, w: int) -> float:
+    """Forward FLOPs of one image of h x w patches (its grid, after smart_resize) through the tower
+    and the merger: 2 per weight per patch for the conv and the linears, the attention cores, and
+    the merger's two linears per merged token."""
+    patches, width = h * w, v.dim * v.merge ** 2
+    conv = 2.0 * patches * v.patch_dim * v.dim
+    linears = 2.0 * patches * (4 * v.dim * v.dim + 3 * v.dim * v.ffn_dim)
+    merger = 2.0 * (patches // v.merge ** 2) * (width * width + width * v.out_dim)
+    return conv + v.n_layers * linears + qwen_attention_flops(v, h, w) + merger
+
+
+def qwen_vision_train_flops(v: QwenVisionConfig, h: int, w: int, *, frozen: bool = False) -> float:
+    """Training FLOPs of one image: 3 forwards, or 2 with model.freeze=[vision,projector]."""
+    return (2.0 if frozen else 3.0) * qwen_vision_forward_flops(v, h, w)

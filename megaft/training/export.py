@@ -42,13 +42,13 @@ class HFExport:
         cfg, grid = self.cfg, self.grid
         tok_json = self._tokenizer_json()
         writer = grid.tp_rank == 0 and grid.replica_rank == 0
-        if hasattr(self.model, "vision_tower"):  # a multimodal Gemma 3: Gemma3ForConditionalGeneration's layout
+        if hasattr(self.model, "vlm"):  # a vision-language model: Gemma 3's or Qwen2.5-VL's published layout
             from megaft.models.vision.hf import export_vision_language
 
             out = os.path.join(self.run_dir, "hf")
             if writer and os.path.isdir(out):  # a run finished again replaces its export, as export_hf does
                 shutil.rmtree(out)
-            if cfg.lora.rank > 0:  # a peft adapter of Gemma3ForConditionalGeneration (validation: no merged model)
+            if cfg.lora.rank > 0:  # a peft adapter of the *ForConditionalGeneration (validation: no merged model)
                 from megaft.peft.vision import export_vision_adapter
 
                 export_vision_adapter(self.model, cfg.lora, out, tp_group=grid.tp_group, is_writer=writer,

@@ -66,23 +66,23 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
 
 
 def build_vision_model(cfg: Config, grid: ParallelGrid, kernels: KernelsConfig) -> torch.nn.Module:
-    """The multimodal Gemma 3 of model.init_from (megaft.models.vision): the language model
-    sharded over tp, the tower and projector replicated; model.freeze's parts keep their
-    loaded weights (no gradient, so no optimizer state: FlatParams takes trainable ones)."""
-    from megaft.models.vision.config import vision_language_config
+    """The vision-language model of model.init_from (megaft.models.vision: Gemma 3 or Qwen2.5-VL):
+    the language model sharded over tp, the tower (and projector) replicated; model.freeze's parts
+    keep their loaded weights (no gradient, so no optimizer state: FlatParams takes trainable ones)."""
+    from megaft.models.vision.family import build_vision_language, tower_parts, vision_config_of
     from megaft.models.vision.hf import load_vision_language_weights
-    from megaft.models.vision.model import VisionLanguageModel
 
-    model = VisionLanguageModel(vision_language_config(cfg.model.init_from, base=cfg.model), group=grid.tp_group,
-                                sequence_parallel=cfg.parallel.sequence_parallel, kernels=kernels)
+    model = build_vision_language(vision_config_of(cfg.model.init_from, base=cfg.model), group=grid.tp_group,
+                                  sequence_parallel=cfg.parallel.sequence_parallel, kernels=kernels)
     load_vision_language_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     if cfg.lora.rank > 0:  # the recipe of megaft.peft.vision: all frozen, adapters on the language model
         from megaft.peft.vision import apply_vision_lora
 
         apply_vision_lora(model, cfg.lora, seed=cfg.train.seed, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
-    frozen = {"vision": model.vision_tower, "projector": model.multi_modal_projector}
+    parts = tower_parts(model)
     for name in cfg.model.freeze:
-        frozen[name].requires_grad_(False)
+        for module in parts[name]:
+            module.requires_grad_(False)
     return model.to(grid.device)
 
 

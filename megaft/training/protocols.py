@@ -50,6 +50,7 @@ class StepBatch:
     n_targets: int  # target tokens of the global batch (at least 1): the loss is their mean
     tokens: int  # tokens of the global batch (throughput)
     pixels: Optional[list[torch.Tensor]] = None  # each micro-batch's images [images, 3, H, W] (a VLM), else None
+    grids: Optional[list[torch.Tensor]] = None  # Qwen2.5-VL: each micro-batch's images' (t, h, w) [images, 3]
 
 
 @dataclass

@@ -239,7 +239,7 @@ def test_tp2_and_sequence_parallel_match_transformers(hf_dir, tmp_path):
 def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
     """A vision-language checkpoint in a training config: every unsupported setting named at
     once with its fix, before any rank starts (a supported one trains: test_vision_train.py);
-    Qwen2.5-VL by name."""
+    Qwen2-VL by name."""
     cfg = Config()
     cfg.model.init_from = hf_dir
     cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, 2, 2, True
@@ -268,9 +268,9 @@ def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
     assert any("only a vision-language model has parts to freeze" in p for p in validate(text, 1))
     qwen = tmp_path / "qwen"
     shutil.copytree(hf_dir, qwen)
-    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     plain.model.init_from = str(qwen)
-    assert any("model_type qwen2_5_vl (Qwen2.5-VL) is not supported yet" in p and "fix:" in p
+    assert any("model_type qwen2_vl (Qwen2-VL) is not supported yet" in p and "fix:" in p
                for p in validate(plain, 2))
 
 

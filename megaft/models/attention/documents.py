@@ -49,6 +49,9 @@ class Docs:
     # Images attended bidirectionally (Gemma 3): [batch, seq] the index of the image a token belongs
     # to (a run of image tokens), -1 for text; None = no images.
     image_blocks: Optional[torch.Tensor] = None
+    # M-RoPE (Qwen2.5-VL): [batch, seq, head_dim] the position each rotary dimension of a token reads (its
+    # temporal, height or width position by mrope_section); None = position_ids for every dimension.
+    dim_positions: Optional[torch.Tensor] = None
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _once(self, key, build: Callable):
@@ -61,7 +64,8 @@ class Docs:
         cp = None if self.cp is None else self.cp.to(device)
         prefix = None if self.prefix_ids is None else self.prefix_ids.to(device)
         images = None if self.image_blocks is None else self.image_blocks.to(device)
-        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp, prefix, images)
+        dims = None if self.dim_positions is None else self.dim_positions.to(device)
+        return Docs(self.position_ids.to(device), self.doc_ids.to(device), cp, prefix, images, dims)
 
     def padded(self, seq: int) -> "Docs":
         """Right-padded to `seq` tokens (sequence parallel pads ids to a multiple of tp):
@@ -74,11 +78,17 @@ class Docs:
         last = self.doc_ids.max(dim=1, keepdim=True).values + 1
         prefix = None if self.prefix_ids is None else torch.cat([self.prefix_ids, last.expand(-1, pad)], dim=1)
         images = None if self.image_blocks is None else F.pad(self.image_blocks, (0, pad), value=-1)
+        dims = None if self.dim_positions is None else F.pad(self.dim_positions, (0, 0, 0, pad))
         return Docs(F.pad(self.position_ids, (0, pad)), torch.cat([self.doc_ids, last.expand(-1, pad)], dim=1),
-                    prefix_ids=prefix, image_blocks=images)
+                    prefix_ids=prefix, image_blocks=images, dim_positions=dims)
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [b*s, d] at the flattened position_ids, gathered once for all layers."""
+        """(cos, sin) [b*s, d] at the flattened position_ids (each dimension at its own position
+        under M-RoPE: `dim_positions`), gathered once for all layers."""
+        if self.dim_positions is not None:
+            index = self.dim_positions.reshape(-1, cos.shape[-1])
+            return self._once(("rope", cos.data_ptr(), sin.data_ptr()),
+                              lambda: (cos.gather(0, index), sin.gather(0, index)))
         flat = self.position_ids.reshape(-1)
         return self._once(("rope", cos.data_ptr(), sin.data_ptr()), lambda: (cos[flat], sin[flat]))
 

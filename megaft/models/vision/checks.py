@@ -5,7 +5,9 @@ megaft-train trains a multimodal Gemma 3 with images (megaft.training.objectives
 the layouts tested equal to one process: tp (with or without sequence parallel) and dp with
 ZeRO 0-2. What those tests do not cover yet is refused by name, so a config that asks for it
 learns it now: pp, cp, packing, ZeRO-3, LoRA on the head or exported merged, objectives
-other than sft, an eval file and samples (both would need images). Qwen2-VL and Qwen2.5-VL are not read yet."""
+other than sft, an eval file and samples (both would need images). Qwen2.5-VL trains the same
+way (megaft.models.vision.qwen_model) on the layouts tested for it: tp (with or without
+sequence parallel) and dp with ZeRO 0-2, LoRA on its language model. Qwen2-VL is not read yet."""
 from __future__ import annotations
 
 import json
@@ -15,12 +17,14 @@ from typing import Optional
 from megaft.config import Config
 from megaft.config.keep import exports_merged
 
-NOT_YET = {"qwen2_5_vl": "Qwen2.5-VL", "qwen2_vl": "Qwen2-VL"}
-FREEZABLE = ("vision", "projector")  # model.freeze's names: the tower, the projector
+NOT_YET = {"qwen2_vl": "Qwen2-VL"}
+TRAINED = ("gemma3", "qwen2_5_vl")  # the vision-language model_types megaft-train trains with images
+# model.freeze's names: the tower and the projector (Qwen2.5-VL: the tower without its patch merger, the merger)
+FREEZABLE = ("vision", "projector")
 
 
 def multimodal_kind(init_from: Optional[str]) -> str | None:
-    """`gemma3` or a NOT_YET model_type when config.json describes a vision-language model, else None."""
+    """A TRAINED or NOT_YET model_type when config.json describes a vision-language model, else None."""
     if not init_from:
         return None
     try:
@@ -29,14 +33,14 @@ def multimodal_kind(init_from: Optional[str]) -> str | None:
     except (OSError, ValueError):
         return None  # the usual file checks report it
     kind = raw.get("model_type") if isinstance(raw, dict) else None
-    if kind == "gemma3" and isinstance(raw.get("vision_config"), dict):
+    if kind in TRAINED and isinstance(raw.get("vision_config"), dict):
         return kind
     return kind if kind in NOT_YET else None
 
 
 def trains_images(cfg: Config) -> bool:
-    """True when the run trains a multimodal Gemma 3 with images (its model, data and step parts)."""
-    return multimodal_kind(cfg.model.init_from) == "gemma3"
+    """True when the run trains a vision-language model with images (its model, data and step parts)."""
+    return multimodal_kind(cfg.model.init_from) in TRAINED
 
 
 def check_vision_run(cfg: Config) -> list[str]:
@@ -49,10 +53,11 @@ def check_vision_run(cfg: Config) -> list[str]:
                 "fix: model.freeze=[]"] if freeze else []
     where = f"model.init_from={init_from}"
     if kind in NOT_YET:
-        return [f"{where}: model_type {kind} ({NOT_YET[kind]}) is not supported yet (megaft reads Gemma 3's "
-                "vision-language checkpoints, docs/vision.md); fix: a Gemma 3 checkpoint, or a text model"]
+        return [f"{where}: model_type {kind} ({NOT_YET[kind]}) is not supported yet (megaft trains Gemma 3 and "
+                "Qwen2.5-VL with images, docs/vision.md); fix: a Gemma 3 or Qwen2.5-VL checkpoint, or a text model"]
     par, data, packing = cfg.parallel, cfg.data, str(cfg.data.packing)
-    text_fix = (f"or, to fine-tune on text, take its text model out with `python -m megaft.models.hf.multimodal "
+    text_fix = ("" if kind == "qwen2_5_vl" else  # megaft.models.hf.multimodal takes Gemma 3's text model only
+                f"or, to fine-tune on text, take its text model out with `python -m megaft.models.hf.multimodal "
                 f"text {init_from} DST` and set model.init_from=DST")
     problems = [f"model.freeze: {name!r} is not a part of the model; fix: a list of {', '.join(FREEZABLE)}"
                 for name in freeze if name not in FREEZABLE]
@@ -79,8 +84,8 @@ def check_vision_run(cfg: Config) -> list[str]:
                         "fix: train.objective=sft")
     if not data.path or data.sources:
         problems.append(f"{where} trains on image chats: data.path must name one JSONL file of conversations "
-                        f"(a data.sources mixture or a generated task is not read yet); fix: data.path=FILE, "
-                        f"{text_fix}")
+                        f"(a data.sources mixture or a generated task is not read yet); fix: data.path=FILE"
+                        + (f", {text_fix}" if text_fix else ""))
     if data.eval_path:
         problems.append("data.eval_path with images: evaluation does not feed images yet; fix: unset "
                         "data.eval_path")

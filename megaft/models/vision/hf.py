@@ -33,10 +33,11 @@ from megaft.models.hf.export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer, gat
 from megaft.models.hf.load import Source, _read_into, checkpoint_files, tensors
 from megaft.models.hf.multimodal import _new_folder, _write_shards
 from megaft.models.vision.config import vision_config_dict
+from megaft.models.vision.qwen_config import QwenVLConfig, qwen_config_dict
 from megaft.parallel.comm import Group, group_size
 from megaft.parallel.tensor.shard import full_shape
 
-LM, TOWER, PROJ = "language_model.", "vision_tower.", "multi_modal_projector."
+LM, TOWER, PROJ, VISUAL = "language_model.", "vision_tower.", "multi_modal_projector.", "visual."
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # transformers 4's, 5's
 
 
@@ -57,11 +58,30 @@ def hf_names(name: str, arch: str) -> list[str]:
     raise ValueError(f"{name}: not a parameter of a VisionLanguageModel")
 
 
+def qwen_hf_names(name: str, arch: str) -> list[str]:
+    """Qwen2.5-VL's checkpoint names of our parameter `name`, the published one first
+    (`model.X` / `lm_head.weight` / `visual.X`; transformers 5 holds `model.language_model.X` and
+    `model.visual.X` in memory)."""
+    if name.startswith(LM):
+        text = spec_for(arch).hf_name(name[len(LM):])
+        return [text, "model.language_model." + text[len("model."):]] if text.startswith("model.") else [text]
+    if name.startswith(VISUAL):
+        return [name, f"model.{name}"]
+    raise ValueError(f"{name}: not a parameter of a QwenVLModel")
+
+
+def names_of(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint names of `model`'s parameter `name` (Gemma 3 or Qwen2.5-VL)."""
+    if isinstance(model.vlm, QwenVLConfig):
+        return qwen_hf_names(name, model.cfg.arch)
+    return hf_names(name, model.cfg.arch)
+
+
 def _sources(model: nn.Module, files: dict[str, str], path: str, tp_size: int) -> dict[str, Source]:
     """Our names -> the checkpoint tensors that fill them; every problem at once."""
-    arch, problems, out = model.cfg.arch, [], {}
+    problems, out = [], {}
     for name, param in tensors(model):
-        names = hf_names(name, arch)
+        names = names_of(model, name)
         found = next((n for n in names if n in files), None)
         if found is None:
             problems.append(f"missing {names[0]} (for {name})")
@@ -102,7 +122,7 @@ def _gathered(model: nn.Module, group: Group, dtype: Optional[torch.dtype]) -> I
     (collective: every rank of `group` iterates it to the end)."""
     for name, param in tensors(model):
         full = gather_full(param, group)
-        yield hf_names(name, model.cfg.arch)[0], full.to("cpu", dtype or full.dtype).contiguous()
+        yield names_of(model, name)[0], full.to("cpu", dtype or full.dtype).contiguous()
 
 
 def _copy_processor(tokenizer_json: str, dst: str) -> None:
@@ -131,7 +151,8 @@ def export_vision_language(model: nn.Module, out_dir: str, *, tokenizer_json: Op
             _write_shards(tmp, tensors_out, max_shard_bytes)
             text = hf_config_dict(model.cfg, first_dtype)
             with open(os.path.join(tmp, CONFIG), "w") as f:
-                json.dump(vision_config_dict(model.vlm, text, str(first_dtype).removeprefix("torch.")), f, indent=2)
+                write = qwen_config_dict if isinstance(model.vlm, QwenVLConfig) else vision_config_dict
+                json.dump(write(model.vlm, text, str(first_dtype).removeprefix("torch.")), f, indent=2)
             if tokenizer_json:
                 copy_tokenizer(tokenizer_json, tmp)
                 _copy_processor(tokenizer_json, tmp)

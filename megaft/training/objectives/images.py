@@ -1,12 +1,14 @@
-"""train.objective=sft on conversations with images: a multimodal Gemma 3 (megaft.models.vision).
+"""train.objective=sft on conversations with images: a multimodal Gemma 3 or a Qwen2.5-VL
+(megaft.models.vision).
 
 The data part reads the image chat file once on every rank (megaft.data.image_chat: pixels
-and image tokens as Gemma3Processor makes them; a conversation longer than data.seq_len is
-dropped whole and counted, never cut). A step's global batch is a pure function of (seed,
-step): a seeded permutation of the conversations per epoch. It is padded to its longest row
-as one batch, so every layout computes on the same shapes, then split over dp into
-micro-batches, each with its rows' images in order. The step part runs the model's loss
-with those pixels; the loss is the token-weighted mean over the global batch, as sft's.
+and image tokens as the checkpoint's processor makes them, Qwen2.5-VL's images as patches with
+their grids; a conversation longer than data.seq_len is dropped whole and counted, never cut).
+A step's global batch is a pure function of (seed, step): a seeded permutation of the
+conversations per epoch. It is padded to its longest row as one batch, so every layout
+computes on the same shapes, then split over dp into micro-batches, each with its rows'
+images in order. The step part runs the model's loss with those pixels; the loss is the
+token-weighted mean over the global batch, as sft's.
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ from tokenizers import Tokenizer
 
 from megaft.data.build import build_tokenizer, chat_encoder
 from megaft.data.errors import DataError
-from megaft.data.image_chat import ImageChatEncoder, ImageSample, collate, read_image_chat
-from megaft.data.images import ImageProcessing
+from megaft.data.image_chat import ImageChatEncoder, ImageSample, collate, image_processing, read_image_chat
 from megaft.data.tokenizer import special_ids
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.protocols import Batches, RunParts, StepBatch
@@ -68,16 +69,20 @@ class ImageDataPart:
     def batch(self, step: int) -> StepBatch:
         rows = self.rows(step)
         whole = collate(rows, self.pad_id)  # padded to the global batch's longest row, in every layout
-        starts = [0, *itertools.accumulate(len(s.pixels) for s in rows)]  # each row's first image
+        starts = [0, *itertools.accumulate(len(s.pixels) for s in rows)]  # each row's first image (Qwen: patch)
+        firsts = None if whole.grids is None else [0, *itertools.accumulate(len(s.grids) for s in rows)]
         share = len(rows) // self.grid.dp_size
         first = self.grid.dp_rank * share
-        inputs, labels, pixels = [], [], []
+        inputs, labels, pixels, grids = [], [], [], []
         for r in range(first, first + share, self.micro_batch_size):
             end = r + self.micro_batch_size
             inputs.append(whole.input_ids[r:end])
             labels.append(whole.labels[r:end])
             pixels.append(whole.pixels[starts[r]:starts[end]])
-        return StepBatch(inputs, labels, None, max(whole.n_targets, 1), int(whole.input_ids.numel()), pixels)
+            if firsts is not None:  # Qwen2.5-VL: the images' grids beside their patches
+                grids.append(whole.grids[firsts[r]:firsts[end]])
+        return StepBatch(inputs, labels, None, max(whole.n_targets, 1), int(whole.input_ids.numel()), pixels,
+                         grids if firsts is not None else None)
 
 
 def build_data(parts: RunParts) -> ImageDataPart:
@@ -88,10 +93,11 @@ def build_data(parts: RunParts) -> ImageDataPart:
     tok = build_tokenizer(data, init_from=ckpt)
     eos_id, pad_id = special_ids(tok, cfg.model.extra.get("eos_token_id"))
     chat = chat_encoder(data, tok, init_from=ckpt)
+    proc = image_processing(ckpt)
     if chat is None:
         raise DataError(f"{data.path}: image chats need a chat template and {ckpt} has none; fix: "
-                        "data.chat_template=PATH of a Jinja template that writes <start_of_image> per image")
-    read = read_image_chat(data.path, ImageChatEncoder(chat, ImageProcessing.from_checkpoint(ckpt)), data.seq_len)
+                        f"data.chat_template=PATH of a Jinja template that writes {proc.marker} per image")
+    read = read_image_chat(data.path, ImageChatEncoder(chat, proc), data.seq_len)
     if not read.samples:
         raise DataError(f"{data.path}: no conversation fits data.seq_len={data.seq_len} ({read.dropped_long} "
                         "dropped whole, never cut); fix: raise data.seq_len")
@@ -110,12 +116,14 @@ class ImageStep(_Step):
     def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
         device, phase = self.grid.device, self.phases.phase
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (ids, labels, pixels) in enumerate(zip(batch.inputs, batch.labels, batch.pixels)):
+        grids = batch.grids or [None] * len(batch.inputs)
+        for i, (ids, labels, pixels, grid) in enumerate(zip(batch.inputs, batch.labels, batch.pixels, grids)):
             if i == len(batch.inputs) - 1:
                 self.optim.arm_reduction()  # buckets reduce during the last backward only
+            images = () if grid is None else (grid if len(grid) else None,)  # Qwen2.5-VL: the images' grids
             with phase("forward"), self.autocast():
                 loss = self.model.loss_sum(ids.to(device), labels.to(device),
-                                           pixels.to(device) if len(pixels) else None)
+                                           pixels.to(device) if len(pixels) else None, *images)
             with phase("backward"):
                 (loss / divisor).backward()
             loss_sum += loss.detach().double()
