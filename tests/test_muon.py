@@ -3,7 +3,9 @@ weight after N steps bitwise equal to torch.optim.Muon + torch.optim.AdamW(forea
 copy of the model (fp32; optim.fused=torch runs AdamW's torch ops in torch's order, Muon's ops
 are torch.optim.Muon's: exact), dp=2 at ZeRO 0-3, tp=2, pp=2 and cp=2 equal to one process, resume bit
 for bit (the momentum in the checkpoint), summary.json's split, and the layouts not done yet
-refused in validation; LoRA adapters on Muon equal torch.optim.Muon and, at tp=2 and dp=2 ZeRO-1, one process."""
+refused in validation; LoRA adapters on Muon equal torch.optim.Muon and, at tp=2 and dp=2 ZeRO-1, one process;
+master weights (bf16 params, fp32 masters and momentum): the masters equal torch.optim.Muon on fp32 copies fed the
+same bf16 grads, dp=2 ZeRO-1 and tp=2 equal one process within a derived bound, resume bit for bit."""
 import copy
 import dataclasses
 import json
@@ -73,9 +75,10 @@ def run_megaft(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_torch(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
+def run_torch(model, optim: OptimConfig, feed=None) -> dict[str, torch.Tensor]:
     """The same model's hidden matrices on torch.optim.Muon, the rest on torch.optim.AdamW with
-    megaft's decay classes (matrices decayed, vectors not)."""
+    megaft's decay classes (matrices decayed, vectors not). `feed`: each step's {name: grad}, given
+    in place of the model's backward."""
     split, mu = muon_split(model), optim.muon
     # torch.optim.Muon takes 2-D parameters: each routed expert's matrix is one, copied in and out
     stacks = {n: p for n, p in split["muon"].items() if p.dim() == 3}
@@ -89,8 +92,11 @@ def run_torch(model, optim: OptimConfig) -> dict[str, torch.Tensor]:
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = torch.optim.AdamW(groups, lr=LRS[0], betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
-    for ids, lr in zip(batches(), LRS):
-        model.loss_sum(ids, ids).backward()
+    for step, (ids, lr) in enumerate(zip(batches(), LRS)):
+        if feed is None:
+            model.loss_sum(ids, ids).backward()
+        for n, p in model.named_parameters() if feed is not None else ():
+            p.grad = feed[step][n].clone()
         for n, qs in experts.items():
             for e, q in enumerate(qs):
                 q.grad = stacks[n].grad[e].clone()
@@ -177,8 +183,43 @@ def test_muon_is_not_adamw():
         assert not torch.equal(got[name], other[name]), name
 
 
-def _muon_config(moe: bool = False, lora: bool = False, **par) -> Config:
+def test_master_weights_equal_torch_muon_on_fp32_copies():
+    """optim.master_weights: bf16 params and grads, fp32 masters and momentum. After 4 steps every
+    fp32 master equals torch.optim.Muon (+ torch.optim.AdamW) run on fp32 copies of the rounded init
+    fed the same bf16 gradients upcast, bit for bit (the same fp32 ops on the same values), and every
+    bf16 param is its master rounded to nearest even (holding less than it: the masters matter)."""
+    optim = OptimConfig(name="muon", fused="torch", weight_decay=0.1, master_weights=True)
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():  # the init FlatParams rounds to bf16, in fp32
+        p.data = p.data.bfloat16().float()
+    flat = FlatParams(model, weight_decay=optim.weight_decay, device=torch.device("cpu"), dtype=torch.bfloat16)
+    opt = MuonAdamW(flat, optim, split=muon_split(model))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    grads = []
+    for ids, lr in zip(batches(), LRS):
+        model.loss_sum(ids, ids).backward()
+        grads.append({names[id(p)]: p.grad.float() for p in model.parameters()})  # bf16 grads, upcast
+        opt.step(lr)
+        opt.zero_grad()
+    want = run_torch(ref, optim, feed=grads)
+    masters = {}
+    for group, master in zip(flat.groups, opt.masters):
+        for p in group.params:
+            at = (p.data.data_ptr() - group.data.data_ptr()) // group.data.element_size()
+            masters[names[id(p)]] = (p.data, master[at:at + p.numel()].view_as(p))
+    assert masters.keys() == want.keys() and len(muon_split(model)["muon"]) == 14
+    for name, (param, master) in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(master, want[name]), name
+        assert torch.equal(param, master.bfloat16()), name
+    assert not all(torch.equal(p.float(), m) for p, m in masters.values())
+
+
+def _muon_config(moe: bool = False, lora: bool = False, master: bool = False, **par) -> Config:
     cfg = small_config(steps=6, micro=4)
+    if master:  # bf16 params and grads, fp32 masters and momentum
+        cfg.precision, cfg.optim.master_weights = "bf16", True
     if lora:  # adapters on every attention and MLP linear, rank 4
         cfg.lora.rank = 4
     if moe:  # Mixtral-shaped blocks: 4 routed experts, top-2
@@ -240,6 +281,8 @@ MOE = {"moe_dp2_ep2": dict(dp=2, ep=2), "moe_dp2_ep2_zero1": dict(dp=2, ep=2, ze
 LORA = {"lora_tp2": dict(tp=2), "lora_dp2_zero1": dict(dp=2, zero=1, bucket_mb=0.01)}
 RESUMED = {"single_resumed": dict(), "dp2_zero1_resumed": dict(dp=2, zero=1, bucket_mb=0.01)}  # after step 3
 RESHARDED = dict(dp=2, zero=1, bucket_mb=0.01)  # saved after step 3 there, finished on one process
+# optim.master_weights (bf16 params, fp32 masters and momentum), against one process of the same; resumed after step 3
+MASTER = {"mw_dp2_zero1": dict(dp=2, zero=1, bucket_mb=0.01), "mw_tp2": dict(tp=2)}
 
 
 def _train_parallel(rank: int, world: int, root: str) -> None:
@@ -254,6 +297,10 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
         _fit_and_save(_muon_config(moe=True, **par), layout_grid(par), os.path.join(root, name))
     for name, par in LORA.items():
         _fit_and_save(_muon_config(lora=True, **par), layout_grid(par), os.path.join(root, name))
+    for name, par in MASTER.items():
+        _fit_and_save(_muon_config(master=True, **par), layout_grid(par), os.path.join(root, name))
+    _fit_and_save(_muon_config(master=True, **MASTER["mw_dp2_zero1"]), layout_grid(MASTER["mw_dp2_zero1"]),
+                  os.path.join(root, "mw_dp2_zero1_resumed"), resume_at=3)
     cfg = _muon_config(**RESHARDED)  # its first 3 steps; the fixture finishes it on one process
     cfg.train.save_every = 3
     Trainer(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "resharded")).fit(
@@ -263,12 +310,14 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE, "lora_single", *LORA)
+    names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE, "lora_single", *LORA, "mw_single",
+             *MASTER, "mw_dp2_zero1_resumed")
     for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
     _fit_and_save(_muon_config(moe=True), ParallelGrid.single(), str(root / "moe_single"))
     _fit_and_save(_muon_config(lora=True), ParallelGrid.single(), str(root / "lora_single"))
+    _fit_and_save(_muon_config(master=True), ParallelGrid.single(), str(root / "mw_single"))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
     spawn(2, _train_parallel, str(root))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "resharded"))  # resumes dp2's step-3 checkpoint
@@ -336,6 +385,61 @@ def test_lora_layouts_equal_the_single_process(runs, layout):
     assert moved == 14
 
 
+def _bf16_ulp(w: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at each element of `w` (8 significant bits: 2^(e-8) for |w| in [2^(e-1), 2^e))."""
+    _, e = torch.frexp(w.float())
+    return torch.ldexp(torch.ones_like(w, dtype=torch.float32), e - 8)
+
+
+@pytest.mark.exact  # also under the second CPU code path (make test)
+@pytest.mark.parametrize("layout", list(MASTER))
+def test_master_weights_layouts_equal_the_single_process(runs, layout):
+    """optim.master_weights (bf16 params, activations and grads; fp32 masters and momentum) at dp=2
+    ZeRO-1 and tp=2 against one process of the same. The bound, derived: each layout rounds its
+    bf16 matmuls and gradient sums differently (2^-8 relative a rounding, either sign); a step's
+    loss is the mean of 512 tokens' losses, so the means differ by about 2^-8/sqrt(512) = 1.7e-4
+    relative: we allow 5e-4 (measured up to 5.3e-5 at tp=2). A bf16 param is its master rounded,
+    so a master difference far below a bf16 spacing can still flip one rounding: each weight may
+    differ by one bf16 spacing at its value plus the masters' difference, which for a Muon matrix
+    is test_layout_equals_single_process's argument (Newton-Schulz in bf16: its input, the fp32
+    momentum of grads that now differ in bf16 roundings, flips roundings it carries on, a fraction
+    of a step lr_t * scale per step): 0.3 of their sum (measured 0.12-0.15); an AdamW tensor's
+    update lr_t m/sqrt(v) moves by a fraction of lr_t where its grad's bf16 rounding changes m/sqrt(v):
+    0.25 of the summed lr (measured 0.010-0.081). A matrix orthogonalised from a shard, or a
+    momentum or master lost, moves by whole steps (about 1 of the sums: the peers' ZeRO-3 bug
+    measured 1.09 in the fp32 test)."""
+    (single, _), (got_loss, _) = read_metrics(runs["mw_single"]), read_metrics(runs[layout])
+    assert len(single) == len(got_loss) == 6 and got_loss == pytest.approx(single, rel=5e-4)
+    cfg = _muon_config()
+    lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
+    want, got = _whole_weights(runs["mw_single"]), _whole_weights(runs[layout])
+    with open(os.path.join(runs["mw_single"], "summary.json")) as f:
+        muon = set(json.load(f)["optimizer"]["muon"])
+    assert len(muon) == 14 and got.keys() == want.keys()
+    for name, w in want.items():
+        assert w.dtype == got[name].dtype == torch.bfloat16, name
+        bound = 0.3 * lr_sum * update_scale(w.shape, "original") if name in muon else 0.25 * lr_sum
+        assert ((got[name].float() - w.float()).abs() <= bound + _bf16_ulp(w)).all(), name
+
+
+@pytest.mark.parametrize("name,world", [("single", 1), ("dp2_zero1", 2), ("mw_single", 1), ("mw_dp2_zero1", 2)])
+def test_memory_estimate_equals_the_held_bytes(runs, name, world):
+    """megaft-plan's memory estimate (megaft.perf.memory) of a Muon run equals the bytes its optimizer
+    held (summary.json): the momentum in exp_avg, exp_avg_sq still allocated (AdamW's 8 bytes an
+    element), under master weights bf16 params and grads beside fp32 masters and both buffers
+    (2 + 2 + 12). 5%: the flat buffers pad to a multiple of dp."""
+    from megaft.perf.memory import estimate_ranks
+
+    with open(os.path.join(runs[name], "summary.json")) as f:
+        held = json.load(f)["memory_bytes"]
+    par = {"dp2_zero1": DP2["dp2_zero1"], "mw_dp2_zero1": MASTER["mw_dp2_zero1"]}.get(name, {})
+    est = estimate_ranks(_muon_config(master=name.startswith("mw"), **par), world)[0]
+    elements = est.params // (2 if name.startswith("mw") else 4)  # bf16 or fp32 params, whole at ZeRO 1
+    assert est.optimizer == (12 if name.startswith("mw") else 8) * elements // world
+    for part in ("params", "grads", "optimizer"):
+        assert held[part] == pytest.approx(getattr(est, part), rel=0.05), (part, held, est)
+
+
 def test_lora_adapters_equal_torch_muon():
     """Adapters on every attention and MLP linear of tiny_model (base frozen): each A and B is a
     2-D parameter of torch.optim.Muon; every tensor bitwise equal after 4 steps."""
@@ -353,10 +457,12 @@ def test_lora_adapters_equal_torch_muon():
         assert torch.equal(got[name], start[name]) == (".adapter." not in name), name  # only adapters move
 
 
-@pytest.mark.parametrize("resumed,straight", [("single_resumed", "single"), ("dp2_zero1_resumed", "dp2_zero1")])
+@pytest.mark.parametrize("resumed,straight", [("single_resumed", "single"), ("dp2_zero1_resumed", "dp2_zero1"),
+                                              ("mw_dp2_zero1_resumed", "mw_dp2_zero1")])
 def test_resume_is_bitwise(runs, resumed, straight):
     """Stopped after step 3's checkpoint and finished in a fresh Trainer: the Muon momentum (in
-    the checkpoint's exp_avg) comes back, so the curve and every weight equal the straight run's."""
+    the checkpoint's exp_avg) comes back, and under master weights the fp32 masters (the bf16
+    params alone would lose their low bits), so the curve and every weight equal the straight run's."""
     assert read_metrics(runs[resumed])[0] == read_metrics(runs[straight])[0]  # steps 1-3 logged before the stop
     got, want = _whole_weights(runs[resumed]), _whole_weights(runs[straight])
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
@@ -392,6 +498,7 @@ def test_layouts_not_done_are_refused():
         cfg.optim.name = "adamw"
         assert not [p for p in validate(cfg, world) if "muon" in p]
     assert not [p for p in validate(_muon_config(tp=2), 2) if "muon" in p]
+    assert not [p for p in validate(_muon_config(master=True, dp=2, zero=1), 2) if "muon" in p]  # master weights run
     assert not [p for p in validate(_muon_config(lora=True, tp=2), 2) if "muon" in p]  # dense LoRA runs
     moe_lora = _muon_config(moe=True, lora=True)
     problems = [p for p in validate(moe_lora, 1) if p.startswith("optim.name=muon")]
