@@ -283,6 +283,10 @@ RESUMED = {"single_resumed": dict(), "dp2_zero1_resumed": dict(dp=2, zero=1, buc
 RESHARDED = dict(dp=2, zero=1, bucket_mb=0.01)  # saved after step 3 there, finished on one process
 # optim.master_weights (bf16 params, fp32 masters and momentum), against one process of the same; resumed after step 3
 MASTER = {"mw_dp2_zero1": dict(dp=2, zero=1, bucket_mb=0.01), "mw_tp2": dict(tp=2)}
+# parallel.offload=cpu (momentum, masters and the AdamW state on the host): each against its run on the device
+OFFLOAD = {"dp2_zero1_offload": dict(DP2["dp2_zero1"], offload="cpu"),
+           "dp2_zero3_offload": dict(DP2["dp2_zero3"], offload="cpu"),
+           "mw_dp2_zero1_offload": dict(MASTER["mw_dp2_zero1"], offload="cpu")}
 
 
 def _train_parallel(rank: int, world: int, root: str) -> None:
@@ -299,6 +303,8 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
         _fit_and_save(_muon_config(lora=True, **par), layout_grid(par), os.path.join(root, name))
     for name, par in MASTER.items():
         _fit_and_save(_muon_config(master=True, **par), layout_grid(par), os.path.join(root, name))
+    for name, par in OFFLOAD.items():
+        _fit_and_save(_muon_config(master=name.startswith("mw"), **par), layout_grid(par), os.path.join(root, name))
     _fit_and_save(_muon_config(master=True, **MASTER["mw_dp2_zero1"]), layout_grid(MASTER["mw_dp2_zero1"]),
                   os.path.join(root, "mw_dp2_zero1_resumed"), resume_at=3)
     cfg = _muon_config(**RESHARDED)  # its first 3 steps; the fixture finishes it on one process
@@ -311,13 +317,14 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
     names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE, "lora_single", *LORA, "mw_single",
-             *MASTER, "mw_dp2_zero1_resumed")
+             *MASTER, "mw_dp2_zero1_resumed", "single_offload", *OFFLOAD)
     for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
     _fit_and_save(_muon_config(moe=True), ParallelGrid.single(), str(root / "moe_single"))
     _fit_and_save(_muon_config(lora=True), ParallelGrid.single(), str(root / "lora_single"))
     _fit_and_save(_muon_config(master=True), ParallelGrid.single(), str(root / "mw_single"))
+    _fit_and_save(_muon_config(offload="cpu"), ParallelGrid.single(), str(root / "single_offload"))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
     spawn(2, _train_parallel, str(root))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "resharded"))  # resumes dp2's step-3 checkpoint
@@ -422,22 +429,48 @@ def test_master_weights_layouts_equal_the_single_process(runs, layout):
         assert ((got[name].float() - w.float()).abs() <= bound + _bf16_ulp(w)).all(), name
 
 
-@pytest.mark.parametrize("name,world", [("single", 1), ("dp2_zero1", 2), ("mw_single", 1), ("mw_dp2_zero1", 2)])
+@pytest.mark.parametrize("name,world", [("single", 1), ("dp2_zero1", 2), ("mw_single", 1), ("mw_dp2_zero1", 2),
+                                        ("mw_dp2_zero1_offload", 2)])
 def test_memory_estimate_equals_the_held_bytes(runs, name, world):
     """megaft-plan's memory estimate (megaft.perf.memory) of a Muon run equals the bytes its optimizer
     held (summary.json): the momentum in exp_avg, exp_avg_sq still allocated (AdamW's 8 bytes an
     element), under master weights bf16 params and grads beside fp32 masters and both buffers
-    (2 + 2 + 12). 5%: the flat buffers pad to a multiple of dp."""
+    (2 + 2 + 12); under offload none of it on the device and 12/dp bytes an element on the host (the
+    masters, the momentum in exp_avg, exp_avg_sq) beside the 4/dp of the grads' host copy. 5%: the
+    flat buffers pad to a multiple of dp."""
     from megaft.perf.memory import estimate_ranks
 
     with open(os.path.join(runs[name], "summary.json")) as f:
         held = json.load(f)["memory_bytes"]
-    par = {"dp2_zero1": DP2["dp2_zero1"], "mw_dp2_zero1": MASTER["mw_dp2_zero1"]}.get(name, {})
+    par = {"dp2_zero1": DP2["dp2_zero1"], **MASTER, **OFFLOAD}.get(name, {})
     est = estimate_ranks(_muon_config(master=name.startswith("mw"), **par), world)[0]
     elements = est.params // (2 if name.startswith("mw") else 4)  # bf16 or fp32 params, whole at ZeRO 1
-    assert est.optimizer == (12 if name.startswith("mw") else 8) * elements // world
+    if par.get("offload") == "cpu":
+        assert est.optimizer == 0 and held["host"] == pytest.approx(
+            {"params": 0, "grads": 4 * elements / world, "optimizer": 12 * elements / world}, rel=0.05)
+    else:
+        assert est.optimizer == (12 if name.startswith("mw") else 8) * elements // world
     for part in ("params", "grads", "optimizer"):
         assert held[part] == pytest.approx(getattr(est, part), rel=0.05), (part, held, est)
+
+
+@pytest.mark.parametrize("offloaded", ["single_offload", *OFFLOAD])
+def test_offload_is_bitwise_the_device_run(runs, offloaded):
+    """parallel.offload=cpu: the Muon momentum (and under master weights the fp32 masters) live on
+    the host beside AdamW's state; the grads come down, the momentum and update are computed there,
+    the update goes up for Newton-Schulz (and the tp or ZeRO gathers) on the device, and the
+    orthogonalised result is applied to the host master, which the param copies. On a CPU device
+    these are the same fp32 ops on the same values (AdamW's kernel on the same element ranges), so
+    the curve and every weight equal the run without offload bit for bit: at zero 0, ZeRO-1 and
+    ZeRO-3 in fp32, and ZeRO-1 with master weights."""
+    straight = runs[offloaded.removesuffix("_offload")] if offloaded != "single_offload" else runs["single"]
+    got, want = read_metrics(runs[offloaded])[0], read_metrics(straight)[0]
+    assert len(got) == 6 and got == want
+    got, want = _whole_weights(runs[offloaded]), _whole_weights(straight)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    with open(os.path.join(runs[offloaded], "summary.json")) as f:
+        held = json.load(f)["memory_bytes"]
+    assert held["optimizer"] == 0 and held["host"]["optimizer"] > 0  # the state is on the host
 
 
 def test_lora_adapters_equal_torch_muon():
@@ -488,17 +521,16 @@ def test_adamw_summary_has_no_optimizer_record():
 
 
 def test_layouts_not_done_are_refused():
-    """offload and copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix;
-    the same layouts under AdamW get no Muon problem."""
-    for par, world, named in ((dict(offload="cpu", zero=1), 2, "parallel.offload"),
-                              (dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads")):
+    """copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix; the same layout
+    under AdamW gets no Muon problem; master weights and offload run."""
+    for par, world, named in ((dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads"),):
         cfg = _muon_config(**par)
         problems = [p for p in validate(cfg, world) if p.startswith("optim.name=muon")]
         assert len(problems) == 1 and named in problems[0] and "fix:" in problems[0], problems
         cfg.optim.name = "adamw"
         assert not [p for p in validate(cfg, world) if "muon" in p]
     assert not [p for p in validate(_muon_config(tp=2), 2) if "muon" in p]
-    assert not [p for p in validate(_muon_config(master=True, dp=2, zero=1), 2) if "muon" in p]  # master weights run
+    assert not [p for p in validate(_muon_config(master=True, dp=2, zero=1, offload="cpu"), 2) if "muon" in p]
     assert not [p for p in validate(_muon_config(lora=True, tp=2), 2) if "muon" in p]  # dense LoRA runs
     moe_lora = _muon_config(moe=True, lora=True)
     problems = [p for p in validate(moe_lora, 1) if p.startswith("optim.name=muon")]

@@ -90,3 +90,25 @@ def test_under_lora_the_matrices_are_the_adapters_megaft_gives_muon(targets):
     cluster = ClusterConfig(**fields)
     a, b = step_cost(full, cluster, 8).terms["optimizer"], step_cost(adapted, cluster, 8).terms["optimizer"]
     assert 0 < b < a / 100  # rank-16 adapters: a tiny fraction of the whole matrices' Newton-Schulz
+
+
+def test_offload_prices_the_updates_trip_to_the_device():
+    """parallel.offload=cpu: the momentum is on the host and Newton-Schulz on the device, so each
+    owned Muon element's fp32 update crosses PCIe up (4 bytes more on that direction than AdamW's
+    offload) and the Newton-Schulz FLOPs stay in the (device) optimizer term, which AdamW's offload
+    leaves empty."""
+    from megaft.perf.muon import block_matrix_elements
+
+    fields = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "cluster", "h100.yaml")))
+    fields.pop("defaults")
+    cluster = ClusterConfig(**fields)
+    cfg = preset_1b(micro=1)
+    terms = {}
+    for name in ("adamw", "muon"):
+        cfg.optim.name = name
+        cfg.parallel = dataclasses.replace(cfg.parallel, dp=8, zero=1, offload="cpu")
+        terms[name] = step_cost(cfg, cluster, 8).terms
+    elements = sum(block_matrix_elements(cfg.model, i) for i in range(cfg.model.n_layers))
+    assert terms["muon"]["offload"] - terms["adamw"]["offload"] == pytest.approx(
+        4 * elements / 8 / (cluster.pcie_gbps * 1e9), rel=1e-9)
+    assert terms["adamw"]["optimizer"] == 0 < terms["muon"]["optimizer"]

@@ -46,7 +46,6 @@ def check_muon_layout(cfg) -> list[str]:
     todo = []
     if kv_replicas(cfg.model, par.tp) > 1:  # copied kv heads: the gathered k/v would repeat rows
         todo.append((f"parallel.tp={par.tp} > model.n_kv_heads", "parallel.tp <= the kv heads"))
-    todo += [("parallel.offload=cpu", "parallel.offload=none")] if par.offload == "cpu" else []
     if cfg.lora.rank and cfg.model.n_experts:  # the experts' and routers' adapters: not tested on Muon yet
         todo.append(("LoRA on a mixture of experts", "lora.rank=0 or a dense model"))
     return [f"optim.name=muon does not support {what} yet; fix: {fix}, or optim.name=adamw" for what, fix in todo]

@@ -11,7 +11,9 @@ Layouts: any dp at ZeRO 0 (every rank orthogonalises the same reduced gradient),
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
 rank, the rank's rows or columns kept), pp (each stage's matrices are whole), cp (replicated
 weights, as dp), ep; optim.master_weights (bf16 params and grads: the fp32 master takes torch.optim.Muon's
-update with the grad upcast, the momentum fp32, the param the master rounded: `apply_update_`).
+update with the grad upcast, the momentum fp32, the param the master rounded: `apply_update_`);
+parallel.offload=cpu (the momentum and masters on the host with AdamW's state: the grads come down, the
+update goes up for Newton-Schulz on the device, the result comes back to the host master: `muon_update_`).
 
 The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by

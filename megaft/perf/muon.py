@@ -13,7 +13,12 @@ implementation's with torch's FlopCounterMode). Where that runs:
   1/dp of them);
 - the momentum buffer lives in AdamW's exp_avg slot (its exp_avg_sq stays zero), so the state
   bytes are AdamW's (megaft.perf.memory), with optim.master_weights too (fp32 masters and
-  momentum, bf16 params and grads: 2 + 2 + 12; the gathered updates stay fp32).
+  momentum, bf16 params and grads: 2 + 2 + 12; the gathered updates stay fp32);
+- parallel.offload=cpu: the momentum (and masters) live on the host with AdamW's state, and
+  Newton-Schulz still runs on the device: each owned Muon element's update goes up (fp32, 4
+  bytes) and its orthogonalised value comes back (bf16, 2 bytes), in the link's two directions
+  beside the grads going down and the masters up; the up direction carries the 4 more bytes
+  (`muon_offload_bytes`).
 """
 from __future__ import annotations
 
@@ -65,6 +70,12 @@ def tp_gathered(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> list[
     if lora is not None and lora.rank:
         return [(rows, cols) for rows, cols, split in _adapters(m, lora) if split]
     return hidden_matrices(m, layer, ep)
+
+
+def muon_offload_bytes(elements: int) -> int:
+    """Bytes more on the busier PCIe direction (host to device) under offload for `elements` owned
+    Muon elements: their fp32 updates (module docstring)."""
+    return 4 * elements
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:
