@@ -216,8 +216,10 @@ def test_master_weights_equal_torch_muon_on_fp32_copies():
     assert not all(torch.equal(p.float(), m) for p, m in masters.values())
 
 
-def _muon_config(moe: bool = False, lora: bool = False, master: bool = False, **par) -> Config:
+def _muon_config(moe: bool = False, lora: bool = False, master: bool = False, mqa: bool = False, **par) -> Config:
     cfg = small_config(steps=6, micro=4)
+    if mqa:  # one kv head: at tp=2 each rank holds a copy of it
+        cfg.model.n_kv_heads = 1
     if master:  # bf16 params and grads, fp32 masters and momentum
         cfg.precision, cfg.optim.master_weights = "bf16", True
     if lora:  # adapters on every attention and MLP linear, rank 4
@@ -246,13 +248,14 @@ def _fit_and_save(cfg: Config, grid: ParallelGrid, root: str, *, resume_at: int 
             weight, experts = p.detach().clone(), expert_slice_of(p)
             if experts is not None and experts.size > 1:  # ep: every rank's experts, whole
                 weight = all_gather(weight.contiguous(), 0, experts.group)
-            weights[name] = (weight, None if spec is None else (spec.dim, spec.full))
+            weights[name] = (weight, None if spec is None else (spec.dim, spec.full, getattr(spec, "replicas", 1)))
     torch.save(weights, os.path.join(root, f"weights{grid.rank}.pt"))
 
 
 def _whole_weights(run_dir: str) -> dict[str, torch.Tensor]:
     """The whole weights from every rank's file: tp shards concatenated in rank order less the
-    vocabulary's padding, pp stages' tensors united, copies (dp, tp-replicated) checked equal."""
+    vocabulary's padding, pp stages' tensors united, copies (dp, tp-replicated, copied kv heads)
+    checked equal."""
     files = sorted(f for f in os.listdir(run_dir) if f.startswith("weights"))
     held: dict[str, list] = {}
     for f in files:
@@ -265,7 +268,11 @@ def _whole_weights(run_dir: str) -> dict[str, torch.Tensor]:
             assert all(torch.equal(t, items[0][0]) for t, _ in items), name
             out[name] = items[0][0]
         else:
-            out[name] = torch.cat([t for t, _ in items], dim=where[0]).narrow(where[0], 0, where[1])
+            dim, full, copies = where
+            parts = [t for t, _ in items]
+            for i, t in enumerate(parts):  # tp > n_kv_heads: ranks i // copies hold one head, bit for bit
+                assert torch.equal(t, parts[i - i % copies]), name
+            out[name] = torch.cat(parts[::copies], dim=dim).narrow(dim, 0, full)
     return out
 
 
@@ -273,6 +280,8 @@ DP2 = {f"dp2_zero{z}": dict(dp=2, zero=z, bucket_mb=0.01) for z in (0, 1, 2)}
 DP2["dp2_zero3"] = dict(dp=2, zero=3)  # one bucket per layer and decay class
 MP2 = {"tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
 LAYOUTS = [*DP2, *MP2]
+# one kv head at tp=2 (copied on both ranks), against one process of that model
+MQA = {"mqa_tp2": dict(tp=2)}
 # mixtures of experts, against one process of the same model: experts split over ep (ZeRO 0 and 1:
 # the expert buckets sharded over their own replicas), expert stacks split over tp
 MOE = {"moe_dp2_ep2": dict(dp=2, ep=2), "moe_dp2_ep2_zero1": dict(dp=2, ep=2, zero=1, bucket_mb=0.01),
@@ -299,6 +308,8 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
                   os.path.join(root, "dp2_zero1_resumed"), resume_at=3)
     for name, par in MOE.items():
         _fit_and_save(_muon_config(moe=True, **par), layout_grid(par), os.path.join(root, name))
+    for name, par in MQA.items():
+        _fit_and_save(_muon_config(mqa=True, **par), layout_grid(par), os.path.join(root, name))
     for name, par in LORA.items():
         _fit_and_save(_muon_config(lora=True, **par), layout_grid(par), os.path.join(root, name))
     for name, par in MASTER.items():
@@ -317,7 +328,8 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
     names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE, "lora_single", *LORA, "mw_single",
-             *MASTER, "mw_dp2_zero1_resumed", "single_offload", *OFFLOAD)
+             *MASTER, "mw_dp2_zero1_resumed", "single_offload", *OFFLOAD,
+             "mqa_single", *MQA)
     for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
@@ -325,13 +337,14 @@ def runs(tmp_path_factory):
     _fit_and_save(_muon_config(lora=True), ParallelGrid.single(), str(root / "lora_single"))
     _fit_and_save(_muon_config(master=True), ParallelGrid.single(), str(root / "mw_single"))
     _fit_and_save(_muon_config(offload="cpu"), ParallelGrid.single(), str(root / "single_offload"))
+    _fit_and_save(_muon_config(mqa=True), ParallelGrid.single(), str(root / "mqa_single"))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single_resumed"), resume_at=3)
     spawn(2, _train_parallel, str(root))
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "resharded"))  # resumes dp2's step-3 checkpoint
     return {name: str(root / name) for name in names}
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "resharded", *MOE])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "resharded", *MOE, *MQA])
 def test_layout_equals_single_process(runs, layout):
     """dp=2 (2 micro-batches each): at ZeRO 0 every rank orthogonalises the same reduced gradient,
     at ZeRO 1-3 the owners of a matrix's chunks orthogonalise its all-gathered update; tp=2:
@@ -348,8 +361,10 @@ def test_layout_equals_single_process(runs, layout):
     bug, every matrix on AdamW, 1.09, and its losses 6e-2 apart). The AdamW tensors differ only
     through the gradients the Muon matrices give them: 1% of the summed lr (measured: 0.0020-0.0040).
     `resharded`: dp=2 ZeRO-1 to step 3's checkpoint, resumed on one process (the momentum, in
-    exp_avg's chunks, resharded whole) to step 6."""
-    reference = "moe_single" if layout in MOE else "single"
+    exp_avg's chunks, resharded whole) to step 6. `mqa_tp2`: one kv head, copied on both tp ranks;
+    the gathered k/v update repeats its rows, each head is orthogonalised once (the [16, 64] matrix
+    one process holds, not the [32, 64] of two copies) and both copies stay equal bit for bit."""
+    reference = "moe_single" if layout in MOE else "mqa_single" if layout in MQA else "single"
     (single, _), (got_loss, _) = read_metrics(runs[reference]), read_metrics(runs[layout])
     assert len(single) == len(got_loss) == 6
     if layout == "resharded":  # it did resume: this attempt trained steps 4-6 only
@@ -521,14 +536,9 @@ def test_adamw_summary_has_no_optimizer_record():
 
 
 def test_layouts_not_done_are_refused():
-    """copied kv heads (tp wider than model.n_kv_heads=2) are refused, naming a fix; the same layout
-    under AdamW gets no Muon problem; master weights and offload run."""
-    for par, world, named in ((dict(tp=4), 4, "parallel.tp=4 > model.n_kv_heads"),):
-        cfg = _muon_config(**par)
-        problems = [p for p in validate(cfg, world) if p.startswith("optim.name=muon")]
-        assert len(problems) == 1 and named in problems[0] and "fix:" in problems[0], problems
-        cfg.optim.name = "adamw"
-        assert not [p for p in validate(cfg, world) if "muon" in p]
+    """LoRA on a mixture of experts is refused, naming a fix; copied kv heads (tp=4 over
+    model.n_kv_heads=2), master weights and offload run."""
+    assert not [p for p in validate(_muon_config(tp=4), 4) if "muon" in p]
     assert not [p for p in validate(_muon_config(tp=2), 2) if "muon" in p]
     assert not [p for p in validate(_muon_config(master=True, dp=2, zero=1, offload="cpu"), 2) if "muon" in p]
     assert not [p for p in validate(_muon_config(lora=True, tp=2), 2) if "muon" in p]  # dense LoRA runs

@@ -112,3 +112,17 @@ def test_offload_prices_the_updates_trip_to_the_device():
     assert terms["muon"]["offload"] - terms["adamw"]["offload"] == pytest.approx(
         4 * elements / 8 / (cluster.pcie_gbps * 1e9), rel=1e-9)
     assert terms["adamw"]["optimizer"] == 0 < terms["muon"]["optimizer"]
+
+
+def test_copied_kv_heads_gather_every_copy_and_orthogonalise_each_head_once():
+    """tp=4 over 2 kv heads: each head sits on 2 ranks, so the k/v all-gather brings 2 copies of each
+    head's rows (4 x 16 rows of 64, not 2 x 16), while Newton-Schulz runs on each head once (the
+    [32, 64] matrix one process holds); at tp <= the kv heads nothing is copied."""
+    from megaft.perf.muon import tp_gathered
+
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=50, max_seq_len=32)
+    whole = hidden_matrices(cfg, 0)
+    assert tp_gathered(cfg, 0, tp=2) == whole
+    got = tp_gathered(cfg, 0, tp=4)
+    assert got[1:3] == [(64, 64), (64, 64)] and whole[1:3] == [(32, 64), (32, 64)]
+    assert got[:1] + got[3:] == whole[:1] + whole[3:]

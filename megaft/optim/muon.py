@@ -9,7 +9,8 @@ the adapters train: each A and B is a Muon matrix (a column linear's B and a row
 tp shards, gathered whole as the weights are); LoRA on a mixture of experts is refused.
 Layouts: any dp at ZeRO 0 (every rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
-rank, the rank's rows or columns kept), pp (each stage's matrices are whole), cp (replicated
+rank, the rank's rows or columns kept; tp > n_kv_heads: the copied k/v heads once each, as one process
+holds them), pp (each stage's matrices are whole), cp (replicated
 weights, as dp), ep; optim.master_weights (bf16 params and grads: the fp32 master takes torch.optim.Muon's
 update with the grad upcast, the momentum fp32, the param the master rounded: `apply_update_`);
 parallel.offload=cpu (the momentum and masters on the host with AdamW's state: the grads come down, the
@@ -115,9 +116,16 @@ def update_scale(shape: torch.Size, rule: str) -> float:
 def orthogonalise(update: torch.Tensor, spec, tp_group: Group, mu) -> tuple[torch.Tensor, torch.Size]:
     """(this rank's rows or columns of the whole matrix's Newton-Schulz result, the whole shape).
     A tp shard (`spec`, megaft.parallel.tensor.shard) is gathered over tp first: the
-    orthogonalisation needs the whole matrix (every tp rank computes it; module docstring)."""
+    orthogonalisation needs the whole matrix (every tp rank computes it; module docstring); a copied
+    kv head's gather (megaft.models.attention.kv_heads) is deduplicated to each head once."""
     tp = group_size(tp_group)
     whole = all_gather(update, spec.dim, tp_group) if spec is not None and tp > 1 else update
+    if whole is not update and getattr(spec, "replicas", 1) > 1:
+        from megaft.models.attention.kv_heads import dedupe_gathered
+
+        # copied kv heads (tp > n_kv_heads): the gather repeats each head's rows; the matrix one process
+        # holds (and torch.optim.Muon orthogonalises) has each head once, and the rank keeps its head's rows
+        whole = dedupe_gathered(whole, spec, tp)
     out = zeropower_via_newtonschulz(whole, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
     if whole is not update:
         lo, hi = spec.bounds(group_rank(tp_group), tp)

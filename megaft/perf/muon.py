@@ -22,7 +22,7 @@ implementation's with torch's FlopCounterMode). Where that runs:
 """
 from __future__ import annotations
 
-from megaft.config.model import ModelConfig
+from megaft.config.model import ModelConfig, kv_replicas
 
 
 def _mlp(ffn: int, dim: int) -> list[tuple[int, int]]:
@@ -64,12 +64,16 @@ def hidden_matrices(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> l
     return out + (_mlp(m.shared_expert_ffn_dim, m.dim) if m.shared_expert_ffn_dim else [])
 
 
-def tp_gathered(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> list[tuple[int, int]]:
-    """The Muon matrices split over tp, gathered whole before Newton-Schulz: every hidden matrix;
-    under LoRA only the split halves (a column linear's B, a row linear's A)."""
+def tp_gathered(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None, tp: int = 1) -> list[tuple[int, int]]:
+    """The Muon matrices split over tp as gathered before Newton-Schulz: every hidden matrix, k and v
+    with each head's copies when tp > n_kv_heads (the gather brings tp/n_kv_heads copies of each head;
+    Newton-Schulz then runs on each head once: `hidden_matrices`); under LoRA only the split halves (a
+    column linear's B, a row linear's A; LoRA on k/v is refused at tp > n_kv_heads)."""
     if lora is not None and lora.rank:
         return [(rows, cols) for rows, cols, split in _adapters(m, lora) if split]
-    return hidden_matrices(m, layer, ep)
+    out, copies = hidden_matrices(m, layer, ep), kv_replicas(m, tp)
+    out[1:3] = [(rows * copies, cols) for rows, cols in out[1:3]]  # q, k, v, o, ...: k and v
+    return out
 
 
 def muon_offload_bytes(elements: int) -> int:

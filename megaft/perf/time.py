@@ -557,7 +557,7 @@ def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     if par.tp > 1:
         link = group_link(cluster, par.tp)
         terms["tp_comm"] += sum(gather_s(rows * cols * 4, par.tp, link)
-                                for i in ids for rows, cols in tp_gathered(m, i, par.ep, lora)) / share
+                                for i in ids for rows, cols in tp_gathered(m, i, par.ep, lora, par.tp)) / share
     elements = sum(block_matrix_elements(m, i, par.ep, lora) for i in ids)
     if share > 1:
         terms["param_gather"] += gather_s(elements // par.tp * 4, dp, group_link(cluster, dp, par.tp))
