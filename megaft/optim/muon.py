@@ -6,7 +6,9 @@ lookups and logits, not a linear map whose singular values Muon equalises; Moonl
 torch.optim.Muon's docs keep them on AdamW), norms and biases (1-D: no matrix), and MoE
 routers (a small logit map whose per-expert scale the load balance reads). Under LoRA only
 the adapters train: each A and B is a Muon matrix (a column linear's B and a row linear's A are
-tp shards, gathered whole as the weights are); LoRA on a mixture of experts is refused.
+tp shards, gathered whole as the weights are); on a mixture of experts each routed expert's A and
+B in the [E, ...] adapter stacks (megaft.peft.experts: orthogonalised expert by expert, as the
+expert weights), the router's adapter on AdamW with the router (a submodule of it).
 Layouts: any dp at ZeRO 0 (every rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
 rank, the rank's rows or columns kept; tp > n_kv_heads: the copied k/v heads once each, as one process
