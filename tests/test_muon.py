@@ -324,6 +324,9 @@ def _train_parallel(rank: int, world: int, root: str) -> None:
         _fit_and_save(_muon_config(master=True, **par), layout_grid(par), os.path.join(root, name))
     for name, par in OFFLOAD.items():
         _fit_and_save(_muon_config(master=name.startswith("mw"), **par), layout_grid(par), os.path.join(root, name))
+    par = OFFLOAD["mw_dp2_zero1_offload"]  # stopped after step 3, resumed into the host masters and momentum
+    _fit_and_save(_muon_config(master=True, **par), layout_grid(par),
+                  os.path.join(root, "mw_dp2_zero1_offload_resumed"), resume_at=3)
     _fit_and_save(_muon_config(master=True, **MASTER["mw_dp2_zero1"]), layout_grid(MASTER["mw_dp2_zero1"]),
                   os.path.join(root, "mw_dp2_zero1_resumed"), resume_at=3)
     cfg = _muon_config(**RESHARDED)  # its first 3 steps; the fixture finishes it on one process
@@ -337,7 +340,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
     names = ("single", *LAYOUTS, *RESUMED, "resharded", "moe_single", *MOE, "lora_single", *LORA, "mw_single",
              *MASTER, "mw_dp2_zero1_resumed", "single_offload", *OFFLOAD,
-             "mqa_single", *MQA, "moe_lora_single", *MOE_LORA)
+             "mqa_single", *MQA, "moe_lora_single", *MOE_LORA,
+             "mw_dp2_zero1_offload_resumed")
     for name in names:
         os.makedirs(root / name)
     _fit_and_save(_muon_config(), ParallelGrid.single(), str(root / "single"))
@@ -552,11 +556,13 @@ def test_moe_lora_adapters_equal_torch_muon_per_expert():
 
 
 @pytest.mark.parametrize("resumed,straight", [("single_resumed", "single"), ("dp2_zero1_resumed", "dp2_zero1"),
-                                              ("mw_dp2_zero1_resumed", "mw_dp2_zero1")])
+                                              ("mw_dp2_zero1_resumed", "mw_dp2_zero1"),
+                                              ("mw_dp2_zero1_offload_resumed", "mw_dp2_zero1_offload")])
 def test_resume_is_bitwise(runs, resumed, straight):
     """Stopped after step 3's checkpoint and finished in a fresh Trainer: the Muon momentum (in
     the checkpoint's exp_avg) comes back, and under master weights the fp32 masters (the bf16
-    params alone would lose their low bits), so the curve and every weight equal the straight run's."""
+    params alone would lose their low bits; under offload into the host buffers), so the curve and
+    every weight equal the straight run's."""
     assert read_metrics(runs[resumed])[0] == read_metrics(runs[straight])[0]  # steps 1-3 logged before the stop
     got, want = _whole_weights(runs[resumed]), _whole_weights(runs[straight])
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
