@@ -6,11 +6,17 @@ lookups and logits, not a linear map whose singular values Muon equalises; Moonl
 torch.optim.Muon's docs keep them on AdamW), norms and biases (1-D: no matrix), and MoE
 routers (a small logit map whose per-expert scale the load balance reads). Under LoRA only
 the adapters train: each A and B is a Muon matrix (a column linear's B and a row linear's A are
-tp shards, gathered whole as the weights are); LoRA on a mixture of experts is refused.
+tp shards, gathered whole as the weights are); on a mixture of experts each routed expert's A and
+B in the [E, ...] adapter stacks (megaft.peft.experts: orthogonalised expert by expert, as the
+expert weights), the router's adapter on AdamW with the router (a submodule of it).
 Layouts: any dp at ZeRO 0 (every rank orthogonalises the same reduced gradient), ZeRO 1-3 (megaft.optim.muon_zero), tp
 (`orthogonalise`: each shard's update all-gathered whole over tp, Newton-Schulz on every tp
-rank, the rank's rows or columns kept), pp (each stage's matrices are whole), cp (replicated
-weights, as dp), ep; offload and master weights not yet.
+rank, the rank's rows or columns kept; tp > n_kv_heads: the copied k/v heads once each, as one process
+holds them), pp (each stage's matrices are whole), cp (replicated
+weights, as dp), ep; optim.master_weights (bf16 params and grads: the fp32 master takes torch.optim.Muon's
+update with the grad upcast, the momentum fp32, the param the master rounded: `apply_update_`);
+parallel.offload=cpu (the momentum and masters on the host with AdamW's state: the grads come down, the
+update goes up for Newton-Schulz on the device, the result comes back to the host master: `muon_update_`).
 
 The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the momentum
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
@@ -31,6 +37,7 @@ import torch
 
 from megaft.config.optim import OptimConfig
 from megaft.optim.adamw import AdamW, adamw_update_
+from megaft.optim.offload import HostAdamW
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
 from megaft.parallel.tensor.shard import shard_of
 
@@ -111,9 +118,16 @@ def update_scale(shape: torch.Size, rule: str) -> float:
 def orthogonalise(update: torch.Tensor, spec, tp_group: Group, mu) -> tuple[torch.Tensor, torch.Size]:
     """(this rank's rows or columns of the whole matrix's Newton-Schulz result, the whole shape).
     A tp shard (`spec`, megaft.parallel.tensor.shard) is gathered over tp first: the
-    orthogonalisation needs the whole matrix (every tp rank computes it; module docstring)."""
+    orthogonalisation needs the whole matrix (every tp rank computes it; module docstring); a copied
+    kv head's gather (megaft.models.attention.kv_heads) is deduplicated to each head once."""
     tp = group_size(tp_group)
     whole = all_gather(update, spec.dim, tp_group) if spec is not None and tp > 1 else update
+    if whole is not update and getattr(spec, "replicas", 1) > 1:
+        from megaft.models.attention.kv_heads import dedupe_gathered
+
+        # copied kv heads (tp > n_kv_heads): the gather repeats each head's rows; the matrix one process
+        # holds (and torch.optim.Muon orthogonalises) has each head once, and the rank keeps its head's rows
+        whole = dedupe_gathered(whole, spec, tp)
     out = zeropower_via_newtonschulz(whole, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
     if whole is not update:
         lo, hi = spec.bounds(group_rank(tp_group), tp)
@@ -122,42 +136,92 @@ def orthogonalise(update: torch.Tensor, spec, tp_group: Group, mu) -> tuple[torc
 
 
 @torch.no_grad()
+def apply_update_(param: torch.Tensor, master, update: torch.Tensor, *, lr: float, decay: float,
+                  scale: float) -> None:
+    """p <- p (1 - lr wd) - lr scale O on the fp32 master (`master`: optim.master_weights, or the host
+    copy under offload; None: the param is its own), then the param := the master (bf16: rounded to
+    nearest even, as AdamW's master path)."""
+    target = param if master is None else master
+    target.mul_(1 - lr * decay)
+    target.add_(update.to(target.device), alpha=-lr * scale)
+    if master is not None:
+        param.copy_(master)
+
+
+@torch.no_grad()
 def muon_update_(items, cfg: OptimConfig, *, lr: float, tp_group: Group = None) -> None:
-    """One Muon step on every (param, grad, momentum) matrix (module docstring); tp shards are
-    orthogonalised whole (`orthogonalise`)."""
+    """One Muon step on every (param, grad, momentum, TPShard, master) matrix (module docstring);
+    tp shards are orthogonalised whole (`orthogonalise`). `master` None: an fp32 param updated in
+    place; else the fp32 master is (torch.optim.Muon on it with the grad upcast: a bf16 grad, or its
+    fp32 host copy under offload, where the momentum lives too) and Newton-Schulz runs on the param's
+    device (under offload: the update goes up, the orthogonalised one comes back, apply_update_)."""
     mu = cfg.muon
     decay = cfg.weight_decay if mu.weight_decay is None else mu.weight_decay
-    for param, grad, buf, spec in items:
+    for param, grad, buf, spec, master in items:
+        grad = grad.float()  # bf16 grads under master weights; fp32 ones: the same tensor
         buf.lerp_(grad, 1 - mu.momentum)
-        update, shape = orthogonalise(grad.lerp(buf, mu.momentum) if mu.nesterov else buf, spec, tp_group, mu)
-        param.mul_(1 - lr * decay)
-        param.add_(update, alpha=-lr * update_scale(shape, mu.scale))
+        update = grad.lerp(buf, mu.momentum) if mu.nesterov else buf
+        update, shape = orthogonalise(update.to(param.device), spec, tp_group, mu)
+        apply_update_(param, master, update, lr=lr, decay=decay, scale=update_scale(shape, mu.scale))
 
 
 class MuonAdamW(AdamW):
     """AdamW's flat buffers and state (plain dp, ZeRO stage 0), with `split["muon"]`'s
     parameters (muon_split) updated by Muon: their momentum in exp_avg's elements, AdamW on
-    every other element range of the buffers (one multi-tensor call, as AdamW's)."""
+    every other element range of the buffers (one multi-tensor call, as AdamW's). Master weights
+    and offload as AdamW's: the masters (host masters, host grad copies) cut like the buffers."""
 
     def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], tp_group: Group = None, **kw):
         super().__init__(flat, cfg, **kw)
         self.tp_group = tp_group
         muon = {id(p) for p in split["muon"].values()}
-        # (param, grad, momentum, TPShard) views; the (data, grad, m, v, decay) ranges between them
-        self.matrices, self.pieces = [], []
-        for g, m, v in zip(flat.groups, self.exp_avg, self.exp_avg_sq):
+        masters = self.host.masters if self.host is not None else self.masters  # [] for fp32 params on the device
+        host_grads = self.host.host_grads if self.host is not None else []
+        # (param, grad, momentum, TPShard, master) views; the (data, grad, m, v, decay, master, host grad)
+        # ranges between them; (host grad, grad) of the Muon matrices under offload
+        self.matrices, self.pieces, self.downloads = [], [], []
+        for i, (g, m, v) in enumerate(zip(flat.groups, self.exp_avg, self.exp_avg_sq)):
+            master = masters[i] if masters else None
+            host_grad = host_grads[i] if host_grads else None
             cuts = [0]  # element ranges between the Muon matrices
             for p in sorted(g.params, key=lambda p: p.data.data_ptr()):
                 lo = (p.data.data_ptr() - g.data.data_ptr()) // g.data.element_size()
                 if id(p) in muon:
-                    self.matrices.append((p.data, p.grad, m[lo:lo + p.numel()].view_as(p), shard_of(p)))
+                    at = slice(lo, lo + p.numel())
+                    grad = p.grad if host_grad is None else host_grad[at].view_as(p)
+                    self.matrices.append((p.data, grad, m[at].view_as(p), shard_of(p),
+                                          None if master is None else master[at].view_as(p)))
+                    if host_grad is not None:
+                        self.downloads.append((grad, p.grad))
                     cuts += [lo, lo + p.numel()]
             cuts.append(g.data.numel())
-            self.pieces += [(g.data[a:z], g.grad[a:z], m[a:z], v[a:z], g.weight_decay)
+            self.pieces += [(g.data[a:z], g.grad[a:z], m[a:z], v[a:z], g.weight_decay,
+                             None if master is None else master[a:z], None if host_grad is None else host_grad[a:z])
                             for a, z in zip(cuts[::2], cuts[1::2]) if z > a]
+        self.host_pieces = host_pieces(self.pieces, cfg) if self.host is not None else None
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.step_count += 1
-        adamw_update_(self.pieces, self.cfg, step=self.step_count, lr=lr)
+        adamw_pieces_(self.pieces, self.host_pieces, self.cfg, step=self.step_count, lr=lr)
+        for host_grad, grad in self.downloads:  # offload: the Muon grads to the host (blocking: used next)
+            host_grad.copy_(grad)
         muon_update_(self.matrices, self.cfg, lr=lr, tp_group=self.tp_group)
+
+
+def host_pieces(pieces, cfg: OptimConfig) -> HostAdamW:
+    """parallel.offload=cpu: the host AdamW of the element ranges between the Muon matrices (their
+    masters, host grads and moments: views into the optimizer's host buffers)."""
+    return HostAdamW([p[0] for p in pieces], [p[5] for p in pieces], [p[6] for p in pieces],
+                     [p[2] for p in pieces], [p[3] for p in pieces], cfg)
+
+
+def adamw_pieces_(pieces, host: HostAdamW | None, cfg: OptimConfig, *, step: int, lr: float) -> None:
+    """AdamW on the (param, grad, m, v, decay, master, host grad) ranges between the Muon matrices: on
+    the host (offload), or one multi-tensor call on the device (on the masters under master weights)."""
+    if host is not None:
+        host.step_([p[1] for p in pieces], [p[4] for p in pieces], step=step, lr=lr)
+        return
+    masters = [p[5] for p in pieces]
+    adamw_update_([p[:5] for p in pieces], cfg, step=step, lr=lr,
+                  masters=masters if pieces and masters[0] is not None else None)

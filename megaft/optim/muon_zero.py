@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from megaft.config.optim import OptimConfig
-from megaft.optim.adamw import adamw_update_
-from megaft.optim.muon import orthogonalise, update_scale
+from megaft.optim.muon import adamw_pieces_, apply_update_, host_pieces, orthogonalise, update_scale
 from megaft.optim.zero import ShardedAdamW
 from megaft.parallel.comm import Group, all_gather_single, group_size
 from megaft.parallel.tensor.shard import shard_of
@@ -35,8 +34,12 @@ class ShardedMuon(ShardedAdamW):
         super().__init__(flat, cfg, dp_group, **kw)
         self.tp_group = tp_group
         muon = {id(p) for p in split["muon"].values()}
+        # per chunk: its fp32 master (master weights; the host master under offload) and host grad copy
+        masters = self.host.masters if self.host is not None else self.master_chunks
+        self.chunk_state = [(masters[i] if masters else None, self.host.host_grads[i] if self.host else None)
+                            for i in range(len(self.chunks))]
         self.pieces, self.matrices = [], []  # AdamW ranges; per chunk: its bucket's Muon matrices
-        for (b, param, grad, m, v), (lo, hi) in zip(self.chunks, self.ranges):
+        for (b, param, grad, m, v), (lo, hi), (master, host_grad) in zip(self.chunks, self.ranges, self.chunk_state):
             decay = flat.groups[b.group].weight_decay
             mats = [(off, p.shape, shard_of(p)) for p, off in zip(b.params, b.offsets) if id(p) in muon]
             self.matrices.append(mats)
@@ -46,26 +49,31 @@ class ShardedMuon(ShardedAdamW):
                 if a < z:
                     cuts += [a, z]
             cuts.append(hi - lo)
-            self.pieces += [(param[a:z], grad[a:z], m[a:z], v[a:z], decay)
+            self.pieces += [(param[a:z], grad[a:z], m[a:z], v[a:z], decay, None if master is None else master[a:z],
+                             None if host_grad is None else host_grad[a:z])
                             for a, z in zip(cuts[::2], cuts[1::2]) if z > a]
+        self.host_pieces = host_pieces(self.pieces, cfg) if self.host is not None else None
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self.step_count += 1
-        adamw_update_(self.pieces, self.cfg, step=self.step_count, lr=lr)
+        adamw_pieces_(self.pieces, self.host_pieces, self.cfg, step=self.step_count, lr=lr)
         mu = self.cfg.muon
         decay = self.cfg.weight_decay if mu.weight_decay is None else mu.weight_decay
-        for (b, param, grad, m, _), group, (lo, hi), mats in zip(self.chunks, self.groups, self.ranges,
-                                                                self.matrices):
+        for (b, param, grad, m, _), group, (lo, hi), mats, (master, host_grad) in zip(
+                self.chunks, self.groups, self.ranges, self.matrices, self.chunk_state):
             if not mats:
                 continue
-            send = torch.zeros_like(param, dtype=torch.float32)
+            send = torch.zeros_like(param, dtype=torch.float32)  # on the device: the all-gather's
             owned = []
             for off, shape, spec in mats:  # the owned elements' momentum and update, elementwise
                 a, z = max(off, lo) - lo, min(off + shape.numel(), hi) - lo
                 if a < z:
-                    m[a:z].lerp_(grad[a:z], 1 - mu.momentum)
-                    send[a:z] = grad[a:z].lerp(m[a:z], mu.momentum) if mu.nesterov else m[a:z]
+                    g = grad[a:z].float()  # bf16 under master weights
+                    if host_grad is not None:  # offload: the momentum is on the host
+                        g = host_grad[a:z].copy_(g)
+                    m[a:z].lerp_(g, 1 - mu.momentum)
+                    send[a:z] = g.lerp(m[a:z], mu.momentum) if mu.nesterov else m[a:z]
                     owned.append((off, shape, spec, a, z))
             whole = send
             if group_size(group) > 1:
@@ -75,6 +83,7 @@ class ShardedMuon(ShardedAdamW):
                 update = whole[off - b.start:off - b.start + shape.numel()].view(shape)
                 out, full = orthogonalise(update, spec, self.tp_group, mu)
                 piece = out.reshape(-1)[a + lo - off:z + lo - off]
-                param[a:z].mul_(1 - lr * decay).add_(piece, alpha=-lr * update_scale(full, mu.scale))
+                apply_update_(param[a:z], None if master is None else master[a:z], piece, lr=lr, decay=decay,
+                              scale=update_scale(full, mu.scale))
         if self.stage < 3:
             self.gather_params()

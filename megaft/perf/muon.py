@@ -12,11 +12,17 @@ implementation's with torch's FlopCounterMode). Where that runs:
   the params' gather), and each rank orthogonalises only the matrices its chunk holds (about
   1/dp of them);
 - the momentum buffer lives in AdamW's exp_avg slot (its exp_avg_sq stays zero), so the state
-  bytes are AdamW's.
+  bytes are AdamW's (megaft.perf.memory), with optim.master_weights too (fp32 masters and
+  momentum, bf16 params and grads: 2 + 2 + 12; the gathered updates stay fp32);
+- parallel.offload=cpu: the momentum (and masters) live on the host with AdamW's state, and
+  Newton-Schulz still runs on the device: each owned Muon element's update goes up (fp32, 4
+  bytes) and its orthogonalised value comes back (bf16, 2 bytes), in the link's two directions
+  beside the grads going down and the masters up; the up direction carries the 4 more bytes
+  (`muon_offload_bytes`).
 """
 from __future__ import annotations
 
-from megaft.config.model import ModelConfig
+from megaft.config.model import ModelConfig, kv_replicas
 
 
 def _mlp(ffn: int, dim: int) -> list[tuple[int, int]]:
@@ -33,23 +39,41 @@ def _dense(m: ModelConfig) -> dict[str, tuple[int, int]]:
             "up": (m.ffn_dim, m.dim), "down": (m.dim, m.ffn_dim)}
 
 
-def _adapters(m: ModelConfig, lora) -> list[tuple[int, int, bool]]:
-    """(rows, cols, split over tp) of each adapter matrix of a dense block: B [out, r] and A [r, in]
-    of every targeted linear; a column linear's B and a row linear's A are the tp-split halves."""
-    r, out = lora.rank, []
-    for name, (rows, cols) in _dense(m).items():
-        if name in lora.targets:
+def _pairs(shapes: dict[str, tuple[int, int]], targets, r: int) -> list[tuple[int, int, bool]]:
+    """(rows, cols, split over tp) of the adapters B [out, r] and A [r, in] of each targeted linear in
+    `shapes`; a column linear's B and a row linear's A are the tp-split halves."""
+    out = []
+    for name, (rows, cols) in shapes.items():
+        if name in targets:
             out += [(rows, r, _COLUMN[name]), (r, cols, not _COLUMN[name])]
+    return out
+
+
+def _adapters(m: ModelConfig, lora, layer: int = 0, ep: int = 1) -> list[tuple[int, int, bool]]:
+    """The Muon adapter matrices of block `layer` on an ep rank (`_pairs`): the attention's, the dense
+    MLP's, or on a mixture of experts each of its n_experts/ep routed experts' (target `experts`: one
+    matrix per expert of the [E, ...] stacks) and the shared expert's (target `shared_expert`); the
+    router's adapter stays on AdamW, as the router."""
+    d, r = _dense(m), lora.rank
+    out = _pairs({k: d[k] for k in ("q", "k", "v", "o")}, lora.targets, r)
+    if not m.is_moe(layer):
+        return out + _pairs({k: d[k] for k in ("gate", "up", "down")}, lora.targets, r)
+    mlp = dict(zip(("gate", "up", "down"), _mlp(m.expert_ffn, m.dim)))
+    if "experts" in lora.targets:
+        out += _pairs(mlp, mlp, r) * (m.n_experts // ep)
+    if "shared_expert" in lora.targets and m.shared_expert_ffn_dim:
+        shared = dict(zip(("gate", "up", "down"), _mlp(m.shared_expert_ffn_dim, m.dim)))
+        out += _pairs(shared, shared, r)
     return out
 
 
 def hidden_matrices(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> list[tuple[int, int]]:
     """The whole (rows, cols) of block `layer`'s Muon matrices on an ep rank: q, k, v, o, and gate,
     up, down of the dense MLP, or of each of its n_experts/ep routed experts and the shared expert
-    (the router and the shared expert's gate stay on AdamW). Under LoRA (`lora.rank` > 0, dense
-    models: megaft.optim.checks) only the adapters train: their A and B."""
+    (the router and the shared expert's gate stay on AdamW). Under LoRA (`lora.rank` > 0) only the
+    adapters train: their A and B (`_adapters`)."""
     if lora is not None and lora.rank:
-        return [(rows, cols) for rows, cols, _ in _adapters(m, lora)]
+        return [(rows, cols) for rows, cols, _ in _adapters(m, lora, layer, ep)]
     dense = _dense(m)
     out = [dense[k] for k in ("q", "k", "v", "o")]
     if not m.is_moe(layer):
@@ -58,12 +82,22 @@ def hidden_matrices(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> l
     return out + (_mlp(m.shared_expert_ffn_dim, m.dim) if m.shared_expert_ffn_dim else [])
 
 
-def tp_gathered(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> list[tuple[int, int]]:
-    """The Muon matrices split over tp, gathered whole before Newton-Schulz: every hidden matrix;
-    under LoRA only the split halves (a column linear's B, a row linear's A)."""
+def tp_gathered(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None, tp: int = 1) -> list[tuple[int, int]]:
+    """The Muon matrices split over tp as gathered before Newton-Schulz: every hidden matrix, k and v
+    with each head's copies when tp > n_kv_heads (the gather brings tp/n_kv_heads copies of each head;
+    Newton-Schulz then runs on each head once: `hidden_matrices`); under LoRA only the split halves (a
+    column linear's B, a row linear's A; LoRA on k/v is refused at tp > n_kv_heads)."""
     if lora is not None and lora.rank:
-        return [(rows, cols) for rows, cols, split in _adapters(m, lora) if split]
-    return hidden_matrices(m, layer, ep)
+        return [(rows, cols) for rows, cols, split in _adapters(m, lora, layer, ep) if split]
+    out, copies = hidden_matrices(m, layer, ep), kv_replicas(m, tp)
+    out[1:3] = [(rows * copies, cols) for rows, cols in out[1:3]]  # q, k, v, o, ...: k and v
+    return out
+
+
+def muon_offload_bytes(elements: int) -> int:
+    """Bytes more on the busier PCIe direction (host to device) under offload for `elements` owned
+    Muon elements: their fp32 updates (module docstring)."""
+    return 4 * elements
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:

@@ -94,7 +94,7 @@ from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops
 from megaft.perf.head import head_params, head_s, head_tp_s, loss_s, with_score_head
 from megaft.perf.kernels_cost import add_block_kernels, block_passes, pass_s
 from megaft.perf.memory import objective_terms
-from megaft.perf.muon import block_matrix_elements, block_ns_flops, tp_gathered
+from megaft.perf.muon import block_matrix_elements, block_ns_flops, muon_offload_bytes, tp_gathered
 from megaft.perf.rates import all_reduce_s, all_to_all_s, compute_rates, gather_s, group_link, p2p_s
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
@@ -496,7 +496,8 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
 
 def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     """optim.name=muon on pp rank `r` (megaft.perf.muon): the Newton-Schulz FLOPs in the optimizer
-    term, the updates' all-gather over tp in tp_comm, ZeRO's extra all-gather in param_gather."""
+    term, the updates' all-gather over tp in tp_comm, ZeRO's extra all-gather in param_gather, and under
+    offload the updates' trip to the device and back in offload."""
     m, par = cfg.model, cfg.parallel
     ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)[r]
     share = dp if par.zero >= 1 and dp > 1 else 1  # under ZeRO a rank orthogonalises the matrices its chunk holds
@@ -507,7 +508,9 @@ def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
     if par.tp > 1:
         link = group_link(cluster, par.tp)
         terms["tp_comm"] += sum(gather_s(rows * cols * 4, par.tp, link)
-                                for i in ids for rows, cols in tp_gathered(m, i, par.ep, lora)) / share
+                                for i in ids for rows, cols in tp_gathered(m, i, par.ep, lora, par.tp)) / share
+    elements = sum(block_matrix_elements(m, i, par.ep, lora) for i in ids)
     if share > 1:
-        elements = sum(block_matrix_elements(m, i, par.ep, lora) for i in ids)
         terms["param_gather"] += gather_s(elements // par.tp * 4, dp, group_link(cluster, dp, par.tp))
+    if par.offload == "cpu":  # the host's momentum updates go up (fp32), the orthogonalised come back (bf16)
+        terms["offload"] += muon_offload_bytes(elements // par.tp // share) / (cluster.pcie_gbps * 1e9)
