@@ -14,6 +14,10 @@ TopPLogitsWarper does, then one multinomial draw per row. The draw uses the whol
 rank draws the same token from the same bits without copying the logits to the host (the
 loop reads only the chosen ids, once a step); under pp the last stage draws and broadcasts.
 On the CPU the draws are those of a CPU generator as before; on a GPU, the GPU generator's.
+
+Under expert parallelism every forward exchanges tokens with the other ranks of the ep group,
+which decode their own prompts (other dp ranks): the group keeps in step (`_Lockstep`), a rank
+with nothing left to decode running one-token forwards until every rank of the group is done.
 """
 from __future__ import annotations
 
@@ -111,14 +115,52 @@ def choose(model, logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
     return draw(whole, sampling, generator)
 
 
+class _Lockstep:
+    """Keeps the ranks of an expert-parallel group making the same number of forwards (each one
+    runs the experts' all-to-alls): before each forward every rank says whether it has work (one
+    small all-reduce); a rank without runs a one-token forward while another still has."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.flag = group, torch.zeros(1, dtype=torch.long, device=device)
+
+    def _any(self, working: bool) -> bool:
+        self.flag.fill_(int(working))
+        dist.all_reduce(self.flag, group=self.group)
+        return bool(self.flag.item())
+
+    def wrap(self, next_tokens: Callable) -> Callable:
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            self._any(True)
+            return next_tokens(ids)
+        return step
+
+    def drain(self, next_tokens: Callable, device: torch.device) -> None:
+        idle = torch.zeros(1, 1, dtype=torch.long, device=device)
+        while self._any(False):
+            next_tokens(idle)
+
+
+def expert_group(model: torch.nn.Module):
+    """The ep group (> 1 rank) `model`'s experts exchange tokens in, or None."""
+    for module in model.modules():
+        group = getattr(module, "ep_group", None)
+        if group is not None and group_size(group) > 1:
+            return group
+    return None
+
+
 def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, device: torch.device,
             max_len: int, next_tokens: Callable[[torch.Tensor], torch.Tensor], cache: Callable,
-            on_token: Optional[OnToken] = None, keep_eos: bool = False) -> list[list[int]]:
+            on_token: Optional[OnToken] = None, keep_eos: bool = False, lockstep=None) -> list[list[int]]:
     """The decoding loop: prompts batched by length; `next_tokens(ids)` gives each row's next id
     from the ids not yet seen by the model (all of them without a cache); `cache(capacity)` opens
     a KV cache for `capacity` positions, prompt and new tokens (yields its DecodeState, None
     without one); `on_token(i, id)` hears each new id of prompt i as it is kept (streaming).
-    Returns the new ids (eos excluded unless `keep_eos`: then a row that stopped ends with its eos)."""
+    Returns the new ids (eos excluded unless `keep_eos`: then a row that stopped ends with its eos).
+    `lockstep`: the ep group that must forward together (see _Lockstep), or None."""
+    step_together = _Lockstep(lockstep, device) if lockstep is not None else None
+    if step_together is not None:
+        forward, next_tokens = next_tokens, step_together.wrap(next_tokens)
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(prompts):
@@ -150,6 +192,8 @@ def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, devic
                     break
                 new = nxt.unsqueeze(1)
                 ids = torch.cat([ids, new], dim=1)
+    if step_together is not None:  # no cache open: the idle forwards leave nothing behind
+        step_together.drain(forward, device)
     return out
 
 
@@ -175,7 +219,7 @@ def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int, e
         return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=device,
                        max_len=model.cfg.max_seq_len, cache=_cache_of(model, cache),
                        next_tokens=lambda ids: choose(model, model(ids)[:, -1], sampling, generator),
-                       on_token=on_token, keep_eos=keep_eos)
+                       on_token=on_token, keep_eos=keep_eos, lockstep=expert_group(model))
     finally:
         model.train(was_training)
 
@@ -216,7 +260,7 @@ def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int,
     try:
         return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=grid.device,
                        max_len=model.cfg.max_seq_len, next_tokens=next_tokens, cache=_cache_of(model, cache),
-                       keep_eos=keep_eos)
+                       keep_eos=keep_eos, lockstep=expert_group(model))
     finally:
         model.train(was_training)
 
