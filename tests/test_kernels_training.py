@@ -26,6 +26,7 @@ STEPS = 3  # step 1's loss checks the forward, steps 2-3 the gradients of the up
 # norms' row reductions and the online logsumexp; a few AdamW steps keep that at the
 # rounding level. 1e-5 relative is the parallel-equivalence bound.
 RTOL = 1e-5
+LAYERS = 1  # interpreted kernels are slow on CPU; one block already runs every kernel and linear kind
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _cuda_why = dispatch.cuda_unavailable_reason("linear", torch.device(DEVICE))
 needs_triton = pytest.mark.skipif(_triton.unavailable_reason(torch.device(DEVICE)) is not None,
@@ -38,7 +39,7 @@ def _losses(run_dir: str, *, master_weights: bool = False, n_layers: int | None 
     cfg.train.global_batch_size, cfg.data.seq_len = 4, 16  # 2 micro-batches of 32 tokens: interpreter-sized
     if master_weights:  # bf16 params and grads (the flat buffers), fp32 masters
         cfg.precision, cfg.optim.master_weights = "bf16", True
-    cfg.model.n_layers = n_layers or cfg.model.n_layers
+    cfg.model.n_layers = n_layers or LAYERS
     for key, value in kernels.items():
         setattr(cfg.kernels, key, value)
     assert validate(cfg, 1) == []
@@ -165,6 +166,7 @@ def _linear_runs(rank: int, world: int, root: str, want: list[float]) -> None:
     for name, tp, dp, sp, micro, zero in LINEAR_RUNS:
         cfg = small_config(steps=STEPS, micro=micro)
         cfg.train.global_batch_size, cfg.data.seq_len = 4, 16
+        cfg.model.n_layers = LAYERS
         cfg.kernels.linear = "triton"
         par = cfg.parallel
         par.tp, par.dp, par.sequence_parallel, par.zero, par.bucket_mb = tp, dp, sp, zero, 0.01
