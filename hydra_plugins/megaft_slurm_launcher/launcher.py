@@ -54,7 +54,7 @@ class Point:
         self.problems: list[str] = []
         self.job: Any = None  # submitit Job once submitted
         self.eval_job: Any = None  # the megaft-eval job of train.then_eval (megaft.eval.submit)
-        self.score_job_id: Optional[str] = None  # the pref.scores job it waits for (megaft.launch.score_jobs)
+        self.score_job_id: Optional[str] = None  # the pref/distill.scores job it waits for (megaft.launch.score_jobs)
 
     @property
     def override_str(self) -> str:
@@ -160,12 +160,12 @@ class MegaftSlurmLauncher(Launcher):
                   + "\n".join(f"  - {problem}" for problem in pt.problems), file=sys.stderr)
         valid = [pt for pt in points if not pt.problems]
         waits = {}
-        if valid:  # pref.scores: each missing reference fingerprint scored once, before the arrays
+        if valid:  # pref.scores, distill.scores: each missing fingerprint scored once, before the arrays
             from megaft.launch.score_jobs import submit_scoring
 
             waits = submit_scoring(valid, sweep_dir, self.params, task_python())
             for job in sorted(set(waits.values())):
-                log.info("scoring job %s stores the reference log-probs of point(s) %s", job,
+                log.info("scoring job %s stores the scores of point(s) %s", job,
                          ", ".join(f"#{n}" for n, j in waits.items() if j == job))
         for shape, group in group_by_shape((pt.shape, pt) for pt in valid).items():
             self._submit(shape, group, waits)

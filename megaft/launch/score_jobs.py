@@ -1,16 +1,26 @@
-"""pref.scores under the Slurm launcher: the reference log-probs of a sweep scored once.
+"""pref.scores and distill.scores under the Slurm launcher: the reference log-probs, or the
+teacher's top-k, of a sweep scored once.
 
 Before the training arrays are queued, the points whose reference is precomputed into
 pref.scores (megaft.pref.scores) are grouped by fingerprint; for each fingerprint whose file
 is not there yet, one scoring job runs the first such point's config with train.max_steps=0
 (its Trainer scores the pairs and stores them, then stops) at that point's shape, in
-SWEEP/.scores/<file name>/. Every array holding one of those points is queued with
-`--dependency=afterok:<its scoring jobs>`, so its runs read the stored scores instead of
+SWEEP/.scores/<file name>/. The points whose teacher is stored into distill.scores
+(distill.top_k, megaft.distill.stored) are grouped the same way by what their file's fingerprint
+is made of that the config names (the teacher's and the student's checkpoints, the data files and
+every data.* field, the tokenizer and chat template, k, the temperature, the precision, the
+folder): the file's own name also hashes the prepared corpus, which the launcher does not build,
+so one scoring job is queued per group whether or not its file is already there (a job that finds
+it reads it and stops), in SWEEP/.scores/teacher-topk-config-<hash>/. Every array holding one of
+those points is queued with `--dependency=afterok:<its scoring jobs>`, so its runs read the stored scores instead of
 each scoring them; a failed scoring job leaves them pending (DependencyNeverSatisfied).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
+import json
 import os
 from typing import Any, Mapping, Sequence
 
@@ -22,8 +32,35 @@ SCORES_DIR = ".scores"  # under the sweep dir (megaft-report skips it)
 
 
 def stores_scores(cfg) -> bool:
-    """Whether a run of `cfg` precomputes its reference into pref.scores."""
+    """Whether a run of `cfg` precomputes its reference into pref.scores or its teacher's top-k into distill.scores."""
+    return stores_reference(cfg) or stores_teacher(cfg)
+
+
+def stores_reference(cfg) -> bool:
     return bool(cfg.pref.scores) and needs_reference(cfg.train.objective) and cfg.pref.reference_mode == "precompute"
+
+
+def stores_teacher(cfg) -> bool:
+    d = cfg.distill
+    return cfg.train.objective == "distill" and bool(d.scores) and d.top_k is not None and not d.generates
+
+
+def teacher_group(cfg) -> str:
+    """The scoring folder's name of `cfg`'s stored top-k teacher: a sha256 of what its file's
+    fingerprint (megaft.distill.stored.fingerprint_parts) holds that the config names."""
+    from megaft.data.templates import tokenizer_dir_of
+    from megaft.pref import scores as ref
+
+    d, data = cfg.distill, cfg.data
+    tokenizer_dir = tokenizer_dir_of(data.tokenizer, cfg.model.init_from)
+    parts = {"teacher": {"checkpoint": os.path.abspath(d.teacher), **ref._checkpoint_identity(d.teacher)},
+             "model": repr(dataclasses.replace(ref._resolved_model(cfg.model), **ref.NOT_NUMBERS)),
+             "data_files": ref._pairs_identity(data), "data": repr(data),
+             "tokenizer": ref._tokenizer_identity(tokenizer_dir),
+             "chat_template": ref._template_identity(data.chat_template, tokenizer_dir),
+             "top_k": d.top_k, "temperature": d.temperature, "precision": str(cfg.precision),
+             "scores": os.path.abspath(d.scores)}
+    return "teacher-topk-config-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def scoring_config(cfg):
@@ -36,13 +73,16 @@ def scoring_config(cfg):
 
 
 def missing_scores(points: Sequence[Any]) -> dict[str, list[Any]]:
-    """Store path -> the points (with .cfg) that read it, for the paths not written yet."""
+    """A scoring job's name -> the points (with .cfg) that read what it stores: the reference files
+    not written yet (the file's name) and every stored teacher's group (`teacher_group`)."""
     out: dict[str, list[Any]] = {}
     for point in points:
-        if stores_scores(point.cfg):
+        if stores_reference(point.cfg):
             path = scores_path(point.cfg)
             if not os.path.isfile(path):
-                out.setdefault(path, []).append(point)
+                out.setdefault(os.path.basename(path).removesuffix(".safetensors"), []).append(point)
+        elif stores_teacher(point.cfg):
+            out.setdefault(teacher_group(point.cfg), []).append(point)
     return out
 
 
@@ -54,7 +94,7 @@ def submit_scoring(points: Sequence[Any], sweep_dir: str, preset: Mapping[str, A
     from megaft.launch.submit_task import SlurmRankTask
 
     waits: dict[int, str] = {}
-    for path, group in missing_scores(points).items():
+    for name, group in missing_scores(points).items():
         first = group[0]
         shape: Shape = first.shape
         executor = submitit.SlurmExecutor(folder=str(preset["submitit_folder"]), python=python)
@@ -62,7 +102,7 @@ def submit_scoring(points: Sequence[Any], sweep_dir: str, preset: Mapping[str, A
         params["job_name"] = f"{preset['job_name']}-score"
         params.pop("array_parallelism", None)
         executor.update_parameters(**params)
-        run_dir = os.path.join(sweep_dir, SCORES_DIR, os.path.basename(path).removesuffix(".safetensors"))
+        run_dir = os.path.join(sweep_dir, SCORES_DIR, name)
         job = executor.submit(SlurmRankTask(scoring_config(first.cfg), run_dir))
         for point in group:
             waits[point.num] = job.job_id

@@ -5,7 +5,7 @@
              "shape" {nodes, tasks_per_node, gpus_per_node, cpus_per_task, world_size},
              "submitit_folder" (the job's logs and result pickle),
              "eval_job_id" (train.then_eval: its megaft-eval job, megaft.eval.submit),
-             "score_job_id" (pref.scores: the scoring job it waits for, megaft.launch.score_jobs)}, ...],
+             "score_job_id" (pref.scores, distill.scores: the scoring job it waits for, score_jobs)}, ...],
  "arrays": [{"array_job_id", "shape", "points": [num, ...]}, ...]}
 """
 from __future__ import annotations

@@ -271,6 +271,11 @@ def check_memory(cfg, world_size: int, target: Optional[tuple[int, str]] = None,
         return []
     par = cfg.parallel
     fixes = [f"raise parallel.tp={par.tp} or parallel.pp={par.pp}"]
+    stored_ok = not cfg.distill.generates and par.pp == 1 and par.cp == 1 and cfg.data.packing != "stream"
+    if cfg.train.objective == "distill" and est.frozen and stored_ok:  # distill.top_k's own refusals excluded
+        # the online teacher: whole under ZeRO, so only tp/pp or the stored top-k take it off the GPU
+        fixes.append(f"set distill.top_k=64 with distill.scores=DIR (the teacher, {est.frozen / GIB:.1f} GiB here, is "
+                     "scored once before training and not held while it trains)")
     if cfg.model.n_experts:  # expert parallelism splits the routed experts over the dp×cp replicas
         from megaft.config.parallel import resolve_dp
 

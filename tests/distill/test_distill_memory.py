@@ -90,3 +90,30 @@ def test_a_stored_top_k_teacher_is_not_held(tmp_path):
     assert est.frozen == 0
     cfg.distill.top_k = None
     assert estimate_ranks(cfg, 1)[0].frozen > 0
+
+
+def test_a_teacher_over_the_budget_is_refused_with_the_stored_top_k_fix(tmp_path):
+    """A budget the student fits in alone but not beside its online teacher: validation refuses the run,
+    naming the teacher's GiB and distill.top_k as a fix; the same run with distill.top_k passes; under pp2
+    (where top_k is refused) the fix is not offered."""
+    from megaft.perf.memory import GIB
+    from megaft.validation import validate
+
+    ckpt, teacher, data = str(tmp_path / "student"), str(tmp_path / "teacher"), str(tmp_path / "sft.jsonl")
+    make_hf_llama(ckpt, seed=1)
+    make_bigger_teacher(teacher)
+    write_sft(data)
+    online = resolve(distill_config(ckpt, teacher, data))
+    stored = resolve(distill_config(ckpt, teacher, data))
+    stored.distill.top_k = 8
+    with_teacher, without = estimate_ranks(online, 1)[0], estimate_ranks(stored, 1)[0]
+    assert without.frozen == 0 and with_teacher.total - without.total >= with_teacher.frozen > 0
+    budget = ((with_teacher.total + without.total) // 2, "a test budget")
+    [problem] = [p for p in validate(online, 1, gpu_budget=budget) if "estimated memory" in p]
+    assert f"distill.top_k=64 with distill.scores=DIR (the teacher, {with_teacher.frozen / GIB:.1f} GiB" in problem
+    assert "frozen" in problem and "a test budget" in problem
+    assert not [p for p in validate(stored, 1, gpu_budget=budget) if "estimated memory" in p]
+    piped = resolve(distill_config(ckpt, teacher, data))
+    piped.parallel.pp = 2
+    over = [p for p in validate(piped, 2, gpu_budget=(1, "a test budget")) if "estimated memory" in p]
+    assert over and "distill.top_k" not in over[0]

@@ -252,3 +252,36 @@ def test_scoring_jobs_group_points_by_reference_fingerprint(tmp_path, where):
     scoring = scoring_config(points[0].cfg)
     assert scoring.train.max_steps == 0 and not scoring.train.then_eval and points[0].cfg.train.then_eval
     assert scores_path(scoring) == scores_path(points[0].cfg)  # it stores what the points read
+
+
+def test_scoring_jobs_group_stored_teachers_by_what_the_config_names(tmp_path):
+    """distill.scores with distill.top_k: points that differ in a training setting (lr, beta) share one
+    scoring job; another k, another data file or no distill.scores (scored in the run) do not; the
+    group is queued whether or not a file is in the folder (its name hashes the prepared corpus)."""
+    from types import SimpleNamespace
+
+    from distill.distill_cases import distill_config, write_sft
+    from models.hf_fixture import make_hf_llama
+
+    from megaft.launch.score_jobs import missing_scores, scoring_config, stores_scores
+
+    make_hf_llama(str(tmp_path / "ckpt"), seed=1)
+    make_hf_llama(str(tmp_path / "teacher"), seed=2)
+    write_sft(str(tmp_path / "a.jsonl"))
+    write_sft(str(tmp_path / "b.jsonl"), seed=3)
+
+    def point(num: int, data: str = "a.jsonl", k: int = 8, lr: float = 1e-2, beta: float = 0.5, scores=True):
+        cfg = distill_config(str(tmp_path / "ckpt"), str(tmp_path / "teacher"), str(tmp_path / data), beta=beta)
+        cfg.optim.lr, cfg.distill.top_k = lr, k
+        cfg.distill.scores = str(tmp_path / "scores") if scores else None
+        return SimpleNamespace(num=num, cfg=cfg)
+
+    points = [point(0), point(1, lr=1e-3, beta=0.9), point(2, k=4), point(3, "b.jsonl"), point(4, scores=False)]
+    assert [stores_scores(p.cfg) for p in points] == [True, True, True, True, False]
+    groups = missing_scores(points)
+    assert sorted(sorted(p.num for p in group) for group in groups.values()) == [[0, 1], [2], [3]]
+    assert all(name.startswith("teacher-topk-config-") for name in groups)
+    os.makedirs(tmp_path / "scores")
+    open(tmp_path / "scores" / "teacher-topk-0.safetensors", "w").close()
+    assert missing_scores(points).keys() == groups.keys()
+    assert scoring_config(points[0].cfg).train.max_steps == 0
