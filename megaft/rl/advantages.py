@@ -68,3 +68,20 @@ def function_metrics(rewards_per_func: torch.Tensor, names: list[str]) -> dict[s
         out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
         out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
     return out
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/* metrics over the global batch: each completion's length in tokens
+    (`lengths`) and whether it was cut at its length limit (`truncated`: its last token is no eos
+    nor the pad id, whatever rl.mask_truncated_completions). The terminated lengths are TRL's
+    single 0 when every completion was truncated."""
+    lengths = lengths.float()
+    done = lengths[~truncated]
+    if len(done) == 0:  # TRL's edge case: no completion ended on an eos
+        done = torch.zeros(1)
+    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": done.mean().item(),
+            "completions/min_terminated_length": done.min().item(),
+            "completions/max_terminated_length": done.max().item()}
