@@ -63,6 +63,20 @@ def prompt_problems(prompts: list[Prompt], seq_len: int, vocab_size: int) -> lis
     return problems[:5]
 
 
+def fit_problems(prompts: list[Prompt], max_completion_length: int, seq_len: int, max_seq_len: int) -> list[str]:
+    """A row holds a prompt and its completion in data.seq_len tokens (megaft.rl.rollouts.group_rows):
+    rl.max_completion_length beyond what the longest prompt leaves is refused, with the fix."""
+    n, longest = max(enumerate(prompts, start=1), key=lambda x: len(x[1].ids))
+    need = len(longest.ids) + max_completion_length
+    if need <= seq_len:
+        return []
+    raise_to = (f"data.seq_len={need}" if need <= max_seq_len else
+                f"data.seq_len={need} with model.max_seq_len >= {need} (now {max_seq_len})")
+    return [f"rl.max_completion_length={max_completion_length} does not fit: prompt {n} has {len(longest.ids)} "
+            f"tokens and a row holds prompt + completion in data.seq_len={seq_len}; fix: rl.max_completion_length="
+            f"{seq_len - len(longest.ids)}, or {raise_to}, or shorter prompts"]
+
+
 def draw_seed(step: int, position: int) -> int:
     """The `step` argument of the draws of the step's prompt at `position` (megaft.inference.generate)."""
     return step * 1_000_003 + position
