@@ -59,7 +59,7 @@ from megaft.pref.logps import decoder_token_logps, token_entropy
 from megaft.rl.advantages import completion_metrics, function_metrics, group_advantages
 from megaft.rl.iterations import Generation
 from megaft.rl.losses import COLUMNS, GlobalCounts, GrpoStats, completion_losses, grpo_terms
-from megaft.rl.online import OnlineRollouts, read_rl_prompts
+from megaft.rl.online import Generate, OnlineRollouts, draw_seed, read_rl_prompts
 from megaft.rl.rewards import load_reward, reward_name
 from megaft.rl.rollouts import Group, group_rows, logged_rewards, read_rollouts, scored_rewards, step_groups
 from megaft.training.model import build_model
@@ -445,21 +445,26 @@ def build_step(parts: RunParts) -> StepPart:
     return step
 
 
-def rollout_generator(parts: RunParts, step) -> Callable[[list[list[int]], int, int], list[list[int]]]:
+def rollout_generator(parts: RunParts, step) -> Generate:
     """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, then
-    rl.top_p's nucleus (transformers' order), seeded by train.seed and the draw's step; through the
-    pipeline's stages under pp, with ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
+    rl.top_p's nucleus (transformers' order), seeded by train.seed and each prompt's draw_seed; through the
+    pipeline's stages under pp, with ZeRO-3's layers gathered once for the rank's prompts of the step; each
+    completion keeps the eos that ended it."""
     cfg, grid = parts.cfg, parts.grid
     sampling = Sampling(temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.train.seed)
     eos = parts.data.eos_id
     listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
     eos = sorted({eos, *(listed if isinstance(listed, list) else [listed])} - {None})
 
-    def run(prompts: list[list[int]], max_new_tokens: int, seed_step: int) -> list[list[int]]:
+    def group(prompt: list[int], max_new_tokens: int, seed_step: int) -> list[list[int]]:
+        prompts = [prompt] * cfg.rl.num_generations
         kw = dict(max_new_tokens=max_new_tokens, eos_id=eos, sampling=sampling, step=seed_step, keep_eos=True)
-        with parts.optim.whole_params():
-            if isinstance(step.generator, Decoder):
-                with step.autocast():
-                    return generate(step.generator, prompts, device=grid.device, **kw)
-            return pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
+        if isinstance(step.generator, Decoder):
+            with step.autocast():
+                return generate(step.generator, prompts, device=grid.device, **kw)
+        return pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
+
+    def run(asked: dict[int, tuple[list[int], int]], seed_step: int) -> dict[int, list[list[int]]]:
+        with parts.optim.whole_params():  # once for the rollout phase, not once a prompt
+            return {j: group(prompt, room, draw_seed(seed_step, j)) for j, (prompt, room) in asked.items()}
     return run
