@@ -13,6 +13,10 @@ a completion at most (the eos of a random model is rare: nearly every completion
 - hf_per_prompt: transformers' `generate(do_sample=True)` with the same G rows a call;
 - hf_batched: one transformers `generate` call for every prompt's G rows, left-padded (TRL's way).
 
+Then --steps GRPO steps of megaft's Trainer on the same prompts (rl.prompts, exact_match reward,
+one process, all prompts a step), each split into generation, scoring (the reward functions) and
+training (the rest: advantages, forward, backward, AdamW).
+
 Reported: new tokens per second (the completion tokens kept, eos included) of each variant, the
 median of --rounds rounds run in ABBA order. The draws differ between the two libraries (other
 generators); the token counts are each variant's own.
@@ -74,6 +78,61 @@ def hf_rollouts(model, prompts: list[list[int]], g: int, new: int, temperature: 
     return _kept(out[:, width:])
 
 
+def step_split(root: str, prompts: list[list[int]], g: int, new: int, steps: int) -> dict[str, float]:
+    """Median seconds of a GRPO step on rl.prompts (megaft's Trainer, one process, the same model and
+    prompts, exact_match reward) split into generation (the rollouts), scoring (the reward functions)
+    and training (the rest of train_step: advantages, forward, backward, AdamW), over `steps` steps
+    after one untimed."""
+    import json
+
+    from megaft.config import Config
+    from megaft.parallel.grid import ParallelGrid
+    from megaft.training.loop import Trainer
+    from megaft.validation import resolve, validate
+
+    path = os.path.join(root, "prompts.jsonl")
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": "".join(CHARS[i - len(SPECIALS)] for i in p), "answer": "a"}) + "\n")
+    cfg = Config()
+    cfg.model.init_from, cfg.data.seq_len, cfg.device = root, 8 * -(-(max(map(len, prompts)) + new) // 8), "cpu"
+    cfg.rl.prompts, cfg.rl.reward, cfg.rl.num_generations, cfg.rl.max_completion_length = path, ["exact_match"], g, new
+    t = cfg.train
+    t.objective, t.max_steps, t.global_batch_size, t.micro_batch_size = "grpo", steps + 1, len(prompts) * g, g
+    t.progress, t.eval_every, t.tensorboard, t.log_phases = False, 10 ** 6, "false", False
+    cfg.optim.warmup_steps, cfg.optim.weight_decay = 0, 0.0
+    problems = validate(cfg, 1)
+    if problems:
+        raise SystemExit("megaft config:\n  " + "\n  ".join(problems))
+    os.makedirs(os.path.join(root, "run"), exist_ok=True)
+    trainer = Trainer(resolve(cfg), ParallelGrid.single(), os.path.join(root, "run"))
+    data = trainer.parts.data
+    spent = {"generation": 0.0, "scoring": 0.0}
+
+    def timed(name, fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+    data.online.generate = timed("generation", data.online.generate)
+    data.score = timed("scoring", data.score)
+    rows: dict[str, list[float]] = {"generation": [], "scoring": [], "training": [], "step": []}
+    for step in range(steps + 1):
+        spent.update(generation=0.0, scoring=0.0)
+        start = time.perf_counter()
+        trainer.train_step(step)
+        total = time.perf_counter() - start
+        if step:
+            rows["step"].append(total)
+            rows["generation"].append(spent["generation"])
+            rows["scoring"].append(spent["scoring"])
+            rows["training"].append(total - spent["generation"] - spent["scoring"])
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Sizes()
@@ -85,6 +144,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=2, help="timed GRPO steps of the step split (0: none)")
     add_model_args(p, d)
     a = p.parse_args(argv)
     import transformers
@@ -102,6 +162,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         write_model(root, sizes, max(len(x) for x in prompts) + a.new_tokens)
         hf = transformers.LlamaForCausalLM.from_pretrained(root).float().eval()
         ours = build_model(locate(root)).eval()
+        split = step_split(root, prompts, a.generations, a.new_tokens, a.steps) if a.steps else None
     run = {"megaft": lambda: megaft_rollouts(ours, prompts, a.generations, a.new_tokens, a.temperature, a.top_p),
            "hf_per_prompt": lambda: hf_rollouts(hf, prompts, a.generations, a.new_tokens, a.temperature, a.top_p,
                                                 False),
@@ -122,6 +183,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     for v in VARIANTS:
         med = statistics.median(rates[v])
         print(f"{v:<14} {med:>9.1f} tokens/s  {med / base:>6.3f}x hf_per_prompt")
+    if split:
+        print(f"GRPO step (rl.prompts, the same prompts, median of {a.steps}): " + ", ".join(
+            f"{k} {1e3 * v:.0f} ms" for k, v in split.items()))
     print(f"load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
 
 
