@@ -341,12 +341,14 @@ def _rollout_problems(cfg: Config) -> list[str]:
             read_rollouts(rl.rollouts, rl.num_generations, rl.max_completion_length, cfg.data.seq_len,
                           cfg.model.vocab_size, scored=bool(rl.reward))
         else:
-            from megaft.rl.online import prompt_problems, read_rl_prompts
+            from megaft.rl.online import fit_problems, prompt_problems, read_rl_prompts
 
             tok = build_tokenizer(cfg.data, init_from=cfg.model.init_from)
-            bad = prompt_problems(read_rl_prompts(path, tok, _chat_template(cfg)), cfg.data.seq_len,
-                                  cfg.model.vocab_size)
+            encoded = read_rl_prompts(path, tok, _chat_template(cfg))
+            bad = prompt_problems(encoded, cfg.data.seq_len, cfg.model.vocab_size)
             problems += [f"rl.prompts={path}: {p}; fix: shorter prompts or a longer data.seq_len" for p in bad]
+            if encoded and not bad:
+                problems += fit_problems(encoded, rl.max_completion_length, cfg.data.seq_len, cfg.model.max_seq_len)
     except DataError as exc:
         problems.append(f"rl.prompts: {exc}")
     except ValueError as exc:

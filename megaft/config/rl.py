@@ -82,7 +82,9 @@ def check_rl(cfg: RLConfig, objective: str, *, global_batch_size: int, micro_bat
         problems.append(f"rl.num_iterations={cfg.num_iterations!r} must be a whole number >= 1 (the optimizer steps "
                         "each generated batch is trained on); fix: 1 (on-policy, TRL's default) or e.g. 2")
     if cfg.temperature <= 0:
-        problems.append(f"rl.temperature={cfg.temperature} must be > 0")
+        problems.append(f"rl.temperature={cfg.temperature} must be > 0: the log-probs are of logits / temperature "
+                        "(TRL's selective_log_softmax too) and transformers' sampling refuses 0, so TRL has no greedy "
+                        "rollouts; fix: 1.0 (TRL's default), or e.g. 0.1 for near-greedy draws")
     if not 0 < cfg.top_p <= 1:
         problems.append(f"rl.top_p={cfg.top_p} must be in (0, 1] (the probability mass each draw keeps); fix: e.g. "
                         "0.95, or 1.0 to keep every token")

@@ -5,7 +5,9 @@
 The rewards of the whole generation batch come in, every rank the same ([completions,
 functions], NaN where a function returned None): a group's mean and std span its G
 completions wherever they train, and `scale_rewards="batch"` takes one std over every
-completion (TRL#3991 computed it per group; tests/rl checks the batch std is one number).
+completion (TRL#3991 computed it per group; tests/rl checks the batch std is one number). A group
+of equal rewards gets advantages exactly 0 (NeMo-RL#4161: TRL's fp32 mean leaves a residue that
+the 1e-4 of the std's epsilon scales up).
 """
 from __future__ import annotations
 
@@ -44,9 +46,15 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     rewards = (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = torch.nan
     grouped = rewards.view(-1, num_generations)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations, dim=0)
+    # each group's mean as its smallest reward plus the mean of the offsets from it: a group of equal rewards
+    # has mean exactly its reward, so advantage exactly 0 (a plain fp32 mean's rounding residue, / (0 + 1e-4),
+    # gave those completions advantages of up to ~1e-3: NeMo-RL#4161); other groups' mean moves by rounding only
+    base = torch.where(torch.isnan(grouped), torch.inf, grouped).amin(dim=1, keepdim=True)
+    base = torch.where(torch.isinf(base), torch.zeros_like(base), base)  # a group every function declined
+    mean = (base.squeeze(1) + torch.nanmean(grouped - base, dim=1)).repeat_interleave(num_generations, dim=0)
     if scale_rewards in ("group", "none"):  # "none" keeps the group std for the zero-std count only
-        std = (nanstd(grouped, dim=1).repeat_interleave(num_generations, dim=0) if num_generations > 1
+        # of the offsets too: exactly 0 for equal rewards, so frac_reward_zero_std counts the group
+        std = (nanstd(grouped - base, dim=1).repeat_interleave(num_generations, dim=0) if num_generations > 1
                else torch.zeros_like(rewards))
     else:
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
@@ -68,3 +76,20 @@ def function_metrics(rewards_per_func: torch.Tensor, names: list[str]) -> dict[s
         out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
         out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
     return out
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completions/* metrics over the global batch: each completion's length in tokens
+    (`lengths`) and whether it was cut at its length limit (`truncated`: its last token is no eos
+    nor the pad id, whatever rl.mask_truncated_completions). The terminated lengths are TRL's
+    single 0 when every completion was truncated."""
+    lengths = lengths.float()
+    done = lengths[~truncated]
+    if len(done) == 0:  # TRL's edge case: no completion ended on an eos
+        done = torch.zeros(1)
+    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": done.mean().item(),
+            "completions/min_terminated_length": done.min().item(),
+            "completions/max_terminated_length": done.max().item()}

@@ -42,7 +42,10 @@ from megaft.config.rl import LOSS_TYPES
 COLUMNS = ("tokens", "kl", "entropy", "low", "high", "region")  # per completion, summed over its tokens
 # a GRPO step's metrics line (TRL's names; rewards/<function>/mean and /std beside them)
 METRICS = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "clip_ratio/low_mean",
-           "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+           "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+           "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+           "completions/mean_terminated_length", "completions/min_terminated_length",
+           "completions/max_terminated_length")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Step s takes the next train.global_batch_size / G prompts in file order, wrappin
 rl.rollouts takes its groups). Each dp rank generates the prompts at positions j = dp_rank,
 dp_rank + dp, ... of the step (all its tp and pp ranks together, ZeRO-3 layers gathered); the
 groups are then gathered over dp, so every rank holds the step's whole batch as a logged file
-would give it. Prompt j's G completions are drawn as one batch with a generator seeded by
+would give it. A rank's prompts are generated in one call a step (ZeRO-3's layers gathered once
+for all of them); prompt j's G completions are drawn as one batch with a generator seeded by
 (train.seed, step, j): the same draws at every layout. A completion keeps the eos that ended it
 (TRL's completion_ids do) and is cut at rl.max_completion_length or data.seq_len.
 
@@ -30,8 +31,9 @@ from megaft.data.prompts import read_prompts, render_prompt
 from megaft.parallel.grid import ParallelGrid
 from megaft.rl.rollouts import Group, step_groups
 
-# (prompt ids repeated G times, max new tokens, the draws' seed step) -> each row's new ids
-Generate = Callable[[list[list[int]], int, int], list[list[int]]]
+# ({position j: (prompt ids, max new tokens)} of this rank's prompts, the step) -> {j: its G completions}: one call
+# a rollout phase (ZeRO-3's layers gathered once for it), prompt j's draws seeded by draw_seed(step, j)
+Generate = Callable[[dict[int, tuple[list[int], int]], int], dict[int, list[list[int]]]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,20 @@ def prompt_problems(prompts: list[Prompt], seq_len: int, vocab_size: int) -> lis
     return problems[:5]
 
 
+def fit_problems(prompts: list[Prompt], max_completion_length: int, seq_len: int, max_seq_len: int) -> list[str]:
+    """A row holds a prompt and its completion in data.seq_len tokens (megaft.rl.rollouts.group_rows):
+    rl.max_completion_length beyond what the longest prompt leaves is refused, with the fix."""
+    n, longest = max(enumerate(prompts, start=1), key=lambda x: len(x[1].ids))
+    need = len(longest.ids) + max_completion_length
+    if need <= seq_len:
+        return []
+    raise_to = (f"data.seq_len={need}" if need <= max_seq_len else
+                f"data.seq_len={need} with model.max_seq_len >= {need} (now {max_seq_len})")
+    return [f"rl.max_completion_length={max_completion_length} does not fit: prompt {n} has {len(longest.ids)} "
+            f"tokens and a row holds prompt + completion in data.seq_len={seq_len}; fix: rl.max_completion_length="
+            f"{seq_len - len(longest.ids)}, or {raise_to}, or shorter prompts"]
+
+
 def draw_seed(step: int, position: int) -> int:
     """The `step` argument of the draws of the step's prompt at `position` (megaft.inference.generate)."""
     return step * 1_000_003 + position
@@ -83,11 +99,11 @@ class OnlineRollouts:
             raise RuntimeError("OnlineRollouts.generate is not attached (megaft.training.objectives.grpo.build_step)")
         ids = step_groups(len(self.prompts), step, per_step)
         grid = self.grid
-        mine = {}
+        asked = {}
         for j in range(grid.dp_rank, per_step, grid.dp_size):
             p = self.prompts[ids[j]]
-            room = min(self.max_len, self.seq_len - len(p.ids))
-            mine[j] = self.generate([p.ids] * self.g, room, draw_seed(step, j))
+            asked[j] = (p.ids, min(self.max_len, self.seq_len - len(p.ids)))
+        mine = self.generate(asked, step)
         made = [mine]
         if grid.dp_size > 1:  # every rank holds the whole step's groups
             made = [None] * grid.dp_size

@@ -22,6 +22,7 @@ from rl.grpo_cases import ONLINE_LAYOUTS, G, online_config, online_rank, run, wr
 from train_cases import read_rows
 
 from megaft.parallel.grid import ParallelGrid
+from megaft.rl.online import Prompt, fit_problems
 from megaft.training.loop import Trainer
 from megaft.validation import resolve, validate
 
@@ -141,13 +142,21 @@ def test_validation_names_what_online_generation_needs(inputs, tmp_path):
     long.write_text(json.dumps({"prompt": "a" * 20, "answer": "b"}) + "\n")
     cases = [(dict(prompts=str(long)), "prompt 1 has 20 tokens >= data.seq_len=16"),
              (dict(prompts="/no/such.jsonl"), "rl.prompts=/no/such.jsonl is not a file"),
-             (dict(reward=[]), "generated completions need reward functions")]
+             (dict(reward=[]), "generated completions need reward functions"),
+             # the longest prompt is 5 letters (write_prompts): 12 more tokens do not fit in 16
+             (dict(max_completion_length=12), "rl.max_completion_length=12 does not fit: prompt"),
+             (dict(max_completion_length=12), "fix: rl.max_completion_length=11, or data.seq_len=17, or shorter")]
     for change, message in cases:
         bad = online_config(ckpt, prompts)
         for k, v in change.items():
             setattr(bad.rl, k, v)
         problems = validate(bad, 1)
         assert any(message in p for p in problems), (change, problems)
+    fits = online_config(ckpt, prompts)
+    fits.rl.max_completion_length = 11  # the fix: 5 + 11 = 16 tokens
+    assert validate(fits, 1) == []
+    # past the model's positions too: the fix says to raise both
+    assert "data.seq_len=17 with model.max_seq_len >= 17 (now 16)" in fit_problems([Prompt([3] * 5, {})], 12, 16, 16)[0]
     cp = online_config(ckpt, prompts)  # the cp ranks of a dp rank generate the same whole sequences
     cp.parallel.cp = 2
     assert validate(cp, 2) == []

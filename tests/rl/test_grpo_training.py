@@ -37,7 +37,8 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 
 pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
-COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean", "entropy")
+COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean", "entropy", "completions/mean_length",
+            "completions/max_length", "completions/clipped_ratio")
 KL_COMPARED = COMPARED + ("kl",)
 
 
@@ -165,6 +166,8 @@ def test_first_step_equals_trl(inputs, singles, loss_type, kl, temperature):
     assert first["grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert first["reward"] == pytest.approx(trainer._metrics["train"]["reward"][-1], rel=1e-6)
     assert first["entropy"] == pytest.approx(trainer._metrics["train"]["entropy"][-1], rel=1e-5)
+    lengths = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("completions/")}
+    assert len(lengths) == 7 and all(first[k] == v for k, v in lengths.items()), (lengths, first)
     if kl:
         assert first["kl"] == pytest.approx(trainer._metrics["train"]["kl"][-1], rel=1e-5) and first["kl"] > 1e-3
 

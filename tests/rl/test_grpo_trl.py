@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megaft.rl.advantages import function_metrics, group_advantages
+from megaft.rl.advantages import completion_metrics, function_metrics, group_advantages
 from megaft.rl.losses import LOSS_TYPES, GlobalCounts, grpo_loss
 
 trl = pytest.importorskip("trl", reason="TRL is the reference (requirements.txt installs it)")
@@ -92,6 +92,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantages_equal_trl(trainer, scale):
+    """The advantages and TRL's reward and completions/* (length) metrics."""
     trainer.scale_rewards = scale
     trainer._metrics["train"].clear()
     out = trainer._generate_and_score_completions(_rows(trainer))
@@ -100,6 +101,12 @@ def test_advantages_equal_trl(trainer, scale):
     torch.testing.assert_close(ours, out["advantages"], rtol=1e-6, atol=1e-7)
     theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     metrics.update(function_metrics(rewards, ["correct", "format_ok"]))
+    ended = torch.tensor([c[-1] in (EOS, PAD) for c in COMPLETIONS])
+    lengths = completion_metrics(torch.tensor([len(c) for c in COMPLETIONS]), ~ended)
+    # two of four cut at 6 tokens; the terminated ones are 4 and 2 long: every number is apart from the rest
+    assert lengths["completions/clipped_ratio"] == 0.5 and lengths["completions/mean_terminated_length"] == 3.0
+    assert lengths.keys() == {k for k in theirs if k.startswith("completions/")}
+    metrics.update(lengths)
     for name, value in metrics.items():
         assert value == pytest.approx(theirs[name], rel=1e-6, nan_ok=True), name
     if scale == "batch":  # TRL#3991 took a std per group: here one std of all four, by hand

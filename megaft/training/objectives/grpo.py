@@ -56,10 +56,10 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.comm import reduce_from_tp
 from megaft.pipeline.runtime import PipelineRuntime
 from megaft.pref.logps import decoder_token_logps, token_entropy
-from megaft.rl.advantages import function_metrics, group_advantages
+from megaft.rl.advantages import completion_metrics, function_metrics, group_advantages
 from megaft.rl.iterations import Generation
 from megaft.rl.losses import COLUMNS, GlobalCounts, GrpoStats, completion_losses, grpo_terms
-from megaft.rl.online import OnlineRollouts, read_rl_prompts
+from megaft.rl.online import Generate, OnlineRollouts, draw_seed, read_rl_prompts
 from megaft.rl.rewards import load_reward, reward_name
 from megaft.rl.rollouts import Group, group_rows, logged_rewards, read_rollouts, scored_rewards, step_groups
 from megaft.training.model import build_model
@@ -161,11 +161,10 @@ class RolloutData:
         last_save = step - step % self.save_every if self.save_every > 0 else step
         batch.generation.save(self.run_dir, self.grid, self.layout(), keep_from=last_save // mu)
 
-    def truncated(self, groups: list[Group]) -> torch.Tensor:
-        """[completions] True where rl.mask_truncated_completions drops the completion: its last
-        token is neither an eos nor the pad id (TRL's is_truncated)."""
-        return torch.tensor([self.rl.mask_truncated_completions and c[-1] not in self.stop_ids
-                             for grp in groups for c in grp.completion_ids], dtype=torch.bool)
+    def ended(self, groups: list[Group]) -> torch.Tensor:
+        """[completions] True where the completion's last token is an eos or the pad id; the others were
+        cut at their length limit (TRL's is_truncated), which rl.mask_truncated_completions drops."""
+        return torch.tensor([c[-1] in self.stop_ids for grp in groups for c in grp.completion_ids], dtype=torch.bool)
 
     def batch(self, step: int) -> RolloutBatch:
         g = self.rl.num_generations
@@ -174,11 +173,13 @@ class RolloutData:
         if self.run_dir and self.grid.rank == 0:
             self.log_first_group(step + 1, groups[0], rewards[:g])
         inputs, labels = group_rows(groups, self.seq_len, self.pad_id)
-        truncated = self.truncated(groups)
+        ended = self.ended(groups)
+        truncated = ~ended if self.rl.mask_truncated_completions else torch.zeros_like(ended)
         kept = labels.masked_fill(truncated.unsqueeze(1), -100)  # the loss's labels
         weights = torch.tensor(self.rl.reward_weights or [1.0] * len(self.names))
         advantages, metrics = group_advantages(rewards, weights, g, self.rl.scale_rewards)
         metrics.update(function_metrics(rewards, self.names))
+        metrics.update(completion_metrics(torch.tensor([len(c) for grp in groups for c in grp.completion_ids]), ~ended))
         mask = kept != -100
         counts = GlobalCounts(completions=len(advantages), tokens=float(mask.sum()),
                               max_completion_length=self.rl.max_completion_length)
@@ -444,21 +445,26 @@ def build_step(parts: RunParts) -> StepPart:
     return step
 
 
-def rollout_generator(parts: RunParts, step) -> Callable[[list[list[int]], int, int], list[list[int]]]:
+def rollout_generator(parts: RunParts, step) -> Generate:
     """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, then
-    rl.top_p's nucleus (transformers' order), seeded by train.seed and the draw's step; through the
-    pipeline's stages under pp, with ZeRO-3's layers gathered; each completion keeps the eos that ended it."""
+    rl.top_p's nucleus (transformers' order), seeded by train.seed and each prompt's draw_seed; through the
+    pipeline's stages under pp, with ZeRO-3's layers gathered once for the rank's prompts of the step; each
+    completion keeps the eos that ended it."""
     cfg, grid = parts.cfg, parts.grid
     sampling = Sampling(temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.train.seed)
     eos = parts.data.eos_id
     listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
     eos = sorted({eos, *(listed if isinstance(listed, list) else [listed])} - {None})
 
-    def run(prompts: list[list[int]], max_new_tokens: int, seed_step: int) -> list[list[int]]:
+    def group(prompt: list[int], max_new_tokens: int, seed_step: int) -> list[list[int]]:
+        prompts = [prompt] * cfg.rl.num_generations
         kw = dict(max_new_tokens=max_new_tokens, eos_id=eos, sampling=sampling, step=seed_step, keep_eos=True)
-        with parts.optim.whole_params():
-            if isinstance(step.generator, Decoder):
-                with step.autocast():
-                    return generate(step.generator, prompts, device=grid.device, **kw)
-            return pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
+        if isinstance(step.generator, Decoder):
+            with step.autocast():
+                return generate(step.generator, prompts, device=grid.device, **kw)
+        return pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
+
+    def run(asked: dict[int, tuple[list[int], int]], seed_step: int) -> dict[int, list[list[int]]]:
+        with parts.optim.whole_params():  # once for the rollout phase, not once a prompt
+            return {j: group(prompt, room, draw_seed(seed_step, j)) for j, (prompt, room) in asked.items()}
     return run
