@@ -43,8 +43,12 @@ GPUs (FSDP: bf16 params, fp32 reduction), micro-batch 2, model.recompute=selecti
 H100s ran at 500 W with 96 GB HBM2e at 2.4 TB/s ("We ran our performance benchmarks on the Grand
 Teton platform", same page) where conf/cluster/h100.yaml describes the 700 W SXM part at 3.35 TB/s:
 "after" prices their memory-bound kernels at 2.4 TB/s; the 500 W power limit's effect on the GEMMs
-is not modelled (no published measurement found), nor torchtitan's selective "op" checkpointing,
-which recomputes every other matmul (megaft's selective recomputes the core and the activation).
+is not modelled (no published measurement of bf16 GEMM throughput against an H100 power cap found).
+torchtitan's rows: "before" with the attention curve and megaft's selective recompute (the core and the
+activation); "after" with torchtitan's selective "op" policy as the framework runs it (cluster.recompute_ops:
+every second matmul of the block and its elementwise ops run again, the attention core saved;
+megaft.perf.op_recompute cites torchtitan's policy). Megatron's rows print "before" without the attention
+curve and "after" with it.
 (The table's CP rows use Float8 and torch.compile: not comparable with a bf16 peak, left out.)
 
 Third source (DeepSpeed): BLOOM-176B, trained with Megatron-DeepSpeed (DeepSpeed's ZeRO-1 with Megatron's tp and pp)
@@ -223,7 +227,8 @@ def torchtitan_rows(models: dict) -> dict:
     cluster of torchtitan's rows); returns label -> errors."""
     labels = list(models)
     print("\nvs torchtitan's Llama 3.1 8B FSDP rows (docs/performance.md Tables 1 and 3; bf16, eager, 500 W H100s)"
-          "\ntorchtitan rows: eager (compiled: false), hbm 2.4 TB/s, no tp; after: FlashAttention-2's causal curve")
+          "\ntorchtitan rows: eager (compiled: false), hbm 2.4 TB/s, no tp, FlashAttention-2's causal curve; "
+          "after: selective op recompute (cluster.recompute_ops)")
     print(f"{'GPUs':>5} {'batch':>5} {'pub TPS/GPU':>11} "
           + " ".join(f"{label + ' TPS':>14} {'error':>7}" for label in labels) + "  bottleneck (2nd), last model")
     errors: dict = {label: [] for label in labels}
@@ -263,7 +268,9 @@ def main(argv=None) -> None:
           f"{args.megatron_attention}'s causal curve")
     megatron = megatron_rows({"before": dataclasses.replace(megatron, **no_curve),
                               "after": dataclasses.replace(megatron, **kernel)})
-    titan = torchtitan_rows({"before": dataclasses.replace(titan, **no_curve), "after": titan})
+    # torchtitan's rows before: FlashAttention-2's curve, megaft's selective recompute (core and activation);
+    # after: its selective "op" policy as torchtitan runs it (cluster.recompute_ops, megaft.perf.op_recompute)
+    titan = torchtitan_rows({"before": titan, "after": dataclasses.replace(titan, recompute_ops=True)})
     # the other sources in their framework's mode: Megatron-DeepSpeed and Megatron-Bridge run fused kernels
     a100 = load_cluster("a100")
     other = other_rows(dataclasses.replace(a100, compiled=True, tp_overlap=True),
