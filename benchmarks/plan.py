@@ -43,9 +43,34 @@ GPUs (FSDP: bf16 params, fp32 reduction), micro-batch 2, model.recompute=selecti
 H100s ran at 500 W with 96 GB HBM2e at 2.4 TB/s ("We ran our performance benchmarks on the Grand
 Teton platform", same page) where conf/cluster/h100.yaml describes the 700 W SXM part at 3.35 TB/s:
 "after" prices their memory-bound kernels at 2.4 TB/s; the 500 W power limit's effect on the GEMMs
-is not modelled (no published measurement found), nor torchtitan's selective "op" checkpointing,
-which recomputes every other matmul (megaft's selective recomputes the core and the activation).
+is not modelled (no published measurement of bf16 GEMM throughput against an H100 power cap found).
+torchtitan's rows: "before" with the attention curve and megaft's selective recompute (the core and the
+activation); "after" with torchtitan's selective "op" policy as the framework runs it (cluster.recompute_ops:
+every second matmul of the block and its elementwise ops run again, the attention core saved;
+megaft.perf.op_recompute cites torchtitan's policy). Megatron's rows print "before" without the attention
+curve and "after" with it.
 (The table's CP rows use Float8 and torch.compile: not comparable with a bf16 peak, left out.)
+
+Third source (DeepSpeed): BLOOM-176B, trained with Megatron-DeepSpeed (DeepSpeed's ZeRO-1 with Megatron's tp and pp)
+on 384 A100 80GB GPUs, https://bigscience.notion.site/BigScience-176B-Model-ad073ca07cdf479398d5f95d88e218c4:
+"70 layers - 112 attention heads per layers - hidden dimensionality of 14336 - 2048 tokens sequence length",
+"384 A100 GPU with 80 Gb of memory each", "one copy of the model takes 48 GPUs", "training throughput: about
+150 TFLOPs". Not on that page (taken from the BigScience training set-up as recalled, not re-read in this
+session): tp 4 x pp 12 x dp 8, micro-batch 2, global batch 2048, full activation checkpointing, vocabulary
+250,880. Megatron-DeepSpeed's printed TFLOPs count the recompute (its formula's checkpoint_activations_factor 4),
+so the row is compared as tokens/s per GPU: 150e12 / (96 l h^2 (1 + s/6h + V/16lh)). Fed as a Llama-shaped model
+with the same FLOPs (SwiGLU 8/3 x hidden for BLOOM's GeLU 4 x hidden MLP, RoPE for ALiBi), recompute=full,
+ZeRO-1, on conf/cluster/a100.yaml (Jean Zay's Omni-Path is priced as the preset's InfiniBand).
+
+Fourth source (MoE): NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md, "25.11 NeMo Container",
+"System: DGX-H100" (stored copy pufanyi/Megatron-Bridge@21a2ced8106754c746d0bbde686f35554992e4be), the only BF16
+row of that table: "| GPT OSS 120B | 64 | BF16 | 512 | 4 | 4096 | 0 | 1 | 4 | 1 | 1 | 8 | 2 | 5630 | 153 |"
+(GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU, model TFLOP/s/GPU; the page says
+the MoE rows "force-balance the token distribution among experts"). gpt-oss-120b's shape (its Hugging Face
+config.json, recalled, not re-read in this session): 36 layers, hidden 2880, 64 query and 8 kv heads of 64,
+128 experts of inner size 2880, top 4, vocabulary 201,088, every other layer a 128-token sliding window.
+Fed as megaft's MoE with those shapes (no attention sinks, no biases), pp 4, ep 8, ZeRO-1, Megatron's mode
+(compiled, tp_overlap).
 """
 from __future__ import annotations
 
@@ -79,6 +104,13 @@ MEGATRON_H100 = (
 TORCHTITAN_8B = ((8, 16, 5762), (128, 256, 5605))
 LLAMA31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
 TORCHTITAN_SEQ = 8192
+# BLOOM-176B (Megatron-DeepSpeed, A100 80GB): heads, hidden, layers, vocab, seq, tp, pp, dp, micro, global, TFLOP/s
+BLOOM_176B = dict(heads=112, hidden=14336, layers=70, vocab=250880, seq=2048, tp=4, pp=12, dp=8, micro=2,
+                  batch=2048, tflops=150.0)
+# gpt-oss-120b on 64 DGX-H100 GPUs, BF16 (Megatron-Bridge performance-summary.md, 25.11): tokens/s/GPU
+GPT_OSS_120B = dict(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, vocab_size=201088,
+                    n_experts=128, top_k=4, moe_ffn_dim=2880, sliding_window=128)
+GPT_OSS_ROW = dict(gpus=64, batch=512, micro=4, seq=4096, tp=1, pp=4, ep=8, tps=5630)
 GRAND_TETON_HBM_TBPS = 2.4  # torchtitan docs/performance.md: "96GB HBM2e with 2.4 TB/sec peak memory bandwidth"
 # cuDNN's fused attention on H100 SXM5, bf16, head dim 128, TFLOP/s (FlashAttention-3 paper, arXiv:2407.08608,
 # cuDNN 9.1.1.17 bars of Figure 5 (c) forward, (d) causal forward, Figure 6 (b) backward); the same
@@ -112,6 +144,52 @@ def torchtitan_config(gpus: int, batch: int) -> Config:
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 2, batch
     cfg.data.seq_len, cfg.precision, cfg.optim.master_weights = TORCHTITAN_SEQ, "bf16", True
     return cfg
+
+
+def bloom_config() -> Config:
+    b = BLOOM_176B
+    cfg = row_config(b["heads"], b["hidden"], b["layers"], b["tp"], b["pp"], b["dp"], b["batch"])
+    cfg.model.vocab_size, cfg.model.max_seq_len, cfg.model.recompute = b["vocab"], b["seq"], "full"
+    cfg.model.tie_embeddings = True  # BLOOM ties its word embeddings to the output head
+    cfg.train.micro_batch_size, cfg.data.seq_len = b["micro"], b["seq"]
+    return cfg
+
+
+def bloom_tokens_per_s() -> float:
+    """BLOOM's published TFLOP/s per GPU as tokens/s per GPU by Megatron-DeepSpeed's own formula
+    (training.py's throughput print with checkpoint_activations_factor 4: 96 l h^2 (1 + s/6h + V/16lh))."""
+    b = BLOOM_176B
+    h, n, s, v = b["hidden"], b["layers"], b["seq"], b["vocab"]
+    return b["tflops"] * 1e12 / (96 * n * h * h * (1 + s / (6 * h) + v / (16 * n * h)))
+
+
+def gpt_oss_config() -> Config:
+    r = GPT_OSS_ROW
+    cfg = Config()
+    layer_types = ["sliding_attention", "full_attention"] * (GPT_OSS_120B["n_layers"] // 2)
+    cfg.model = ModelConfig(name="gpt-oss-120b", max_seq_len=r["seq"], layer_types=layer_types, **GPT_OSS_120B)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.zero = r["tp"], r["pp"], r["ep"], 1
+    cfg.parallel.dp = r["gpus"] // (r["tp"] * r["pp"])
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = r["micro"], r["batch"]
+    cfg.data.seq_len, cfg.precision, cfg.optim.master_weights = r["seq"], "bf16", True
+    return cfg
+
+
+def other_rows(a100: ClusterConfig, h100: ClusterConfig) -> dict:
+    """The DeepSpeed (BLOOM-176B, A100) and MoE (gpt-oss-120b, H100) rows: predicted against published
+    tokens/s per GPU; returns name -> relative error."""
+    print("\nother published sources (tokens/s per GPU)")
+    print(f"{'row':>34} {'GPUs':>5} {'published':>10} {'predicted':>10} {'error':>7}  bottleneck (2nd)")
+    errors = {}
+    rows = (("BLOOM-176B Megatron-DeepSpeed A100", bloom_config(), a100, bloom_tokens_per_s()),
+            ("gpt-oss-120b Megatron-Bridge H100", gpt_oss_config(), h100, float(GPT_OSS_ROW["tps"])))
+    for name, cfg, cluster, tps in rows:
+        gpus = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        cost = step_cost(cfg, cluster, gpus)
+        errors[name] = (cost.tokens_per_s_per_gpu - tps) / tps
+        print(f"{name:>34} {gpus:>5} {tps:>10,.1f} {cost.tokens_per_s_per_gpu:>10,.1f} {100 * errors[name]:>+6.1f}%"
+              f"  {cost.bottleneck} ({_second(cost)})")
+    return errors
 
 
 def _summary(errors: list[float]) -> str:
@@ -149,7 +227,8 @@ def torchtitan_rows(models: dict) -> dict:
     cluster of torchtitan's rows); returns label -> errors."""
     labels = list(models)
     print("\nvs torchtitan's Llama 3.1 8B FSDP rows (docs/performance.md Tables 1 and 3; bf16, eager, 500 W H100s)"
-          "\ntorchtitan rows: eager (compiled: false), hbm 2.4 TB/s, no tp; after: FlashAttention-2's causal curve")
+          "\ntorchtitan rows: eager (compiled: false), hbm 2.4 TB/s, no tp, FlashAttention-2's causal curve; "
+          "after: selective op recompute (cluster.recompute_ops)")
     print(f"{'GPUs':>5} {'batch':>5} {'pub TPS/GPU':>11} "
           + " ".join(f"{label + ' TPS':>14} {'error':>7}" for label in labels) + "  bottleneck (2nd), last model")
     errors: dict = {label: [] for label in labels}
@@ -189,9 +268,16 @@ def main(argv=None) -> None:
           f"{args.megatron_attention}'s causal curve")
     megatron = megatron_rows({"before": dataclasses.replace(megatron, **no_curve),
                               "after": dataclasses.replace(megatron, **kernel)})
-    titan = torchtitan_rows({"before": dataclasses.replace(titan, **no_curve), "after": titan})
+    # torchtitan's rows before: FlashAttention-2's curve, megaft's selective recompute (core and activation);
+    # after: its selective "op" policy as torchtitan runs it (cluster.recompute_ops, megaft.perf.op_recompute)
+    titan = torchtitan_rows({"before": titan, "after": dataclasses.replace(titan, recompute_ops=True)})
+    # the other sources in their framework's mode: Megatron-DeepSpeed and Megatron-Bridge run fused kernels
+    a100 = load_cluster("a100")
+    other = other_rows(dataclasses.replace(a100, compiled=True, tp_overlap=True),
+                       dataclasses.replace(cluster, compiled=True, tp_overlap=True))
+    print(f"  other sources: {_summary(list(other.values()))}")
     models = ("before", "after")
-    print("\nall published rows:")
+    print("\nMegatron-LM and torchtitan rows together:")
     for label in models:
         print(f"  {label}: {_summary(megatron[label] + titan[label])}")
 

@@ -52,6 +52,9 @@ class ClusterConfig:
     # tp collectives overlapped with the adjacent GEMMs (Megatron/TransformerEngine's tp_comm_overlap);
     # megaft's runtime does not overlap them, so its own plans keep this false
     tp_overlap: bool = False
+    # model.recompute=selective priced as torchtitan's op-level policy (every second matmul and the elementwise
+    # ops run again, the attention core saved; megaft.perf.op_recompute); megaft's runtime lacks it: keep false
+    recompute_ops: bool = False
     nvlink_gbps: float = 0.0  # intra-node link, GB/s per device per direction
     nvlink_latency_us: float = 0.0  # per ring step inside a node
     ib_gbps: float = 0.0  # inter-node network, GB/s per device per direction (one NIC per GPU)

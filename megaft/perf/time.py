@@ -95,6 +95,7 @@ from megaft.perf.head import head_params, head_s, head_tp_s, loss_s, with_score_
 from megaft.perf.kernels_cost import add_block_kernels, block_passes, pass_s
 from megaft.perf.memory import objective_terms
 from megaft.perf.muon import block_matrix_elements, block_ns_flops, muon_offload_bytes, tp_gathered
+from megaft.perf.op_recompute import op_recompute_s
 from megaft.perf.rates import all_reduce_s, all_to_all_s, compute_rates, gather_s, group_link, p2p_s
 from megaft.pipeline.partition import stage_layers
 from megaft.pipeline.schedules import build_schedule
@@ -264,7 +265,10 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
         if kc:  # norms, rotary, the activation, residual adds, launches (and an eager host)
             passes = block_passes(m, i, tokens, tp, par.sequence_parallel, act, kc.compiled)
             layer_f, layer_b, core_f = add_block_kernels(layer_f, layer_b, core_f, passes, kc)
-        return layer_f, layer_b, {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0), lp, adapters
+        again = {"full": layer_f, "selective": core_f}.get(m.recompute, 0.0)
+        if cluster.recompute_ops and m.recompute == "selective":  # torchtitan's op policy instead
+            again = op_recompute_s(m, i, tokens, tp, rate, curve, passes[0] if kc else None, kc)
+        return layer_f, layer_b, again, lp, adapters
 
     f, b, again, params, trained = zip(*per_block(m, block))
     # the routed experts' share of `params`, which ZeRO moves over the dp×cp/ep expert replicas
