@@ -1,8 +1,8 @@
 """megaft-train on a multimodal Gemma 3 (docs/vision.md): the Trainer, as megaft-train runs it,
 on a tiny random checkpoint saved by transformers and an image chat file. The first step's
 loss is Gemma3ForConditionalGeneration's on the same batch; tp2, tp2 with sequence parallel
-and dp2 ZeRO-1 and ZeRO-2 give the single process's loss curve (also when one dp rank's
-micro-batch has no image); too-long conversations are dropped and
+and dp2 ZeRO-1, -2 and -3 give the single process's loss curve (also when one dp rank's
+micro-batch has no image, ZeRO-3 also stopped and resumed); too-long conversations are dropped and
 counted in summary.json; a frozen tower keeps its weights; the export loads in transformers."""
 from __future__ import annotations
 
@@ -114,11 +114,14 @@ def test_frozen_tower_and_projector_keep_their_weights(case, tmp_path):
 def test_layouts_give_the_single_process_loss_curve(case):
     root, ckpt, data = case
     spawn(2, train_layouts, root, ckpt, data)
-    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed"), ("lora_tp2", "lora")]:
+    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed"),
+                         ("mixed_dp2_zero3", "mixed"), ("lora_tp2", "lora")]:
         want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, name))
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
             assert g == pytest.approx(w, rel=RTOL), f"{name} step {step}: {g} vs {w}"
+    # dp2 ZeRO-3 stopped after 2 steps and resumed: the uninterrupted run's losses (same ops, same order)
+    assert _losses(os.path.join(root, "resumed_dp2_zero3")) == _losses(os.path.join(root, "mixed_dp2_zero3"))
 
 
 def test_resumed_run_continues_the_loss_curve(case, tmp_path):
