@@ -2,8 +2,9 @@
 on a tiny random checkpoint saved by transformers and an image chat file. The first step's
 loss is Gemma3ForConditionalGeneration's on the same batch; tp2, tp2 with sequence parallel
 and dp2 ZeRO-1, -2 and -3 give the single process's loss curve (also when one dp rank's
-micro-batch has no image, ZeRO-3 also stopped and resumed); too-long conversations are dropped and
-counted in summary.json; a frozen tower keeps its weights; the export loads in transformers."""
+micro-batch has no image, ZeRO-3 also stopped and resumed, and megaft-verify passes on it);
+too-long conversations are dropped and counted in summary.json; a frozen tower keeps its
+weights; the export loads in transformers."""
 from __future__ import annotations
 
 import json
@@ -176,3 +177,27 @@ def test_lora_run_trains_adapters_that_peft_loads(case):
         tuned = peft.PeftModel.from_pretrained(model, os.path.join(run, "hf")).eval()
         after = tuned(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == image_id).long()).logits
     assert (after - before).abs().max() > 1e-3 * before.abs().max()
+
+
+def test_megaft_verify_passes_on_dp2_zero3_with_a_rank_without_images(case, tmp_path):
+    """megaft-verify's run (megaft.verify.run.run_verify) on an image chat config at dp2 ZeRO-3, one
+    rank's row without an image: every step's loss and grad norm and every parameter's step-1
+    gradient, the tower's and projector's included, equal the single process's; verify.shrink=auto,
+    which would verify a random text model, is refused with its fix."""
+    from megaft.config import ConfigError
+    from megaft.verify.run import run_verify
+
+    root, ckpt, _ = case
+    cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), 2, micro=1, batch=2, dp=2, zero=3)
+    cfg.launcher.nproc, cfg.verify.steps = 2, STEPS
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed, report.format()
+    assert [r.step for r in report.rows] == list(range(1, STEPS + 1))
+    assert all(r.loss_rel <= RTOL and r.grad_norm_rel <= 1e-4 for r in report.rows), report.format()
+    names = {name for name, _ in report.grads}
+    assert any(n.startswith("vision_tower.") for n in names) and any(n.startswith("multi_modal_projector.")
+                                                                     for n in names)
+    assert report.grads[0][1] <= 1e-4
+    cfg.verify.shrink = "auto"
+    with pytest.raises(ConfigError, match="verify.shrink=auto with images.*fix: verify.shrink=none"):
+        run_verify(cfg, str(tmp_path))
