@@ -32,7 +32,11 @@ from megaft.parallel.data.flat import FlatParams
 
 def model_units(model: nn.Module) -> list[nn.Module]:
     """The top-level layers holding parameters, in forward order (ModuleLists and ModuleDicts
-    expanded: a pipeline StageModel keeps its layers in a ModuleDict and calls them one by one)."""
+    expanded: a pipeline StageModel keeps its layers in a ModuleDict and calls them one by one).
+    A model that calls its parts' layers itself (a vision-language model: the language model's
+    embedding, its own tower, then the language model's blocks) names them in `zero3_units()`."""
+    if hasattr(model, "zero3_units"):
+        return [m for m in model.zero3_units() if any(True for _ in m.parameters())]
     units = []
     for child in model.children():
         if isinstance(child, nn.ModuleList):

@@ -22,6 +22,7 @@ from megaft.config.kernels import KernelsConfig
 from megaft.config.parallel import ParallelConfig, resolve_dp
 from megaft.config.verify import Shrink, check_verify
 from megaft.fileio import write_json_atomic
+from megaft.models.vision.checks import trains_images
 from megaft.parallel.grid import ParallelGrid
 from megaft.training.parts import TrainSpec
 from megaft.validation import check_local_launch, validate
@@ -71,6 +72,9 @@ def plan(cfg: Config, world_size: int, *, local: bool) -> tuple[Config, Config, 
     """(layout config, reference config, notes for the report), validated; raises ConfigError
     with every problem."""
     problems = check_verify(cfg.verify) + validate(cfg, world_size) + (check_local_launch(cfg) if local else [])
+    if cfg.verify.shrink == Shrink.auto and trains_images(cfg):  # shrink drops the checkpoint, its tower with it
+        problems.append("verify.shrink=auto with images: the shrunk model is a random text model, with no vision "
+                        "tower to verify; fix: verify.shrink=none (the checkpoint itself, docs/vision.md)")
     if problems:
         raise ConfigError(problems)
     user = shrink(cfg) if cfg.verify.shrink == Shrink.auto else cfg

@@ -1,9 +1,9 @@
 """megaft-train on Qwen2.5-VL (docs/vision.md): the Trainer, as megaft-train runs it, on a tiny
 random checkpoint saved by transformers beside a Qwen2.5-VL processor, and an image chat file
 whose images have different sizes. The first step's loss is Qwen2_5_VLForConditionalGeneration's
-on the same batch; tp2, tp2 with sequence parallel and dp2 ZeRO-1 and ZeRO-2 give the single
-process's loss curve (also when one dp rank's micro-batch has no image), and a LoRA run's tp2
-its single process's; too-long conversations are dropped and
+on the same batch; tp2, tp2 with sequence parallel and dp2 ZeRO-1, -2 and -3 give the single
+process's loss curve (also when one dp rank's micro-batch has no image, ZeRO-3 also stopped and
+resumed), and a LoRA run's tp2 its single process's; too-long conversations are dropped and
 counted in summary.json; a frozen tower keeps its weights; the export loads in transformers
 with the trained weights, and the LoRA run's adapter loads in peft."""
 from __future__ import annotations
@@ -101,11 +101,14 @@ def test_frozen_tower_and_merger_keep_their_weights(case, tmp_path):
 def test_layouts_give_the_single_process_loss_curve(case):
     root, ckpt, data = case
     spawn(2, train_layouts, root, ckpt, data)
-    for name, single in [*((n, "single") for n in LAYOUTS), ("lora_tp2", "lora"), ("mixed_dp2", "mixed")]:
+    for name, single in [*((n, "single") for n in LAYOUTS), ("lora_tp2", "lora"), ("mixed_dp2", "mixed"),
+                         ("mixed_dp2_zero3", "mixed")]:
         want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, name))
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
             assert g == pytest.approx(w, rel=RTOL), f"{name} step {step}: {g} vs {w}"
+    # dp2 ZeRO-3 stopped after 2 steps and resumed: the uninterrupted run's losses (same ops, same order)
+    assert _losses(os.path.join(root, "resumed_dp2_zero3")) == _losses(os.path.join(root, "mixed_dp2_zero3"))
 
 
 def test_validation_refuses_what_is_not_supported_yet(case):
@@ -122,11 +125,12 @@ def test_validation_refuses_what_is_not_supported_yet(case):
     problems = validate(cfg, 8)
     for want in ("lora.rank=4 with images writes the peft adapter only, not the merged model yet; "
                  "fix: lora.export_merged=false",
-                 "parallel.pp=2 with images", "data.packing=docs with images", "parallel.zero=3 with images",
+                 "parallel.pp=2 with images", "data.packing=docs with images",
                  "data.path must name one JSONL file of conversations (a data.sources mixture or a generated task "
                  "is not read yet); fix: data.path=FILE"):
         assert any(want in p for p in problems), (want, problems)
     assert not any("megaft.models.hf.multimodal" in p for p in problems)
+    assert not any("zero=3 with images" in p for p in problems)  # ZeRO-3 trains with images (the layouts test)
 
 
 def test_lora_run_trains_adapters_that_peft_loads(case):

@@ -248,7 +248,7 @@ def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
     cfg.lora.targets, cfg.train.export_hf = ["q", "lm_head"], True
     problems = validate(cfg, 16)
     for want in ("data.path must name one JSONL file", "python -m megaft.models.hf.multimodal text",
-                 "parallel.zero=3 with images", "lora.targets=lm_head with images",
+                 "lora.targets=lm_head with images",
                  "lora.rank=4 with images writes the peft adapter only", "fix: lora.export_merged=false",
                  "model.freeze: 'tower' is not a part",
                  "parallel.pp=2 with images: the vision tower is not placed on a pipeline stage yet; fix: "
@@ -257,6 +257,7 @@ def test_validation_refuses_what_is_not_supported_yet(hf_dir, tmp_path):
                  "data.packing=docs with images", "fix: data.packing=none"):
         assert any(want in p for p in problems), (want, problems)
     assert not any("sequence_parallel" in p for p in problems)  # images work under sequence parallel
+    assert not any("zero=3 with images" in p for p in problems)  # and under ZeRO-3 (test_vision_train.py)
     plain = Config()
     plain.model.init_from = hf_dir
     plain.data.packing = "none"

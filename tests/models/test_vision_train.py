@@ -1,9 +1,10 @@
 """megaft-train on a multimodal Gemma 3 (docs/vision.md): the Trainer, as megaft-train runs it,
 on a tiny random checkpoint saved by transformers and an image chat file. The first step's
 loss is Gemma3ForConditionalGeneration's on the same batch; tp2, tp2 with sequence parallel
-and dp2 ZeRO-1 and ZeRO-2 give the single process's loss curve (also when one dp rank's
-micro-batch has no image); too-long conversations are dropped and
-counted in summary.json; a frozen tower keeps its weights; the export loads in transformers."""
+and dp2 ZeRO-1, -2 and -3 give the single process's loss curve (also when one dp rank's
+micro-batch has no image, ZeRO-3 also stopped and resumed, and megaft-verify passes on it);
+too-long conversations are dropped and counted in summary.json; a frozen tower keeps its
+weights; the export loads in transformers."""
 from __future__ import annotations
 
 import json
@@ -114,11 +115,14 @@ def test_frozen_tower_and_projector_keep_their_weights(case, tmp_path):
 def test_layouts_give_the_single_process_loss_curve(case):
     root, ckpt, data = case
     spawn(2, train_layouts, root, ckpt, data)
-    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed"), ("lora_tp2", "lora")]:
+    for name, single in [*((n, "single") for n in LAYOUTS), ("mixed_dp2", "mixed"),
+                         ("mixed_dp2_zero3", "mixed"), ("lora_tp2", "lora")]:
         want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, name))
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
             assert g == pytest.approx(w, rel=RTOL), f"{name} step {step}: {g} vs {w}"
+    # dp2 ZeRO-3 stopped after 2 steps and resumed: the uninterrupted run's losses (same ops, same order)
+    assert _losses(os.path.join(root, "resumed_dp2_zero3")) == _losses(os.path.join(root, "mixed_dp2_zero3"))
 
 
 def test_resumed_run_continues_the_loss_curve(case, tmp_path):
@@ -173,3 +177,27 @@ def test_lora_run_trains_adapters_that_peft_loads(case):
         tuned = peft.PeftModel.from_pretrained(model, os.path.join(run, "hf")).eval()
         after = tuned(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == image_id).long()).logits
     assert (after - before).abs().max() > 1e-3 * before.abs().max()
+
+
+def test_megaft_verify_passes_on_dp2_zero3_with_a_rank_without_images(case, tmp_path):
+    """megaft-verify's run (megaft.verify.run.run_verify) on an image chat config at dp2 ZeRO-3, one
+    rank's row without an image: every step's loss and grad norm and every parameter's step-1
+    gradient, the tower's and projector's included, equal the single process's; verify.shrink=auto,
+    which would verify a random text model, is refused with its fix."""
+    from megaft.config import ConfigError
+    from megaft.verify.run import run_verify
+
+    root, ckpt, _ = case
+    cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), 2, micro=1, batch=2, dp=2, zero=3)
+    cfg.launcher.nproc, cfg.verify.steps = 2, STEPS
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed, report.format()
+    assert [r.step for r in report.rows] == list(range(1, STEPS + 1))
+    assert all(r.loss_rel <= RTOL and r.grad_norm_rel <= 1e-4 for r in report.rows), report.format()
+    names = {name for name, _ in report.grads}
+    assert any(n.startswith("vision_tower.") for n in names) and any(n.startswith("multi_modal_projector.")
+                                                                     for n in names)
+    assert report.grads[0][1] <= 1e-4
+    cfg.verify.shrink = "auto"
+    with pytest.raises(ConfigError, match="verify.shrink=auto with images.*fix: verify.shrink=none"):
+        run_verify(cfg, str(tmp_path))

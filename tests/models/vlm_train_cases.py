@@ -21,7 +21,7 @@ QUESTIONS = [("What is this?", "A red cat."), ("Name it.", "A dog."), ("Color?",
 TOO_LONG = 2  # conversations whose answer pushes them past SEQ_LEN
 # name -> parallel settings of the layouts compared with the single process (2 ranks each)
 LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_zero1": dict(dp=2, zero=1),
-           "dp2_zero2": dict(dp=2, zero=2)}
+           "dp2_zero2": dict(dp=2, zero=2), "dp2_zero3": dict(dp=2, zero=3)}
 
 
 def write_case(root: str) -> tuple[str, str]:
@@ -100,5 +100,13 @@ def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> Non
     train(with_lora(vlm_config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
           os.path.join(root, "lora_tp2"))
     # a step where one dp rank's micro-batch has no image: its tower gets no gradient from it
-    cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=1)
-    train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, "mixed_dp2"))
+    for zero, name in [(1, "mixed_dp2"), (3, "mixed_dp2_zero3")]:  # ZeRO-3: that rank runs a blank image
+        cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=zero)
+        train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, name))
+    # the same ZeRO-3 run stopped after 2 steps with a checkpoint, then resumed from it
+    for stop_after in (2, None):
+        cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=3)
+        cfg.train.save_every = 1
+        run = os.path.join(root, "resumed_dp2_zero3")
+        os.makedirs(run, exist_ok=True)
+        Trainer(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), run).fit(stop_after=stop_after)

@@ -3,11 +3,11 @@ rank starts: every unsupported combination at once, each with its fix (docs/visi
 
 megaft-train trains a multimodal Gemma 3 with images (megaft.training.objectives.images) on
 the layouts tested equal to one process: tp (with or without sequence parallel) and dp with
-ZeRO 0-2. What those tests do not cover yet is refused by name, so a config that asks for it
-learns it now: pp, cp, packing, ZeRO-3, LoRA on the head or exported merged, objectives
+ZeRO 0-3. What those tests do not cover yet is refused by name, so a config that asks for it
+learns it now: pp, cp, packing, LoRA on the head or exported merged, objectives
 other than sft, an eval file and samples (both would need images). Qwen2.5-VL trains the same
 way (megaft.models.vision.qwen_model) on the layouts tested for it: tp (with or without
-sequence parallel) and dp with ZeRO 0-2, LoRA on its language model. Qwen2-VL is not read yet."""
+sequence parallel) and dp with ZeRO 0-3, LoRA on its language model. Qwen2-VL is not read yet."""
 from __future__ import annotations
 
 import json
@@ -70,9 +70,6 @@ def check_vision_run(cfg: Config) -> list[str]:
     if packing != "none":
         problems.append(f"data.packing={packing} with images: packing that keeps an image and its tokens in one "
                         "document is not supported yet; fix: data.packing=none (one conversation per row)")
-    if par.zero > 2:
-        problems.append(f"parallel.zero={par.zero} with images: ZeRO-3 does not gather the vision tower yet; "
-                        "fix: parallel.zero=1 or 2")
     if cfg.lora.rank > 0 and "lm_head" in cfg.lora.targets:
         problems.append("lora.targets=lm_head with images: an adapter on the head of a vision-language model is "
                         "not exported yet; fix: drop lm_head from lora.targets")

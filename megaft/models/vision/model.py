@@ -56,7 +56,8 @@ class VisionLanguageModel(nn.Module):
     tower and projector replicated). Under `sequence_parallel` each rank writes the features
     of its own sequence shard (`shard_scatter`); the tower's and projector's gradients are
     then partial and marked to be summed over tp like the norms' (megaft.parallel.tensor.grads).
-    No pipeline or context parallel yet: validation refuses them with images (docs/vision.md)."""
+    Under ZeRO-3 every micro-batch runs the tower (`tower_every_step`). No pipeline or context
+    parallel yet: validation refuses them with images (docs/vision.md)."""
 
     def __init__(self, cfg: VisionLanguageConfig, *, group: Group = None, sequence_parallel: bool = False,
                  kernels: Optional[KernelsConfig] = None):
@@ -68,6 +69,14 @@ class VisionLanguageModel(nn.Module):
         if self.language_model.sp:  # each rank's features feed only its sequence shard: partial grads, summed
             for p in [*self.vision_tower.parameters(), *self.multi_modal_projector.parameters()]:  # over tp
                 mark_sequence_parallel(p)
+        # ZeRO-3 (set by megaft.training.objectives.images): a micro-batch without images still runs the
+        # tower, on one blank image whose features add 0, so every dp rank issues the same parameter gathers
+        self.tower_every_step = False
+
+    def zero3_units(self) -> list[nn.Module]:
+        """The layers in the order they run (megaft.optim.zero3): embedding, tower, projector, blocks, head."""
+        lm = self.language_model
+        return [lm.embed_tokens, self.vision_tower, self.multi_modal_projector, *lm.layers, lm.norm, lm.lm_head]
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, 3, size, size] -> [images, mm_tokens_per_image, text dim]."""
@@ -85,11 +94,18 @@ class VisionLanguageModel(nn.Module):
             raise ImageTokenMismatch(f"Image features and image tokens do not match: {n_tokens} image tokens, "
                                      f"{n_images} images of {self.vlm.mm_tokens_per_image} tokens")
         if not n_images:
-            return x
+            return x + self.blank_features(x) if self.tower_every_step else x
         features = self.image_features(pixel_values).to(x.dtype)
         if not self.language_model.sp:
             return x.masked_scatter(is_image.unsqueeze(-1), features)  # transformers' op
         return shard_scatter(x, is_image, features.flatten(0, 1), group_rank(self.language_model.group))
+
+    def blank_features(self, x: torch.Tensor) -> torch.Tensor:
+        """0 (a scalar) computed from the features of one blank image: the tower and projector run
+        forward and backward (their gradient from it is exactly 0) as on a rank with images."""
+        size = self.vlm.vision.image_size
+        blank = torch.zeros(1, self.vlm.vision.channels, size, size, device=x.device)  # the tower casts it
+        return self.image_features(blank).to(x.dtype).sum() * 0
 
     def docs(self, input_ids: torch.Tensor) -> Docs:
         """One causal sequence per row with the images seen both ways."""

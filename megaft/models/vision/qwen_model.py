@@ -83,6 +83,20 @@ class QwenVLModel(nn.Module):
         if self.language_model.sp:
             for p in self.visual.parameters():
                 mark_sequence_parallel(p)
+        self.tower_every_step = False  # ZeRO-3: a micro-batch without images runs the tower on a blank one
+
+    def zero3_units(self) -> list[nn.Module]:
+        """The layers in the order they run (megaft.optim.zero3): embedding, tower, blocks, head."""
+        lm = self.language_model
+        return [lm.embed_tokens, self.visual, *lm.layers, lm.norm, lm.lm_head]
+
+    def blank_features(self, x: torch.Tensor) -> torch.Tensor:
+        """0 (a scalar) computed from the tower's features of one blank merge x merge patch image:
+        the tower runs forward and backward (its gradient from it is exactly 0) as on a rank with images."""
+        v = self.vlm.vision
+        grid = torch.tensor([[1, v.merge, v.merge]], device=x.device)
+        blank = torch.zeros(v.merge ** 2, v.patch_dim, device=x.device)
+        return self.visual(blank, grid).to(x.dtype).sum() * 0
 
     def tokens_per_image(self, grid_thw: torch.Tensor) -> torch.Tensor:
         return grid_thw.prod(-1) // self.vlm.vision.merge ** 2
@@ -97,7 +111,7 @@ class QwenVLModel(nn.Module):
             raise ImageTokenMismatch(f"Image features and image tokens do not match: {n_tokens} image tokens, "
                                      f"{n_features} image features")
         if not n_features:
-            return x
+            return x + self.blank_features(x) if self.tower_every_step else x
         features = self.visual(pixel_values, image_grid_thw).to(x.dtype)
         if not self.language_model.sp:
             return x.masked_scatter(is_image.unsqueeze(-1), features)
@@ -134,6 +148,7 @@ class QwenVLModel(nn.Module):
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,
                  image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Summed token loss against `labels` (next tokens, -100 where no target), fp32."""
-        if image_grid_thw is None and not bool((input_ids == self.vlm.image_token_id).any()):
+        if image_grid_thw is None and not self.tower_every_step and \
+                not bool((input_ids == self.vlm.image_token_id).any()):
             return self.language_model.loss_sum(input_ids, labels)
         return self.language_model.head_out(self.blocks(input_ids, pixel_values, image_grid_thw), labels)

@@ -149,4 +149,9 @@ class ImageStep(_Step):
 
 def build_step(parts: RunParts) -> ImageStep:
     autocast = precision_autocast(parts.cfg.precision, parts.grid.device)
+    # ZeRO-3 gathers the tower's parameters collectively over dp: every rank runs it on every micro-batch
+    # (a frozen tower is not sharded, so not gathered: then a micro-batch without images skips it)
+    tower = [p for n, p in parts.model.named_parameters() if not n.startswith("language_model.")]
+    parts.model.tower_every_step = getattr(parts.optim.optimizer, "gatherer", None) is not None and \
+        any(p.requires_grad for p in tower)
     return ImageStep(parts.model, parts.optim, parts.grid, parts.phases, autocast)
