@@ -58,7 +58,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -341,9 +340,9 @@ def step_disagreements(turns: dict[str, StepTurn], steps: int) -> list[str]:
 
 
 def step_part(a: argparse.Namespace, r: Run) -> dict:
-    from benchmarks.kernels.harness import quantile
     from benchmarks.preference import quiet
-    from benchmarks.train_step.measure import round_orders, split_steps
+    from benchmarks.train_step.measure import split_steps
+    from benchmarks.versus import check_agreement, report_vs_trl, time_in_rounds
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import transformers
@@ -361,36 +360,11 @@ def step_part(a: argparse.Namespace, r: Run) -> dict:
               f"lr {r.lr}, fp32, {torch.get_num_threads()} threads; transformers {transformers.__version__}, trl "
               f"{trl.__version__}; load average {load_start[0]:.2f}")
         checked = {v: run_step_turn(v, inputs, batches, r, a.check, root) for v in STEP_VARIANTS}
-        for v, t in checked.items():
-            print(f"  {v:<7} " + "  ".join(f"{x:.8f} / {n:.6f}" for x, n in zip(t.losses, t.grad_norms)))
-        bad = step_disagreements(checked, a.check)
-        if bad:
-            print("the variants disagree; no timing is valid:\n  " + "\n  ".join(bad))
-            sys.exit(1)
-        turns: dict[str, list[StepTurn]] = {v: [] for v in STEP_VARIANTS}
-        for variants, n in zip(round_orders(list(STEP_VARIANTS), a.rounds), split_steps(a.steps, a.rounds)):
-            for v in variants:
-                turn = run_step_turn(v, inputs, batches, r, a.warmup + n, root)
-                bad = step_disagreements({"megaft": checked["megaft"], v: turn}, min(a.check, a.warmup + n))
-                if bad:
-                    print(f"a {v} turn left the checked curve:\n  " + "\n  ".join(bad))
-                    sys.exit(1)
-                turn.times = turn.times[a.warmup:]
-                turns[v].append(turn)
-    rows = {}
-    for v in STEP_VARIANTS:
-        times = [t for turn in turns[v] for t in turn.times]
-        rows[v] = {"step_ms": 1e3 * statistics.median(times), "p20_ms": 1e3 * quantile(times, 0.2),
-                   "p80_ms": 1e3 * quantile(times, 0.8), "steps": len(times)}
-    for v in STEP_VARIANTS:
-        rows[v]["vs_trl"] = rows[v]["step_ms"] / rows["trl"]["step_ms"]
-    print(f"\n{'variant':<8} {'step_ms':>9} {'p20-p80':>13} {'vs trl':>8}")
-    for v, row in rows.items():
-        print(f"{v:<8} {row['step_ms']:>9.1f} {row['p20_ms']:>6.0f}-{row['p80_ms']:<6.0f} {row['vs_trl']:>7.3f}x")
-    load_end = os.getloadavg()
-    print(f"medians over {a.steps} timed steps a variant; load average {load_start[0]:.2f} at the start, "
-          f"{load_end[0]:.2f} at the end")
-    return {"run": asdict(r), "results": rows, "load_average": {"start": load_start[0], "end": load_end[0]},
+        check_agreement(checked, step_disagreements, a.check)
+        turns = time_in_rounds(list(STEP_VARIANTS), lambda v, n: run_step_turn(v, inputs, batches, r, n, root),
+                               step_disagreements, checked, a)
+    rows, load_end = report_vs_trl(turns, a.steps, load_start[0])
+    return {"run": asdict(r), "results": rows, "load_average": {"start": load_start[0], "end": load_end},
             "agreement": {v: {"loss": t.losses, "grad_norm": t.grad_norms} for v, t in checked.items()}}
 
 

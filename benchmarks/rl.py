@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -41,9 +40,9 @@ from typing import Optional
 
 import torch
 
-from benchmarks.kernels.harness import quantile
 from benchmarks.preference import CHARS, SPECIALS, Sizes, Turn, add_model_args, quiet, span, write_model
-from benchmarks.train_step.measure import round_orders, split_steps
+from benchmarks.train_step.measure import split_steps
+from benchmarks.versus import check_agreement, report_vs_trl, time_in_rounds
 from megaft.config.rl import LOSS_TYPES
 
 VARIANTS = ("trl", "megaft")  # the first: the ratios' reference
@@ -247,41 +246,16 @@ def main(argv: Optional[list[str]] = None) -> None:
               f"{torch.get_num_threads()} threads; torch {torch.__version__}, transformers "
               f"{transformers.__version__}, trl {trl.__version__}; load average {load_start[0]:.2f}")
         checked = {v: run_turn(v, inputs, r, s, a.check, root) for v in VARIANTS}
-        bad = disagreements(checked, a.check)
-        for v, t in checked.items():
-            print(f"  {v:<7} " + "  ".join(f"{x:.8f} / {n:.6f}" for x, n in zip(t.losses, t.grad_norms)))
-        if bad:
-            print("the variants disagree; no timing is valid:\n  " + "\n  ".join(bad))
-            sys.exit(1)
-        turns: dict[str, list[Turn]] = {v: [] for v in VARIANTS}
-        for variants, n in zip(round_orders(list(VARIANTS), a.rounds), split_steps(a.steps, a.rounds)):
-            for v in variants:
-                turn = run_turn(v, inputs, r, s, a.warmup + n, root)
-                bad = disagreements({"megaft": checked["megaft"], v: turn}, min(a.check, a.warmup + n))
-                if bad:
-                    print(f"a {v} turn left the checked curve:\n  " + "\n  ".join(bad))
-                    sys.exit(1)
-                turn.times = turn.times[a.warmup:]
-                turns[v].append(turn)
-    rows = {}
-    for v in VARIANTS:
-        times = [t for turn in turns[v] for t in turn.times]
-        rows[v] = {"step_ms": 1e3 * statistics.median(times), "p20_ms": 1e3 * quantile(times, 0.2),
-                   "p80_ms": 1e3 * quantile(times, 0.8), "steps": len(times)}
-    for v in VARIANTS:
-        rows[v]["vs_trl"] = rows[v]["step_ms"] / rows["trl"]["step_ms"]
-    print(f"\n{'variant':<8} {'step_ms':>9} {'p20-p80':>13} {'vs trl':>8}")
-    for v, row in rows.items():
-        print(f"{v:<8} {row['step_ms']:>9.1f} {row['p20_ms']:>6.0f}-{row['p80_ms']:<6.0f} {row['vs_trl']:>7.3f}x")
-    load_end = os.getloadavg()
-    print(f"medians over {a.steps} timed steps a variant; load average {load_start[0]:.2f} at the start, "
-          f"{load_end[0]:.2f} at the end")
+        check_agreement(checked, disagreements, a.check)
+        turns = time_in_rounds(list(VARIANTS), lambda v, n: run_turn(v, inputs, r, s, n, root), disagreements,
+                               checked, a)
+    rows, load_end = report_vs_trl(turns, a.steps, load_start[0])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": "python -m benchmarks.rl " + " ".join(sys.argv[1:] if argv is None else argv),
                        "sizes": asdict(sizes), "rollouts": asdict(r), "settings": asdict(s), "results": rows,
                        "agreement": {v: {"loss": t.losses, "grad_norm": t.grad_norms} for v, t in checked.items()},
-                       "load_average": {"start": load_start[0], "end": load_end[0]}}, f, indent=1)
+                       "load_average": {"start": load_start[0], "end": load_end}}, f, indent=1)
 
 
 if __name__ == "__main__":
