@@ -325,18 +325,9 @@ def run_step_turn(variant: str, inputs: tuple, batches: list, r: Run, steps: int
 
 def step_disagreements(turns: dict[str, StepTurn], steps: int) -> list[str]:
     """Where a variant's first `steps` losses or its step-1 grad norm differ from megaft's by more than STEP_RTOL."""
-    want, bad = turns["megaft"], []
-    for name, got in turns.items():
-        if len(got.losses) < steps:
-            bad.append(f"{name}: {len(got.losses)} steps logged, {steps} expected")
-            continue
-        for i in range(steps):
-            compared = [("loss", got.losses[i], want.losses[i])] + (
-                [("grad_norm", got.grad_norms[0], want.grad_norms[0])] if i == 0 else [])
-            for what, g, w in compared:
-                if abs(g - w) > STEP_RTOL * abs(w):
-                    bad.append(f"{name} step {i + 1} {what}: {g:.8f} against megaft's {w:.8f}")
-    return bad
+    from benchmarks.versus import curve_disagreements
+
+    return curve_disagreements(turns, steps, STEP_RTOL)
 
 
 def step_part(a: argparse.Namespace, r: Run) -> dict:

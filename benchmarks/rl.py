@@ -42,7 +42,7 @@ import torch
 
 from benchmarks.preference import CHARS, SPECIALS, Sizes, Turn, add_model_args, quiet, span, write_model
 from benchmarks.train_step.measure import split_steps
-from benchmarks.versus import check_agreement, report_vs_trl, time_in_rounds
+from benchmarks.versus import check_agreement, curve_disagreements, report_vs_trl, time_in_rounds
 from megaft.config.rl import LOSS_TYPES
 
 VARIANTS = ("trl", "megaft")  # the first: the ratios' reference
@@ -182,18 +182,7 @@ def run_turn(variant: str, inputs: tuple, r: Rollouts, s: Settings, steps: int, 
 
 def disagreements(turns: dict[str, Turn], steps: int) -> list[str]:
     """Where a variant's first `steps` losses or its step-1 grad norm differ from megaft's by more than RTOL."""
-    want, bad = turns["megaft"], []
-    for name, got in turns.items():
-        if len(got.losses) < steps:
-            bad.append(f"{name}: {len(got.losses)} steps logged, {steps} expected")
-            continue
-        for i in range(steps):
-            compared = [("loss", got.losses[i], want.losses[i])] + (
-                [("grad_norm", got.grad_norms[0], want.grad_norms[0])] if i == 0 else [])
-            for what, g, w in compared:
-                if abs(g - w) > RTOL * max(abs(w), 1e-3):  # grpo's on-policy loss is ~0: an absolute floor
-                    bad.append(f"{name} step {i + 1} {what}: {g:.8f} against megaft's {w:.8f}")
-    return bad
+    return curve_disagreements(turns, steps, RTOL, floor=1e-3)  # grpo's on-policy loss is ~0: an absolute floor
 
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:

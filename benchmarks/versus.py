@@ -13,6 +13,23 @@ from benchmarks.kernels.harness import quantile
 from benchmarks.train_step.measure import round_orders, split_steps
 
 
+def curve_disagreements(turns: dict, steps: int, rtol: float, floor: float = 0.0) -> list[str]:
+    """Where a variant's first `steps` losses or its step-1 grad norm differ from megaft's by more than
+    `rtol` relative (of at least `floor`: a loss near 0 needs an absolute one)."""
+    want, bad = turns["megaft"], []
+    for name, got in turns.items():
+        if len(got.losses) < steps:
+            bad.append(f"{name}: {len(got.losses)} steps logged, {steps} expected")
+            continue
+        for i in range(steps):
+            compared = [("loss", got.losses[i], want.losses[i])] + (
+                [("grad_norm", got.grad_norms[0], want.grad_norms[0])] if i == 0 else [])
+            for what, g, w in compared:
+                if abs(g - w) > rtol * max(abs(w), floor):
+                    bad.append(f"{name} step {i + 1} {what}: {g:.8f} against megaft's {w:.8f}")
+    return bad
+
+
 def check_agreement(checked: dict, disagreements: Callable, steps: int) -> None:
     """Print each variant's losses / grad norms; exit 1 when they disagree (no timing is valid)."""
     for v, t in checked.items():
