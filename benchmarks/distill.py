@@ -274,10 +274,11 @@ def hf_micro_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], micro: in
 
 def trl_step_turn(inputs: tuple, batches: list, r: Run, steps: int, out_dir: str) -> StepTurn:
     from datasets import Dataset
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers import LlamaForCausalLM
     from transformers.trainer_callback import PrinterCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
+    from benchmarks.preference import char_tokenizer, step_clock
     from megaft.config.optim import OptimConfig
 
     student, teacher, _, _ = inputs
@@ -287,15 +288,7 @@ def trl_step_turn(inputs: tuple, batches: list, r: Run, steps: int, out_dir: str
     def collate(features):  # megaft's next micro-batch, in megaft's order
         return queue.pop(0)
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            turn.times.append(time.perf_counter() - self.start)
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(student, "tokenizer.json"), pad_token="<pad>",
-                                  eos_token="<eos>", unk_token="<unk>")
+    tok = char_tokenizer(student)
     args = GKDConfig(output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, seed=0, beta=r.beta, lmbda=0.0,
                      seq_kd=False, temperature=1.0, per_device_train_batch_size=r.micro,
                      gradient_accumulation_steps=r.batch // r.micro, max_steps=steps, learning_rate=r.lr,
@@ -305,7 +298,7 @@ def trl_step_turn(inputs: tuple, batches: list, r: Run, steps: int, out_dir: str
     load = lambda p: LlamaForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation=r.attn)  # noqa: E731
     trainer = GKDTrainer(model=load(student).train(), teacher_model=load(teacher), args=args,
                          train_dataset=Dataset.from_dict({"row": list(range(steps * r.batch))}),
-                         processing_class=tok, data_collator=collate, callbacks=[Clock()])
+                         processing_class=tok, data_collator=collate, callbacks=[step_clock(turn.times)])
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     logs = [x for x in trainer.state.log_history if "loss" in x and "train_runtime" not in x]

@@ -241,7 +241,7 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     on_step_begin to its on_step_end callback."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers import LlamaForCausalLM
     from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
@@ -270,17 +270,9 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
             micro_tokens.append(inputs["input_ids"].numel())  # 2 * micro rows x the padded length
             return super().compute_loss(model, inputs, *args, **kwargs)
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            turn.times.append(time.perf_counter() - self.start)
-
     records = [json.loads(line) for line in open(pairs)]
     data = Dataset.from_list([records[i] for i in order])
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(ckpt, "tokenizer.json"), pad_token="<pad>",
-                                  eos_token="<eos>", unk_token="<unk>")
+    tok = char_tokenizer(ckpt)
     args = DPOConfig(output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, seed=0, beta=s.beta,
                      loss_type="sigmoid", per_device_train_batch_size=s.micro,
                      gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=s.lr,
@@ -295,7 +287,7 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     start = time.perf_counter()
     # precompute: TRL scores with the policy before training (ref_model=None keeps no second copy)
     trainer = Timed(model=load().train(), ref_model=None if precompute else load().eval(), args=args,
-                    train_dataset=data, processing_class=tok, callbacks=[Clock()])
+                    train_dataset=data, processing_class=tok, callbacks=[step_clock(turn.times)])
     turn.build_s = time.perf_counter() - start
     trainer.remove_callback(PrinterCallback)  # the logs are read from log_history
     trainer.train()
@@ -305,6 +297,28 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     per_step = [sum(micro_tokens[i:i + accumulation]) for i in range(0, len(micro_tokens), accumulation)]
     turn.tokens = [n * (1 if precompute else 2) for n in per_step]
     return turn
+
+
+def step_clock(times: list[float]):
+    """A transformers callback appending each optimizer step's seconds (on_step_begin to on_step_end) to `times`."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.start)
+
+    return Clock()
+
+
+def char_tokenizer(model_dir: str):
+    """The model's character tokenizer (write_model's tokenizer.json) as the TRL trainers take it."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"), pad_token="<pad>",
+                                   eos_token="<eos>", unk_token="<unk>")
 
 
 def quiet() -> None:

@@ -40,7 +40,18 @@ from typing import Optional
 
 import torch
 
-from benchmarks.preference import CHARS, SPECIALS, Sizes, Turn, add_model_args, quiet, span, write_model
+from benchmarks.preference import (
+    CHARS,
+    SPECIALS,
+    Sizes,
+    Turn,
+    add_model_args,
+    char_tokenizer,
+    quiet,
+    span,
+    step_clock,
+    write_model,
+)
 from benchmarks.train_step.measure import split_steps
 from benchmarks.versus import check_agreement, curve_disagreements, report_vs_trl, time_in_rounds
 from megaft.config.rl import LOSS_TYPES
@@ -116,7 +127,7 @@ def megaft_turn(ckpt: str, path: str, seq_len: int, r: Rollouts, s: Settings, st
 
 def trl_turn(ckpt: str, path: str, r: Rollouts, s: Settings, steps: int, out_dir: str) -> Turn:
     from datasets import Dataset
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from transformers import LlamaForCausalLM
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -142,15 +153,7 @@ def trl_turn(ckpt: str, path: str, r: Rollouts, s: Settings, steps: int, out_dir
     def logged(completions, group, generation, **kwargs):
         return [rewards[(k, g)] for k, g in zip(group, generation)]
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            turn.times.append(time.perf_counter() - self.start)
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(ckpt, "tokenizer.json"), pad_token="<pad>",
-                                  eos_token="<eos>", unk_token="<unk>")
+    tok = char_tokenizer(ckpt)
     args = GRPOConfig(output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, seed=0, beta=0.0,
                       loss_type=s.loss_type, num_generations=r.generations, per_device_train_batch_size=s.micro,
                       gradient_accumulation_steps=s.batch // s.micro, max_steps=steps, learning_rate=s.lr,
@@ -161,7 +164,7 @@ def trl_turn(ckpt: str, path: str, r: Rollouts, s: Settings, steps: int, out_dir
     model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=s.attn).train()
     data = Dataset.from_dict({"prompt": [str(k) for k in range(len(groups))]})
     trainer = GRPOTrainer(model=model, reward_funcs=logged, args=args, train_dataset=data, processing_class=tok,
-                          rollout_func=rollout, callbacks=[Clock()])
+                          rollout_func=rollout, callbacks=[step_clock(turn.times)])
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     logs = [x for x in trainer.state.log_history if "loss" in x and "train_runtime" not in x]
