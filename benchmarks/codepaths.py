@@ -7,7 +7,7 @@ Trains one small dense model (fp32, single process, the end-to-end tests' config
 interpreter per code path (ATEN_CPU_CAPABILITY and MKL_CBWR are read at torch's import) and
 prints, against the default's curve measured in the same run, the largest relative deviation
 of the loss and the grad norm and the number of steps that differ at all. The code path that
-moves the numbers most is the one `make test` runs the exactness tests under a second time
+moves the numbers most is the one `make test` runs the exactness tests under
 (docs/contributing.md). Deviations depend on the CPU; compare the rows, not the numbers.
 """
 from __future__ import annotations

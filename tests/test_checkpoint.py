@@ -29,7 +29,7 @@ from megaft.checkpoint import (
 from megaft.config.train import TrainConfig, check_train
 from megaft.parallel.grid import ParallelGrid
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 
 @pytest.fixture(scope="module")

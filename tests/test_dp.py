@@ -20,7 +20,7 @@ from train_cases import (
 
 from megaft.validation import validate
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 # fp32: dp sums two ranks' partial gradients (one reordered add) and tp splits matmuls,
 # so curves agree to rounding over 10 AdamW steps; 1e-5 relative is the issue's bound.

@@ -395,7 +395,7 @@ def test_layout_equals_single_process(runs, layout):
         assert (got[name] - w).abs().max() <= bound, name
 
 
-@pytest.mark.exact  # also under the second CPU code path (make test)
+@pytest.mark.exact  # make test runs it on a pinned CPU code path (docs/contributing.md)
 @pytest.mark.parametrize("layout", [*LORA, *MOE_LORA])
 def test_lora_layouts_equal_the_single_process(runs, layout):
     """LoRA adapters on Muon: tp=2 gathers a column linear's B and a row linear's A whole over tp
@@ -435,7 +435,7 @@ def _bf16_ulp(w: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(w, dtype=torch.float32), e - 8)
 
 
-@pytest.mark.exact  # also under the second CPU code path (make test)
+@pytest.mark.exact  # make test runs it on a pinned CPU code path (docs/contributing.md)
 @pytest.mark.parametrize("layout", list(MASTER))
 def test_master_weights_layouts_equal_the_single_process(runs, layout):
     """optim.master_weights (bf16 params, activations and grads; fp32 masters and momentum) at dp=2

@@ -66,7 +66,7 @@ def _sent(root: str, precision: str) -> list:
     return out
 
 
-@pytest.mark.exact  # also under the second CPU code path (make test)
+@pytest.mark.exact  # make test runs it on a pinned CPU code path (docs/contributing.md)
 def test_bf16_curve_equals_single_process(runs):
     want, _ = read_metrics(os.path.join(runs, "ref_bf16"))
     got, _ = read_metrics(os.path.join(runs, "pp2_bf16"))
@@ -81,7 +81,7 @@ def test_bf16_curve_equals_single_process(runs):
     assert got != fp32  # bf16 really ran
 
 
-@pytest.mark.exact  # also under the second CPU code path (make test)
+@pytest.mark.exact  # make test runs it on a pinned CPU code path (docs/contributing.md)
 def test_fp16_curve_equals_single_process(runs):
     """fp16 (with its loss scaler) sends fp16: one rounding to 11 mantissa bits per boundary."""
     want, _ = read_metrics(os.path.join(runs, "ref_fp16"))

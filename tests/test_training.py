@@ -5,7 +5,7 @@ import pytest
 from multirank import spawn
 from train_cases import PARALLEL_RUNS, read_metrics, read_rows, train_parallel_runs, train_single
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 # fp32: tp/dp reorder the sums inside matmuls and reductions, so losses agree to
 # rounding, compounded over 20 AdamW steps; 1e-5 relative is the bound.

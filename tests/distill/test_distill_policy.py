@@ -307,7 +307,7 @@ def test_a_resumed_run_generates_and_trains_as_the_uninterrupted_one(inputs):
             assert a[key] == b[key], (a["step"], key)  # one process, the same operations: bit for bit
 
 
-@pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+@pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 def test_every_layout_generates_and_trains_as_the_single_process(inputs):
     ckpt, teacher, data, root = inputs
     spawn(2, policy_layouts_rank, ckpt, teacher, data, str(root / "layouts"))

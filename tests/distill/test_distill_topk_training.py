@@ -29,7 +29,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.perf.memory import estimate_ranks
 from megaft.validation import resolve, validate
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 # name -> parallel settings (and data.packing), every one on 2 ranks in one spawn
 LAYOUTS = {"tp2": dict(tp=2), "dp2_zero3": dict(dp=2, zero=3),

@@ -19,7 +19,7 @@ from megaft.distill.losses import token_divergence
 from megaft.distill.topk import TopK, teacher_topk, topk_divergence
 from tests.multirank import spawn
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 B, S, V = 3, 7, 101  # odd vocabulary: under tp2 the second slice holds 50 real columns of 51
 KS = (1, 8, 64)

@@ -22,7 +22,9 @@ import torch
 from megaft.kernels import _ext
 from megaft.kernels.adamw import adamw_step_, reference, resolve_backend
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+# exact: make test runs these on the pinned CPU code path; native: and on this CPU's own kernels too, where
+# torch's vectorized lerp/addcmul use fma and the cpu backend must equal them bitwise (docs/contributing.md)
+pytestmark = [pytest.mark.exact, pytest.mark.native]
 
 # 1 and 7: tails only; 4099: vector body + tail; 100_003: several at::parallel_for
 # chunks (grain 32768) split at odd offsets; 1_000_003: large, still fast.

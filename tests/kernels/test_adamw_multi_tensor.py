@@ -21,7 +21,9 @@ from megaft.kernels import _ext, _triton
 from megaft.kernels.adamw import adamw_multi_tensor_, adamw_step_, resolve_backend
 from megaft.kernels.adamw.tensor_lists import make_lists
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+# exact: make test runs these on the pinned CPU code path; native: and on this CPU's own kernels too, where
+# torch's vectorized lerp/addcmul use fma and the cpu backend must equal them bitwise (docs/contributing.md)
+pytestmark = [pytest.mark.exact, pytest.mark.native]
 
 # Odd sizes, an empty tensor, and one spanning several Triton chunks of 16384 and a
 # partial CUDA chunk; kept small because the Triton interpreter is slow.

@@ -23,7 +23,7 @@ from models.layout_runs import report as layout_report
 from models.moe_fixture import make_hf_moe
 from models.test_moe_training import data, moe_config  # noqa: F401 (the data fixture)
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 EP_LAYOUTS = [
     ("mixtral", dict(dp=2, ep=2)),

@@ -23,7 +23,7 @@ from models.layout_runs import Case, run_cases
 from models.layout_runs import report as layout_report
 from models.moe_fixture import make_hf_moe
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -30,7 +30,7 @@ from megaft.pref.logps import SequenceLogps, decoder_token_logps, next_token_lab
 from megaft.pref.losses import preference_loss
 from pref.pref_cases import ATOL, RTOL, megaft_model, sequence_of, tp2_rank
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 # Three pairs; prompts, chosen and rejected answers of different lengths (letters only: the
 # fixture's character vocabulary has no space). TRL appends <eos> to each answer.

@@ -39,7 +39,7 @@ from pref.pref_train_cases import (
     write_pairs,
 )
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from reward.reward_cases import (
     write_pairs,
 )
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 
 
 @pytest.fixture(scope="module")

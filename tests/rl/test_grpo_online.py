@@ -26,7 +26,7 @@ from megaft.rl.online import Prompt, fit_problems
 from megaft.training.loop import Trainer
 from megaft.validation import resolve, validate
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean")
 EOS = 1  # the fixture tokenizer's <eos>
 

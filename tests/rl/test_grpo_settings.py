@@ -33,7 +33,7 @@ from megaft.rl.iterations import Generation
 from megaft.training.loop import Trainer
 from megaft.validation import resolve, validate
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 COMPARED = ("loss", "grad_norm", "reward", "reward_std", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
             "clip_ratio/region_mean")
 

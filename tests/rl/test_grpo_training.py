@@ -36,7 +36,7 @@ from megaft.config.rl import LOSS_TYPES
 from megaft.parallel.grid import ParallelGrid
 from megaft.validation import resolve, validate
 
-pytestmark = pytest.mark.exact  # also run under a second CPU code path (make test; docs/contributing.md)
+pytestmark = pytest.mark.exact  # make test runs these on a pinned CPU code path (docs/contributing.md)
 COMPARED = ("loss", "grad_norm", "reward", "reward_std", "clip_ratio/region_mean", "entropy", "completions/mean_length",
             "completions/max_length", "completions/clipped_ratio")
 KL_COMPARED = COMPARED + ("kl",)
