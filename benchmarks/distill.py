@@ -54,7 +54,6 @@ median step (p20-p80) and its ratio to TRL's (below 1: faster).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -275,10 +274,9 @@ def hf_micro_batches(batches: list[tuple[torch.Tensor, torch.Tensor]], micro: in
 def trl_step_turn(inputs: tuple, batches: list, r: Run, steps: int, out_dir: str) -> StepTurn:
     from datasets import Dataset
     from transformers import LlamaForCausalLM
-    from transformers.trainer_callback import PrinterCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from benchmarks.preference import char_tokenizer, step_clock
+    from benchmarks.preference import char_tokenizer, step_clock, train_logged, trl_args
     from megaft.config.optim import OptimConfig
 
     student, teacher, _, _ = inputs
@@ -289,31 +287,22 @@ def trl_step_turn(inputs: tuple, batches: list, r: Run, steps: int, out_dir: str
         return queue.pop(0)
 
     tok = char_tokenizer(student)
-    args = GKDConfig(output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, seed=0, beta=r.beta, lmbda=0.0,
-                     seq_kd=False, temperature=1.0, per_device_train_batch_size=r.micro,
-                     gradient_accumulation_steps=r.batch // r.micro, max_steps=steps, learning_rate=r.lr,
-                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=o.beta1,
-                     adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.clip_grad, logging_steps=1,
-                     save_strategy="no", disable_tqdm=True)
+    args = GKDConfig(output_dir=out_dir, beta=r.beta, lmbda=0.0, seq_kd=False, temperature=1.0,
+                     **trl_args(o, r.micro, r.batch // r.micro, steps, r.lr))
     load = lambda p: LlamaForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation=r.attn)  # noqa: E731
     trainer = GKDTrainer(model=load(student).train(), teacher_model=load(teacher), args=args,
                          train_dataset=Dataset.from_dict({"row": list(range(steps * r.batch))}),
                          processing_class=tok, data_collator=collate, callbacks=[step_clock(turn.times)])
-    trainer.remove_callback(PrinterCallback)
-    trainer.train()
-    logs = [x for x in trainer.state.log_history if "loss" in x and "train_runtime" not in x]
-    turn.losses, turn.grad_norms = [x["loss"] for x in logs], [x["grad_norm"] for x in logs]
+    train_logged(trainer, turn)
     return turn
 
 
 def run_step_turn(variant: str, inputs: tuple, batches: list, r: Run, steps: int, root: str) -> StepTurn:
-    out = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
-    try:
-        if variant == "megaft":
-            return megaft_step_turn(inputs, r, steps, out)
-        return trl_step_turn(inputs, batches, r, steps, out)
-    finally:
-        gc.collect()
+    from benchmarks.preference import in_fresh_dir
+
+    if variant == "megaft":
+        return in_fresh_dir(root, variant, lambda out: megaft_step_turn(inputs, r, steps, out))
+    return in_fresh_dir(root, variant, lambda out: trl_step_turn(inputs, batches, r, steps, out))
 
 
 def step_disagreements(turns: dict[str, StepTurn], steps: int) -> list[str]:

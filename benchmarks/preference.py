@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -78,6 +78,7 @@ SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
 # the characters of the pairs' text: no space (a WordLevel word each) and no '<' or '>', so
 # no random text spells a special token
 CHARS = string.ascii_letters + string.digits + ".,;:!?-'()"
+T = TypeVar("T")
 RTOL = 1e-4  # fp32 agreement of loss and grad norm (tests/pref: ten steps within 1e-4)
 
 
@@ -242,7 +243,6 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from transformers import LlamaForCausalLM
-    from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
     from megaft.config.optim import OptimConfig
@@ -273,13 +273,8 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     records = [json.loads(line) for line in open(pairs)]
     data = Dataset.from_list([records[i] for i in order])
     tok = char_tokenizer(ckpt)
-    args = DPOConfig(output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, seed=0, beta=s.beta,
-                     loss_type="sigmoid", per_device_train_batch_size=s.micro,
-                     gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=s.lr,
-                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=o.beta1,
-                     adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.clip_grad, logging_steps=1,
-                     save_strategy="no", max_length=None, dataloader_drop_last=False, disable_tqdm=True,
-                     precompute_ref_log_probs=precompute)
+    args = DPOConfig(output_dir=out_dir, beta=s.beta, loss_type="sigmoid", max_length=None, dataloader_drop_last=False,
+                     precompute_ref_log_probs=precompute, **trl_args(o, s.micro, accumulation, steps, s.lr))
 
     def load():
         return LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=s.attn)
@@ -289,11 +284,7 @@ def trl_turn(ckpt: str, pairs: str, order: list[int], s: Settings, steps: int, *
     trainer = Timed(model=load().train(), ref_model=None if precompute else load().eval(), args=args,
                     train_dataset=data, processing_class=tok, callbacks=[step_clock(turn.times)])
     turn.build_s = time.perf_counter() - start
-    trainer.remove_callback(PrinterCallback)  # the logs are read from log_history
-    trainer.train()
-    logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
-    turn.losses = [r["loss"] for r in logs]
-    turn.grad_norms = [r["grad_norm"] for r in logs]
+    train_logged(trainer, turn)
     per_step = [sum(micro_tokens[i:i + accumulation]) for i in range(0, len(micro_tokens), accumulation)]
     turn.tokens = [n * (1 if precompute else 2) for n in per_step]
     return turn
@@ -311,6 +302,35 @@ def step_clock(times: list[float]):
             times.append(time.perf_counter() - self.start)
 
     return Clock()
+
+
+def trl_args(o, micro: int, accumulation: int, steps: int, lr: float) -> dict:
+    """The TRL config fields every TRL-side turn shares (benchmarks.preference, .rl, .distill): CPU and fp32,
+    megaft's AdamW betas, eps and clip, a constant LR without decay, a log line each step, nothing saved."""
+    return dict(report_to="none", use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=micro,
+                gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=lr,
+                lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=o.beta1,
+                adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.clip_grad, logging_steps=1,
+                save_strategy="no", disable_tqdm=True)
+
+
+def train_logged(trainer, turn) -> None:
+    """Train a TRL trainer without its printed log lines; turn.losses and turn.grad_norms from its log history."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    logs = [r for r in trainer.state.log_history if "loss" in r and "train_runtime" not in r]
+    turn.losses, turn.grad_norms = [r["loss"] for r in logs], [r["grad_norm"] for r in logs]
+
+
+def in_fresh_dir(root: str, variant: str, run: Callable[[str], T]) -> T:
+    """run(a new folder under `root` named for the variant), then collect what the turn left (models, optimizers)."""
+    out = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
+    try:
+        return run(out)
+    finally:
+        gc.collect()
 
 
 def char_tokenizer(model_dir: str):
@@ -340,13 +360,10 @@ def run_turn(variant: str, inputs: tuple[str, str, int], order: list[int], s: Se
              root: str) -> Turn:
     """One turn of `variant`, built from the checkpoint, in a fresh folder under `root`."""
     ckpt, pairs, seq_len = inputs
-    out = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
-    try:
-        if variant in MEGAFT:
-            return megaft_turn(ckpt, pairs, seq_len, s, steps, out, variant)
-        return trl_turn(ckpt, pairs, order, s, steps, precompute=variant == "trl-precomp", out_dir=out)
-    finally:
-        gc.collect()
+    if variant in MEGAFT:
+        return in_fresh_dir(root, variant, lambda out: megaft_turn(ckpt, pairs, seq_len, s, steps, out, variant))
+    return in_fresh_dir(root, variant, lambda out: trl_turn(ckpt, pairs, order, s, steps,
+                                                            precompute=variant == "trl-precomp", out_dir=out))
 
 
 def disagreements(turns: dict[str, Turn], steps: int) -> list[str]:

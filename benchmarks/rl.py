@@ -28,7 +28,6 @@ as benchmarks.preference: --rounds ABBA rounds, --warmup untimed steps a turn, t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -47,9 +46,12 @@ from benchmarks.preference import (
     Turn,
     add_model_args,
     char_tokenizer,
+    in_fresh_dir,
     quiet,
     span,
     step_clock,
+    train_logged,
+    trl_args,
     write_model,
 )
 from benchmarks.train_step.measure import split_steps
@@ -128,7 +130,6 @@ def megaft_turn(ckpt: str, path: str, seq_len: int, r: Rollouts, s: Settings, st
 def trl_turn(ckpt: str, path: str, r: Rollouts, s: Settings, steps: int, out_dir: str) -> Turn:
     from datasets import Dataset
     from transformers import LlamaForCausalLM
-    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from megaft.config.optim import OptimConfig
@@ -154,33 +155,22 @@ def trl_turn(ckpt: str, path: str, r: Rollouts, s: Settings, steps: int, out_dir
         return [rewards[(k, g)] for k, g in zip(group, generation)]
 
     tok = char_tokenizer(ckpt)
-    args = GRPOConfig(output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, seed=0, beta=0.0,
-                      loss_type=s.loss_type, num_generations=r.generations, per_device_train_batch_size=s.micro,
-                      gradient_accumulation_steps=s.batch // s.micro, max_steps=steps, learning_rate=s.lr,
-                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=o.beta1,
-                      adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.clip_grad, logging_steps=1,
-                      save_strategy="no", disable_tqdm=True, shuffle_dataset=False,
-                      max_completion_length=r.completion[1])
+    args = GRPOConfig(output_dir=out_dir, beta=0.0, loss_type=s.loss_type, num_generations=r.generations,
+                      shuffle_dataset=False, max_completion_length=r.completion[1],
+                      **trl_args(o, s.micro, s.batch // s.micro, steps, s.lr))
     model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=s.attn).train()
     data = Dataset.from_dict({"prompt": [str(k) for k in range(len(groups))]})
     trainer = GRPOTrainer(model=model, reward_funcs=logged, args=args, train_dataset=data, processing_class=tok,
                           rollout_func=rollout, callbacks=[step_clock(turn.times)])
-    trainer.remove_callback(PrinterCallback)
-    trainer.train()
-    logs = [x for x in trainer.state.log_history if "loss" in x and "train_runtime" not in x]
-    turn.losses, turn.grad_norms = [x["loss"] for x in logs], [x["grad_norm"] for x in logs]
+    train_logged(trainer, turn)
     return turn
 
 
 def run_turn(variant: str, inputs: tuple, r: Rollouts, s: Settings, steps: int, root: str) -> Turn:
     ckpt, path, seq_len = inputs
-    out = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
-    try:
-        if variant == "megaft":
-            return megaft_turn(ckpt, path, seq_len, r, s, steps, out)
-        return trl_turn(ckpt, path, r, s, steps, out)
-    finally:
-        gc.collect()
+    if variant == "megaft":
+        return in_fresh_dir(root, variant, lambda out: megaft_turn(ckpt, path, seq_len, r, s, steps, out))
+    return in_fresh_dir(root, variant, lambda out: trl_turn(ckpt, path, r, s, steps, out))
 
 
 def disagreements(turns: dict[str, Turn], steps: int) -> list[str]:
