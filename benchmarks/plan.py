@@ -51,26 +51,49 @@ megaft.perf.op_recompute cites torchtitan's policy). Megatron's rows print "befo
 curve and "after" with it.
 (The table's CP rows use Float8 and torch.compile: not comparable with a bf16 peak, left out.)
 
-Third source (DeepSpeed): BLOOM-176B, trained with Megatron-DeepSpeed (DeepSpeed's ZeRO-1 with Megatron's tp and pp)
-on 384 A100 80GB GPUs, https://bigscience.notion.site/BigScience-176B-Model-ad073ca07cdf479398d5f95d88e218c4:
-"70 layers - 112 attention heads per layers - hidden dimensionality of 14336 - 2048 tokens sequence length",
-"384 A100 GPU with 80 Gb of memory each", "one copy of the model takes 48 GPUs", "training throughput: about
-150 TFLOPs". Not on that page (taken from the BigScience training set-up as recalled, not re-read in this
-session): tp 4 x pp 12 x dp 8, micro-batch 2, global batch 2048, full activation checkpointing, vocabulary
-250,880. Megatron-DeepSpeed's printed TFLOPs count the recompute (its formula's checkpoint_activations_factor 4),
-so the row is compared as tokens/s per GPU: 150e12 / (96 l h^2 (1 + s/6h + V/16lh)). Fed as a Llama-shaped model
-with the same FLOPs (SwiGLU 8/3 x hidden for BLOOM's GeLU 4 x hidden MLP, RoPE for ALiBi), recompute=full,
-ZeRO-1, on conf/cluster/a100.yaml (Jean Zay's Omni-Path is priced as the preset's InfiniBand).
+Third source (DeepSpeed): BLOOM-176B, trained with Megatron-DeepSpeed on 384 A100 80GB GPUs. Every value below
+re-read in its primary source (issue 42):
+- the launch script, bigscience-workshop/bigscience train/tr11-176B-ml/tr11-176B-ml.slurm
+  (https://github.com/bigscience-workshop/bigscience/blob/master/train/tr11-176B-ml/tr11-176B-ml.slurm): 48 nodes
+  x 8 GPUs, TP_SIZE=4, PP_SIZE=12 (so dp 8), MICRO_BATCH_SIZE=2, GLOBAL_BATCH_SIZE=2048, NHIDDEN=14336,
+  NLAYERS=70, NHEADS=112, SEQ_LEN=2048, --bf16, --checkpoint-activations, --pad-vocab-size-to 250880,
+  --pp-partition-method 'type:transformer|embedding', ZERO_STAGE=0 ("bf16 must use z0! it implements its own
+  zero stage 1 equivalent": DeepSpeed's BF16Optimizer, fed here as ZeRO-1), CUDA_LAUNCH_BLOCKING=1;
+- "The Technology Behind BLOOM Training" (S. Bekman, https://huggingface.co/blog/bloom-megatron-deepspeed):
+  "a pipeline of 72 layers, 2 of which were dedicated to the embedding (first and last)" (so the first and last
+  of the 12 stages hold 5 blocks and the embedding or the tied head, the others 6: parallel.pp_layers);
+  "Sequence parallelism was developed after BLOOM was trained so not used"; Megatron's fused kernels
+  (LayerNorm, scale-mask-softmax, bias+GeLU) -> compiled; DeepSpeed's pipeline engine; "4 OmniPath links" per node;
+- the BLOOM paper (arXiv:2211.05100, p. 18): "4 Omni-Path 100 Gbps links" per node of 8 A100s, so 4 x 12.5 GB/s
+  shared by 8 GPUs: 6.25 GB/s per GPU for the network (JEAN_ZAY_OPA_GBPS; the a100 preset's is 25);
+- the throughput, "training throughput: about 150 TFLOPs" (https://bigscience.notion.site/BigScience-176B-Model-
+  ad073ca07cdf479398d5f95d88e218c4), at GBS 2048 ("we ramped up to GBS=2048 (150 TFLOPs)", stas00/ml-engineering,
+  training/hparams.md). Megatron-DeepSpeed's printed TFLOPs count the recompute (its formula's
+  checkpoint_activations_factor 4), so the row is compared as tokens/s per GPU:
+  150e12 / (96 l h^2 (1 + s/6h + V/16lh)).
+Megatron-DeepSpeed of 2022 issues its tp all-reduces in line with the compute (its mpu layers; TransformerEngine's
+tp overlap came later), so the row runs with tp_overlap off. Fed as a Llama-shaped model with the same FLOPs
+(SwiGLU 8/3 x hidden for BLOOM's GeLU 4 x hidden MLP, RoPE for ALiBi), recompute=full, ZeRO-1, tied embeddings, on
+conf/cluster/a100.yaml with Jean Zay's network.
 
 Fourth source (MoE): NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md, "25.11 NeMo Container",
-"System: DGX-H100" (stored copy pufanyi/Megatron-Bridge@21a2ced8106754c746d0bbde686f35554992e4be), the only BF16
-row of that table: "| GPT OSS 120B | 64 | BF16 | 512 | 4 | 4096 | 0 | 1 | 4 | 1 | 1 | 8 | 2 | 5630 | 153 |"
-(GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU, model TFLOP/s/GPU; the page says
-the MoE rows "force-balance the token distribution among experts"). gpt-oss-120b's shape (its Hugging Face
-config.json, recalled, not re-read in this session): 36 layers, hidden 2880, 64 query and 8 kv heads of 64,
-128 experts of inner size 2880, top 4, vocabulary 201,088, every other layer a 128-token sliding window.
-Fed as megaft's MoE with those shapes (no attention sinks, no biases), pp 4, ep 8, ZeRO-1, Megatron's mode
-(compiled, tp_overlap).
+"System: DGX-H100", the only BF16 row of that table: "| GPT OSS 120B | 64 | BF16 | 512 | 4 | 4096 | 0 | 1 | 4 | 1 |
+1 | 8 | 2 | 5630 | 153 |" (GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU, model
+TFLOP/s/GPU; the page says the MoE rows "force-balance the token distribution among experts"). The row is not
+self-consistent: 64 GPUs at pp 4 leave dp 16, so GBS 512 at MBS 4 is GA 8, not 2 (GA 2 and MBS 4 are the B200 row's,
+which has pp 1). The recipe that produced it (scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py,
+GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1) sets pp 4, ep 8, expert tp 1, recompute_modules ["layernorm", "moe_act"]
+and keeps the base micro_batch_size=1; the table's MBS 4 is kept (printed), micro-batch 1 reported beside it.
+gpt-oss-120b's shape re-read in transformers' GptOssConfig (src/transformers/models/gpt_oss/configuration_gpt_oss.py,
+"defaults ... similar to ... GPT-OSS-120B"): 36 layers, hidden 2880, 64 query and 8 kv heads of 64, 128 experts
+of inner size 2880, top 4, vocabulary 201,088, sliding window 128 on every other layer (layer_types), untied,
+attention biases. Fed as megaft's MoE with those shapes (no attention sinks, no biases), pp 4, ep 8, ZeRO-1,
+Megatron's mode (compiled, tp_overlap).
+
+torchtitan's rows re-read in pytorch/torchtitan's docs/performance.md at 820504e20^ (the page moved to
+benchmarks/llama3_h100_202412_torchtitan.md in that commit): Tables 1 and 3 as above; "96GB HBM2e with 2.4 TB/sec",
+"the default 500W power limit"; footnote 2: "we used HBM2e-based SXM H100 with lower TDP, the actual peak TFLOPs
+number is between SXM and NVL, and we don't know its exact value"; torch at 1963fc8 (2024/12/23).
 """
 from __future__ import annotations
 
@@ -106,7 +129,8 @@ LLAMA31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336
 TORCHTITAN_SEQ = 8192
 # BLOOM-176B (Megatron-DeepSpeed, A100 80GB): heads, hidden, layers, vocab, seq, tp, pp, dp, micro, global, TFLOP/s
 BLOOM_176B = dict(heads=112, hidden=14336, layers=70, vocab=250880, seq=2048, tp=4, pp=12, dp=8, micro=2,
-                  batch=2048, tflops=150.0)
+                  batch=2048, tflops=150.0, pp_layers=[5] + [6] * 10 + [5])
+JEAN_ZAY_OPA_GBPS = 4 * 100 / 8 / 8  # BLOOM paper p. 18: 4 Omni-Path 100 Gb/s links per node of 8 GPUs, GB/s per GPU
 # gpt-oss-120b on 64 DGX-H100 GPUs, BF16 (Megatron-Bridge performance-summary.md, 25.11): tokens/s/GPU
 GPT_OSS_120B = dict(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, vocab_size=201088,
                     n_experts=128, top_k=4, moe_ffn_dim=2880, sliding_window=128)
@@ -151,6 +175,9 @@ def bloom_config() -> Config:
     cfg = row_config(b["heads"], b["hidden"], b["layers"], b["tp"], b["pp"], b["dp"], b["batch"])
     cfg.model.vocab_size, cfg.model.max_seq_len, cfg.model.recompute = b["vocab"], b["seq"], "full"
     cfg.model.tie_embeddings = True  # BLOOM ties its word embeddings to the output head
+    # 72 pipeline partitions, the embedding and the tied head one each (BLOOM blog): 5 blocks on the end stages
+    cfg.parallel.pp_layers = list(b["pp_layers"])
+    cfg.parallel.sequence_parallel = False  # "developed after BLOOM was trained so not used" (BLOOM blog)
     cfg.train.micro_batch_size, cfg.data.seq_len = b["micro"], b["seq"]
     return cfg
 
@@ -189,6 +216,14 @@ def other_rows(a100: ClusterConfig, h100: ClusterConfig) -> dict:
         errors[name] = (cost.tokens_per_s_per_gpu - tps) / tps
         print(f"{name:>34} {gpus:>5} {tps:>10,.1f} {cost.tokens_per_s_per_gpu:>10,.1f} {100 * errors[name]:>+6.1f}%"
               f"  {cost.bottleneck} ({_second(cost)})")
+    # the recipe's micro-batch (1) where the table prints 4: reported, not in the summary
+    cfg = gpt_oss_config()
+    cfg.train.micro_batch_size = 1
+    cost = step_cost(cfg, h100, GPT_OSS_ROW["gpus"])
+    tps = float(GPT_OSS_ROW["tps"])
+    print(f"{'  (the recipe: micro-batch 1)':>34} {GPT_OSS_ROW['gpus']:>5} {tps:>10,.1f} "
+          f"{cost.tokens_per_s_per_gpu:>10,.1f} {100 * (cost.tokens_per_s_per_gpu - tps) / tps:>+6.1f}%"
+          f"  {cost.bottleneck} ({_second(cost)})")
     return errors
 
 
@@ -272,8 +307,9 @@ def main(argv=None) -> None:
     # after: its selective "op" policy as torchtitan runs it (cluster.recompute_ops, megaft.perf.op_recompute)
     titan = torchtitan_rows({"before": titan, "after": dataclasses.replace(titan, recompute_ops=True)})
     # the other sources in their framework's mode: Megatron-DeepSpeed and Megatron-Bridge run fused kernels
+    # BLOOM: Megatron-DeepSpeed's fused kernels, its tp all-reduces in line (no overlap), Jean Zay's Omni-Path
     a100 = load_cluster("a100")
-    other = other_rows(dataclasses.replace(a100, compiled=True, tp_overlap=True),
+    other = other_rows(dataclasses.replace(a100, compiled=True, tp_overlap=False, ib_gbps=JEAN_ZAY_OPA_GBPS),
                        dataclasses.replace(cluster, compiled=True, tp_overlap=True))
     print(f"  other sources: {_summary(list(other.values()))}")
     models = ("before", "after")
