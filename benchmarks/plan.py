@@ -44,10 +44,12 @@ H100s ran at 500 W with 96 GB HBM2e at 2.4 TB/s ("We ran our performance benchma
 Teton platform", same page) where conf/cluster/h100.yaml describes the 700 W SXM part at 3.35 TB/s:
 "after" prices their memory-bound kernels at 2.4 TB/s; the 500 W power limit's effect on the GEMMs
 is not modelled (no published measurement of bf16 GEMM throughput against an H100 power cap found).
-torchtitan's rows: "before" with the attention curve and megaft's selective recompute (the core and the
-activation); "after" with torchtitan's selective "op" policy as the framework runs it (cluster.recompute_ops:
+torchtitan's rows, both with torchtitan's selective "op" policy as the framework runs it (cluster.recompute_ops:
 every second matmul of the block and its elementwise ops run again, the attention core saved;
-megaft.perf.op_recompute cites torchtitan's policy). Megatron's rows print "before" without the attention
+megaft.perf.op_recompute cites torchtitan's policy): "before" at the SXM part's peak (989 TFLOP/s), "after" at the
+H100 NVL's (835, megaft.perf.hardware), the two ends of torchtitan's footnote 2 ("the actual peak TFLOPs number is
+between SXM and NVL"): the GEMM curve, the FLOPs at matmul_fraction and the attention curve run at the capped clock
+(megaft.perf.hardware.peak_ratio), the HBM-bound kernels do not. Megatron's rows print "before" without the attention
 curve and "after" with it.
 (The table's CP rows use Float8 and torch.compile: not comparable with a bf16 peak, left out.)
 
@@ -123,8 +125,9 @@ MEGATRON_H100 = (
     ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 0.47),
 )
 
-# GPUs, global batch, TPS/GPU (torchtitan docs/performance.md, Llama 3.1 8B, FSDP, bf16, eager)
-TORCHTITAN_8B = ((8, 16, 5762), (128, 256, 5605))
+# GPUs, global batch, TPS/GPU, torch.compile (torchtitan docs/performance.md, Llama 3.1 8B, FSDP, bf16: the
+# "FSDP" and "FSDP + torch.compile" rows of Tables 1 and 3; the Float8 rows left out)
+TORCHTITAN_8B = ((8, 16, 5762, False), (128, 256, 5605, False), (8, 16, 6667, True), (128, 256, 6514, True))
 LLAMA31_8B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
 TORCHTITAN_SEQ = 8192
 # BLOOM-176B (Megatron-DeepSpeed, A100 80GB): heads, hidden, layers, vocab, seq, tp, pp, dp, micro, global, TFLOP/s
@@ -136,6 +139,8 @@ GPT_OSS_120B = dict(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64
                     n_experts=128, top_k=4, moe_ffn_dim=2880, sliding_window=128)
 GPT_OSS_ROW = dict(gpus=64, batch=512, micro=4, seq=4096, tp=1, pp=4, ep=8, tps=5630)
 GRAND_TETON_HBM_TBPS = 2.4  # torchtitan docs/performance.md: "96GB HBM2e with 2.4 TB/sec peak memory bandwidth"
+# torchtitan docs/performance.md footnote 2: the 500 W part's peak "is between SXM and NVL" (megaft.perf.hardware)
+GRAND_TETON_PEAK_BOUNDS = (989.4, 835.0)  # H100 SXM and H100 NVL dense bf16 TFLOP/s
 # cuDNN's fused attention on H100 SXM5, bf16, head dim 128, TFLOP/s (FlashAttention-3 paper, arXiv:2407.08608,
 # cuDNN 9.1.1.17 bars of Figure 5 (c) forward, (d) causal forward, Figure 6 (b) backward); the same
 # sequence lengths as conf/cluster/h100.yaml's FlashAttention-2 curve
@@ -261,19 +266,21 @@ def torchtitan_rows(models: dict) -> dict:
     """Print predicted against torchtitan's TPS/GPU under each cost model in `models` (label -> the
     cluster of torchtitan's rows); returns label -> errors."""
     labels = list(models)
-    print("\nvs torchtitan's Llama 3.1 8B FSDP rows (docs/performance.md Tables 1 and 3; bf16, eager, 500 W H100s)"
-          "\ntorchtitan rows: eager (compiled: false), hbm 2.4 TB/s, no tp, FlashAttention-2's causal curve; "
-          "after: selective op recompute (cluster.recompute_ops)")
-    print(f"{'GPUs':>5} {'batch':>5} {'pub TPS/GPU':>11} "
+    print("\nvs torchtitan's Llama 3.1 8B FSDP rows (docs/performance.md Tables 1 and 3; bf16, 500 W H100s)"
+          "\ntorchtitan rows: eager (compiled: false) or torch.compile as published, hbm 2.4 TB/s, no tp, "
+          "FlashAttention-2's causal curve, "
+          "selective op recompute (cluster.recompute_ops); before: the SXM's peak, after: the NVL's (footnote 2)")
+    print(f"{'GPUs':>5} {'batch':>5} {'compile':>7} {'pub TPS/GPU':>11} "
           + " ".join(f"{label + ' TPS':>14} {'error':>7}" for label in labels) + "  bottleneck (2nd), last model")
     errors: dict = {label: [] for label in labels}
-    for gpus, batch, tps in TORCHTITAN_8B:
+    for gpus, batch, tps, compiled in TORCHTITAN_8B:
         cells = []
-        for label, cluster in models.items():
-            cost = step_cost(torchtitan_config(gpus, batch), cluster, gpus)
+        for label, cluster in models.items():  # torch.compile fuses the block's elementwise ops (compiled: true)
+            cost = step_cost(torchtitan_config(gpus, batch), dataclasses.replace(cluster, compiled=compiled), gpus)
             errors[label].append((cost.tokens_per_s_per_gpu - tps) / tps)
             cells.append(f"{cost.tokens_per_s_per_gpu:>14,.0f} {100 * errors[label][-1]:>+6.1f}%")
-        print(f"{gpus:>5} {batch:>5} {tps:>11,} " + " ".join(cells) + f"  {cost.bottleneck} ({_second(cost)})")
+        print(f"{gpus:>5} {batch:>5} {'yes' if compiled else 'no':>7} {tps:>11,} " + " ".join(cells)
+              + f"  {cost.bottleneck} ({_second(cost)})")
     for label in labels:
         print(f"  {label}: {_summary(errors[label])}")
     return errors
@@ -303,9 +310,11 @@ def main(argv=None) -> None:
           f"{args.megatron_attention}'s causal curve")
     megatron = megatron_rows({"before": dataclasses.replace(megatron, **no_curve),
                               "after": dataclasses.replace(megatron, **kernel)})
-    # torchtitan's rows before: FlashAttention-2's curve, megaft's selective recompute (core and activation);
-    # after: its selective "op" policy as torchtitan runs it (cluster.recompute_ops, megaft.perf.op_recompute)
-    titan = torchtitan_rows({"before": titan, "after": dataclasses.replace(titan, recompute_ops=True)})
+    # torchtitan's rows: its selective "op" policy as torchtitan runs it (cluster.recompute_ops), the 500 W part
+    # at the two ends of its footnote's peak: the SXM's (before) and the NVL's (after)
+    titan = dataclasses.replace(titan, recompute_ops=True)
+    titan = torchtitan_rows({label: dataclasses.replace(titan, peak_tflops_bf16=peak)
+                             for label, peak in zip(("before", "after"), GRAND_TETON_PEAK_BOUNDS)})
     # the other sources in their framework's mode: Megatron-DeepSpeed and Megatron-Bridge run fused kernels
     # BLOOM: Megatron-DeepSpeed's fused kernels, its tp all-reduces in line (no overlap), Jean Zay's Omni-Path
     a100 = load_cluster("a100")
