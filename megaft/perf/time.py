@@ -47,7 +47,11 @@ to the step (`StepCost.step_s`):
   ahead; ZeRO-2's per-micro-batch reduce-scatter behind that backward.
 * **dp_comm**: ZeRO 0/1's gradient reduction. Buckets launch during the last
   micro-batch's backward, so only what backward cannot hide (at least the last bucket)
-  shows; under pp > 1 megaft reduces after the schedule, so all of it shows.
+  shows; under pp > 1 megaft reduces after the schedule, so all of it shows. Under pp > 1
+  with tied embeddings (and an LM head) it also holds the tied weight's gradient all-reduce
+  between its two copies, the first and the last pp rank (megaft.pipeline.stage.sync_tied_grads,
+  after the schedule, before the loss reaches every pp rank: every rank waits on it), over
+  the link of two ranks (pp−1)·tp·dp×cp apart.
 * **param_gather**: ZeRO 1/2's all-gather of the updated parameters after the step.
 * **optimizer**: the AdamW update, memory-bound (~32 bytes touched per updated element).
 * **offload**: with `parallel.offload=cpu`, the grad/master copies over PCIe overlapped
@@ -483,6 +487,7 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         reduce = _over_replicas(all_reduce_s if par.zero == 0 else gather_s, params, expert, gbytes, cluster, par, dp)
         bucket = (all_reduce_s if par.zero == 0 else gather_s)(min(par.bucket_mb * MIB, params * gbytes), dp, link)
         terms["dp_comm"] = reduce if par.pp > 1 else max(bucket, reduce - last_backward)
+    terms["dp_comm"] += tied_grad_s(cfg, cluster, dp)
     if dp > 1 and par.zero in (1, 2):
         terms["param_gather"] = _over_replicas(gather_s, params, expert, wbytes, cluster, par, dp)
     owned = params / (dp if par.zero >= 1 else 1)
@@ -496,6 +501,19 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12) * cluster.optimizer_scale
     if cfg.optim.name == "muon":
         _add_muon_terms(terms, cfg, cluster, dp, r)
+
+
+def tied_grad_s(cfg, cluster, dp: int) -> float:
+    """Seconds of the tied embedding's gradient all-reduce between its copies on the first and the last pp
+    rank (megaft.pipeline.stage.sync_tied_grads): this tp rank's vocab/tp × dim slice, at the gradient bytes
+    the dp reduction moves, over two ranks (pp−1)·tp·dp apart (`dp`: the dp×cp replicas); 0 at pp = 1,
+    untied, with a score head (no tied head) or under LoRA (the frozen embedding has no gradient)."""
+    m, par = cfg.model, cfg.parallel
+    if par.pp <= 1 or not m.tie_embeddings or m.score_head or cfg.lora.rank > 0:
+        return 0.0
+    gbytes = 2 if par.grad_compression == "bf16" else 4
+    link = group_link(cluster, 2, (par.pp - 1) * par.tp * dp)
+    return all_reduce_s(-(-m.vocab_size // par.tp) * m.dim * gbytes, 2, link)
 
 
 def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
