@@ -49,8 +49,10 @@ every second matmul of the block and its elementwise ops run again, the attentio
 megaft.perf.op_recompute cites torchtitan's policy): "before" at the SXM part's peak (989 TFLOP/s), "after" at the
 H100 NVL's (835, megaft.perf.hardware), the two ends of torchtitan's footnote 2 ("the actual peak TFLOPs number is
 between SXM and NVL"): the GEMM curve, the FLOPs at matmul_fraction and the attention curve run at the capped clock
-(megaft.perf.hardware.peak_ratio), the HBM-bound kernels do not. Megatron's rows print "before" without the attention
-curve and "after" with it.
+(megaft.perf.hardware.peak_ratio), the HBM-bound kernels do not. Megatron's rows, with the attention curve, print
+"before" without and "after" with cluster.dp_overlap: the README's "--overlap-grad-reduce --overlap-param-gather"
+(the reduction behind each pp rank's last backward at pp > 1 too, the parameter all-gather behind the next step's
+first forward), which megaft's runtime lacks.
 (The table's CP rows use Float8 and torch.compile: not comparable with a bf16 peak, left out.)
 
 Third source (DeepSpeed): BLOOM-176B, trained with Megatron-DeepSpeed on 384 A100 80GB GPUs. Every value below
@@ -300,16 +302,16 @@ def main(argv=None) -> None:
     # of DP, TP and PP communication"); torchtitan's: eager PyTorch on Grand Teton's 2.4 TB/s HBM2e
     megatron = dataclasses.replace(cluster, compiled=True, tp_overlap=True)
     titan = dataclasses.replace(cluster, compiled=False, tp_overlap=False, hbm_tbps=GRAND_TETON_HBM_TBPS)
-    no_curve = dict(attention_seq=[], attention_fwd_tflops=[], attention_fwd_causal_tflops=[], attention_bwd_tflops=[])
     kernel = CUDNN_ATTENTION if args.megatron_attention == "cudnn" else {}
     print(f"megaft cost model on cluster={args.cluster} (matmul_fraction {cluster.matmul_fraction:g}, GEMM curve: "
           f"ceiling {cluster.gemm_ceiling:g}, {cluster.gemm_sms} SMs, {cluster.gemm_tile_m}x{cluster.gemm_tile_n} "
           f"tiles; hbm_fraction {cluster.hbm_fraction:g}, kernel gap {cluster.kernel_gap_us:g} us, eager op "
           f"{cluster.eager_op_us:g} us) vs Megatron-LM's published H100 table (README, images/model_table.png)")
-    print(f"Megatron rows: compiled (fused kernels), tp_overlap on; after: the attention core by "
-          f"{args.megatron_attention}'s causal curve")
-    megatron = megatron_rows({"before": dataclasses.replace(megatron, **no_curve),
-                              "after": dataclasses.replace(megatron, **kernel)})
+    print(f"Megatron rows: compiled (fused kernels), tp_overlap on, the attention core by "
+          f"{args.megatron_attention}'s causal curve; after: dp_overlap on (--overlap-grad-reduce "
+          f"--overlap-param-gather)")
+    megatron = dataclasses.replace(megatron, **kernel)
+    megatron = megatron_rows({"before": megatron, "after": dataclasses.replace(megatron, dp_overlap=True)})
     # torchtitan's rows: its selective "op" policy as torchtitan runs it (cluster.recompute_ops), the 500 W part
     # at the two ends of its footnote's peak: the SXM's (before) and the NVL's (after)
     titan = dataclasses.replace(titan, recompute_ops=True)
