@@ -2,17 +2,18 @@
 
     python -m benchmarks.plan [--cluster h100] [--matmul-fraction F] [--megatron-attention cudnn|fa2]
 
-Every row is priced twice, each in its framework's mode: Megatron's rows compiled (its fused
-kernels) with its tp communication overlapped with the GEMMs (cluster.tp_overlap, which megaft's
-runtime lacks); torchtitan's rows eager (no torch.compile) on their 2.4 TB/s HBM2e. "before": the
-GEMM curve (megaft.perf.gemm) for every linear, the elementwise, norm and loss kernels by bytes
-over HBM plus a launch gap per kernel (megaft.perf.kernels_cost), and the attention core at
-matmul_fraction over whole rows. "after": the same with the attention core by a flash kernel's
+Every row is priced twice ("before", "after"), each in its framework's mode: Megatron's rows compiled
+(its fused kernels) with its tp communication overlapped with the GEMMs (cluster.tp_overlap, which megaft's
+runtime lacks); torchtitan's rows eager (no torch.compile) or compiled as published, on their 2.4 TB/s HBM2e.
+Both: the GEMM curve (megaft.perf.gemm) for every linear, the elementwise, norm and loss kernels by bytes
+over HBM plus a launch gap per kernel (megaft.perf.kernels_cost), and the attention core by a flash kernel's
 measured causal curve (megaft.perf.attention): torchtitan's rows FlashAttention-2, which PyTorch's
 SDPA flash backend runs (the preset's curve), Megatron's rows cuDNN's fused attention, which
 TransformerEngine runs on H100 (assumed: the table does not say; `--megatron-attention fa2` prices
 them with FlashAttention-2 instead), both from the same published benchmark (FlashAttention-3
 paper, Figures 5 (c), (d) and 6 (b), H100 SXM5, head dim 128, the head dim of every row here).
+What "before" and "after" differ by, per source, is said below (Megatron: cluster.dp_overlap; torchtitan: the
+500 W part's peak at the two ends of its footnote).
 The published rows are a held-out test: no parameter of either model was fitted to them row by
 row (matmul_fraction 0.7 was calibrated on the whole Megatron table's mean before the curve
 existed; the other parameters are cited in conf/cluster/).
@@ -29,9 +30,10 @@ conf/cluster/<cluster>.yaml: a Llama-shaped model with the same FLOPs (multi-hea
 attention, SwiGLU width 8/3 x hidden = GPT's 4 x hidden MLP), bf16, micro-batch 1,
 sequence parallelism with tp, ZeRO-1 (Megatron's distributed optimizer) with bf16
 params and fp32 gradient reduction. The model predicts megaft's step, so it differs from
-Megatron where megaft differs: megaft overlaps no tp collective ("after" turns on
+Megatron where megaft differs: megaft overlaps no tp collective (both columns turn on
 cluster.tp_overlap, the like-for-like setting, for these rows), overlaps no parameter
-all-gather with the next forward, and reduces pp > 1 gradients after the schedule; the
+all-gather with the next forward, and reduces pp > 1 gradients after the schedule ("after" turns on
+cluster.dp_overlap, the like-for-like setting for those two); the
 interleaving and micro-batch size of the published runs are not in the table (1 and 1 assumed here).
 Only the cost is compared: megaft's memory estimate (no activation recomputation) is
 not applied to these layouts.
