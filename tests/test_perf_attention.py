@@ -68,3 +68,28 @@ def test_a_broken_curve_is_refused_with_the_fix():
     problems = check_cluster(bad, "bf16")
     assert any(p.startswith("cluster.attention_seq=[512, 1024") and "fix: " in p for p in problems), problems
     assert check_cluster(dataclasses.replace(h100(), **NO_CURVE), "bf16") == []
+
+
+def test_a_power_capped_part_runs_the_curve_at_its_clock():
+    # torchtitan's 500 W H100s: a peak below the datasheet's (here the H100 NVL's 835, the footnote's lower
+    # bound) slows the measured curve by the same ratio, as it slows the GEMM curve; the HBM-bound kernels
+    # and the launch gaps stay; a peak equal to the datasheet's changes nothing
+    from megaft.perf.hardware import peak_ratio
+    from megaft.perf.kernels_cost import Pass, pass_s
+
+    c = h100()
+    capped = dataclasses.replace(c, peak_tflops_bf16=835.0)
+    assert peak_ratio(capped, "bf16") == pytest.approx(835.0 / 989.4, rel=1e-12)
+    assert peak_ratio(capped, "fp16") == 1.0  # only the precision it sets
+    assert peak_ratio(dataclasses.replace(c, peak_tflops_bf16=989.4), "bf16") == 1.0
+    flops = 3.0e12
+    for s in (512, 3000, 8192):
+        base, slow = AttentionCurve.of(c, "bf16").core_s(flops, s), AttentionCurve.of(capped, "bf16").core_s(flops, s)
+        for x, y in zip(base, slow):
+            assert y == pytest.approx(x * 989.4 / 835.0, rel=1e-12)
+    base, slow = compute_rates(c, "bf16"), compute_rates(capped, "bf16")
+    assert slow.rate == pytest.approx(base.rate * 835.0 / 989.4, rel=1e-12)
+    assert slow.curve.peak == pytest.approx(base.curve.peak * 835.0 / 989.4, rel=1e-12)
+    assert slow.curve.hbm == base.curve.hbm
+    p = Pass(1e9, 40, 0.0)
+    assert pass_s(p, slow.kernels) == pass_s(p, base.kernels)

@@ -105,3 +105,28 @@ def test_the_counts_are_the_modules(tie):
         flops[name] = counter.get_total_flops()
     assert flops["lm"] - flops["reward"] == 2 * ids.numel() * 32 * (96 - 1) == 2 * ids.numel() * (
         matmul_params(lm) - matmul_params(m))
+
+
+def test_tied_embedding_grads_meet_across_the_pipeline():
+    # megaft.pipeline.stage.sync_tied_grads all-reduces the tied weight's grad between the first and the last
+    # pp rank after the schedule: vocab/tp x dim gradient elements, over the link of two ranks (pp-1)*tp*dp
+    # apart; with dp = 1 it is all of dp_comm. Nothing at pp = 1, untied, or under LoRA (a frozen embedding).
+    def cfg_of(tp: int, pp: int, tie: bool = True, lora: int = 0):
+        cfg = preset_1b(micro=1)
+        cfg.model.tie_embeddings = tie
+        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero = tp, pp, 1, 1
+        cfg.lora.rank = lora
+        return cfg
+
+    c = h100()
+    m = preset_1b().model
+    assert m.tie_embeddings
+    for tp, pp in ((1, 2), (2, 2), (8, 2)):
+        world = tp * pp
+        link = group_link(c, 2, (pp - 1) * tp)
+        assert (link.latency == c.ib_latency_us * 1e-6) == (tp * pp > c.gpus_per_node)  # 8 x 2: across nodes
+        expected = all_reduce_s(-(-m.vocab_size // tp) * m.dim * 4, 2, link)
+        assert step_cost(cfg_of(tp, pp), c, world).terms["dp_comm"] == pytest.approx(expected, rel=1e-12)
+        assert step_cost(cfg_of(tp, pp, tie=False), c, world).terms["dp_comm"] == 0.0
+        assert step_cost(cfg_of(tp, pp, lora=8), c, world).terms["dp_comm"] == 0.0
+    assert step_cost(cfg_of(2, 1), c, 2).terms["dp_comm"] == 0.0

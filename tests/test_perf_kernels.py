@@ -117,3 +117,38 @@ def test_tp_overlap_hides_the_blocks_collectives_behind_their_gemms():
     assert 0 < on_stage["f_tp"] < off_stage["f_tp"] and 0 < on_stage["b_tp"] < off_stage["b_tp"]
     # at tp = 1 there is nothing to hide: the same step
     assert step_cost(run_config(), on, 1).terms == step_cost(run_config(), h100, 1).terms
+
+
+def test_dp_overlap_hides_the_reduction_and_the_gather_as_megatron_does():
+    # cluster.dp_overlap (Megatron's --overlap-grad-reduce --overlap-param-gather): at pp > 1 the ZeRO-1
+    # reduce-scatter hides behind the fullest pp rank's last micro-batch backward (at least one bucket shows),
+    # and the parameter all-gather behind its first micro-batch forward; the rest of the step is untouched
+    from megaft.config.train import accumulation_steps
+    from megaft.perf.counts import trainable_rank_params
+    from megaft.perf.rates import gather_s, group_link
+    from megaft.perf.time import MIB, _layout
+
+    h100 = preset("h100")
+    on = dataclasses.replace(h100, dp_overlap=True)
+    for pp, zero in ((1, 1), (2, 1), (2, 2)):
+        cfg = run_config(seq=4096, micro=1, dim=2048, n_heads=16, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
+        cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero = pp, 16, zero
+        cfg.train.global_batch_size = 64
+        world = 16 * pp
+        off_cost, on_cost = step_cost(cfg, h100, world), step_cost(cfg, on, world)
+        lay = _layout(cfg, h100, world)
+        assert accumulation_steps(cfg.train, 16) == 4
+        ranks = trainable_rank_params(cfg.model, cfg.parallel, cfg.lora)
+        r = ranks.index(max(ranks))  # the fullest pp rank (pp 2: the head's, the final norm beside it)
+        last_b, first_f = lay.b[r], lay.f[r]
+        link = group_link(h100, 16, 1)
+        for term, full, hidden_by, nbytes in (("dp_comm", off_cost.terms["dp_comm"], last_b, 4),
+                                              ("param_gather", off_cost.terms["param_gather"], first_f, 2)):
+            if term == "dp_comm" and (zero == 2 or pp == 1):
+                continue  # ZeRO-2 reduces per micro-batch (zero_comm); pp = 1 hides it either way
+            assert full > 0
+            bucket = gather_s(cfg.parallel.bucket_mb * MIB, 16, link)
+            assert on_cost.terms[term] == pytest.approx(max(bucket, full - hidden_by), rel=1e-12), (pp, zero, term)
+            assert on_cost.terms[term] < full
+        for term in ("compute", "tp_comm", "pp_bubble", "zero_comm", "optimizer"):
+            assert on_cost.terms[term] == off_cost.terms[term]

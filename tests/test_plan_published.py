@@ -26,3 +26,27 @@ def test_bloom_tflops_convert_by_megatron_deepspeeds_recompute_formula():
     achieved = bloom_tokens_per_s() * flops_per_token(cfg.model, cfg.data.seq_len)
     assert achieved / (BLOOM_176B["tflops"] * 1e12) == pytest.approx(0.75, rel=0.01)
     assert cfg.model.recompute == "full"
+
+
+def test_bloom_row_is_the_launch_scripts_layout():
+    # bigscience tr11-176B-ml.slurm: 48 nodes x 8, TP 4, PP 12, MBS 2, GBS 2048, seq 2048, vocab padded to 250880;
+    # the BLOOM blog: 72 pipeline partitions, the embedding and the tied head one each, no sequence parallelism
+    from megaft.pipeline.partition import stage_layer_counts
+
+    cfg = bloom_config()
+    par = cfg.parallel
+    assert (par.tp, par.pp, par.dp, par.tp * par.pp * par.dp) == (4, 12, 8, 384)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.data.seq_len) == (2, 2048, 2048)
+    assert cfg.model.vocab_size == 250880 and not par.sequence_parallel
+    counts = stage_layer_counts(cfg.model.n_layers, par.pp, par.pp_layers)
+    # 72 partitions of 6: the end stages give one partition to the embedding or the head
+    assert [c + (s in (0, par.pp - 1)) for s, c in enumerate(counts)] == [6] * 12
+
+
+def test_gpt_oss_row_accumulates_what_its_layout_implies():
+    # the table prints GA 2, which its own 64 GPUs / pp 4 / MBS 4 / GBS 512 cannot give: dp 16 accumulates 8
+    from megaft.config.train import accumulation_steps
+
+    cfg = gpt_oss_config()
+    assert cfg.parallel.dp == 16
+    assert accumulation_steps(cfg.train, cfg.parallel.dp) == 8

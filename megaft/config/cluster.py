@@ -55,6 +55,10 @@ class ClusterConfig:
     # model.recompute=selective priced as torchtitan's op-level policy (every second matmul and the elementwise
     # ops run again, the attention core saved; megaft.perf.op_recompute); megaft's runtime lacks it: keep false
     recompute_ops: bool = False
+    # ZeRO-1/2's gradient reduction hidden behind each pp rank's last backward at pp > 1, and the parameter
+    # all-gather behind the next step's first forward (Megatron's --overlap-grad-reduce --overlap-param-gather);
+    # megaft's runtime reduces after the schedule and gathers after the step: its own plans keep this false
+    dp_overlap: bool = False
     nvlink_gbps: float = 0.0  # intra-node link, GB/s per device per direction
     nvlink_latency_us: float = 0.0  # per ring step inside a node
     ib_gbps: float = 0.0  # inter-node network, GB/s per device per direction (one NIC per GPU)

@@ -14,7 +14,10 @@ forward (megaft's whole-row FLOPs / 2) / causal forward rate(s); backward 2.5 x 
 rate(s) times the causal/unmasked ratio of the forward (no causal backward is published: the mask
 is assumed to cost the backward what it costs the forward). Between the listed lengths the rates
 are linear in log2(s), outside them the nearest. Other head dims use the head dim 128 curve. The
-rates scale with cluster.compute_scale like every compute rate (megaft.perf.rates).
+rates scale with cluster.compute_scale like every compute rate (megaft.perf.rates), and with the
+preset's peak over its gpu_type's datasheet peak (megaft.perf.hardware.peak_ratio): the curve is measured
+on the datasheet part, and a flash kernel at these lengths is bound by the tensor cores' clock as a GEMM
+is (a power-capped part runs both slower by the same ratio); the HBM-bound kernels do not move with it.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import bisect
 import math
 from dataclasses import dataclass
 from typing import Optional
+
+from megaft.perf.hardware import peak_ratio
 
 BACKWARD_FLOPS = 2.5  # the flash papers' count of the backward: 5 matmuls to the forward's 2
 
@@ -40,7 +45,7 @@ class AttentionCurve:
         """The preset's curve, or None (the core at matmul_fraction) without one or at fp32 (the rates are bf16's)."""
         if not cluster.attention_seq or precision not in ("bf16", "fp16"):
             return None
-        s = cluster.compute_scale
+        s = cluster.compute_scale / peak_ratio(cluster, precision)  # calibrated, and the part's clock
         return cls(tuple(cluster.attention_seq), *(tuple(x * 1e12 / s for x in rates) for rates in (
             cluster.attention_fwd_tflops, cluster.attention_fwd_causal_tflops, cluster.attention_bwd_tflops)))
 

@@ -119,6 +119,17 @@ def cluster_peak_tflops(cluster, precision: str) -> float:
     return row.peaks.get(precision, 0.0) if row else 0.0
 
 
+def peak_ratio(cluster, precision: str) -> float:
+    """A cluster's dense peak over its gpu_type's datasheet peak at `precision` (1 when either is unknown).
+    A preset that sets a lower peak for a known device describes the same silicon at a lower sustained
+    clock (a power-capped part: torchtitan's 500 W H100s, "between SXM and NVL"), so the rates measured on
+    the datasheet part that the tensor cores bound (the attention curve, megaft.perf.attention) move with it."""
+    own = getattr(cluster, f"peak_tflops_{precision}", 0.0)
+    row = device(cluster.gpu_type) if cluster.gpu_type else None
+    table = row.peaks.get(precision, 0.0) if row else 0.0
+    return own / table if own and table else 1.0
+
+
 def cluster_hbm_tbps(cluster) -> float:
     """A cluster's device memory bandwidth (TB/s): cluster.hbm_tbps when > 0, else its gpu_type's."""
     if cluster.hbm_tbps or not cluster.gpu_type:

@@ -47,8 +47,16 @@ to the step (`StepCost.step_s`):
   ahead; ZeRO-2's per-micro-batch reduce-scatter behind that backward.
 * **dp_comm**: ZeRO 0/1's gradient reduction. Buckets launch during the last
   micro-batch's backward, so only what backward cannot hide (at least the last bucket)
-  shows; under pp > 1 megaft reduces after the schedule, so all of it shows.
+  shows; under pp > 1 megaft reduces after the schedule, so all of it shows. Under pp > 1
+  with tied embeddings (and an LM head) it also holds the tied weight's gradient all-reduce
+  between its two copies, the first and the last pp rank (megaft.pipeline.stage.sync_tied_grads,
+  after the schedule, before the loss reaches every pp rank: every rank waits on it), over
+  the link of two ranks (pp−1)·tp·dp×cp apart.
 * **param_gather**: ZeRO 1/2's all-gather of the updated parameters after the step.
+  `cluster.dp_overlap` (what Megatron's published runs do with --overlap-grad-reduce
+  --overlap-param-gather, not megaft's runtime) hides, on the fullest pp rank, the reduction
+  behind its last micro-batch's backward at pp > 1 too (as at pp = 1: at least one bucket shows)
+  and the all-gather behind the next step's first micro-batch forward (at least one bucket shows).
 * **optimizer**: the AdamW update, memory-bound (~32 bytes touched per updated element).
 * **offload**: with `parallel.offload=cpu`, the grad/master copies over PCIe overlapped
   with the host AdamW, whichever is slower.
@@ -459,7 +467,7 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
     terms["zero_comm"] = micro * sum(c["f_zero"] + c["b_zero"] for c in mine)
     terms["pp_bubble"] = makespan - busy[rank]
     terms["overhead"] = cluster.step_overhead_s  # outside every phase: data, logging (calibrated)
-    _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay.b[0])  # gradients reduce over dp×cp
+    _add_dp_terms(terms, cfg, cluster, lay.dp * par.cp, lay)  # gradients reduce over dp×cp
     rows = objective_terms(cfg).rows
     return StepCost(terms=terms, tokens_per_step=rows * cfg.train.global_batch_size * cfg.data.seq_len,
                     world_size=world_size,
@@ -467,11 +475,13 @@ def _step(lay: _Layout, cluster, world_size: int, makespan: float, busy: tuple) 
                     peak_tflops=cluster_peak_tflops(cluster, str(cfg.precision)))
 
 
-def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> None:
+def _add_dp_terms(terms: dict, cfg, cluster, dp: int, lay: _Layout) -> None:
     """dp_comm, param_gather, optimizer and offload of the fullest pp rank (`dp`: the dp×cp replicas)."""
     par = cfg.parallel
     ranks = trainable_rank_params(cfg.model, par, cfg.lora)  # under LoRA: the adapters
     r = max(range(par.pp), key=lambda i: ranks[i])  # the fullest pp rank
+    # one micro-batch's backward and forward on that rank (its virtual stages r, r + pp, ...)
+    last_backward, first_forward = (sum(x[r::par.pp]) for x in (lay.b, lay.f))
     params = ranks[r]
     # its routed experts (ep > 1), whose grads reduce and shards span the dp×cp/ep expert replicas
     expert = 0 if par.ep == 1 or cfg.lora.rank > 0 else rank_expert_params(
@@ -482,9 +492,14 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
     if dp > 1 and par.zero in (0, 1):
         reduce = _over_replicas(all_reduce_s if par.zero == 0 else gather_s, params, expert, gbytes, cluster, par, dp)
         bucket = (all_reduce_s if par.zero == 0 else gather_s)(min(par.bucket_mb * MIB, params * gbytes), dp, link)
-        terms["dp_comm"] = reduce if par.pp > 1 else max(bucket, reduce - last_backward)
+        hidden = par.pp == 1 or cluster.dp_overlap  # megaft reduces after the schedule at pp > 1
+        terms["dp_comm"] = max(bucket, reduce - last_backward) if hidden else reduce
+    terms["dp_comm"] += tied_grad_s(cfg, cluster, dp)
     if dp > 1 and par.zero in (1, 2):
         terms["param_gather"] = _over_replicas(gather_s, params, expert, wbytes, cluster, par, dp)
+        if cluster.dp_overlap:  # behind the next step's first forward, bucket by bucket
+            bucket = gather_s(min(par.bucket_mb * MIB, params * wbytes), dp, link)
+            terms["param_gather"] = max(bucket, terms["param_gather"] - first_forward)
     owned = params / (dp if par.zero >= 1 else 1)
     if expert and par.zero >= 1:  # the experts' Adam state is sharded over their own replicas
         owned = (params - expert) / dp + expert / max(dp // par.ep, 1)
@@ -496,6 +511,19 @@ def _add_dp_terms(terms: dict, cfg, cluster, dp: int, last_backward: float) -> N
         terms["optimizer"] = owned * ADAM_BYTES / (cluster_hbm_tbps(cluster) * 1e12) * cluster.optimizer_scale
     if cfg.optim.name == "muon":
         _add_muon_terms(terms, cfg, cluster, dp, r)
+
+
+def tied_grad_s(cfg, cluster, dp: int) -> float:
+    """Seconds of the tied embedding's gradient all-reduce between its copies on the first and the last pp
+    rank (megaft.pipeline.stage.sync_tied_grads): this tp rank's vocab/tp × dim slice, at the gradient bytes
+    the dp reduction moves, over two ranks (pp−1)·tp·dp apart (`dp`: the dp×cp replicas); 0 at pp = 1,
+    untied, with a score head (no tied head) or under LoRA (the frozen embedding has no gradient)."""
+    m, par = cfg.model, cfg.parallel
+    if par.pp <= 1 or not m.tie_embeddings or m.score_head or cfg.lora.rank > 0:
+        return 0.0
+    gbytes = 2 if par.grad_compression == "bf16" else 4
+    link = group_link(cluster, 2, (par.pp - 1) * par.tp * dp)
+    return all_reduce_s(-(-m.vocab_size // par.tp) * m.dim * gbytes, 2, link)
 
 
 def _add_muon_terms(terms: dict, cfg, cluster, dp: int, r: int) -> None:
