@@ -125,7 +125,7 @@ def test_validation_refuses_what_is_not_supported_yet(case):
     problems = validate(cfg, 8)
     for want in ("lora.rank=4 with images writes the peft adapter only, not the merged model yet; "
                  "fix: lora.export_merged=false",
-                 "parallel.pp=2 with images", "data.packing=docs with images",
+                 "parallel.zero=3 with parallel.pp=2 and images", "data.packing=docs with images",
                  "data.path must name one JSONL file of conversations (a data.sources mixture or a generated task "
                  "is not read yet); fix: data.path=FILE"):
         assert any(want in p for p in problems), (want, problems)

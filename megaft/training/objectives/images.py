@@ -12,6 +12,7 @@ token-weighted mean over the global batch, as sft's.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -24,9 +25,11 @@ from megaft.data.build import build_tokenizer, chat_encoder
 from megaft.data.errors import DataError
 from megaft.data.image_chat import ImageChatEncoder, ImageSample, collate, image_processing, read_image_chat
 from megaft.data.tokenizer import special_ids
+from megaft.models.vision.staged import ImageInputs
 from megaft.parallel.grid import ParallelGrid
+from megaft.pipeline.vision import VisionStages
 from megaft.training.protocols import Batches, RunParts, StepBatch
-from megaft.training.step import _Step, precision_autocast
+from megaft.training.step import PipelineStep, _Step, precision_autocast
 
 
 @dataclass
@@ -147,8 +150,33 @@ class ImageStep(_Step):
         return None
 
 
-def build_step(parts: RunParts) -> ImageStep:
+class PipelineImageStep(PipelineStep):
+    """The rank's pipeline schedule over the micro-batches (pp > 1), each micro-batch's images
+    beside its ids (`ImageInputs`, in the runtime's per-micro-batch `docs` slot): the first
+    stage runs the tower, every stage builds the attention layout from the ids
+    (megaft.models.vision.staged)."""
+
+    def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
+        grids = batch.grids or [None] * len(batch.inputs)
+        images = [ImageInputs(ids, pixels if len(pixels) else None,
+                              () if grid is None else (grid if len(grid) else None,))
+                  for ids, pixels, grid in zip(batch.inputs, batch.pixels, grids)]
+        return self.run_schedule(dataclasses.replace(batch, docs=images), divisor)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}  # a dense language model: no router statistics
+
+    def finish_step(self) -> None:
+        pass
+
+    def eval_loss(self, batches: Batches) -> Optional[float]:
+        return None  # data.eval_path is refused with images (megaft.models.vision.checks)
+
+
+def build_step(parts: RunParts) -> ImageStep | PipelineImageStep:
     autocast = precision_autocast(parts.cfg.precision, parts.grid.device)
+    if parts.grid.pp_size > 1:  # ZeRO-3 with pp is refused with images (megaft.models.vision.checks)
+        return PipelineImageStep(VisionStages(parts.model), parts.grid, parts.cfg, parts.phases, autocast)
     # ZeRO-3 gathers the tower's parameters collectively over dp: every rank runs it on every micro-batch
     # (a frozen tower is not sharded, so not gathered: then a micro-batch without images skips it)
     tower = [p for n, p in parts.model.named_parameters() if not n.startswith("language_model.")]
