@@ -7,12 +7,15 @@ patches, as the tower attends both ways).
 Qwen2.5-VL's tower (`qwen_*`) is counted per image of h x w patches (its size after
 smart_resize), its windowed blocks attending within each window.
 
-Not yet read by megaft-plan or the trainer's MFU (docs/vision.md); tests/test_perf_vision.py
-checks each count against the module and torch's FlopCounterMode."""
+The trainer's MFU adds `image_flops` of every image of a step's global batch to its text FLOPs
+(megaft.training.objectives.images); tests/test_perf_vision.py checks each count against the
+module and torch's FlopCounterMode."""
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from megaft.models.vision.config import SiglipConfig, VisionLanguageConfig
-from megaft.models.vision.qwen_config import QwenVisionConfig
+from megaft.models.vision.qwen_config import QwenVisionConfig, QwenVLConfig
 
 
 def tower_params(v: SiglipConfig) -> int:
@@ -96,3 +99,24 @@ def qwen_vision_forward_flops(v: QwenVisionConfig, h: int, w: int) -> float:
 def qwen_vision_train_flops(v: QwenVisionConfig, h: int, w: int, *, frozen: bool = False) -> float:
     """Training FLOPs of one image: 3 forwards, or 2 with model.freeze=[vision,projector]."""
     return (2.0 if frozen else 3.0) * qwen_vision_forward_flops(v, h, w)
+
+
+def image_flops(cfg: VisionLanguageConfig | QwenVLConfig, grid: Optional[Sequence[int]] = None, *,
+                trains: bool = True) -> float:
+    """Model FLOPs of one image in a training step: 3 forwards when some of the tower or projector
+    trains (a partly frozen tower is counted as trained), 1 when none of it does (model.freeze=[vision,
+    projector], or LoRA on the language model): the pixels need no gradient, so no backward runs
+    through it. `grid`: Qwen2.5-VL's (t, h, w) of the image, in patches."""
+    if isinstance(cfg, QwenVLConfig):
+        forward = qwen_vision_forward_flops(cfg.vision, int(grid[1]), int(grid[2]))
+    else:
+        forward = vision_forward_flops(cfg)
+    return (3.0 if trains else 1.0) * forward
+
+
+def images_flops(cfg: VisionLanguageConfig | QwenVLConfig, n_images: int,
+                 grids: Optional[Sequence[Sequence[int]]] = None, *, trains: bool = True) -> float:
+    """`image_flops` of a conversation's `n_images` images (Qwen2.5-VL: each at its row of `grids`)."""
+    if isinstance(cfg, QwenVLConfig):
+        return sum(image_flops(cfg, g, trains=trains) for g in grids)
+    return n_images * image_flops(cfg, trains=trains)
