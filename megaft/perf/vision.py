@@ -120,3 +120,24 @@ def images_flops(cfg: VisionLanguageConfig | QwenVLConfig, n_images: int,
     if isinstance(cfg, QwenVLConfig):
         return sum(image_flops(cfg, g, trains=trains) for g in grids)
     return n_images * image_flops(cfg, trains=trains)
+
+
+def tower_activation_elements(v: SiglipConfig) -> int:
+    """Elements SigLIP saves for backward per image (fp32, the torch kernels; weights not counted): per
+    patch its pixels, per layer both LayerNorms' input, mean, rstd and output, q, k, v, the attention
+    output and its log-sum-exp per head, the residual the second norm reads and the MLP's two
+    activations (8 * dim + 2 * ffn + heads + 4), and the final LayerNorm's input and statistics.
+    Gemma 3's projector (mm_tokens_per_image rows) is not counted."""
+    per_patch = v.channels * v.patch_size ** 2 + v.n_layers * (8 * v.dim + 2 * v.ffn_dim + v.n_heads + 4) + v.dim + 2
+    return v.patches_per_side ** 2 * per_patch
+
+
+def qwen_tower_activation_elements(v: QwenVisionConfig, h: int, w: int) -> int:
+    """Elements Qwen2.5-VL's tower saves for backward per image of h x w patches (fp32, the torch kernels;
+    weights and index tensors not counted): per patch its flattened pixels, the rotary cos and sin, per
+    block both RMSNorms' input, rstd, normalized rows and output, the qkv output, the rotated q and k,
+    the attention output and its log-sum-exp per head, the projection's input and the SwiGLU's four
+    (13 * dim + 4 * ffn + heads + 2, windowed or not), and the merger's norm and two activations."""
+    hd = v.dim // v.n_heads
+    per_patch = v.patch_dim + 2 * hd + v.n_layers * (13 * v.dim + 4 * v.ffn_dim + v.n_heads + 2) + 5 * v.dim + 1
+    return h * w * per_patch
