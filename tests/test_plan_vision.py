@@ -2,7 +2,10 @@
 (transcribed in tests/models/test_qwen_vl.py) and Gemma 3 4B's (tests/models/real_configs) plan their
 language model, and plan.json's "vision" block holds the tower's parameters (the module's, built on
 the meta device), its training FLOPs per image at plan.image_size and per step at
-plan.images_per_sample, their share of the step's model FLOPs, and the activations it saves."""
+plan.images_per_sample, their share of the step's model FLOPs, and the activations it saves. Every
+layout counts the tower on its first pipeline stage: its weights, gradients and AdamW state as ZeRO
+shards them (a frozen tower: its weights alone), its images' activations, and a `vision` term of
+step time; the text model's best layout no longer fits once the tower's images are counted."""
 from __future__ import annotations
 
 import json
@@ -18,8 +21,13 @@ from omegaconf import OmegaConf
 from megaft.config import conf_dir
 from megaft.models.vision.family import vision_config_of
 from megaft.perf.counts import flops_per_token, total_params
+from megaft.perf.hardware import GIB
+from megaft.perf.memory import estimate_ranks
+from megaft.perf.rates import compute_rates
 from megaft.perf.vision import qwen_tower_activation_elements, qwen_vision_forward_flops, vision_forward_flops
 from megaft.plan.app import run_plan
+from megaft.plan.shape import planning_config
+from megaft.plan.space import Layout, apply_layout, search
 
 REAL = os.path.join(os.path.dirname(__file__), "models", "real_configs")
 VISION_7B = {"depth": 32, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "hidden_size": 1280,
@@ -40,6 +48,14 @@ def _plan(tmp_path, ckpt: str, *extra: str) -> tuple[int, dict, str]:
     return status, out, cfg
 
 
+def _text_estimate(cfg, top: dict):
+    """pp rank 0's estimate of plan.json layout `top` for the language model alone (world 8)."""
+    shaped, problems = planning_config(cfg)
+    assert not problems
+    layout = Layout(**{k: top[k] for k in Layout.__dataclass_fields__})
+    return shaped, layout, estimate_ranks(apply_layout(shaped, layout), 8)[0]
+
+
 def test_plans_qwen2_5_vl_7b_with_its_tower(tmp_path, capsys):
     from megaft.models.vision.qwen_tower import QwenVisionTower
 
@@ -51,7 +67,7 @@ def test_plans_qwen2_5_vl_7b_with_its_tower(tmp_path, capsys):
            "vision_config": VISION_7B}
     (ckpt / "config.json").write_text(json.dumps(raw))
     # 500 x 510 px: the processor rounds each side to a multiple of 28, 504 x 504 (36 x 36 patches)
-    status, out, _ = _plan(tmp_path, str(ckpt), "plan.images_per_sample=2", "plan.image_size=[500,510]")
+    status, out, cfg = _plan(tmp_path, str(ckpt), "plan.images_per_sample=2", "plan.image_size=[500,510]")
     assert status == 0 and out["layouts"]
     vlm = vision_config_of(str(ckpt))
     assert out["model"]["params"] == total_params(vlm.text) and out["model"]["n_layers"] == 28  # the language model
@@ -69,15 +85,38 @@ def test_plans_qwen2_5_vl_7b_with_its_tower(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"megaft-plan: vision tower (qwen2_5_vl): {block['params'] / 1e6:.1f}M params, 2 image(s) of 504x504 px" \
         in printed
+    # the best layout (pp=1: rank 0 is its fullest) holds the tower beside the language model
+    top = out["layouts"][0]
+    shaped, layout, text = _text_estimate(cfg, top)
+    assert top["pp"] == 1 and top["zero"] in (1, 2)  # fp32 weights and grads, 8 bytes of AdamW state per param
+    grads_shard = top["dp"] if top["zero"] >= 2 else 1
+    parts, p = top["memory_parts_gib"], block["params"]
+    assert parts["params"] == pytest.approx((text.params + 4 * p) / GIB)
+    assert parts["grads"] == pytest.approx((text.grads + 4 * p // grads_shard) / GIB)
+    assert parts["optimizer"] == pytest.approx((text.optimizer + 8 * p // top["dp"]) / GIB)
+    images = top["micro_batch_size"] * block["activation_bytes_per_sample"]  # one micro-batch in flight
+    assert parts["activations"] == pytest.approx((text.activations + images) / GIB)
+    rate = compute_rates(shaped.cluster, "bf16").rate
+    assert top["terms_s"]["vision"] == pytest.approx(block["step_flops"] / top["dp"] / rate)
+    # the language model's best layout alone does not fit with the tower's images
+    alone = search(shaped, shaped.cluster, cfg.plan).ranked[0].layout
+    assert alone != layout and all(Layout(**{k: row[k] for k in Layout.__dataclass_fields__}) != alone
+                                   for row in out["layouts"])
 
 
 def test_plans_gemma3_with_a_frozen_tower_forward_only(tmp_path):
     ckpt = tmp_path / "gemma-3-4b-it"
     ckpt.mkdir()
     shutil.copy(os.path.join(REAL, "gemma-3-4b-it.json"), ckpt / "config.json")
-    status, out, _ = _plan(tmp_path, str(ckpt), "model.freeze=[vision,projector]")
+    status, out, cfg = _plan(tmp_path, str(ckpt), "model.freeze=[vision,projector]")
     vlm = vision_config_of(str(ckpt))
     block = out["vision"]
+    top = out["layouts"][0]
+    _, _, text = _text_estimate(cfg, top)
+    assert top["pp"] == 1
+    parts = top["memory_parts_gib"]  # frozen: its fp32 weights whole, no grads, state or saved activations
+    assert parts["params"] == pytest.approx((text.params + 4 * block["params"]) / GIB)
+    assert (parts["grads"], parts["activations"]) == pytest.approx((text.grads / GIB, text.activations / GIB))
     assert status == 0 and not block["trains"]
     assert block["train_flops_per_image"] == vision_forward_flops(vlm)  # frozen: one forward, no backward
     assert block["image_pixels"] == [896, 896] and block["tokens_per_image"] == vlm.mm_tokens_per_image == 256
