@@ -66,8 +66,11 @@ def check_vision_run(cfg: Config) -> list[str]:
         problems.append(f"parallel.zero=3 with parallel.pp={par.pp} and images: ZeRO-3's gathers of the tower on "
                         "the first stage are not ordered with the pipeline schedule yet; fix: parallel.zero=1")
     if par.cp > 1:
-        problems.append(f"parallel.cp={par.cp} with images: an image's tokens attend to each other both ways, "
-                        "across the cp chunks, which the ring does not do yet; fix: parallel.cp=1")
+        why = ("Gemma 3: an image's tokens attend to each other both ways, which the ring does not do across "
+               "chunks" if kind == "gemma3" else
+               "Qwen2.5-VL: its M-RoPE positions and image features are not split over the chunks")
+        problems.append(f"parallel.cp={par.cp} with images: cp on the text part needs each image's tokens whole in "
+                        f"one rank's chunk, and megaft does not place them so yet ({why}); fix: parallel.cp=1")
     if packing != "none":
         problems.append(f"data.packing={packing} with images: packing that keeps an image and its tokens in one "
                         "document is not supported yet; fix: data.packing=none (one conversation per row)")
