@@ -37,3 +37,11 @@ def train_pp(rank: int, world: int, root: str, family: str, ckpt: str, data: str
         cfg = config(ckpt, mixed, world, micro=1, batch=2, **PP2)
         cfg.train.save_every = 1
         Trainer(cfg, pp_grid(), run).fit(stop_after=stop_after)
+
+
+def train_pp_zero3(rank: int, world: int, root: str, family: str, ckpt: str) -> None:
+    """Into root/<family>_mixed_pp2_dp2_zero3: pp2 x dp2 ZeRO-3 (4 ranks) on the mixed file, one dp
+    rank's row without an image: its first stage runs the tower on a blank image, so both dp ranks
+    of the first stage gather the tower's parameters in the same order."""
+    cfg = FAMILIES[family](ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, pp=2, dp=2, zero=3)
+    train(cfg, ParallelGrid.build(tp=1, dp=2, pp=2, device="cpu"), os.path.join(root, f"{family}_mixed_pp2_dp2_zero3"))

@@ -5,7 +5,7 @@ megaft-train trains a multimodal Gemma 3 with images (megaft.training.objectives
 the layouts tested equal to one process: tp (with or without sequence parallel), dp with
 ZeRO 0-3, and pp (the tower on the first stage, megaft.models.vision.staged). What those
 tests do not cover yet is refused by name, so a config that asks for it learns it now:
-ZeRO-3 under pp, cp, packing, LoRA on the head or exported merged, objectives other than sft,
+cp, packing, LoRA on the head or exported merged, objectives other than sft,
 an eval file and samples (both would need images). Qwen2.5-VL trains the same
 way (megaft.models.vision.qwen_model) on the layouts tested for it: tp (with or without
 sequence parallel), dp with ZeRO 0-3 and pp, LoRA on its language model. Qwen2-VL is not read yet."""
@@ -62,9 +62,6 @@ def check_vision_run(cfg: Config) -> list[str]:
                 f"text {init_from} DST` and set model.init_from=DST")
     problems = [f"model.freeze: {name!r} is not a part of the model; fix: a list of {', '.join(FREEZABLE)}"
                 for name in freeze if name not in FREEZABLE]
-    if par.pp > 1 and par.zero == 3:
-        problems.append(f"parallel.zero=3 with parallel.pp={par.pp} and images: ZeRO-3's gathers of the tower on "
-                        "the first stage are not ordered with the pipeline schedule yet; fix: parallel.zero=1")
     if par.cp > 1:
         why = ("Gemma 3: an image's tokens attend to each other both ways, which the ring does not do across "
                "chunks" if kind == "gemma3" else

@@ -78,10 +78,9 @@ class VisionLanguageModel(StagedVision, nn.Module):
         # tower, on one blank image whose features add 0, so every dp rank issues the same parameter gathers
         self.tower_every_step = False
 
-    def zero3_units(self) -> list[nn.Module]:
-        """The layers in the order they run (megaft.optim.zero3): embedding, tower, projector, blocks, head."""
-        lm = self.language_model
-        return [lm.embed_tokens, self.vision_tower, self.multi_modal_projector, *lm.layers, lm.norm, lm.lm_head]
+    def tower_units(self) -> list[Optional[nn.Module]]:
+        """The tower's modules in the order they run (None on a pipeline rank without them)."""
+        return [self.vision_tower, self.multi_modal_projector]
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, 3, size, size] -> [images, mm_tokens_per_image, text dim]."""

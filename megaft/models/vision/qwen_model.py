@@ -90,10 +90,9 @@ class QwenVLModel(StagedVision, nn.Module):
                 mark_sequence_parallel(p)
         self.tower_every_step = False  # ZeRO-3: a micro-batch without images runs the tower on a blank one
 
-    def zero3_units(self) -> list[nn.Module]:
-        """The layers in the order they run (megaft.optim.zero3): embedding, tower, blocks, head."""
-        lm = self.language_model
-        return [lm.embed_tokens, self.visual, *lm.layers, lm.norm, lm.lm_head]
+    def tower_units(self) -> list[Optional[nn.Module]]:
+        """The tower (None on a pipeline rank without it)."""
+        return [self.visual]
 
     def blank_features(self, x: torch.Tensor) -> torch.Tensor:
         """0 (a scalar) computed from the tower's features of one blank merge x merge patch image:

@@ -51,6 +51,15 @@ class StagedVision:
             x = lm.layers[str(i)](x, *rope_of(lm, lm.cfg, i), docs)
         return x if stage != lm.last_stage else lm.head_out(x, labels)
 
+    def zero3_units(self) -> list[nn.Module]:
+        """The layers in the order they run (megaft.optim.zero3): the embedding, the tower (and
+        projector), the blocks, the head; under pp this rank's of them (a StageModel keys its blocks)."""
+        lm = self.language_model
+        blocks = lm.layers.values() if isinstance(lm.layers, nn.ModuleDict) else lm.layers
+        head = [getattr(lm, name) for name in ("norm", "lm_head") if hasattr(lm, name)]
+        embed = [lm.embed_tokens] if hasattr(lm, "embed_tokens") else []
+        return [*embed, *(m for m in self.tower_units() if m is not None), *blocks, *head]
+
     def norm_params(self) -> list[nn.Parameter]:
         """The parameters the grad norm counts: all trainable ones but the last stage's tied copy."""
         lm = self.language_model

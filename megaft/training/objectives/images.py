@@ -196,11 +196,12 @@ class PipelineImageStep(PipelineStep):
 
 def build_step(parts: RunParts) -> ImageStep | PipelineImageStep:
     autocast = precision_autocast(parts.cfg.precision, parts.grid.device)
-    if parts.grid.pp_size > 1:  # ZeRO-3 with pp is refused with images (megaft.models.vision.checks)
-        return PipelineImageStep(VisionStages(parts.model), parts.grid, parts.cfg, parts.phases, autocast)
     # ZeRO-3 gathers the tower's parameters collectively over dp: every rank runs it on every micro-batch
-    # (a frozen tower is not sharded, so not gathered: then a micro-batch without images skips it)
+    # (a frozen tower is not sharded, so not gathered: then a micro-batch without images skips it); under
+    # pp only the first stage's ranks hold it, and they all run the same schedule
     tower = [p for n, p in parts.model.named_parameters() if not n.startswith("language_model.")]
     parts.model.tower_every_step = getattr(parts.optim.optimizer, "gatherer", None) is not None and \
         any(p.requires_grad for p in tower)
+    if parts.grid.pp_size > 1:
+        return PipelineImageStep(VisionStages(parts.model), parts.grid, parts.cfg, parts.phases, autocast)
     return ImageStep(parts.model, parts.optim, parts.grid, parts.phases, autocast)
