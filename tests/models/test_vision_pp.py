@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from megaft.parallel.grid import ParallelGrid
 from models import qwen_vl_train_cases, vlm_train_cases
-from models.vlm_pp_cases import FAMILIES, LAYERS, train_pp, train_pp_zero3
+from models.vlm_pp_cases import FAMILIES, LAYERS, train_four_ranks, train_pp
 from models.vlm_train_cases import STEPS, train, with_lora
 
 pytestmark = pytest.mark.exact
@@ -92,20 +92,24 @@ def test_lora_pp2_adapter_equals_the_single_process_adapter(case):
         assert torch.allclose(staged[name], want, rtol=1e-3, atol=1e-5), name
 
 
-def test_pp2_dp2_zero3_gives_the_single_process_loss_curve(case):
-    """ZeRO-3 under pp (4 ranks), one dp rank's row without an image: Qwen2.5-VL's loss curve is the
-    single process's. Gemma 3 ties its embeddings, so ZeRO-3 with pp is refused for it as for a
+def test_four_ranks_give_the_single_process_loss_curve(case):
+    """tp2 x pp2 with sequence parallel (the first stage writes each tp rank's shard of the features),
+    and ZeRO-3 under pp (pp2 x dp2), one dp rank's row without an image: Qwen2.5-VL's loss curve is
+    the single process's. Gemma 3 ties its embeddings, so ZeRO-3 with pp is refused for it as for a
     tied text model (the copies' grads are summed before the dp reduction)."""
     from megaft.validation import validate
 
     family, root, ckpt = case
+    spawn(4, train_four_ranks, root, family, ckpt, os.path.join(root, "chat.jsonl"))
+    runs = [("tp2_pp2_sp", "single")]
     if family == "gemma":
         cfg = FAMILIES[family](ckpt, os.path.join(root, "mixed.jsonl"), micro=1, batch=2)
         cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero = 2, 2, 3
         assert any("parallel.zero=3 with parallel.pp>1 and model.tie_embeddings" in p for p in validate(cfg, 4))
-        return
-    spawn(4, train_pp_zero3, root, family, ckpt)
-    want, got = _losses(os.path.join(root, "mixed")), _losses(os.path.join(root, f"{family}_mixed_pp2_dp2_zero3"))
-    assert len(got) == len(want) == STEPS
-    for step, (g, w) in enumerate(zip(got, want), start=1):
-        assert g == pytest.approx(w, rel=RTOL), f"step {step}: {g} vs {w}"
+    else:
+        runs.append(("mixed_pp2_dp2_zero3", "mixed"))
+    for name, single in runs:
+        want, got = _losses(os.path.join(root, single)), _losses(os.path.join(root, f"{family}_{name}"))
+        assert len(got) == len(want) == STEPS, name
+        for step, (g, w) in enumerate(zip(got, want), start=1):
+            assert g == pytest.approx(w, rel=RTOL), f"{family} {name} step {step}: {g} vs {w}"

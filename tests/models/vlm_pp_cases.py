@@ -39,9 +39,16 @@ def train_pp(rank: int, world: int, root: str, family: str, ckpt: str, data: str
         Trainer(cfg, pp_grid(), run).fit(stop_after=stop_after)
 
 
-def train_pp_zero3(rank: int, world: int, root: str, family: str, ckpt: str) -> None:
-    """Into root/<family>_mixed_pp2_dp2_zero3: pp2 x dp2 ZeRO-3 (4 ranks) on the mixed file, one dp
+def train_four_ranks(rank: int, world: int, root: str, family: str, ckpt: str, data: str) -> None:
+    """On 4 ranks, into root/<family>_<name>: tp2 x pp2 with sequence parallel on the chat file
+    (tp2_pp2_sp), and for Qwen2.5-VL pp2 x dp2 ZeRO-3 on the mixed file (mixed_pp2_dp2_zero3), one dp
     rank's row without an image: its first stage runs the tower on a blank image, so both dp ranks
-    of the first stage gather the tower's parameters in the same order."""
-    cfg = FAMILIES[family](ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, pp=2, dp=2, zero=3)
-    train(cfg, ParallelGrid.build(tp=1, dp=2, pp=2, device="cpu"), os.path.join(root, f"{family}_mixed_pp2_dp2_zero3"))
+    of the first stage gather the tower's parameters in the same order (Gemma 3 ties its embeddings:
+    ZeRO-3 with pp is refused for it)."""
+    config = FAMILIES[family]
+    cfg = config(ckpt, data, world, tp=2, pp=2, sequence_parallel=True)
+    train(cfg, ParallelGrid.build(tp=2, dp=1, pp=2, device="cpu"), os.path.join(root, f"{family}_tp2_pp2_sp"))
+    if family == "qwen":
+        cfg = config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, pp=2, dp=2, zero=3)
+        train(cfg, ParallelGrid.build(tp=1, dp=2, pp=2, device="cpu"),
+              os.path.join(root, f"{family}_mixed_pp2_dp2_zero3"))
