@@ -113,3 +113,20 @@ def test_four_ranks_give_the_single_process_loss_curve(case):
         assert len(got) == len(want) == STEPS, name
         for step, (g, w) in enumerate(zip(got, want), start=1):
             assert g == pytest.approx(w, rel=RTOL), f"{family} {name} step {step}: {g} vs {w}"
+
+
+def test_megaft_verify_passes_at_pp2(case, tmp_path):
+    """megaft-verify's run (megaft.verify.run.run_verify) at pp2 on the file where one micro-batch has no
+    image: every step's loss and grad norm and every parameter's step-1 gradient, from both stages and
+    the tower's included, equal the single process's."""
+    from megaft.verify.run import run_verify
+
+    family, root, ckpt = case
+    cfg = FAMILIES[family](ckpt, os.path.join(root, "mixed.jsonl"), 2, micro=1, batch=2, pp=2)
+    cfg.launcher.nproc, cfg.verify.steps = 2, STEPS
+    report = run_verify(cfg, str(tmp_path))
+    assert report.passed, report.format()
+    assert all(r.loss_rel <= RTOL and r.grad_norm_rel <= 1e-4 for r in report.rows), report.format()
+    names = {name for name, _ in report.grads}
+    tower = "visual." if family == "qwen" else "vision_tower."
+    assert any(n.startswith(tower) for n in names) and any(f"layers.{LAYERS - 1}." in n for n in names)
