@@ -106,3 +106,37 @@ def test_published_qwen2_5_vl_tower():
     with torch.device("meta"):
         tower = QwenVisionTower(v)
     assert qwen_tower_params(v) == sum(p.numel() for p in tower.parameters()) > 6e8
+
+
+def _saved_elements(module, *args) -> int:
+    """fp32 elements the forward saves for backward: distinct storages, no parameter, no index tensor."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and t.dtype == torch.float32:
+            seen[storage.data_ptr()] = storage.nbytes() // 4
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_tower_activations_are_what_the_towers_save(layers):
+    """The activation counts equal the elements the modules save for backward (fp32, CPU kernels):
+    SigLIP at its resolution, Qwen2.5-VL's tower at two image sizes with windowed and full blocks."""
+    from megaft.models.vision.qwen_config import QwenVisionConfig
+    from megaft.models.vision.qwen_tower import QwenVisionTower
+    from megaft.perf.vision import qwen_tower_activation_elements, tower_activation_elements
+
+    torch.manual_seed(0)
+    s = SiglipConfig(dim=64, ffn_dim=96, n_layers=layers, n_heads=4, image_size=56, patch_size=7)
+    assert _saved_elements(SiglipTower(s), torch.randn(2, 3, 56, 56)) == 2 * tower_activation_elements(s)
+    v = QwenVisionConfig(dim=64, ffn_dim=96, n_layers=layers, n_heads=4, out_dim=48, patch_size=14, merge=2,
+                         window_size=56, full_attention=(0,))
+    tower = QwenVisionTower(v)
+    for h, w in [(16, 16), (12, 20)]:
+        got = _saved_elements(tower, torch.randn(h * w, v.patch_dim), torch.tensor([[1, h, w]]))
+        assert got == qwen_tower_activation_elements(v, h, w), (h, w)

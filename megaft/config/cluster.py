@@ -105,6 +105,11 @@ class PlanConfig:
     # a finished megaft-train run dir (or a megaft-plan calibration.json): its measured phase times
     # set cluster.compute_scale, comm_scale, optimizer_scale and step_overhead_s (megaft.plan.calibrate)
     calibrate: Optional[str] = None
+    # a vision-language model.init_from (docs/vision.md): images in each conversation of the global batch,
+    # and their size in pixels [height, width] (Qwen2.5-VL: resized as its processor resizes them; Gemma 3's
+    # tower resizes every image to its image_size, so image_size does not apply to it)
+    images_per_sample: int = 1
+    image_size: List[int] = field(default_factory=lambda: [448, 448])
 
 
 def check_plan(cfg: PlanConfig) -> list[str]:
@@ -122,4 +127,7 @@ def check_plan(cfg: PlanConfig) -> list[str]:
     bad = [z for z in cfg.zero_stages if z not in (0, 1, 2, 3)]
     if bad or not cfg.zero_stages:
         problems.append(f"plan.zero_stages={list(cfg.zero_stages)} must be a non-empty list of 0, 1, 2, 3")
+    if cfg.images_per_sample < 0 or len(cfg.image_size) != 2 or min(cfg.image_size, default=0) < 1:
+        problems.append(f"plan.images_per_sample={cfg.images_per_sample} must be >= 0 and plan.image_size="
+                        f"{list(cfg.image_size)} two positive pixel counts [height, width]")
     return problems

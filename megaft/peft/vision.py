@@ -20,7 +20,7 @@ from torch import nn
 
 from megaft.config.lora import TARGET_MODULES, LoraConfig
 from megaft.models.hf.multimodal import _new_folder
-from megaft.parallel.comm import Group, group_size
+from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.peft.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_tensors
 from megaft.peft.lora import apply_lora
 
@@ -44,8 +44,9 @@ def vision_adapter_config(cfg: LoraConfig, base: Optional[str]) -> dict:
 
 
 def export_vision_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str, *, tp_group: Group, is_writer: bool,
-                          base: Optional[str] = None) -> str:
-    """Write the language model's adapters as a peft adapter folder (collective over tp)."""
+                          base: Optional[str] = None, pp_group: Group = None) -> str:
+    """Write the language model's adapters as a peft adapter folder (collective over tp, and over
+    pp: the adapters are small, the first stage's writer collects and writes them)."""
     if "lm_head" in cfg.targets:
         raise ValueError("lora.targets=lm_head on a vision-language model is not exported yet; fix: drop lm_head")
     tensors = {}
@@ -53,11 +54,17 @@ def export_vision_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str, *, tp
         if not name.startswith(TEXT):
             raise ValueError(f"{name}: not a language-model adapter megaft can name for peft")
         tensors[VLM + name[len(TEXT):]] = tensor
+    if group_size(pp_group) > 1:
+        parts: list = [None] * group_size(pp_group)
+        dist.all_gather_object(parts, tensors if is_writer else {}, group=pp_group)
+        tensors = {k: v for part in parts for k, v in part.items()}
+        is_writer = is_writer and group_rank(pp_group) == 0
     if is_writer:
         with _new_folder(out_dir) as tmp:
             save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
             with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
                 json.dump(vision_adapter_config(cfg, base), f, indent=2)
-    if group_size(tp_group) > 1:
-        dist.barrier(group=tp_group)  # written before any rank returns
+    for group in (pp_group, tp_group):
+        if group_size(group) > 1:
+            dist.barrier(group=group)  # written before any rank returns
     return out_dir

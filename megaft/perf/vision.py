@@ -7,12 +7,15 @@ patches, as the tower attends both ways).
 Qwen2.5-VL's tower (`qwen_*`) is counted per image of h x w patches (its size after
 smart_resize), its windowed blocks attending within each window.
 
-Not yet read by megaft-plan or the trainer's MFU (docs/vision.md); tests/test_perf_vision.py
-checks each count against the module and torch's FlopCounterMode."""
+The trainer's MFU adds `image_flops` of every image of a step's global batch to its text FLOPs
+(megaft.training.objectives.images); tests/test_perf_vision.py checks each count against the
+module and torch's FlopCounterMode."""
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from megaft.models.vision.config import SiglipConfig, VisionLanguageConfig
-from megaft.models.vision.qwen_config import QwenVisionConfig
+from megaft.models.vision.qwen_config import QwenVisionConfig, QwenVLConfig
 
 
 def tower_params(v: SiglipConfig) -> int:
@@ -96,3 +99,45 @@ def qwen_vision_forward_flops(v: QwenVisionConfig, h: int, w: int) -> float:
 def qwen_vision_train_flops(v: QwenVisionConfig, h: int, w: int, *, frozen: bool = False) -> float:
     """Training FLOPs of one image: 3 forwards, or 2 with model.freeze=[vision,projector]."""
     return (2.0 if frozen else 3.0) * qwen_vision_forward_flops(v, h, w)
+
+
+def image_flops(cfg: VisionLanguageConfig | QwenVLConfig, grid: Optional[Sequence[int]] = None, *,
+                trains: bool = True) -> float:
+    """Model FLOPs of one image in a training step: 3 forwards when some of the tower or projector
+    trains (a partly frozen tower is counted as trained), 1 when none of it does (model.freeze=[vision,
+    projector], or LoRA on the language model): the pixels need no gradient, so no backward runs
+    through it. `grid`: Qwen2.5-VL's (t, h, w) of the image, in patches."""
+    if isinstance(cfg, QwenVLConfig):
+        forward = qwen_vision_forward_flops(cfg.vision, int(grid[1]), int(grid[2]))
+    else:
+        forward = vision_forward_flops(cfg)
+    return (3.0 if trains else 1.0) * forward
+
+
+def images_flops(cfg: VisionLanguageConfig | QwenVLConfig, n_images: int,
+                 grids: Optional[Sequence[Sequence[int]]] = None, *, trains: bool = True) -> float:
+    """`image_flops` of a conversation's `n_images` images (Qwen2.5-VL: each at its row of `grids`)."""
+    if isinstance(cfg, QwenVLConfig):
+        return sum(image_flops(cfg, g, trains=trains) for g in grids)
+    return n_images * image_flops(cfg, trains=trains)
+
+
+def tower_activation_elements(v: SiglipConfig) -> int:
+    """Elements SigLIP saves for backward per image (fp32, the torch kernels; weights not counted): per
+    patch its pixels, per layer both LayerNorms' input, mean, rstd and output, q, k, v, the attention
+    output and its log-sum-exp per head, the residual the second norm reads and the MLP's two
+    activations (8 * dim + 2 * ffn + heads + 4), and the final LayerNorm's input and statistics.
+    Gemma 3's projector (mm_tokens_per_image rows) is not counted."""
+    per_patch = v.channels * v.patch_size ** 2 + v.n_layers * (8 * v.dim + 2 * v.ffn_dim + v.n_heads + 4) + v.dim + 2
+    return v.patches_per_side ** 2 * per_patch
+
+
+def qwen_tower_activation_elements(v: QwenVisionConfig, h: int, w: int) -> int:
+    """Elements Qwen2.5-VL's tower saves for backward per image of h x w patches (fp32, the torch kernels;
+    weights and index tensors not counted): per patch its flattened pixels, the rotary cos and sin, per
+    block both RMSNorms' input, rstd, normalized rows and output, the qkv output, the rotated q and k,
+    the attention output and its log-sum-exp per head, the projection's input and the SwiGLU's four
+    (13 * dim + 4 * ffn + heads + 2, windowed or not), and the merger's norm and two activations."""
+    hd = v.dim // v.n_heads
+    per_patch = v.patch_dim + 2 * hd + v.n_layers * (13 * v.dim + 4 * v.ffn_dim + v.n_heads + 2) + 5 * v.dim + 1
+    return h * w * per_patch

@@ -44,6 +44,7 @@ from megaft.plan.report import (
 )
 from megaft.plan.shape import planning_config
 from megaft.plan.space import rule_of_thumb, search
+from megaft.plan.vision import TowerLoad, format_vision, vision_plan
 
 register_configs()
 # megaft-train's root config with a cluster preset (conf/train.yaml's `cluster` default is null).
@@ -86,7 +87,9 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
     gc.disable()
     try:
         start = time.perf_counter()
-        result = search(shaped, cluster, plan, workers=plan.workers or min(usable_cpus(), MAX_WORKERS))
+        vision = vision_plan(cfg, shaped)  # a vision-language checkpoint: its tower (megaft.plan.vision)
+        tower = None if vision is None else TowerLoad.of(vision)
+        result = search(shaped, cluster, plan, workers=plan.workers or min(usable_cpus(), MAX_WORKERS), tower=tower)
         rule = rule_of_thumb(shaped, cluster)
         explanation = explain_rule(result, rule, shaped, cluster)
         experts = explain_experts(result, shaped, cluster)  # None for a dense model
@@ -98,11 +101,15 @@ def run_plan(cfg: Config, run_dir: str, overrides: list[str], hydra_overrides: l
                     explanation=explanation, experts=experts)
     if calibration is not None:  # reusable without the run: plan.calibrate=<run_dir>/calibration.json
         out["calibration"] = calibration.to_json()
+    if vision is not None:
+        out["vision"] = vision
     m = shaped.model
     print(f"megaft-plan: {m.name} ({out['model']['params'] / 1e9:.2f}B params) on {cluster.name}: "
           f"{cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} GPUs, seq_len {shaped.data.seq_len}, "
           f"global batch {shaped.train.global_batch_size}, {shaped.precision}, "
           f"budget {out['memory_budget_gib']:.1f} GiB/GPU")
+    if vision is not None:
+        print(format_vision(vision))
     if result.ranked:
         moe = m.n_experts > 0  # the table gains an ep column
         print(format_table([layout_row(i + 1, c, moe) for i, c in enumerate(result.ranked[:plan.top_k])],

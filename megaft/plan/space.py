@@ -188,14 +188,15 @@ def layout_problems(cfg, world: int, budget: tuple[int, str]) -> list[str]:
     return check_settings(cfg, world) + check_resolved(cfg, world, gpu_budget=budget)
 
 
-def checked(cfg, world: int, budget: tuple[int, str]) -> tuple[list[str], Optional[MemoryEstimate]]:
+def checked(cfg, world: int, budget: tuple[int, str], tower=None) -> tuple[list[str], Optional[MemoryEstimate]]:
     """layout_problems of a layout of the planning config, whose layout-free settings
     megaft.plan.shape.planning_config checked once, and for a layout without other
-    problems its memory estimate (computed once: the memory check and the ranking read it)."""
+    problems its memory estimate (computed once: the memory check and the ranking read it;
+    `tower`: a vision-language model's TowerLoad, megaft.plan.vision)."""
     problems = check_layout_settings(cfg, world) + check_layout(cfg, world)
     if problems:
         return problems, None
-    est = estimate_memory(cfg, world)
+    est = estimate_memory(cfg, world) if tower is None else tower.memory(cfg, world)
     return check_memory(cfg, world, budget, estimate=est), est
 
 
@@ -206,11 +207,12 @@ def reason_of(problem: str) -> str:
     return problem.split(" ", 1)[0].split("=", 1)[0]  # the config key the problem names
 
 
-def search(cfg, cluster, plan, workers: int = 1) -> SearchResult:
+def search(cfg, cluster, plan, workers: int = 1, tower=None) -> SearchResult:
     """Every layout of the space checked and costed; valid ones ranked by predicted step
     time (ties: lower ZeRO stage, no offload, fewer stages, smaller tp, no cp, smaller ep, less memory).
     `workers` > 1: checked and costed over that many processes (megaft.forks), with the
-    same result: every layout's check and cost depends on that layout alone."""
+    same result: every layout's check and cost depends on that layout alone. `tower`: a
+    vision-language model's tower (megaft.plan.vision.TowerLoad), counted in every layout."""
     world, budget = cluster.world_size, memory_target(cluster)
     result = SearchResult(ranked=[], budget=budget)
     lowest_zero = min(plan.zero_stages)
@@ -220,7 +222,8 @@ def search(cfg, cluster, plan, workers: int = 1) -> SearchResult:
         noop = layout.dp * layout.cp == 1 and layout.zero != lowest_zero  # ZeRO shards over dp×cp
         todo.append((layout, None if noop else apply_layout(cfg, layout)))
     cands = [cand for _, cand in todo if cand is not None]
-    found = iter(undeal(fork_map(lambda hand: [checked(c, world, budget) for c in hand], deal(cands, workers))))
+    found = iter(undeal(fork_map(lambda hand: [checked(c, world, budget, tower) for c in hand],
+                                 deal(cands, workers))))
     valid = []
     for layout, cand in todo:  # in the space's order: the first example of each reason is the same
         if cand is None:
@@ -237,6 +240,8 @@ def search(cfg, cluster, plan, workers: int = 1) -> SearchResult:
         valid.append((layout, cand, memory))
     # costed together: layouts that share a pipeline schedule share one replay
     costs = step_costs([cand for _, cand, _ in valid], cluster, world, workers)
+    if tower is not None:
+        costs = [tower.cost(cost, cand, cluster, world) for (_, cand, _), cost in zip(valid, costs)]
     result.ranked = [Candidate(layout, cand, memory, cost) for (layout, cand, memory), cost in zip(valid, costs)]
     result.ranked.sort(key=lambda c: (round(c.cost.step_s, 6), c.layout.zero, c.layout.offload != "none",
                                       c.layout.pp * c.layout.vpp, c.layout.tp, c.layout.cp, c.layout.ep,

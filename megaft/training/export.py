@@ -46,16 +46,17 @@ class HFExport:
             from megaft.models.vision.hf import export_vision_language
 
             out = os.path.join(self.run_dir, "hf")
-            if writer and os.path.isdir(out):  # a run finished again replaces its export, as export_hf does
+            # a run finished again replaces its export, as export_hf does (the first stage's writer writes it)
+            if writer and grid.pp_rank == 0 and os.path.isdir(out):
                 shutil.rmtree(out)
             if cfg.lora.rank > 0:  # a peft adapter of the *ForConditionalGeneration (validation: no merged model)
                 from megaft.peft.vision import export_vision_adapter
 
                 export_vision_adapter(self.model, cfg.lora, out, tp_group=grid.tp_group, is_writer=writer,
-                                      base=cfg.model.init_from)
+                                      base=cfg.model.init_from, pp_group=grid.pp_group)
                 return
             export_vision_language(self.model, out, tokenizer_json=tok_json, tp_group=grid.tp_group,
-                                   is_writer=writer)
+                                   is_writer=writer, pp_group=grid.pp_group)
             return
         if cfg.lora.rank > 0:  # a peft adapter folder in hf/ (+ the merged model in hf_merged/)
             from megaft.peft.export import export_lora

@@ -91,7 +91,7 @@ class Trainer:
         stats = optim.step(lr_at(step, self.cfg.optim, self.cfg.train.max_steps))
         loss_sum = fwd_bwd.total_loss(loss_sum)
         out = {"loss": (loss_sum / batch.n_targets).item(), "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
-               "tokens": batch.tokens}
+               "tokens": batch.tokens, "vision_flops": getattr(batch, "vision_flops", 0.0)}
         out.update(fwd_bwd.step_metrics())
         fwd_bwd.finish_step()
         out.update(stats.scaler_record())
@@ -186,7 +186,7 @@ class Trainer:
                    desc="train", dynamic_ncols=True, mininterval=1.0)
         bar.set_postfix(self._postfix(None, last_eval, last_sample))
         last: Optional[dict[str, float]] = None
-        tokens, train_time, stop = 0, 0.0, NONE
+        tokens, train_time, stop, vision_flops = 0, 0.0, NONE, 0.0
         for step in range(first, end):
             self.current_step = step + 1  # the step being trained, as metrics.jsonl numbers it (hang reports)
             t0 = time.perf_counter()
@@ -194,8 +194,9 @@ class Trainer:
             dt = time.perf_counter() - t0
             tokens, train_time = tokens + last["tokens"], train_time + dt
             # raises after train.max_bad_steps non-finite steps in a row
+            vision_flops += last["vision_flops"]
             records.log_train(step + 1, last, dt, comm_bytes=self.parts.optim.take_sent_bytes(),
-                              mfu=self._mfu(last["tokens"] / dt))
+                              mfu=self._mfu(last["tokens"] / dt, self._per_token(last["tokens"], last["vision_flops"])))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
                 last_eval = self.evaluate(step + 1)
             if self.sampler is not None and ((step + 1) % cfg.sample_every == 0 or step + 1 == cfg.max_steps):
@@ -210,7 +211,7 @@ class Trainer:
                 break
         bar.close()
         records.finish_saves()  # a run that ends publishes its pending async save
-        summary = self._summary(last, last_eval, tokens, train_time, time.perf_counter() - start)
+        summary = self._summary(last, last_eval, tokens, train_time, time.perf_counter() - start, vision_flops)
         result = summary.to_json()
         if stop != NONE:  # not finished: no summary.json or export; run_rank requeues on REQUEUE
             result.update(stopped_by=flag.signal_name or "another rank's signal", requeue=stop == REQUEUE)
@@ -235,13 +236,19 @@ class Trainer:
             out["sample"] = sample
         return out
 
-    def _mfu(self, tokens_per_s: Optional[float]) -> dict[str, float]:
-        """{"mfu": ...} when the peak is known (megaft.perf), else {}."""
+    def _per_token(self, tokens: int, vision_flops: float) -> float:
+        """Model FLOPs per token of `tokens` whose images cost `vision_flops` in the tower: the text's
+        flops_per_token plus the tower's share (a VLM, megaft.perf.vision)."""
+        return self.flops_per_token + (vision_flops / tokens if tokens else 0.0)
+
+    def _mfu(self, tokens_per_s: Optional[float], per_token: Optional[float] = None) -> dict[str, float]:
+        """{"mfu": ...} when the peak is known (megaft.perf), else {}; `per_token`: the FLOPs per
+        token (default flops_per_token; a VLM's step adds its tower's, `_per_token`)."""
         if self.peak_tflops is None or not tokens_per_s:
             return {}
-        return {"mfu": mfu(tokens_per_s, self.flops_per_token, self.grid.world_size, self.peak_tflops)}
+        return {"mfu": mfu(tokens_per_s, per_token or self.flops_per_token, self.grid.world_size, self.peak_tflops)}
 
-    def _summary(self, last, last_eval, tokens, train_time, wall) -> RunSummary:
+    def _summary(self, last, last_eval, tokens, train_time, wall, vision_flops: float = 0.0) -> RunSummary:
         cfg, grid, parts = self.cfg, self.grid, self.parts
         tokens_per_s = tokens / train_time if train_time else None
         summary = RunSummary(
@@ -263,9 +270,11 @@ class Trainer:
             dropped_long=getattr(parts.data, "dropped_long", None),  # an image chat's (never cut)
             moe=moe_record(cfg.model, parts.kernels.record, ep=cfg.parallel.ep, routing=cfg.moe),
             reference_s=parts.step.reference_s, optimizer=getattr(parts.optim.optimizer, "record", None),
-            # megaft-report's MFU: model FLOPs per token need the shape and the sequence length.
+            # megaft-report's MFU: model FLOPs per token need the shape and the sequence length (a VLM's:
+            # the run's mean, its images' tower FLOPs spread over its tokens)
             n_layers=cfg.model.n_layers, dim=cfg.model.dim, seq_len=cfg.data.seq_len,
-            flops_per_token=self.flops_per_token, peak_tflops=self.peak_tflops, **self._mfu(tokens_per_s))
+            flops_per_token=self._per_token(tokens, vision_flops), peak_tflops=self.peak_tflops,
+            **self._mfu(tokens_per_s, self._per_token(tokens, vision_flops)))
         if grid.device.type == "cuda":
             summary.peak_memory_bytes = torch.cuda.max_memory_allocated(grid.device)
             summary.device_name = torch.cuda.get_device_name(grid.device)

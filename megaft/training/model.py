@@ -16,6 +16,7 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.parallel.tensor.shard import full_shape
 from megaft.peft.lora import apply_lora
 from megaft.pipeline.stage import StageModel
+from megaft.pipeline.vision import stage_language_model
 from megaft.training.protocols import Kernels, RunParts
 
 
@@ -68,13 +69,22 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
 def build_vision_model(cfg: Config, grid: ParallelGrid, kernels: KernelsConfig) -> torch.nn.Module:
     """The vision-language model of model.init_from (megaft.models.vision: Gemma 3 or Qwen2.5-VL):
     the language model sharded over tp, the tower (and projector) replicated; model.freeze's parts
-    keep their loaded weights (no gradient, so no optimizer state: FlatParams takes trainable ones)."""
+    keep their loaded weights (no gradient, so no optimizer state: FlatParams takes trainable ones).
+    Under pp the language model is this rank's stages and the first stage's rank holds the tower."""
     from megaft.models.vision.family import build_vision_language, tower_parts, vision_config_of
     from megaft.models.vision.hf import load_vision_language_weights
 
-    model = build_vision_language(vision_config_of(cfg.model.init_from, base=cfg.model), group=grid.tp_group,
-                                  sequence_parallel=cfg.parallel.sequence_parallel, kernels=kernels)
-    load_vision_language_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
+    par = cfg.parallel
+    vcfg = vision_config_of(cfg.model.init_from, base=cfg.model)
+    stages = None
+    if grid.pp_size > 1:  # this rank's stages of the language model; the tower on the first stage's rank only
+        stages = stage_language_model(vcfg.text, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp,
+                                      pp_layers=par.pp_layers, group=grid.tp_group,
+                                      sequence_parallel=par.sequence_parallel, kernels=kernels)
+    model = build_vision_language(vcfg, group=grid.tp_group, sequence_parallel=par.sequence_parallel,
+                                  kernels=kernels, language_model=stages)
+    load_vision_language_weights(model, cfg.model.init_from, tp_rank=grid.tp_rank, tp_size=grid.tp_size,
+                                 strict=grid.pp_size == 1)
     if cfg.lora.rank > 0:  # the recipe of megaft.peft.vision: all frozen, adapters on the language model
         from megaft.peft.vision import apply_vision_lora
 
@@ -89,7 +99,8 @@ def build_vision_model(cfg: Config, grid: ParallelGrid, kernels: KernelsConfig) 
 def model_params(model: torch.nn.Module, grid: ParallelGrid, *, trainable: bool = False) -> int:
     """Parameters of the whole (unsharded, unpadded) model; `trainable`: only those the
     optimizer updates (LoRA: the adapters). Under pp a sum over the stages (a collective)."""
-    copy = model.embed_tokens.weight if getattr(model, "tied_copy", False) else None
+    lm = getattr(model, "language_model", model)  # a vision-language model's stages are its language model's
+    copy = lm.embed_tokens.weight if getattr(lm, "tied_copy", False) else None
     local = sum(math.prod(full_shape(p, grid.tp_size)) for p in model.parameters()
                 if p is not copy and (p.requires_grad or not trainable))
     if grid.pp_size == 1:

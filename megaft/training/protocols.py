@@ -51,6 +51,7 @@ class StepBatch:
     tokens: int  # tokens of the global batch (throughput)
     pixels: Optional[list[torch.Tensor]] = None  # each micro-batch's images [images, 3, H, W] (a VLM), else None
     grids: Optional[list[torch.Tensor]] = None  # Qwen2.5-VL: each micro-batch's images' (t, h, w) [images, 3]
+    vision_flops: float = 0.0  # a VLM's tower FLOPs over the global batch's images (MFU adds them to the text's)
 
 
 @dataclass

@@ -24,14 +24,15 @@ LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2
 
 
 @torch.no_grad()
-def make_processor_qwen_vl(path: str) -> None:
+def make_processor_qwen_vl(path: str, layers: int = 2) -> None:
     """The processor fixture's tokenizer and template beside a random tiny Qwen2.5-VL of its
-    vocabulary and patch sizes (weights std 0.1, norms near 1: every tensor moves the loss)."""
+    vocabulary and patch sizes, `layers` text layers (weights std 0.1, norms near 1: every tensor
+    moves the loss)."""
     tok = make_qwen_processor(path).tokenizer
     ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
@@ -46,11 +47,12 @@ def make_processor_qwen_vl(path: str) -> None:
     model.save_pretrained(path)
 
 
-def write_case(root: str) -> tuple[str, str]:
-    """(checkpoint dir, data file) under `root`: len(QUESTIONS) conversations with one or two
-    images of different sizes, plus TOO_LONG too long for SEQ_LEN."""
+def write_case(root: str, layers: int = 2) -> tuple[str, str]:
+    """(checkpoint dir, data file) under `root`: the checkpoint (`layers` text layers), and
+    len(QUESTIONS) conversations with one or two images of different sizes, plus TOO_LONG too long
+    for SEQ_LEN."""
     ckpt = os.path.join(root, "ckpt")
-    make_processor_qwen_vl(ckpt)
+    make_processor_qwen_vl(ckpt, layers)
     names = list(write_images(os.path.join(root, "img")).values())
     lines = []
     for i, (q, a) in enumerate(QUESTIONS):

@@ -65,14 +65,15 @@ def image_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @torch.no_grad()
-def make_processor_gemma3(path: str) -> transformers.Gemma3Processor:
-    """The processor fixture's tokenizer and template beside a random tiny model of its vocabulary."""
+def make_processor_gemma3(path: str, layers: int = 2) -> transformers.Gemma3Processor:
+    """The processor fixture's tokenizer and template beside a random tiny model of its vocabulary
+    (`layers`: an even number of text layers, sliding and full in turn)."""
     processor = make_processor(path)
     tok = processor.tokenizer
     text = transformers.Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, max_position_embeddings=128, sliding_window=5,
-        layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2), pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=SIZE, patch_size=7,

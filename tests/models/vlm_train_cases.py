@@ -24,11 +24,11 @@ LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2
            "dp2_zero2": dict(dp=2, zero=2), "dp2_zero3": dict(dp=2, zero=3)}
 
 
-def write_case(root: str) -> tuple[str, str]:
-    """(checkpoint dir, data file) under `root`: the checkpoint saved by transformers, and
-    len(QUESTIONS) conversations with one or two images plus TOO_LONG too long for SEQ_LEN."""
+def write_case(root: str, layers: int = 2) -> tuple[str, str]:
+    """(checkpoint dir, data file) under `root`: the checkpoint saved by transformers (`layers` text
+    layers), and len(QUESTIONS) conversations with one or two images plus TOO_LONG too long for SEQ_LEN."""
     ckpt = os.path.join(root, "ckpt")
-    make_processor_gemma3(ckpt)
+    make_processor_gemma3(ckpt, layers)
     names = list(write_images(os.path.join(root, "img")).values())
     lines = []
     for i, (q, a) in enumerate(QUESTIONS):

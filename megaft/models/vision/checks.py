@@ -2,12 +2,13 @@
 rank starts: every unsupported combination at once, each with its fix (docs/vision.md).
 
 megaft-train trains a multimodal Gemma 3 with images (megaft.training.objectives.images) on
-the layouts tested equal to one process: tp (with or without sequence parallel) and dp with
-ZeRO 0-3. What those tests do not cover yet is refused by name, so a config that asks for it
-learns it now: pp, cp, packing, LoRA on the head or exported merged, objectives
-other than sft, an eval file and samples (both would need images). Qwen2.5-VL trains the same
+the layouts tested equal to one process: tp (with or without sequence parallel), dp with
+ZeRO 0-3, and pp (the tower on the first stage, megaft.models.vision.staged). What those
+tests do not cover yet is refused by name, so a config that asks for it learns it now:
+cp, packing, LoRA on the head or exported merged, objectives other than sft,
+an eval file and samples (both would need images). Qwen2.5-VL trains the same
 way (megaft.models.vision.qwen_model) on the layouts tested for it: tp (with or without
-sequence parallel) and dp with ZeRO 0-3, LoRA on its language model. Qwen2-VL is not read yet."""
+sequence parallel), dp with ZeRO 0-3 and pp, LoRA on its language model. Qwen2-VL is not read yet."""
 from __future__ import annotations
 
 import json
@@ -61,12 +62,12 @@ def check_vision_run(cfg: Config) -> list[str]:
                 f"text {init_from} DST` and set model.init_from=DST")
     problems = [f"model.freeze: {name!r} is not a part of the model; fix: a list of {', '.join(FREEZABLE)}"
                 for name in freeze if name not in FREEZABLE]
-    if par.pp > 1:
-        problems.append(f"parallel.pp={par.pp} with images: the vision tower is not placed on a pipeline stage "
-                        "yet; fix: parallel.pp=1")
     if par.cp > 1:
-        problems.append(f"parallel.cp={par.cp} with images: an image's tokens attend to each other both ways, "
-                        "across the cp chunks, which the ring does not do yet; fix: parallel.cp=1")
+        why = ("Gemma 3: an image's tokens attend to each other both ways, which the ring does not do across "
+               "chunks" if kind == "gemma3" else
+               "Qwen2.5-VL: its M-RoPE positions and image features are not split over the chunks")
+        problems.append(f"parallel.cp={par.cp} with images: cp on the text part needs each image's tokens whole in "
+                        f"one rank's chunk, and megaft does not place them so yet ({why}); fix: parallel.cp=1")
     if packing != "none":
         problems.append(f"data.packing={packing} with images: packing that keeps an image and its tokens in one "
                         "document is not supported yet; fix: data.packing=none (one conversation per row)")

@@ -21,7 +21,8 @@ def vision_config_of(path: str, base: Optional[ModelConfig] = None) -> VisionLan
 
 
 def build_vision_language(cfg: VisionLanguageConfig | QwenVLConfig, **kwargs) -> nn.Module:
-    """The model of `cfg` (kwargs: group, sequence_parallel, kernels)."""
+    """The model of `cfg` (kwargs: group, sequence_parallel, kernels, and under pp language_model:
+    this rank's stages, megaft.pipeline.vision)."""
     if isinstance(cfg, QwenVLConfig):
         from megaft.models.vision.qwen_model import QwenVLModel
 
@@ -36,5 +37,9 @@ def tower_parts(model: nn.Module) -> dict[str, list[nn.Module]]:
     its features to the language model (Gemma 3's multi_modal_projector, Qwen2.5-VL's patch merger)."""
     if hasattr(model, "visual"):
         tower = model.visual
+        if tower is None:  # a pipeline rank without the first stage holds no tower
+            return {"vision": [], "projector": []}
         return {"vision": [tower.patch_embed, tower.blocks], "projector": [tower.merger]}
+    if model.vision_tower is None:
+        return {"vision": [], "projector": []}
     return {"vision": [model.vision_tower], "projector": [model.multi_modal_projector]}

@@ -34,7 +34,7 @@ from megaft.models.hf.load import Source, _read_into, checkpoint_files, tensors
 from megaft.models.hf.multimodal import _new_folder, _write_shards
 from megaft.models.vision.config import vision_config_dict
 from megaft.models.vision.qwen_config import QwenVLConfig, qwen_config_dict
-from megaft.parallel.comm import Group, group_size
+from megaft.parallel.comm import Group, group_rank, group_size
 from megaft.parallel.tensor.shard import full_shape
 
 LM, TOWER, PROJ, VISUAL = "language_model.", "vision_tower.", "multi_modal_projector.", "visual."
@@ -77,8 +77,10 @@ def names_of(model: nn.Module, name: str) -> list[str]:
     return hf_names(name, model.cfg.arch)
 
 
-def _sources(model: nn.Module, files: dict[str, str], path: str, tp_size: int) -> dict[str, Source]:
-    """Our names -> the checkpoint tensors that fill them; every problem at once."""
+def _sources(model: nn.Module, files: dict[str, str], path: str, tp_size: int,
+             strict: bool = True) -> dict[str, Source]:
+    """Our names -> the checkpoint tensors that fill them; every problem at once (`strict`: also
+    the checkpoint's tensors no parameter takes; a pipeline rank holds only its stages')."""
     problems, out = [], {}
     for name, param in tensors(model):
         names = names_of(model, name)
@@ -89,7 +91,7 @@ def _sources(model: nn.Module, files: dict[str, str], path: str, tp_size: int) -
         out[name] = Source(found, tuple(full_shape(param, tp_size)))
     used = {s.hf for s in out.values()}
     ignored = {"language_model.lm_head.weight", "lm_head.weight"} if model.cfg.tie_embeddings else set()
-    extra = sorted(n for n in files if n not in used and n not in ignored)
+    extra = sorted(n for n in files if n not in used and n not in ignored) if strict else []
     if extra:
         problems.append(f"unexpected tensors: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
     for file in sorted({files[src.hf] for src in out.values()}):  # each file opened once
@@ -104,11 +106,13 @@ def _sources(model: nn.Module, files: dict[str, str], path: str, tp_size: int) -
 
 
 @torch.no_grad()
-def load_vision_language_weights(model: nn.Module, path: str, *, tp_rank: int, tp_size: int) -> None:
+def load_vision_language_weights(model: nn.Module, path: str, *, tp_rank: int, tp_size: int,
+                                 strict: bool = True) -> None:
     """Fill a built VisionLanguageModel (language model sharded over tp_size) from `path`;
-    names and shapes are all checked before any parameter changes."""
+    names and shapes are all checked before any parameter changes (`strict`: every checkpoint
+    tensor is used; false on a pipeline rank, which holds its stages only)."""
     files = checkpoint_files(path)
-    wanted = _sources(model, files, path, tp_size)
+    wanted = _sources(model, files, path, tp_size, strict)
     params = dict(tensors(model))
     for file in sorted(set(files[s.hf] for s in wanted.values())):
         with safe_open(file, "pt") as f:
@@ -125,6 +129,40 @@ def _gathered(model: nn.Module, group: Group, dtype: Optional[torch.dtype]) -> I
         yield names_of(model, name)[0], full.to("cpu", dtype or full.dtype).contiguous()
 
 
+def _stage_gathered(model: nn.Module, tp_group: Group, pp_group: Group, is_writer: bool,
+                    dtype: Optional[torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_gathered` under pp: every stage's parameters, stage after stage, yielded on the first
+    stage's writer; each other stage's writer sends its tensors there, one at a time, in the same
+    order (collective over tp and pp: every rank iterates it to the end). The last stage's tied
+    embedding copy has the first stage's name and is left out."""
+    own = [(names_of(model, n)[0], p) for n, p in tensors(model)]
+    lists: list = [None] * group_size(pp_group)
+    dist.all_gather_object(lists, [(name, str(p.dtype)) for name, p in own], group=pp_group)
+    me, first = group_rank(pp_group), dist.get_global_rank(pp_group, 0)
+    device = next(model.parameters()).device
+    by_name, seen = dict(own), set()
+    for rank, names in enumerate(lists):
+        for name, kind in names:
+            if name in seen:
+                continue
+            seen.add(name)
+            if rank == me:
+                full = gather_full(by_name[name], tp_group)
+                if me == 0:
+                    yield name, full.to("cpu", dtype or full.dtype).contiguous()
+                elif is_writer:
+                    shape = torch.tensor([full.dim(), *full.shape] + [0] * (7 - full.dim()), device=device)
+                    dist.send(shape, first, group=pp_group)
+                    dist.send(full.contiguous(), first, group=pp_group)
+            elif me == 0 and is_writer:
+                shape = torch.zeros(8, dtype=torch.long, device=device)
+                dist.recv(shape, dist.get_global_rank(pp_group, rank), group=pp_group)
+                buf = torch.empty(shape[1:1 + int(shape[0])].tolist(), dtype=getattr(torch, kind[len("torch."):]),
+                                  device=device)
+                dist.recv(buf, dist.get_global_rank(pp_group, rank), group=pp_group)
+                yield name, buf.to("cpu", dtype or buf.dtype).contiguous()
+
+
 def _copy_processor(tokenizer_json: str, dst: str) -> None:
     """The image processor's files beside the tokenizer (so transformers' AutoProcessor, and
     megaft.data.images, read the export as they read the original)."""
@@ -137,11 +175,17 @@ def _copy_processor(tokenizer_json: str, dst: str) -> None:
 @torch.no_grad()
 def export_vision_language(model: nn.Module, out_dir: str, *, tokenizer_json: Optional[str], tp_group: Group,
                            is_writer: bool, dtype: Optional[torch.dtype] = None,
-                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, pp_group: Group = None) -> str:
     """Write `model` as a Gemma3ForConditionalGeneration checkpoint in the new folder `out_dir`
     (collective over `tp_group`; `is_writer` writes), with the tokenizer's and the image
-    processor's files from beside `tokenizer_json`. Returns `out_dir`."""
-    tensors_out = _gathered(model, tp_group, dtype)
+    processor's files from beside `tokenizer_json`. Under pp (`pp_group` of more than one rank)
+    `model` is this rank's stages, and the first stage's writer writes every stage's tensors
+    (`is_writer` marks each stage's tp rank 0 of the first replica). Returns `out_dir`."""
+    staged = group_size(pp_group) > 1
+    tensors_out = _stage_gathered(model, tp_group, pp_group, is_writer, dtype) if staged else \
+        _gathered(model, tp_group, dtype)
+    if staged and group_rank(pp_group) != 0:
+        is_writer = False  # it sent its tensors to the first stage's writer
     if not is_writer:
         for _ in tensors_out:  # take part in every gather
             pass
@@ -156,6 +200,7 @@ def export_vision_language(model: nn.Module, out_dir: str, *, tokenizer_json: Op
             if tokenizer_json:
                 copy_tokenizer(tokenizer_json, tmp)
                 _copy_processor(tokenizer_json, tmp)
-    if group_size(tp_group) > 1:
-        dist.barrier(group=tp_group)
+    for group in (pp_group, tp_group):
+        if group_size(group) > 1:
+            dist.barrier(group=group)  # written before any rank returns
     return out_dir

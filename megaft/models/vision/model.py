@@ -25,6 +25,7 @@ from megaft.models.decoder import Decoder, rope_of
 from megaft.models.vision.config import VisionLanguageConfig
 from megaft.models.vision.projector import Gemma3Projector
 from megaft.models.vision.siglip import SiglipTower
+from megaft.models.vision.staged import StagedVision
 from megaft.parallel.comm import Group, group_rank
 from megaft.parallel.tensor.shard import mark_sequence_parallel
 
@@ -51,32 +52,35 @@ class ImageTokenMismatch(ValueError):
     """A micro-batch whose image tokens do not match its images' features (a cut image)."""
 
 
-class VisionLanguageModel(nn.Module):
+class VisionLanguageModel(StagedVision, nn.Module):
     """The whole multimodal model on every tp rank of `group` (language model tp-sharded,
     tower and projector replicated). Under `sequence_parallel` each rank writes the features
     of its own sequence shard (`shard_scatter`); the tower's and projector's gradients are
     then partial and marked to be summed over tp like the norms' (megaft.parallel.tensor.grads).
-    Under ZeRO-3 every micro-batch runs the tower (`tower_every_step`). No pipeline or context
-    parallel yet: validation refuses them with images (docs/vision.md)."""
+    Under ZeRO-3 every micro-batch runs the tower (`tower_every_step`). Under pp,
+    `language_model` is this rank's stages (megaft.pipeline.vision) and only the first stage's
+    rank holds the tower and projector (megaft.models.vision.staged). No context parallel yet:
+    validation refuses it with images (docs/vision.md)."""
 
     def __init__(self, cfg: VisionLanguageConfig, *, group: Group = None, sequence_parallel: bool = False,
-                 kernels: Optional[KernelsConfig] = None):
+                 kernels: Optional[KernelsConfig] = None, language_model: Optional[Decoder] = None):
         super().__init__()
         self.vlm, self.cfg = cfg, cfg.text  # `cfg`: the language model's, as Decoder's (checkpoint code reads it)
-        self.vision_tower = SiglipTower(cfg.vision)
-        self.multi_modal_projector = Gemma3Projector(cfg)
-        self.language_model = Decoder(cfg.text, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
-        if self.language_model.sp:  # each rank's features feed only its sequence shard: partial grads, summed
-            for p in [*self.vision_tower.parameters(), *self.multi_modal_projector.parameters()]:  # over tp
+        first = getattr(language_model, "is_first", True)  # the tower sits beside the embedding
+        self.vision_tower = SiglipTower(cfg.vision) if first else None
+        self.multi_modal_projector = Gemma3Projector(cfg) if first else None
+        self.language_model = language_model or Decoder(cfg.text, group=group, sequence_parallel=sequence_parallel,
+                                                        kernels=kernels)
+        if self.language_model.sp and first:  # each rank's features feed only its sequence shard: partial grads,
+            for p in [*self.vision_tower.parameters(), *self.multi_modal_projector.parameters()]:  # summed over tp
                 mark_sequence_parallel(p)
         # ZeRO-3 (set by megaft.training.objectives.images): a micro-batch without images still runs the
         # tower, on one blank image whose features add 0, so every dp rank issues the same parameter gathers
         self.tower_every_step = False
 
-    def zero3_units(self) -> list[nn.Module]:
-        """The layers in the order they run (megaft.optim.zero3): embedding, tower, projector, blocks, head."""
-        lm = self.language_model
-        return [lm.embed_tokens, self.vision_tower, self.multi_modal_projector, *lm.layers, lm.norm, lm.lm_head]
+    def tower_units(self) -> list[Optional[nn.Module]]:
+        """The tower's modules in the order they run (None on a pipeline rank without them)."""
+        return [self.vision_tower, self.multi_modal_projector]
 
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, 3, size, size] -> [images, mm_tokens_per_image, text dim]."""

@@ -26,6 +26,7 @@ from megaft.models.decoder import Decoder, rope_of
 from megaft.models.vision.model import ImageTokenMismatch, shard_scatter
 from megaft.models.vision.qwen_config import QwenVLConfig
 from megaft.models.vision.qwen_tower import QwenVisionTower
+from megaft.models.vision.staged import StagedVision
 from megaft.parallel.comm import Group, group_rank
 from megaft.parallel.tensor.shard import mark_sequence_parallel
 
@@ -69,26 +70,29 @@ def dim_positions(positions: torch.Tensor, section: tuple) -> torch.Tensor:
     return positions.permute(1, 2, 0)[..., axis]
 
 
-class QwenVLModel(nn.Module):
+class QwenVLModel(StagedVision, nn.Module):
     """The whole multimodal model on every tp rank of `group` (language model tp-sharded, tower
     replicated). Under `sequence_parallel` each rank writes the features of its own sequence
-    shard, and the tower's gradients are partial sums over tp (as VisionLanguageModel's)."""
+    shard, and the tower's gradients are partial sums over tp (as VisionLanguageModel's). Under
+    pp, `language_model` is this rank's stages and only the first stage's rank holds the tower
+    (megaft.models.vision.staged)."""
 
     def __init__(self, cfg: QwenVLConfig, *, group: Group = None, sequence_parallel: bool = False,
-                 kernels: Optional[KernelsConfig] = None):
+                 kernels: Optional[KernelsConfig] = None, language_model: Optional[Decoder] = None):
         super().__init__()
         self.vlm, self.cfg = cfg, cfg.text
-        self.visual = QwenVisionTower(cfg.vision)
-        self.language_model = Decoder(cfg.text, group=group, sequence_parallel=sequence_parallel, kernels=kernels)
-        if self.language_model.sp:
+        first = getattr(language_model, "is_first", True)  # the tower sits beside the embedding
+        self.visual = QwenVisionTower(cfg.vision) if first else None
+        self.language_model = language_model or Decoder(cfg.text, group=group, sequence_parallel=sequence_parallel,
+                                                        kernels=kernels)
+        if self.language_model.sp and first:
             for p in self.visual.parameters():
                 mark_sequence_parallel(p)
         self.tower_every_step = False  # ZeRO-3: a micro-batch without images runs the tower on a blank one
 
-    def zero3_units(self) -> list[nn.Module]:
-        """The layers in the order they run (megaft.optim.zero3): embedding, tower, blocks, head."""
-        lm = self.language_model
-        return [lm.embed_tokens, self.visual, *lm.layers, lm.norm, lm.lm_head]
+    def tower_units(self) -> list[Optional[nn.Module]]:
+        """The tower (None on a pipeline rank without it)."""
+        return [self.visual]
 
     def blank_features(self, x: torch.Tensor) -> torch.Tensor:
         """0 (a scalar) computed from the tower's features of one blank merge x merge patch image:

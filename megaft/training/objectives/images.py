@@ -12,6 +12,7 @@ token-weighted mean over the global batch, as sft's.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -24,9 +25,14 @@ from megaft.data.build import build_tokenizer, chat_encoder
 from megaft.data.errors import DataError
 from megaft.data.image_chat import ImageChatEncoder, ImageSample, collate, image_processing, read_image_chat
 from megaft.data.tokenizer import special_ids
+from megaft.models.vision.checks import FREEZABLE
+from megaft.models.vision.family import vision_config_of
+from megaft.models.vision.staged import ImageInputs
 from megaft.parallel.grid import ParallelGrid
+from megaft.perf.vision import images_flops
+from megaft.pipeline.vision import VisionStages
 from megaft.training.protocols import Batches, RunParts, StepBatch
-from megaft.training.step import _Step, precision_autocast
+from megaft.training.step import PipelineStep, _Step, precision_autocast
 
 
 @dataclass
@@ -44,6 +50,7 @@ class ImageDataPart:
     seed: int
     dropped_long: int  # conversations longer than data.seq_len, dropped whole (summary.json)
     untrained: Optional[int] = None  # conversations with no assistant turn under train_on=assistant
+    image_flops: Optional[list[float]] = None  # each conversation's images' tower FLOPs (megaft.perf.vision)
     task = None
     packing = "none"
     unit = "conversations"
@@ -60,14 +67,20 @@ class ImageDataPart:
             self._orders[epoch] = torch.randperm(len(self.samples), generator=gen).tolist()
         return self._orders[epoch]
 
-    def rows(self, step: int) -> list[ImageSample]:
-        """The global batch of step `step`, epochs following each other without a gap."""
+    def row_ids(self, step: int) -> list[int]:
+        """The conversations (indices into `samples`) of step `step`'s global batch, epochs following
+        each other without a gap."""
         n = len(self.samples)
         first = step * self.global_batch_size
-        return [self.samples[self.order(i // n)[i % n]] for i in range(first, first + self.global_batch_size)]
+        return [self.order(i // n)[i % n] for i in range(first, first + self.global_batch_size)]
+
+    def rows(self, step: int) -> list[ImageSample]:
+        """The global batch of step `step`."""
+        return [self.samples[i] for i in self.row_ids(step)]
 
     def batch(self, step: int) -> StepBatch:
-        rows = self.rows(step)
+        ids = self.row_ids(step)
+        rows = [self.samples[i] for i in ids]
         whole = collate(rows, self.pad_id)  # padded to the global batch's longest row, in every layout
         starts = [0, *itertools.accumulate(len(s.pixels) for s in rows)]  # each row's first image (Qwen: patch)
         firsts = None if whole.grids is None else [0, *itertools.accumulate(len(s.grids) for s in rows)]
@@ -81,8 +94,9 @@ class ImageDataPart:
             pixels.append(whole.pixels[starts[r]:starts[end]])
             if firsts is not None:  # Qwen2.5-VL: the images' grids beside their patches
                 grids.append(whole.grids[firsts[r]:firsts[end]])
+        flops = sum(self.image_flops[i] for i in ids) if self.image_flops else 0.0
         return StepBatch(inputs, labels, None, max(whole.n_targets, 1), int(whole.input_ids.numel()), pixels,
-                         grids if firsts is not None else None)
+                         grids if firsts is not None else None, flops)
 
 
 def build_data(parts: RunParts) -> ImageDataPart:
@@ -102,7 +116,17 @@ def build_data(parts: RunParts) -> ImageDataPart:
         raise DataError(f"{data.path}: no conversation fits data.seq_len={data.seq_len} ({read.dropped_long} "
                         "dropped whole, never cut); fix: raise data.seq_len")
     return ImageDataPart(tok, eos_id, read.samples, pad_id, parts.grid, cfg.train.global_batch_size,
-                         cfg.train.micro_batch_size, data.seed, read.dropped_long, chat.untrained)
+                         cfg.train.micro_batch_size, data.seed, read.dropped_long, chat.untrained,
+                         tower_costs(cfg, read.samples))
+
+
+def tower_costs(cfg, samples: list[ImageSample]) -> list[float]:
+    """Each conversation's images' tower FLOPs in a training step (megaft.perf.vision.image_flops: 3
+    forwards, or 1 when neither the tower nor the projector trains)."""
+    vcfg = vision_config_of(cfg.model.init_from, base=cfg.model)
+    trains = cfg.lora.rank <= 0 and not set(FREEZABLE) <= set(cfg.model.freeze)
+    return [images_flops(vcfg, len(s.pixels), None if s.grids is None else s.grids.tolist(), trains=trains)
+            for s in samples]
 
 
 class ImageStep(_Step):
@@ -147,11 +171,37 @@ class ImageStep(_Step):
         return None
 
 
-def build_step(parts: RunParts) -> ImageStep:
+class PipelineImageStep(PipelineStep):
+    """The rank's pipeline schedule over the micro-batches (pp > 1), each micro-batch's images
+    beside its ids (`ImageInputs`, in the runtime's per-micro-batch `docs` slot): the first
+    stage runs the tower, every stage builds the attention layout from the ids
+    (megaft.models.vision.staged)."""
+
+    def forward_backward(self, batch: StepBatch, divisor: float) -> torch.Tensor:
+        grids = batch.grids or [None] * len(batch.inputs)
+        images = [ImageInputs(ids, pixels if len(pixels) else None,
+                              () if grid is None else (grid if len(grid) else None,))
+                  for ids, pixels, grid in zip(batch.inputs, batch.pixels, grids)]
+        return self.run_schedule(dataclasses.replace(batch, docs=images), divisor)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}  # a dense language model: no router statistics
+
+    def finish_step(self) -> None:
+        pass
+
+    def eval_loss(self, batches: Batches) -> Optional[float]:
+        return None  # data.eval_path is refused with images (megaft.models.vision.checks)
+
+
+def build_step(parts: RunParts) -> ImageStep | PipelineImageStep:
     autocast = precision_autocast(parts.cfg.precision, parts.grid.device)
     # ZeRO-3 gathers the tower's parameters collectively over dp: every rank runs it on every micro-batch
-    # (a frozen tower is not sharded, so not gathered: then a micro-batch without images skips it)
+    # (a frozen tower is not sharded, so not gathered: then a micro-batch without images skips it); under
+    # pp only the first stage's ranks hold it, and they all run the same schedule
     tower = [p for n, p in parts.model.named_parameters() if not n.startswith("language_model.")]
     parts.model.tower_every_step = getattr(parts.optim.optimizer, "gatherer", None) is not None and \
         any(p.requires_grad for p in tower)
+    if parts.grid.pp_size > 1:
+        return PipelineImageStep(VisionStages(parts.model), parts.grid, parts.cfg, parts.phases, autocast)
     return ImageStep(parts.model, parts.optim, parts.grid, parts.phases, autocast)
