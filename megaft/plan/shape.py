@@ -14,7 +14,6 @@ from megaft.config.data import DataConfig
 from megaft.data.build import build_tokenizer
 from megaft.models.checks import check_model
 from megaft.models.vision.checks import TRAINED, multimodal_kind
-from megaft.models.vision.family import vision_config_of
 from megaft.perf.hardware import cluster_hbm_tbps, cluster_peak_tflops, with_device_facts
 from megaft.plan.calibrate import calibrate
 from megaft.plan.measured import apply_measured
@@ -76,8 +75,12 @@ def planning_model(cfg: Config):
             return m, [f"model.init_from={m.init_from!r} has no config.json; fix: point it at a Hugging Face "
                        "Llama checkpoint directory (config.json is all megaft-plan reads)"]
         try:  # a vision-language checkpoint: its language model (the tower: megaft.plan.vision)
-            m = vision_config_of(m.init_from, base=m).text if multimodal_kind(m.init_from) in TRAINED else \
-                hf_model_config(m.init_from, base=m)
+            if multimodal_kind(m.init_from) in TRAINED:
+                from megaft.models.vision.family import vision_config_of  # imports torch: not for a text model
+
+                m = vision_config_of(m.init_from, base=m).text
+            else:
+                m = hf_model_config(m.init_from, base=m)
         except (OSError, ValueError) as exc:
             return m, [str(exc)]
     elif m.vocab_size == 0:

@@ -19,7 +19,6 @@ from megaft.config.parallel import resolve_dp
 from megaft.config.train import accumulation_steps
 from megaft.data.qwen_images import smart_resize
 from megaft.models.vision.checks import FREEZABLE, TRAINED, multimodal_kind
-from megaft.models.vision.family import vision_config_of
 from megaft.models.vision.qwen_config import QwenVLConfig
 from megaft.perf.counts import flops_per_token
 from megaft.perf.memory import MemoryEstimate, estimate_ranks, in_flight
@@ -44,6 +43,8 @@ def vision_plan(cfg: Config, shaped: Config) -> Optional[dict]:
     init_from = cfg.model.init_from
     if multimodal_kind(init_from) not in TRAINED:
         return None
+    from megaft.models.vision.family import vision_config_of  # imports torch: only for a vision-language model
+
     vcfg, plan = vision_config_of(init_from), cfg.plan
     trains = cfg.lora.rank <= 0 and not set(FREEZABLE) <= set(cfg.model.freeze)
     v = vcfg.vision

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from megaft.config.model import ModelConfig
 from megaft.models.arch.spec import GENERIC, HFConfigError, is_metadata
 from megaft.models.hf.config import CONFIG, model_config_of, read_hf_config
-from megaft.models.hf.multimodal import text_config
+from megaft.models.hf.multimodal_config import text_config
 
 # transformers' SiglipVisionConfig defaults (a published vision_config lists what differs)
 SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
