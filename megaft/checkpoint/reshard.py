@@ -94,7 +94,8 @@ def _full_moments(shards: list[dict[str, Any]], key: str, ep_rank: int) -> list[
     for state in shards:
         mine = state["ep_rank"] == ep_rank
         for g, ranges in enumerate(_ranges(state)):
-            if mine or not _is_expert(state["index"][g]):
+            # a momentum-only buffer (Muon's matrices: megaft.parallel.data.flat) saved no exp_avg_sq: zeros
+            if (mine or not _is_expert(state["index"][g])) and state[key][g].numel():
                 for lo, hi, at in ranges:
                     out[g][lo:hi] = state[key][g][at:at + hi - lo]
     return out
@@ -221,7 +222,8 @@ def load_resharded(path: str, manifest: dict[str, Any], model: nn.Module, flat, 
                 whole = _fill_group(saved, path, group, names, grid)
                 for lo, hi, at in ranges:
                     optimizer.exp_avg[g][at:at + hi - lo].copy_(whole["exp_avg"][lo:hi])
-                    optimizer.exp_avg_sq[g][at:at + hi - lo].copy_(whole["exp_avg_sq"][lo:hi])
+                    if optimizer.exp_avg_sq[g].numel():  # none in a momentum-only buffer (Muon's matrices)
+                        optimizer.exp_avg_sq[g][at:at + hi - lo].copy_(whole["exp_avg_sq"][lo:hi])
                     if getattr(optimizer, "masters", None):
                         optimizer.masters[g][at:at + hi - lo].copy_(whole[_MASTERS][lo:hi])
         if hasattr(optimizer, "reload_param_shards"):  # ZeRO-3 chunks, offloaded masters: from the buffers

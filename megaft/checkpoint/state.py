@@ -117,12 +117,14 @@ def restore(state: dict[str, Any], flat: FlatParams, optimizer: AdamW, grid: Par
     if want != got:
         raise ValueError(f"checkpoint parameter buffers have shapes {got}, this model has {want}; fix: resume "
                          "with the model config the checkpoint was saved with")
-    want = [tuple(m.shape) for m in optimizer.exp_avg]
-    got = [tuple(t.shape) for t in state["exp_avg"]]
-    if want != got:  # ZeRO shards the moments over dp: another stage, another shape
-        raise ValueError(f"checkpoint optimizer state has shapes {got}, this run {want} (parallel.zero or "
-                         "parallel.bucket_mb differs); fix: resume with the parallel.zero and parallel.bucket_mb "
-                         "the checkpoint was saved with")
+    want = [tuple(m.shape) for m in optimizer.exp_avg + optimizer.exp_avg_sq]
+    got = [tuple(t.shape) for t in state["exp_avg"] + state["exp_avg_sq"]]
+    if want != got:  # ZeRO shards the moments over dp: another stage, another shape (Muon: no exp_avg_sq)
+        raise ValueError(f"checkpoint optimizer state has shapes {got}, this run {want} (parallel.zero, "
+                         "parallel.bucket_mb or optim.name differs, or a Muon checkpoint from before its matrices "
+                         "kept one state buffer); fix: resume with the parallel.zero, parallel.bucket_mb and "
+                         "optim.name the checkpoint was saved with, or load it through the model "
+                         "(megaft.checkpoint.reshard converts)")
     masters = getattr(optimizer, "masters", [])
     if [t.dtype for t in state["params"]] != [g.data.dtype for g in flat.groups] or len(masters) != len(
             state.get("masters") or []):
@@ -292,10 +294,12 @@ def load_latest(root: str, flat: FlatParams, optimizer: AdamW, grid: ParallelGri
 
 def _fits(state: dict[str, Any], flat: FlatParams, optimizer: AdamW) -> bool:
     """The shard has this rank's exact buffer layout (same ZeRO stage and buckets): restore bitwise."""
-    shapes = [tuple(t.shape) for t in state["params"] + state["exp_avg"]]
+    # exp_avg_sq too: a momentum-only buffer (Muon's matrices) has none, a checkpoint from before it had one
+    shapes = [tuple(t.shape) for t in state["params"] + state["exp_avg"] + state["exp_avg_sq"]]
     same_dtypes = [t.dtype for t in state["params"]] == [g.data.dtype for g in flat.groups]  # master_weights
     return (state.get("zero", getattr(optimizer, "stage", 0)) == getattr(optimizer, "stage", 0) and same_dtypes
-            and shapes == [tuple(g.data.shape) for g in flat.groups] + [tuple(m.shape) for m in optimizer.exp_avg])
+            and shapes == [tuple(t.shape) for t in [g.data for g in flat.groups] + optimizer.exp_avg
+                           + optimizer.exp_avg_sq])
 
 
 def trim_metrics(path: str, step: int) -> int:

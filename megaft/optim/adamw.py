@@ -64,10 +64,15 @@ class AdamW:
         self.flat, self.cfg, self.step_count, self.offload = flat, cfg, 0, offload
         self.norm_params = flat.params if norm_params is None else norm_params
         device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
-        state = ((lambda g: host_zeros(g.data.numel(), device)) if offload else
-                 (lambda g: torch.zeros(g.data.numel(), dtype=torch.float32, device=device)))
+        zeros = ((lambda n: host_zeros(n, device)) if offload else
+                 (lambda n: torch.zeros(n, dtype=torch.float32, device=device)))
+
+        def state(g):
+            return zeros(g.data.numel())
+
         self.exp_avg = [state(g) for g in flat.groups]
-        self.exp_avg_sq = [state(g) for g in flat.groups]
+        # a momentum-only group (Muon's matrices, megaft.parallel.data.flat) keeps no second moment
+        self.exp_avg_sq = [zeros(0) if g.momentum_only else state(g) for g in flat.groups]
         self.host, self.masters = None, []  # masters: optim.master_weights (on the host under offload)
         if offload:
             masters = [state(g) for g in flat.groups]

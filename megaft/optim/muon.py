@@ -24,9 +24,12 @@ buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogon
 lr' = lr * sqrt(max(1, rows/cols)) (scale=original) or lr * 0.2 sqrt(max(rows, cols))
 (scale=match_rms_adamw).
 
-State layout: the momentum buffer of a Muon weight lives in AdamW's exp_avg slot of the same
-flat elements, so checkpoints (and their resharding) carry it as they carry exp_avg; those
-elements' exp_avg_sq stays zero (the memory estimate's one-buffer rule is not done yet).
+State layout: the Muon matrices lie in flat buffers of their own (FlatParams' `momentum_only`:
+`flat_split`), whose optimizer state is one buffer, the momentum, in AdamW's exp_avg slot of the
+same flat elements; their exp_avg_sq is empty (no bytes). Checkpoints (and their resharding) carry
+the momentum as they carry exp_avg, by parameter name; a checkpoint saved before the Muon matrices
+had buffers of their own (their momentum in exp_avg, a zero exp_avg_sq beside it) has another buffer
+layout and loads through the resharding path (megaft.checkpoint.reshard), momentum included.
 """
 from __future__ import annotations
 
@@ -174,7 +177,7 @@ class MuonAdamW(AdamW):
     def __init__(self, flat, cfg: OptimConfig, *, split: dict[str, dict], tp_group: Group = None, **kw):
         super().__init__(flat, cfg, **kw)
         self.tp_group = tp_group
-        muon = {id(p) for p in split["muon"].values()}
+        muon = momentum_only_ids(flat, split)
         masters = self.host.masters if self.host is not None else self.masters  # [] for fp32 params on the device
         host_grads = self.host.host_grads if self.host is not None else []
         # (param, grad, momentum, TPShard, master) views; the (data, grad, m, v, decay, master, host grad)
@@ -197,7 +200,7 @@ class MuonAdamW(AdamW):
             cuts.append(g.data.numel())
             self.pieces += [(g.data[a:z], g.grad[a:z], m[a:z], v[a:z], g.weight_decay,
                              None if master is None else master[a:z], None if host_grad is None else host_grad[a:z])
-                            for a, z in zip(cuts[::2], cuts[1::2]) if z > a]
+                            for a, z in zip(cuts[::2], cuts[1::2]) if z > a and not g.momentum_only]
         self.host_pieces = host_pieces(self.pieces, cfg) if self.host is not None else None
 
     @torch.no_grad()
@@ -207,6 +210,23 @@ class MuonAdamW(AdamW):
         for host_grad, grad in self.downloads:  # offload: the Muon grads to the host (blocking: used next)
             host_grad.copy_(grad)
         muon_update_(self.matrices, self.cfg, lr=lr, tp_group=self.tp_group)
+
+
+def momentum_only_ids(flat, split: dict[str, dict]) -> set[int]:
+    """The ids of split["muon"]'s parameters, checked to lie in FlatParams' momentum-only buffers
+    (their one state buffer: module docstring), as `flat_split` builds them."""
+    muon = {id(p) for p in split["muon"].values()}
+    held = {id(p) for g in flat.groups if g.momentum_only for p in g.params}
+    if muon != held:
+        raise ValueError(f"{len(muon - held)} Muon matrices outside FlatParams' momentum-only buffers and "
+                         f"{len(held - muon)} other params in them; fix: build FlatParams with "
+                         "momentum_only=split['muon'].values() (megaft.optim.muon.flat_split)")
+    return muon
+
+
+def flat_split(split: dict[str, dict]) -> dict:
+    """FlatParams' keyword for a muon_split: the Muon matrices in buffers of their own."""
+    return {"momentum_only": list(split["muon"].values())}
 
 
 def host_pieces(pieces, cfg: OptimConfig) -> HostAdamW:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megaft.config.optim import OptimConfig
-from megaft.optim.muon import adamw_pieces_, apply_update_, host_pieces, orthogonalise, update_scale
+from megaft.optim.muon import adamw_pieces_, apply_update_, host_pieces, momentum_only_ids, orthogonalise, update_scale
 from megaft.optim.zero import ShardedAdamW
 from megaft.parallel.comm import Group, all_gather_single, group_size
 from megaft.parallel.tensor.shard import shard_of
@@ -33,7 +33,7 @@ class ShardedMuon(ShardedAdamW):
                  **kw):
         super().__init__(flat, cfg, dp_group, **kw)
         self.tp_group = tp_group
-        muon = {id(p) for p in split["muon"].values()}
+        muon = momentum_only_ids(flat, split)
         # per chunk: its fp32 master (master weights; the host master under offload) and host grad copy
         masters = self.host.masters if self.host is not None else self.master_chunks
         self.chunk_state = [(masters[i] if masters else None, self.host.host_grads[i] if self.host else None)
@@ -49,6 +49,8 @@ class ShardedMuon(ShardedAdamW):
                 if a < z:
                     cuts += [a, z]
             cuts.append(hi - lo)
+            if flat.groups[b.group].momentum_only:  # its padding is zero and stays so: no AdamW, no exp_avg_sq
+                continue
             self.pieces += [(param[a:z], grad[a:z], m[a:z], v[a:z], decay, None if master is None else master[a:z],
                              None if host_grad is None else host_grad[a:z])
                             for a, z in zip(cuts[::2], cuts[1::2]) if z > a]

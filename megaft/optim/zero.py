@@ -68,7 +68,8 @@ class ShardedAdamW:
         device = self.device = flat.groups[0].data.device if flat.groups else torch.device("cpu")
         state = (lambda n: host_zeros(n, device)) if offload else (lambda n: torch.zeros(n, device=device))
         self.exp_avg = [state(n) for n in sizes]
-        self.exp_avg_sq = [state(n) for n in sizes]
+        # a momentum-only group (Muon's matrices, megaft.parallel.data.flat) keeps no second moment
+        self.exp_avg_sq = [state(0 if g.momentum_only else n) for g, n in zip(flat.groups, sizes)]
         dtype = flat.groups[0].data.dtype if flat.groups else torch.float32  # bf16 under master_weights
         self.shard_grads = [torch.zeros(n, dtype=dtype, device=device) for n in sizes] if stage >= 2 else []
         self.masters = [state(n) for n in sizes] if cfg.master_weights else []  # on the host under offload
@@ -218,7 +219,7 @@ class ShardedAdamW:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, bucket_mb: float, grid,
                     norm_params: Optional[list] = None, compression=None, offload: str = "none",
-                    scaler=None, classes=None):
+                    scaler=None, classes=None, momentum_only=()):
     """(FlatParams, optimizer, GradReducer) of one rank for ZeRO stage `zero` (0 to 3);
     stage 3 also installs the per-layer parameter gathering (`optimizer.gatherer`).
 
@@ -227,7 +228,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
     `offload="cpu"`: masters and moments on the host (megaft.optim.offload).
     `scaler`: the fp16 LossScaler, kept by the optimizer so checkpoints save it with its state.
     `classes`: (stage 0's, stages 1-3's) optimizer in AdamW's and ShardedAdamW's place (optim.name=muon:
-    megaft.optim.muon, megaft.optim.muon_zero)."""
+    megaft.optim.muon, megaft.optim.muon_zero). `momentum_only`: params in buffers of their own whose
+    optimizer keeps one state buffer (optim.name=muon: the Muon matrices; megaft.parallel.data.flat)."""
     from megaft.optim.adamw import AdamW
     from megaft.optim.zero3 import ParamGatherer, model_units, unit_params
     from megaft.parallel.data.buckets import GradReducer
@@ -244,7 +246,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, zero: int, buck
                       multiple=grid.replica_size if zero else 1, keep_grads=zero < 2,
                       units=unit_params(units) if units else None,
                       dtype=torch.bfloat16 if cfg.master_weights else torch.float32,
-                      expert_multiple=grid.expert_replicas if zero else 1)
+                      expert_multiple=grid.expert_replicas if zero else 1, momentum_only=momentum_only)
     plain, sharded = classes or (AdamW, ShardedAdamW)
     if zero == 0:
         optimizer = plain(flat, cfg, norm_params=norm_params, offload=offload == "cpu")

@@ -58,6 +58,7 @@ from megaft.perf.counts import (
     rank_params,
 )
 from megaft.perf.hardware import GIB
+from megaft.perf.muon import rank_muon_elements
 from megaft.pipeline.partition import stage_layers
 
 MARGIN_FRACTION = 0.10  # allocator fragmentation and transient copies
@@ -190,7 +191,7 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
     stages = stage_layers(m.n_layers, par.pp * par.vpp, par.pp_layers)
     vocab_local = padded_size(m.vocab_size, m.make_vocab_size_divisible_by * par.tp) // par.tp
     offloaded = par.offload == "cpu"  # Adam moments live in host memory
-    # optim.master_weights: bf16 params and grads, fp32 masters beside the moments (2 + 2 + 12)
+    # optim.master_weights: bf16 params and grads, fp32 masters beside the moments (2 + 2 + 12; Muon's: 2 + 2 + 8)
     weight, opt_bytes = (BF16, 3 * FP32) if cfg.optim.master_weights else (FP32, 2 * FP32)
     ids = rank_layer_ids(m, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers)
     shape = dict(tp=par.tp, pp=par.pp, vpp=par.vpp, pp_layers=par.pp_layers, ep=ep)
@@ -228,14 +229,19 @@ def estimate_ranks(cfg, world_size: int) -> list[MemoryEstimate]:
             x = sum(expert_adapter_params(m, cfg.lora, par.tp, i, ep) for i in ids[r]) if ep > 1 else 0
         n -= x  # the dense part, sharded over dp×cp; x over dp×cp/ep
 
-        def sharded(nbytes: int, stage: int) -> int:
-            """Bytes per element `nbytes` of the rank's parameters, ZeRO-sharded from `stage` on."""
-            dense = n * nbytes // (replicas if par.zero >= stage else 1)
-            return dense + x * nbytes // (expert_replicas if par.zero >= stage else 1)
+        def sharded(nbytes: int, stage: int, dense: int = n, expert: int = x) -> int:
+            """Bytes per element `nbytes` of the rank's parameters (or of `dense` and `expert` of them),
+            ZeRO-sharded from `stage` on."""
+            dense = dense * nbytes // (replicas if par.zero >= stage else 1)
+            return dense + expert * nbytes // (expert_replicas if par.zero >= stage else 1)
 
+        optimizer = sharded(opt_bytes, 1)
+        if cfg.optim.name == "muon":  # a Muon element keeps one moment, the momentum (megaft.perf.muon)
+            optimizer -= sharded(FP32, 1, *rank_muon_elements(m, ids[r], tp=par.tp, ep=ep,
+                                                              lora=cfg.lora if cfg.lora.rank else None))
         out.append(MemoryEstimate(
             rank=r, params=frozen + sharded(weight, 3), grads=sharded(weight, 2),
-            optimizer=0 if offloaded else sharded(opt_bytes, 1), activations=int(activations), buffers=buffers,
+            optimizer=0 if offloaded else optimizer, activations=int(activations), buffers=buffers,
             frozen=held_models))
     return out
 

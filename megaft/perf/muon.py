@@ -11,9 +11,10 @@ implementation's with torch's FlopCounterMode). Where that runs:
 - ZeRO >= 1: one extra all-gather of the Muon buckets over dp (the momentum updates, the size of
   the params' gather), and each rank orthogonalises only the matrices its chunk holds (about
   1/dp of them);
-- the momentum buffer lives in AdamW's exp_avg slot (its exp_avg_sq stays zero), so the state
-  bytes are AdamW's (megaft.perf.memory), with optim.master_weights too (fp32 masters and
-  momentum, bf16 params and grads: 2 + 2 + 12; the gathered updates stay fp32);
+- optimizer state: one fp32 momentum buffer a Muon element (4 bytes, not AdamW's 8; with
+  optim.master_weights 4 + 4 beside the fp32 master, bf16 params and grads: 2 + 2 + 8), the
+  AdamW tensors AdamW's (megaft.perf.memory, `rank_muon_elements`; the gathered updates are
+  transient fp32);
 - parallel.offload=cpu: the momentum (and masters) live on the host with AdamW's state, and
   Newton-Schulz still runs on the device: each owned Muon element's update goes up (fp32, 4
   bytes) and its orthogonalised value comes back (bf16, 2 bytes), in the link's two directions
@@ -23,6 +24,7 @@ implementation's with torch's FlopCounterMode). Where that runs:
 from __future__ import annotations
 
 from megaft.config.model import ModelConfig, kv_replicas
+from megaft.perf.counts import _mla_params, adapter_layer_params, expert_adapter_params, expert_params, per_block
 
 
 def _mlp(ffn: int, dim: int) -> list[tuple[int, int]]:
@@ -114,3 +116,33 @@ def block_ns_flops(m: ModelConfig, steps: int, layer: int = 0, ep: int = 1, lora
 def block_matrix_elements(m: ModelConfig, layer: int = 0, ep: int = 1, lora=None) -> int:
     """Block `layer`'s Muon elements (whole matrices) on an ep rank."""
     return sum(r * c for r, c in hidden_matrices(m, layer, ep, lora))
+
+
+def _block_local_elements(m: ModelConfig, layer: int, tp: int, ep: int, lora) -> tuple[int, int]:
+    """(all, routed-expert) Muon elements of block `layer` on one tp and ep rank, as the rank holds
+    them (tp shards; k/v with each copied head under tp > n_kv_heads; latent attention's replicated
+    down projections whole)."""
+    if lora is not None and lora.rank:  # the adapters, less the router's (AdamW)
+        adapters = adapter_layer_params(m, lora, tp, layer, ep)[0]
+        if m.is_moe(layer) and "router" in lora.targets:
+            adapters -= lora.rank * (m.dim + m.n_experts)
+        return adapters, expert_adapter_params(m, lora, tp, layer, ep)
+    if m.mla:
+        replicated, split = _mla_params(m)
+        attention = replicated + split // tp
+    else:
+        q, kv = m.n_heads * m.hd, m.kv_heads * kv_replicas(m, tp) * m.hd
+        attention = (m.dim * (q + 2 * kv) + q * m.dim) // tp
+    if not m.is_moe(layer):
+        return attention + 3 * m.dim * m.ffn_dim // tp, 0
+    routed = expert_params(m, layer, tp, ep)
+    return attention + routed + 3 * m.dim * (m.shared_expert_ffn_dim or 0) // tp, routed
+
+
+def rank_muon_elements(m: ModelConfig, layers, *, tp: int, ep: int, lora=None) -> tuple[int, int]:
+    """(dense, routed-expert) Muon elements one tp and ep rank holds on blocks `layers`: the elements
+    whose optimizer state is the momentum alone (module docstring). The routed experts' part is apart
+    only at ep > 1, where it shards over the expert replicas (megaft.perf.memory's split); else 0."""
+    blocks = per_block(m, lambda i: _block_local_elements(m, i, tp, ep, lora))
+    total, routed = sum(blocks[i][0] for i in layers), sum(blocks[i][1] for i in layers)
+    return (total - routed, routed) if ep > 1 else (total, 0)

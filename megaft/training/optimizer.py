@@ -22,7 +22,7 @@ from megaft import checkpoint
 from megaft.checkpoint.reshard import param_index
 from megaft.optim.adamw import AdamW
 from megaft.optim.clip import clip_grad_norm_
-from megaft.optim.muon import MuonAdamW, muon_split, split_record, split_sizes
+from megaft.optim.muon import MuonAdamW, flat_split, muon_split, split_record, split_sizes
 from megaft.optim.muon_zero import ShardedMuon
 from megaft.optim.scaler import LossScaler
 from megaft.optim.zero import ShardedAdamW, build_optimizer
@@ -108,17 +108,18 @@ def build_optim(parts: RunParts) -> OptimParts:
     """The optimizer of parts.model: ZeRO stage, buckets, compression and offload from
     cfg.parallel, AdamW from cfg.optim, a loss scaler under fp16."""
     cfg, grid, model = parts.cfg, parts.grid, parts.model
-    scaler, classes = None, None
+    scaler, classes, flat_kw = None, None, {}
     if cfg.optim.name == "muon":  # the split is fixed before FlatParams moves the params into buffers
         split = muon_split(model)
         classes = (partial(MuonAdamW, split=split, tp_group=grid.tp_group),
                    partial(ShardedMuon, split=split, tp_group=grid.tp_group))
+        flat_kw = flat_split(split)  # the Muon matrices in buffers of their own: one state buffer
     if cfg.precision == "fp16":
         scaler = LossScaler(init_scale=cfg.optim.loss_scale, growth_interval=cfg.optim.loss_scale_window)
     flat, optimizer, reducer = build_optimizer(
         model, cfg.optim, zero=cfg.parallel.zero, bucket_mb=cfg.parallel.bucket_mb, grid=grid,
         norm_params=model.norm_params() if grid.pp_size > 1 else None, compression=cfg.parallel,
-        offload=cfg.parallel.offload, scaler=scaler, classes=classes)
+        offload=cfg.parallel.offload, scaler=scaler, classes=classes, **flat_kw)
     if classes is not None:  # summary.json's `optimizer`, over every pp stage; printed once
         optimizer.record = split_record(split_sizes(split), grid.pp_group, log=grid.rank == 0)
     return OptimParts(flat, optimizer, reducer, scaler, model, grid, parts.phases, clip_grad=cfg.optim.clip_grad)

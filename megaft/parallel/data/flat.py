@@ -17,6 +17,10 @@ Routed expert weights split over ep ranks (an ExpertSlice, megaft.parallel.tenso
 get buffers of their own (`FlatGroup.expert`): they are reduced and ZeRO-sharded over the
 expert replicas, not over every dp×cp replica, so their buckets are padded to a multiple
 of that group's size (`expert_multiple`).
+
+Parameters named in `momentum_only` (optim.name=muon: the Muon matrices) get buffers of their
+own too (`FlatGroup.momentum_only`): their optimizer keeps one state buffer (the momentum, in
+exp_avg) and allocates no exp_avg_sq for them (megaft.optim.adamw, megaft.optim.zero).
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class FlatGroup:
     weight_decay: float
     buckets: list[Bucket] = field(default_factory=list)
     expert: bool = False  # routed experts split over ep: reduced over the expert replicas
+    momentum_only: bool = False  # one optimizer state buffer (Muon's momentum): no exp_avg_sq
 
 
 def plan_buckets(sizes: list[int], cap: int, multiple: int) -> list[tuple[int, int, list[int], list[int]]]:
@@ -71,13 +76,14 @@ def plan_buckets(sizes: list[int], cap: int, multiple: int) -> list[tuple[int, i
 
 
 def _flatten(index: int, params: list[nn.Parameter], weight_decay: float, device: torch.device, *, cap: int,
-             multiple: int, keep_grads: bool, dtype: torch.dtype, expert: bool = False) -> FlatGroup:
+             multiple: int, keep_grads: bool, dtype: torch.dtype, expert: bool = False,
+             momentum_only: bool = False) -> FlatGroup:
     params = params[::-1]  # backward order: the first-ready grads form the first bucket
     plan = plan_buckets([p.numel() for p in params], cap, multiple)
     total = plan[-1][1] if plan else 0
     data = torch.zeros(total, dtype=dtype, device=device)
     grad = torch.zeros(total, dtype=dtype, device=device) if keep_grads else None
-    group = FlatGroup(params, data, grad, weight_decay, expert=expert)
+    group = FlatGroup(params, data, grad, weight_decay, expert=expert, momentum_only=momentum_only)
     for start, stop, idx, offs in plan:
         group.buckets.append(Bucket(index, start, stop, [params[i] for i in idx], offs))
         for i, off in zip(idx, offs):
@@ -95,27 +101,32 @@ class FlatParams:
     shape the buckets; `keep_grads=False` leaves `.grad` unset (ZeRO-2 keeps only
     the reduced shard, see megaft.parallel.data.buckets). `dtype`: of params and grads
     (bf16 under optim.master_weights: the params are rounded into the buffers).
-    `expert_multiple`: the bucket multiple of the expert groups (their replicas under ZeRO)."""
+    `expert_multiple`: the bucket multiple of the expert groups (their replicas under ZeRO).
+    `momentum_only`: params whose optimizer keeps one state buffer, in buffers of their own
+    (decayed, split like the others by unit and expert; module docstring)."""
 
     def __init__(self, model: nn.Module, *, weight_decay: float, device: torch.device, bucket_numel: int = 0,
                  multiple: int = 1, keep_grads: bool = True, units: list[list[nn.Parameter]] | None = None,
-                 dtype: torch.dtype = torch.float32, expert_multiple: int = 1):
+                 dtype: torch.dtype = torch.float32, expert_multiple: int = 1, momentum_only=()):
         params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
         # ZeRO-3 passes `units` (a layer's params each): one buffer per unit and decay class,
         # so a layer's parameters can be gathered and freed on their own.
         split = [params] if units is None else units
+        one = {id(p) for p in momentum_only}
         groups = []
         for ps in split:
             experts = [p for p in ps if expert_slice_of(p) is not None]
             dense = [p for p in ps if expert_slice_of(p) is None]
-            decay = [p for p in dense if p.dim() >= 2]
-            no_decay = [p for p in dense if p.dim() < 2]
-            groups += [(g, wd, False) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
-            if experts:  # stacked [E/ep, ...] matrices: decayed
-                groups.append((experts, weight_decay, True))
+            decay = [p for p in dense if p.dim() >= 2 and id(p) not in one]
+            no_decay = [p for p in dense if p.dim() < 2 and id(p) not in one]
+            groups += [(g, wd, False, False) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
+            groups += [(g, weight_decay, False, True) for g in ([p for p in dense if id(p) in one],) if g]
+            # stacked [E/ep, ...] matrices: decayed
+            groups += [(g, weight_decay, True, m) for m in (False, True)
+                       if (g := [p for p in experts if (id(p) in one) == m])]
         self.groups = [_flatten(i, ps, wd, device, cap=bucket_numel, multiple=expert_multiple if ex else multiple,
-                                keep_grads=keep_grads, dtype=dtype, expert=ex)
-                       for i, (ps, wd, ex) in enumerate(groups)]
+                                keep_grads=keep_grads, dtype=dtype, expert=ex, momentum_only=mo)
+                       for i, (ps, wd, ex, mo) in enumerate(groups)]
         self._backward_rank = {id(p): i for i, p in enumerate(reversed(params))}
         # The model's persistent buffers (DeepSeek-V3's routing correction bias: state no optimizer
         # moves), by name, so checkpoints save and restore them with the parameters.
