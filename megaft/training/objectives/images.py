@@ -129,7 +129,21 @@ def tower_costs(cfg, samples: list[ImageSample]) -> list[float]:
             for s in samples]
 
 
-class ImageStep(_Step):
+class _DenseWithoutEval:
+    """What an image step has none of, at any pp: router statistics (a dense language model) and an eval
+    loss (data.eval_path is refused with images, megaft.models.vision.checks)."""
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
+    def finish_step(self) -> None:
+        pass
+
+    def eval_loss(self, batches: Batches) -> Optional[float]:
+        return None
+
+
+class ImageStep(_DenseWithoutEval, _Step):
     """Forward and backward of each micro-batch, its images fed to the tower (pp = 1); the dp
     buckets reduce during the last backward, as PlainStep's."""
 
@@ -153,15 +167,6 @@ class ImageStep(_Step):
             loss_sum += loss.detach().double()
         return loss_sum
 
-    def step_metrics(self) -> dict[str, float]:
-        return {}  # a dense language model: no router statistics
-
-    def finish_step(self) -> None:
-        pass
-
-    def eval_loss(self, batches: Batches) -> Optional[float]:
-        return None  # data.eval_path is refused with images (megaft.models.vision.checks)
-
     @property
     def generator(self):
         return self.model
@@ -171,7 +176,7 @@ class ImageStep(_Step):
         return None
 
 
-class PipelineImageStep(PipelineStep):
+class PipelineImageStep(_DenseWithoutEval, PipelineStep):
     """The rank's pipeline schedule over the micro-batches (pp > 1), each micro-batch's images
     beside its ids (`ImageInputs`, in the runtime's per-micro-batch `docs` slot): the first
     stage runs the tower, every stage builds the attention layout from the ids
@@ -183,15 +188,6 @@ class PipelineImageStep(PipelineStep):
                               () if grid is None else (grid if len(grid) else None,))
                   for ids, pixels, grid in zip(batch.inputs, batch.pixels, grids)]
         return self.run_schedule(dataclasses.replace(batch, docs=images), divisor)
-
-    def step_metrics(self) -> dict[str, float]:
-        return {}  # a dense language model: no router statistics
-
-    def finish_step(self) -> None:
-        pass
-
-    def eval_loss(self, batches: Batches) -> Optional[float]:
-        return None  # data.eval_path is refused with images (megaft.models.vision.checks)
 
 
 def build_step(parts: RunParts) -> ImageStep | PipelineImageStep:
