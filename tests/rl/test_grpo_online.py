@@ -5,7 +5,9 @@
 - what it generates is what was asked: G completions a prompt, each at most
   rl.max_completion_length tokens, the shorter ones ended by the eos, rewards that vary;
 - dp2 with ZeRO-3, tp2 with sequence parallelism, pp2 and cp2 generate the same completions as the
-  single process (each prompt's draws seeded by its step and position) and train the same steps;
+  single process (each prompt's draws seeded by its step and position, whichever prompts share its
+  left-padded batch: the single process pads a step's prompts of different lengths together, dp2
+  decodes each alone) and train the same steps;
 - RUN_DIR/samples.jsonl holds each step's first group, decoded, with its rewards;
 - a resumed run regenerates the uninterrupted one's rollouts and cuts its log back;
 - validation names what online generation needs.
@@ -108,7 +110,11 @@ def layouts(inputs):
 
 @pytest.mark.parametrize("name", sorted(ONLINE_LAYOUTS))
 def test_every_layout_generates_and_trains_as_the_single_process(layouts, name):
-    assert _groups(layouts / name) == _groups(layouts / "single")
+    single = _groups(layouts / "single")
+    # the single process decodes each step's 2 prompts as one left-padded batch (lengths 5 and 3, 3 and 4);
+    # dp2 decodes each alone, pp2 and tp2 padded as the single process
+    assert sum(len(single[2 * s]["prompt_ids"]) != len(single[2 * s + 1]["prompt_ids"]) for s in range(3)) == 2
+    assert _groups(layouts / name) == single
     got, want = _lines(layouts / name), _lines(layouts / "single")
     assert [line["step"] for line in got] == [1, 2, 3]
     for a, b in zip(got, want):
