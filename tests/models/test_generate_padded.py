@@ -7,7 +7,9 @@ megaft.inference.kv_cache's DecodeState.pad), single process:
   whichever prompts are batched beside them and in whichever order;
 - the log-probs of the sampled tokens, read from the padded batch's logits as they were drawn,
   equal the trainer's recomputation on the unpadded rows (megaft.pref.logps.decoder_token_logps, the
-  GRPO step's), so padding brings no rollout/trainer mismatch on the CPU.
+  GRPO step's), so padding brings no rollout/trainer mismatch on the CPU;
+- each row's positions start at its first real token; an M-RoPE offset (images) with padded rows is
+  refused with its fix.
 
 tp, sp, pp, sliding-window, soft-capped and latent-attention families decode PROMPTS' three lengths
 in one padded batch in tests/models/test_generate.py; dp and ZeRO-3 in tests/rl/test_grpo_online.py.
@@ -129,3 +131,17 @@ def test_the_rollouts_log_probs_equal_the_trainers_recomputed_ones(checkpoint):
         # fp32; padding, the cache and the batch's shapes change only SDPA's and the matmuls' summation order
         torch.testing.assert_close(recomputed[r, len(p) - 1:len(p) - 1 + len(c)], rollout[r], atol=2e-5, rtol=1e-5)
     assert len({len(c) for c in completions}) > 1 and min(map(len, completions)) >= 1
+
+
+def test_left_padding_with_an_m_rope_offset_is_refused():
+    """M-RoPE's offset (a prompt with images, set by Qwen2.5-VL's prefill) is one per batch: with
+    left-padded rows the cache refuses it, naming the fix, rather than rotate the rows wrongly."""
+    from megaft.inference.kv_cache import DecodeState, LayerCache
+
+    cache = LayerCache(DecodeState(pad=torch.tensor([0, 2])), capacity=8)
+    assert cache.positions(3, 16, CPU).tolist() == [[0, 1, 2], [0, 0, 0]]  # a pad's position clamped to 0
+    cache.state.pos = 3
+    assert cache.positions(1, 16, CPU).tolist() == [[3], [1]]  # each row's own next position
+    cache.state.rope_offset = 4
+    with pytest.raises(ValueError, match="left-padded rows with an M-RoPE offset .* one at a time"):
+        cache.positions(1, 16, CPU)
