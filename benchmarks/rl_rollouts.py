@@ -8,8 +8,10 @@ Variants, each timed over the same --prompts prompts (--prompt tokens each), --n
 a completion at most (the eos of a random model is rare: nearly every completion is full length):
 
 - megaft: megaft.training.objectives.grpo's rollout path, megaft.inference.generate on a megaft
-  Decoder loaded from the checkpoint, one call a prompt of its G rows (seeded by the prompt's
-  position, as a GRPO step draws them);
+  Decoder loaded from the checkpoint, one call for every prompt's G rows, left-padded, each prompt's
+  rows drawing from their own generator (seeded by the prompt's position, as a GRPO step draws them);
+- megaft_per_prompt: the same draws, one call a prompt of its G rows (the rollout path before
+  left padding: prompts of different lengths could not share a batch);
 - hf_per_prompt: transformers' `generate(do_sample=True)` with the same G rows a call;
 - hf_batched: one transformers `generate` call for every prompt's G rows, left-padded (TRL's way).
 
@@ -36,19 +38,23 @@ import torch
 from benchmarks.preference import CHARS, SPECIALS, Sizes, add_model_args, quiet, span, write_model
 
 EOS, PAD = 1, 0
-VARIANTS = ("hf_per_prompt", "hf_batched", "megaft")
+VARIANTS = ("hf_per_prompt", "hf_batched", "megaft_per_prompt", "megaft")
 
 
-def megaft_rollouts(model, prompts: list[list[int]], g: int, new: int, temperature: float, top_p: float) -> int:
+def megaft_rollouts(model, prompts: list[list[int]], g: int, new: int, temperature: float, top_p: float,
+                    batched: bool) -> int:
     from megaft.inference.generate import Sampling, generate
     from megaft.rl.online import draw_seed
 
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=0)
+    kw = dict(max_new_tokens=new, eos_id=[EOS], device=torch.device("cpu"), sampling=sampling, keep_eos=True)
+    if batched:
+        out = generate(model, [p for p in prompts for _ in range(g)],
+                       step=[draw_seed(0, j) for j in range(len(prompts)) for _ in range(g)], **kw)
+        return sum(len(c) for c in out)
     n = 0
     for j, p in enumerate(prompts):
-        out = generate(model, [p] * g, max_new_tokens=new, eos_id=[EOS], device=torch.device("cpu"),
-                       sampling=sampling, step=draw_seed(0, j), keep_eos=True)
-        n += sum(len(c) for c in out)
+        n += sum(len(c) for c in generate(model, [p] * g, step=draw_seed(0, j), **kw))
     return n
 
 
@@ -108,18 +114,23 @@ def step_split(root: str, prompts: list[list[int]], g: int, new: int, steps: int
     trainer = Trainer(resolve(cfg), ParallelGrid.single(), os.path.join(root, "run"))
     data = trainer.parts.data
     spent = {"generation": 0.0, "scoring": 0.0}
+    made = [0]  # the new tokens of the timed steps' rollouts
 
     def timed(name, fn):
         def run(*args):
             start = time.perf_counter()
             try:
-                return fn(*args)
+                out = fn(*args)
             finally:
                 spent[name] += time.perf_counter() - start
+            if name == "generation" and step:
+                made[0] += sum(len(c) for rows in out.values() for c in rows)
+            return out
         return run
     data.online.generate = timed("generation", data.online.generate)
     data.score = timed("scoring", data.score)
     rows: dict[str, list[float]] = {"generation": [], "scoring": [], "training": [], "step": []}
+    step = 0
     for step in range(steps + 1):
         spent.update(generation=0.0, scoring=0.0)
         start = time.perf_counter()
@@ -130,7 +141,9 @@ def step_split(root: str, prompts: list[list[int]], g: int, new: int, steps: int
             rows["generation"].append(spent["generation"])
             rows["scoring"].append(spent["scoring"])
             rows["training"].append(total - spent["generation"] - spent["scoring"])
-    return {k: statistics.median(v) for k, v in rows.items()}
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out["generation_tokens_per_s"] = made[0] / sum(rows["generation"])
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -163,7 +176,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         hf = transformers.LlamaForCausalLM.from_pretrained(root).float().eval()
         ours = build_model(locate(root)).eval()
         split = step_split(root, prompts, a.generations, a.new_tokens, a.steps) if a.steps else None
-    run = {"megaft": lambda: megaft_rollouts(ours, prompts, a.generations, a.new_tokens, a.temperature, a.top_p),
+    run = {"megaft": lambda: megaft_rollouts(ours, prompts, a.generations, a.new_tokens, a.temperature, a.top_p,
+                                             True),
+           "megaft_per_prompt": lambda: megaft_rollouts(ours, prompts, a.generations, a.new_tokens, a.temperature,
+                                                        a.top_p, False),
            "hf_per_prompt": lambda: hf_rollouts(hf, prompts, a.generations, a.new_tokens, a.temperature, a.top_p,
                                                 False),
            "hf_batched": lambda: hf_rollouts(hf, prompts, a.generations, a.new_tokens, a.temperature, a.top_p, True)}
@@ -179,13 +195,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"random Llama {a.layers} x {a.hidden}, vocab {a.vocab}; {a.prompts} prompts ({a.prompt[0]}-{a.prompt[1]} "
           f"tokens) x {a.generations} completions of <= {a.new_tokens} tokens; temperature {a.temperature}, "
           f"top_p {a.top_p}; fp32, {torch.get_num_threads()} threads; transformers {transformers.__version__}")
-    base = statistics.median(rates["hf_per_prompt"])
+    base, batched = statistics.median(rates["hf_per_prompt"]), statistics.median(rates["hf_batched"])
     for v in VARIANTS:
         med = statistics.median(rates[v])
-        print(f"{v:<14} {med:>9.1f} tokens/s  {med / base:>6.3f}x hf_per_prompt")
+        print(f"{v:<17} {med:>9.1f} tokens/s  {med / base:>6.3f}x hf_per_prompt  {med / batched:>6.3f}x hf_batched")
     if split:
+        rate = split.pop("generation_tokens_per_s")
         print(f"GRPO step (rl.prompts, the same prompts, median of {a.steps}): " + ", ".join(
-            f"{k} {1e3 * v:.0f} ms" for k, v in split.items()))
+            f"{k} {1e3 * v:.0f} ms" for k, v in split.items()) + f"; generation {rate:.1f} tokens/s")
     print(f"load average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
 
 

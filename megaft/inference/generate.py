@@ -1,7 +1,11 @@
 """Decoding from a vocabulary-parallel model, whole (`generate`) or split into pipeline
 stages (`pipeline_generate`), greedy or sampled, with a KV cache; and user-visible logits.
 
-Prompts are batched by length (no padding or masks needed). With the cache
+With the cache, prompts of different lengths decode in one batch, left-padded (the pad slots
+masked and each row's positions starting at its first real token, as transformers' generate with an
+attention_mask: megaft.inference.kv_cache), each row stopping at its eos or its own token limit;
+without it (or under an expert capacity, where pads would take experts' capacity) they are
+batched by length. With the cache
 (megaft.inference.kv_cache: every attention kind megaft builds) the prompt runs through the
 model once and each new token alone after it; with `cache=False` every step reruns the
 whole sequence (the reference the cache is tested against). Generation stops at eos, after
@@ -13,6 +17,9 @@ TopPLogitsWarper does, then one multinomial draw per row. The draw uses the whol
 (tp-gathered) logits and a generator on their device seeded by (seed, step), so every tp
 rank draws the same token from the same bits without copying the logits to the host (the
 loop reads only the chosen ids, once a step); under pp the last stage draws and broadcasts.
+`step` may be a list, one per prompt (`Draws`): the rows of the prompts sharing a step draw
+together from that step's generator, so a prompt's draws do not depend on the prompts batched
+beside it (GRPO's rollouts: a prompt's G rows are one group, the same at every dp layout).
 On the CPU the draws are those of a CPU generator as before; on a GPU, the GPU generator's.
 
 Under expert parallelism every forward exchanges tokens with the other ranks of the ep group,
@@ -106,12 +113,42 @@ def draw_generator(sampling: Sampling, step: int, device: Optional[torch.device]
     return torch.Generator(device=device).manual_seed((sampling.seed * 1_000_003 + step) % (2 ** 63))
 
 
-def choose(model, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+class Draws:
+    """The generators of a generation call whose prompts draw apart: prompt i's rows draw from the
+    generator of steps[i] (draw_generator), the rows sharing a step as one multinomial in prompt
+    order; `rows`: the prompts of the batch being decoded (set by the decoding loop)."""
+
+    def __init__(self, sampling: Sampling, steps: list[int], device: Optional[torch.device]):
+        self.steps = steps
+        self.generators = {s: draw_generator(sampling, s, device) for s in dict.fromkeys(steps)}
+        self.rows: list[int] = list(range(len(steps)))
+
+    def draw(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """One token per row of the whole logits [batch, vocab], as `draw` with each group's generator."""
+        if logits.shape[0] != len(self.rows):  # an expert-parallel idle forward's row: discarded
+            return draw(logits, sampling, next(iter(self.generators.values())))
+        groups: dict[int, list[int]] = defaultdict(list)
+        for r, i in enumerate(self.rows):
+            groups[self.steps[i]].append(r)
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        for step, rows in groups.items():
+            at = torch.tensor(rows, device=logits.device)
+            out[at] = draw(logits.index_select(0, at), sampling, self.generators[step])
+        return out
+
+
+def _draws(sampling: Sampling, step: Union[int, list[int]], device) -> Union[torch.Generator, Draws]:
+    return draw_generator(sampling, step, device) if isinstance(step, int) else Draws(sampling, step, device)
+
+
+def choose(model, logits: torch.Tensor, sampling: Sampling, generator: Union[torch.Generator, Draws]) -> torch.Tensor:
     """The next token of each row from this tp rank's slice of the last position's logits
     [batch, V_local]; collective over tp, identical on every tp rank."""
     if sampling.temperature == 0:
         return _argmax(model, logits)
     whole = gather_from_tp(logits.float(), model.group)[:, :model.cfg.vocab_size]
+    if isinstance(generator, Draws):
+        return generator.draw(whole, sampling)
     return draw(whole, sampling, generator)
 
 
@@ -149,52 +186,82 @@ def expert_group(model: torch.nn.Module):
     return None
 
 
-def _decode(prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos, device: torch.device,
+def _batches(prompts: list[list[int]], padded: bool) -> list[list[int]]:
+    """The prompts decoded together (indices): all of them left-padded, or one batch per length."""
+    if padded:
+        return [list(range(len(prompts)))] if prompts else []
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_len[len(p)].append(i)
+    return list(by_len.values())
+
+
+def _decode(prompts: list[list[int]], *, max_new_tokens: Union[int, list[int]], eos_id: Eos, device: torch.device,
             max_len: int, next_tokens: Callable[[torch.Tensor], torch.Tensor], cache: Callable,
-            on_token: Optional[OnToken] = None, keep_eos: bool = False, lockstep=None) -> list[list[int]]:
-    """The decoding loop: prompts batched by length; `next_tokens(ids)` gives each row's next id
-    from the ids not yet seen by the model (all of them without a cache); `cache(capacity)` opens
-    a KV cache for `capacity` positions, prompt and new tokens (yields its DecodeState, None
-    without one); `on_token(i, id)` hears each new id of prompt i as it is kept (streaming).
+            on_token: Optional[OnToken] = None, keep_eos: bool = False, lockstep=None, padded: bool = False,
+            on_batch: Optional[Callable[[list[int]], None]] = None) -> list[list[int]]:
+    """The decoding loop: `next_tokens(ids)` gives each row's next id from the ids not yet seen by the
+    model (all of them without a cache); `cache(capacity)` opens a KV cache for `capacity` positions,
+    prompt and new tokens (yields its DecodeState, None without one); `on_token(i, id)` hears each new
+    id of prompt i as it is kept (streaming). `max_new_tokens`: one limit, or one per prompt.
+    `padded` (needs the cache): every prompt in one left-padded batch, else one batch per length;
+    `on_batch(indices)` hears the prompts of each batch before it decodes.
     Returns the new ids (eos excluded unless `keep_eos`: then a row that stopped ends with its eos).
     `lockstep`: the ep group that must forward together (see _Lockstep), or None."""
     step_together = _Lockstep(lockstep, device) if lockstep is not None else None
     if step_together is not None:
         forward, next_tokens = next_tokens, step_together.wrap(next_tokens)
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    by_len: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(prompts):
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    for p in prompts:
         if len(p) > max_len:
             raise ValueError(f"prompt of {len(p)} tokens exceeds model.max_seq_len={max_len}")
-        by_len[len(p)].append(i)
     out: list[list[int]] = [[] for _ in prompts]
-    for length, idxs in by_len.items():
-        ids = torch.tensor([prompts[i] for i in idxs], dtype=torch.long, device=device)
-        done = [False] * len(idxs)
-        steps = min(max_new_tokens, max_len - length)
-        with cache(length + steps) as state:
+    for idxs in _batches(prompts, padded):
+        if on_batch is not None:
+            on_batch(idxs)
+        width = max(len(prompts[i]) for i in idxs)
+        pads = [width - len(prompts[i]) for i in idxs]
+        ids = torch.tensor([[0] * n + prompts[i] for n, i in zip(pads, idxs)], dtype=torch.long, device=device)
+        room = [min(limits[i], max_len - len(prompts[i])) for i in idxs]  # each row's own limit
+        done = [r <= 0 for r in room]
+        steps = max(room)
+        with cache(width + steps) as state:
+            if state is not None and any(pads):
+                state.pad = torch.tensor(pads, dtype=torch.long, device=device)
             new = ids
-            for _ in range(steps):
+            for t in range(steps):
+                if all(done):
+                    break
                 if state is not None:
                     state.real = new.shape[1]
                 nxt = next_tokens(new if state is not None else ids)
                 if state is not None:
                     state.advance()
                 for j, token in enumerate(nxt.tolist()):  # one host copy per step, not per row
-                    if keep_eos and not done[j] and token in stop:
-                        out[idxs[j]].append(token)
-                    done[j] = done[j] or token in stop
-                    if not done[j]:
-                        out[idxs[j]].append(token)
-                        if on_token is not None:
-                            on_token(idxs[j], token)
-                if all(done):
-                    break
+                    if done[j]:
+                        continue
+                    if token in stop:
+                        done[j] = True
+                        if keep_eos:
+                            out[idxs[j]].append(token)
+                        continue
+                    out[idxs[j]].append(token)
+                    if on_token is not None:
+                        on_token(idxs[j], token)
+                    done[j] = t + 1 >= room[j]
                 new = nxt.unsqueeze(1)
                 ids = torch.cat([ids, new], dim=1)
     if step_together is not None:  # no cache open: the idle forwards leave nothing behind
         step_together.drain(forward, device)
     return out
+
+
+def _pads_allowed(model) -> bool:
+    """Left padding keeps each row's tokens its own, except under an expert capacity (pads would
+    take experts' capacity from the real tokens): then prompts batch by length."""
+    routing = getattr(model, "routing", None)
+    return routing is None or routing.capacity_factor is None
 
 
 def _cache_of(model, cache: bool) -> Callable:
@@ -205,21 +272,30 @@ def _cache_of(model, cache: bool) -> Callable:
     return lambda capacity: contextlib.nullcontext()
 
 
+def _rows_of(generator) -> Optional[Callable[[list[int]], None]]:
+    """The decoding loop's `on_batch` for per-prompt draws (it names each batch's prompts), or None."""
+    if not isinstance(generator, Draws):
+        return None
+    return lambda idxs: setattr(generator, "rows", idxs)
+
+
 @torch.no_grad()
-def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
-             device: torch.device, sampling: Sampling = GREEDY, step: int = 0, cache: bool = True,
+def generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens: Union[int, list[int]], eos_id: Eos,
+             device: torch.device, sampling: Sampling = GREEDY, step: Union[int, list[int]] = 0, cache: bool = True,
              on_token: Optional[OnToken] = None, keep_eos: bool = False) -> list[list[int]]:
-    """Continue each prompt until eos or `max_new_tokens`; returns the new ids (eos excluded).
-    Collective over tp; every tp rank gets the same ids. `step` seeds the draws with `sampling.seed`;
-    `on_token(prompt_index, id)` is called for each kept id as it is chosen (megaft-chat streams so)."""
-    generator = draw_generator(sampling, step, device)
+    """Continue each prompt until eos or `max_new_tokens` (one, or one per prompt); returns the new ids
+    (eos excluded). Collective over tp; every tp rank gets the same ids. `step` seeds the draws with
+    `sampling.seed` (a list: each prompt's, see `Draws`); `on_token(prompt_index, id)` is called for
+    each kept id as it is chosen (megaft-chat streams so)."""
+    generator = _draws(sampling, step, device)
     was_training = model.training
     model.eval()
     try:
         return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=device,
                        max_len=model.cfg.max_seq_len, cache=_cache_of(model, cache),
                        next_tokens=lambda ids: choose(model, model(ids)[:, -1], sampling, generator),
-                       on_token=on_token, keep_eos=keep_eos, lockstep=expert_group(model))
+                       on_token=on_token, keep_eos=keep_eos, lockstep=expert_group(model),
+                       padded=cache and _pads_allowed(model), on_batch=_rows_of(generator))
     finally:
         model.train(was_training)
 
@@ -231,8 +307,8 @@ def greedy_generate(model: Decoder, prompts: list[list[int]], *, max_new_tokens:
 
 
 @torch.no_grad()
-def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int, eos_id: Eos,
-                      autocast: Callable = None, sampling: Sampling = GREEDY, step: int = 0,
+def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: Union[int, list[int]], eos_id: Eos,
+                      autocast: Callable = None, sampling: Sampling = GREEDY, step: Union[int, list[int]] = 0,
                       cache: bool = True, keep_eos: bool = False) -> list[list[int]]:
     """`generate` through pipeline stages (a `PipelineRuntime`); collective over the pp and
     tp groups, same result on every rank.
@@ -245,7 +321,7 @@ def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int,
     model, grid = runtime.model, runtime.grid
     autocast = autocast or contextlib.nullcontext
     src = runtime.peer_rank(model.last_stage)
-    generator = draw_generator(sampling, step, grid.device)
+    generator = _draws(sampling, step, grid.device)
 
     def next_tokens(ids: torch.Tensor) -> torch.Tensor:
         logits = runtime.forward_logits(ids, autocast)
@@ -260,7 +336,8 @@ def pipeline_generate(runtime, prompts: list[list[int]], *, max_new_tokens: int,
     try:
         return _decode(prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, device=grid.device,
                        max_len=model.cfg.max_seq_len, next_tokens=next_tokens, cache=_cache_of(model, cache),
-                       keep_eos=keep_eos, lockstep=expert_group(model))
+                       keep_eos=keep_eos, lockstep=expert_group(model), padded=cache and _pads_allowed(model),
+                       on_batch=_rows_of(generator))
     finally:
         model.train(was_training)
 

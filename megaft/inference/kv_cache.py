@@ -16,6 +16,13 @@ lets each query see its last `window` of them (the cache is not trimmed); a late
 layer (MLA) caches its heads' expanded keys and values (not the compressed latent: simpler,
 more memory); soft-capped scores (Gemma 2) are computed as in training over the cached keys.
 Context parallelism needs nothing: generation runs the whole sequence on every cp rank (no ring).
+
+Prompts of different lengths decode in one batch left-padded (`DecodeState.pad`: each row's pad
+count), as transformers' generate does with an attention_mask: a row's RoPE positions start at 0 at
+its first real token (position_ids from the mask's cumsum), and no query sees a pad slot of the
+cache but a pad query sees itself (its output is never read; a query that sees nothing would give
+NaN, and 0 x NaN in a later layer's values would reach the real rows). The pad slots stay in the
+cache, masked. M-RoPE's offset (a prompt with images) is per batch: with padding it is refused.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ class DecodeState:
     pos: int = 0
     real: int = 0
     rope_offset: int = 0
+    pad: Optional[torch.Tensor] = None  # [batch] each row's left padding (long); None: no row padded
 
     def advance(self) -> None:
         """After a forward: its real tokens are cached."""
@@ -92,9 +100,16 @@ class LayerCache:
         return self.k, self.v
 
     def positions(self, seq: int, table_len: int, device: torch.device) -> torch.Tensor:
-        """The RoPE positions of a forward's `seq` tokens (padding clamped into the table)."""
+        """The RoPE positions of a forward's `seq` tokens (padding clamped into the table): [seq], or
+        [batch, seq] when rows are left-padded (each row's first real token at 0, its pads at 0)."""
         first = self.state.pos + self.state.rope_offset
-        return torch.arange(first, first + seq, device=device).clamp(max=table_len - 1)
+        at = torch.arange(first, first + seq, device=device)
+        if self.state.pad is None:
+            return at.clamp(max=table_len - 1)
+        if self.state.rope_offset:
+            raise ValueError("left-padded rows with an M-RoPE offset (a prompt with images): decode such "
+                             "prompts one at a time (megaft.inference.vision)")
+        return (at.unsqueeze(0) - self.state.pad.to(device).unsqueeze(1)).clamp(0, table_len - 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
                window: Optional[int] = None, scale: Optional[float] = None,
@@ -109,6 +124,11 @@ class LayerCache:
         n = k.shape[2]
         if window is not None and window >= pos + s:  # the window reaches back to the first token
             window = None
+        if self.state.pad is not None:  # left-padded rows: the pad slots masked, row by row
+            mask = _padded_mask(pos, s, n, window, self.state.pad.to(q.device))
+            if softcap is not None:
+                return softcap_attention(q, k, v, mask, softcap)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
         if softcap is not None:
             return softcap_attention(q, k, v, _mask(pos, s, n, window, q.device), softcap)
         if window is None and pos == 0 and s == n:  # the prompt: exactly the training forward's attention
@@ -124,6 +144,15 @@ def _mask(pos: int, s: int, n: int, window: Optional[int], device: torch.device)
     i = torch.arange(s, device=device).unsqueeze(1) + pos
     j = torch.arange(n, device=device).unsqueeze(0)
     return (j <= i) if window is None else (j <= i) & (j > i - window)
+
+
+def _padded_mask(pos: int, s: int, n: int, window: Optional[int], pad: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, s, n]: `_mask` without each row's first pad[row] slots, every query seeing itself
+    (a pad query sees only itself: finite, and never read)."""
+    i = torch.arange(s, device=pad.device).unsqueeze(1) + pos
+    j = torch.arange(n, device=pad.device).unsqueeze(0)
+    real = j.unsqueeze(0) >= pad.view(-1, 1, 1)  # [batch, 1, n]
+    return ((_mask(pos, s, n, window, pad.device).unsqueeze(0) & real) | (j == i)).unsqueeze(1)
 
 
 @contextlib.contextmanager

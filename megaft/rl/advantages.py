@@ -64,18 +64,18 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     advantages = torch.nan_to_num(advantages, nan=0.0)
     logged = (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
     logged[unscorable] = torch.nan
-    metrics = {"reward": torch.nanmean(logged).item(), "reward_std": nanstd(logged).item(),
-               "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item()}
-    return advantages, metrics
+    values = torch.stack([torch.nanmean(logged), nanstd(logged),
+                          torch.isclose(std, torch.zeros_like(std)).float().mean()]).tolist()  # one host copy
+    return advantages, dict(zip(("reward", "reward_std", "frac_reward_zero_std"), values))
 
 
 def function_metrics(rewards_per_func: torch.Tensor, names: list[str]) -> dict[str, float]:
     """TRL's rewards/<name>/mean and /std: over the completions each function scored."""
-    out = {}
-    for i, name in enumerate(names):
-        out[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
-        out[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
-    return out
+    if not names:
+        return {}
+    values = torch.stack([v for i in range(len(names)) for v in (
+        torch.nanmean(rewards_per_func[:, i]), nanstd(rewards_per_func[:, i]))]).tolist()  # one host copy
+    return dict(zip([f"rewards/{name}/{m}" for name in names for m in ("mean", "std")], values))
 
 
 def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
@@ -87,9 +87,8 @@ def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[s
     done = lengths[~truncated]
     if len(done) == 0:  # TRL's edge case: no completion ended on an eos
         done = torch.zeros(1)
-    return {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.float().mean().item(),
-            "completions/mean_terminated_length": done.mean().item(),
-            "completions/min_terminated_length": done.min().item(),
-            "completions/max_terminated_length": done.max().item()}
+    names = ("mean_length", "min_length", "max_length", "clipped_ratio", "mean_terminated_length",
+             "min_terminated_length", "max_terminated_length")
+    values = torch.stack([lengths.mean(), lengths.min(), lengths.max(), truncated.float().mean(), done.mean(),
+                          done.min(), done.max()]).tolist()  # one host copy, not one a metric
+    return {f"completions/{n}": v for n, v in zip(names, values)}

@@ -131,12 +131,14 @@ class GrpoStats:
                          torch.maximum(self.high_max, other.high_max))
 
     def metrics(self, beta: float) -> dict[str, float]:
-        sums = dict(zip(COLUMNS, self.sums.tolist()))
+        dtype = self.sums.dtype  # the extremes are ratios of the same table: its dtype
+        values = torch.cat([self.sums, self.low_min.to(dtype).view(1), self.high_max.to(dtype).view(1)]).tolist()
+        sums = dict(zip(COLUMNS, values[:-2]))  # one host copy for every metric
         n = max(sums["tokens"], 1.0)
         out = {"kl": sums["kl"] / n} if beta != 0.0 else {}
         out.update({"entropy": sums["entropy"] / n, "clip_ratio/low_mean": sums["low"] / n,
                     "clip_ratio/high_mean": sums["high"] / n, "clip_ratio/region_mean": sums["region"] / n})
-        low, high = float(self.low_min), float(self.high_max)
+        low, high = values[-2:]
         out["clip_ratio/low_min"] = low if low != float("inf") else float("nan")
         out["clip_ratio/high_max"] = high if high != float("-inf") else float("nan")
         return out

@@ -1,6 +1,7 @@
 """Decoding (megaft.inference.generate) with the KV cache (megaft.inference.kv_cache) against
 transformers' `generate(do_sample=False)` on the same random Llama (GQA: 4 query heads over
-2 kv heads, odd vocabulary): single process, and in one spawned 2-rank group at tp=2 (with
+2 kv heads, odd vocabulary), prompts of three lengths in one left-padded batch: single process,
+and in one spawned 2-rank group at tp=2 (with
 and without sequence parallel, and over one kv head replicated on both ranks) and pp=2;
 the cached path against the recomputing one; nucleus filtering against transformers'
 TopPLogitsWarper; seeded sampling identical on every rank, equal to the single process's
@@ -26,11 +27,12 @@ from models.hf_fixture import hf_config, load_reference, make_hf_llama, write_ch
 
 CPU = torch.device("cpu")
 NEW = 12
-# two prompts of one length (one batch), one of another, one whose length is odd (sequence
-# parallel pads it)
-PROMPTS = [[5, 17, 9, 33, 21], [40, 3, 12, 7, 58], [11, 22, 33, 44, 55, 6, 7]]
+# three lengths decoded as one left-padded batch (two prompts of one length, one longer, one
+# shorter), odd lengths among them (sequence parallel pads the forward)
+PROMPTS = [[5, 17, 9, 33, 21], [40, 3, 12, 7, 58], [11, 22, 33, 44, 55, 6, 7], [8, 30]]
 EOS = 1
 SAMPLED = Sampling(temperature=0.9, top_p=0.9, seed=3)
+STEPS = [5, 5, 8, 9]  # a draw step per prompt (the first two draw together): megaft.inference.generate.Draws
 
 
 def _hf_greedy(path: str) -> list[list[int]]:
@@ -147,7 +149,7 @@ def test_sliding_window_and_softcapped_layers_cache_and_equal_transformers(tmp_p
 
 
 def _ranks(rank: int, world: int, path: str, want: list[list[int]], sampled: list[list[int]],
-           kv1: tuple[str, list[list[int]]]) -> None:
+           kv1: tuple[str, list[list[int]]], per_prompt: list[list[int]]) -> None:
     failures = []
     kw = dict(max_new_tokens=NEW, eos_id=EOS, device=CPU)
     tp = ParallelGrid.build(tp=2, dp=1, pp=1, device=CPU)
@@ -169,6 +171,9 @@ def _ranks(rank: int, world: int, path: str, want: list[list[int]], sampled: lis
             failures.append(f"tp=2 sp={sp}: the ranks drew different tokens {every}")
         if drawn != sampled:  # the same draws as one process (logits equal to ~1e-6)
             failures.append(f"tp=2 sp={sp} sampled {drawn} != single process {sampled}")
+        drawn = generate(model, PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, sampling=SAMPLED, step=STEPS)
+        if drawn != per_prompt:  # a generator per prompt (GRPO's rollouts), the same on every tp rank
+            failures.append(f"tp=2 sp={sp} per-prompt draws {drawn} != single process {per_prompt}")
     pp = ParallelGrid.build(tp=1, dp=1, pp=2, device=CPU)
     stage = StageModel(hf_model_config(path), pp=2, pp_rank=rank)
     load_hf_weights(stage, path, tp_rank=0, tp_size=1, strict=False)
@@ -180,6 +185,9 @@ def _ranks(rank: int, world: int, path: str, want: list[list[int]], sampled: lis
     drawn = pipeline_generate(runtime, PROMPTS, max_new_tokens=NEW, eos_id=None, sampling=SAMPLED, step=5)
     if drawn != sampled:
         failures.append(f"pp=2 sampled on pp rank {rank}: {drawn} != single process {sampled}")
+    drawn = pipeline_generate(runtime, PROMPTS, max_new_tokens=NEW, eos_id=None, sampling=SAMPLED, step=STEPS)
+    if drawn != per_prompt:
+        failures.append(f"pp=2 per-prompt draws on pp rank {rank}: {drawn} != single process {per_prompt}")
     assert not failures, "\n".join(failures)
 
 
@@ -188,7 +196,10 @@ def test_tp2_and_pp2_equal_transformers(checkpoint, one_kv_head):
     sampled = generate(_decoder(path), PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, sampling=SAMPLED,
                        step=5)
     assert generate(_decoder(one_kv_head[0]), PROMPTS, max_new_tokens=NEW, eos_id=EOS, device=CPU) == one_kv_head[1]
-    spawn(2, _ranks, path, want, sampled, one_kv_head)
+    per_prompt = generate(_decoder(path), PROMPTS, max_new_tokens=NEW, eos_id=None, device=CPU, sampling=SAMPLED,
+                          step=STEPS)
+    assert per_prompt != sampled
+    spawn(2, _ranks, path, want, sampled, one_kv_head, per_prompt)
 
 
 @pytest.mark.parametrize("variant", ["latent_q", "plain_q"])

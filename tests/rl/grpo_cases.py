@@ -134,15 +134,24 @@ def online_config(ckpt: str, prompts: str, loss_type: str = "dapo", steps: int =
     return cfg
 
 
-# name -> parallel settings of the online runs on 2 ranks (each against the single online run)
+# name -> parallel settings of the online runs on 2 ranks (each against the single online run; "lora" in
+# the name: LoRA adapters, against the single LoRA run)
 ONLINE_LAYOUTS = {"online_dp2_zero3": dict(dp=2, zero=3), "online_tp2_sp": dict(tp=2, sequence_parallel=True),
-                  "online_pp2": dict(pp=2), "online_cp2": dict(cp=2)}
+                  "online_pp2": dict(pp=2), "online_cp2": dict(cp=2), "online_lora_tp2": dict(tp=2)}
+
+
+def online_layout_config(ckpt: str, prompts: str, name: str, par: dict) -> Config:
+    """online_config at a layout of ONLINE_LAYOUTS (par = {}: its single process)."""
+    cfg = online_config(ckpt, prompts, micro=2 if par.get("dp") else 4)
+    if "lora" in name:
+        cfg.lora.rank, cfg.lora.alpha = 4, 8.0
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
 
 
 def online_rank(rank: int, world: int, ckpt: str, prompts: str, root: str) -> None:
     for name, par in ONLINE_LAYOUTS.items():
-        cfg = online_config(ckpt, prompts, micro=2 if par.get("dp") else 4)
-        for k, v in par.items():
-            setattr(cfg.parallel, k, v)
+        cfg = online_layout_config(ckpt, prompts, name, par)
         grid = layout_grid(par)
         run(resolve(cfg), grid, os.path.join(root, name))

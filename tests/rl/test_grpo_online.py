@@ -4,8 +4,10 @@
   rl.rollouts): generation feeds the same training as a logged file, bit for bit;
 - what it generates is what was asked: G completions a prompt, each at most
   rl.max_completion_length tokens, the shorter ones ended by the eos, rewards that vary;
-- dp2 with ZeRO-3, tp2 with sequence parallelism, pp2 and cp2 generate the same completions as the
-  single process (each prompt's draws seeded by its step and position) and train the same steps;
+- dp2 with ZeRO-3, tp2 with sequence parallelism, pp2, cp2 (and LoRA at tp2 as LoRA in one process)
+  generate the same completions as the single process (each prompt's draws seeded by its step and
+  position, whichever prompts share its left-padded batch: the single process pads a step's prompts
+  of different lengths together, dp2 decodes each alone) and train the same steps;
 - RUN_DIR/samples.jsonl holds each step's first group, decoded, with its rewards;
 - a resumed run regenerates the uninterrupted one's rollouts and cuts its log back;
 - validation names what online generation needs.
@@ -18,7 +20,7 @@ import os
 import pytest
 from models.hf_fixture import make_hf_llama
 from multirank import spawn
-from rl.grpo_cases import ONLINE_LAYOUTS, G, online_config, online_rank, run, write_prompts
+from rl.grpo_cases import ONLINE_LAYOUTS, G, online_config, online_layout_config, online_rank, run, write_prompts
 from train_cases import read_rows
 
 from megaft.parallel.grid import ParallelGrid
@@ -38,6 +40,7 @@ def inputs(tmp_path_factory):
     make_hf_llama(ckpt, seed=1)
     write_prompts(prompts)
     run(resolve(online_config(ckpt, prompts)), ParallelGrid.single(), str(root / "single"))
+    run(resolve(online_layout_config(ckpt, prompts, "lora", {})), ParallelGrid.single(), str(root / "single_lora"))
     return ckpt, prompts, root
 
 
@@ -108,8 +111,15 @@ def layouts(inputs):
 
 @pytest.mark.parametrize("name", sorted(ONLINE_LAYOUTS))
 def test_every_layout_generates_and_trains_as_the_single_process(layouts, name):
-    assert _groups(layouts / name) == _groups(layouts / "single")
-    got, want = _lines(layouts / name), _lines(layouts / "single")
+    reference = "single_lora" if "lora" in name else "single"
+    single = _groups(layouts / reference)
+    # the single process decodes each step's 2 prompts as one left-padded batch (lengths 5 and 3, 3 and 4);
+    # dp2 decodes each alone, pp2 and tp2 padded as the single process
+    assert sum(len(single[2 * s]["prompt_ids"]) != len(single[2 * s + 1]["prompt_ids"]) for s in range(3)) == 2
+    assert _groups(layouts / name) == single
+    if "lora" in name:  # the adapters trained: steps 2 and 3 generate from other weights than the base's
+        assert single != _groups(layouts / "single")
+    got, want = _lines(layouts / name), _lines(layouts / reference)
     assert [line["step"] for line in got] == [1, 2, 3]
     for a, b in zip(got, want):
         for key in COMPARED:

@@ -43,6 +43,16 @@ def op_backend(kernels: Optional[KernelsConfig], op: str) -> str:
     return "torch" if kernels is None else kernels.for_op(op)
 
 
+def rope_positions(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: torch.Tensor,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k rotated at positions `at` of the tables: [seq] (every row alike: the chosen kernel), or
+    [batch, seq] (left-padded rows decoding, megaft.inference.kv_cache: the torch form, whose
+    tables broadcast over the heads; the kernels take one table for all rows)."""
+    if at.dim() == 1:
+        return rope(q, k, cos[at], sin[at], backend)
+    return rope(q, k, cos[at].unsqueeze(1), sin[at].unsqueeze(1), "torch")
+
+
 def window_mask(seq: int, window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
     """[seq, seq] boolean mask (True = attend) of causal attention limited to `window`
     keys; None when plain causal attention is the same thing (no window or window >= seq)."""
@@ -149,7 +159,7 @@ class Attention(nn.Module):
                                     enabled=self.selective)
         elif self.cache is not None:  # generating (megaft.inference.kv_cache): only the new positions
             at = self.cache.positions(s, cos.shape[0], x.device)
-            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos[at], sin[at], self.rope_backend)
+            q, k = rope_positions(q.transpose(1, 2), k.transpose(1, 2), cos, sin, at, self.rope_backend)
             q = q if self.q_scale is None else q * self.q_scale
             out = self.cache.attend(q, k, v, self.n_kv != self.n_heads, self.window, softcap=self.softcap)
         else:

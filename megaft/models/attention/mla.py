@@ -39,7 +39,7 @@ from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from megaft.layers.linear import column_input
 from megaft.models import recompute
 from megaft.models.attention.documents import Docs, attend, rope_at
-from megaft.models.attention.gqa import op_backend
+from megaft.models.attention.gqa import op_backend, rope_positions
 from megaft.models.attention.rope import rope_kind
 from megaft.parallel.comm import Group, group_size
 from megaft.parallel.context.ring import ring_attention
@@ -129,9 +129,11 @@ class MLAttention(nn.Module):
             q_rot, k_rot = q_rot[..., self.rope_order], k_rot[..., self.rope_order]
         if docs is not None:
             q_rot, k_rot = rope_at(q_rot.contiguous(), k_rot.contiguous(), cos, sin, docs, self.rope_backend)
-        else:  # generating (megaft.inference.kv_cache): only the new positions
-            at = self.cache.positions(s, cos.shape[0], x.device) if self.cache is not None else slice(0, s)
-            q_rot, k_rot = rope(q_rot.contiguous(), k_rot.contiguous(), cos[at], sin[at], self.rope_backend)
+        elif self.cache is not None:  # generating (megaft.inference.kv_cache): only the new positions
+            at = self.cache.positions(s, cos.shape[0], x.device)
+            q_rot, k_rot = rope_positions(q_rot.contiguous(), k_rot.contiguous(), cos, sin, at, self.rope_backend)
+        else:
+            q_rot, k_rot = rope(q_rot.contiguous(), k_rot.contiguous(), cos[:s], sin[:s], self.rope_backend)
         kv = self.kv_b_proj(kv).view(b, s, self.n_heads, self.nope + self.v).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)

@@ -447,24 +447,27 @@ def build_step(parts: RunParts) -> StepPart:
 
 def rollout_generator(parts: RunParts, step) -> Generate:
     """The policy's sampling at the training layout (megaft.rl.online.Generate): rl.temperature, then
-    rl.top_p's nucleus (transformers' order), seeded by train.seed and each prompt's draw_seed; through the
-    pipeline's stages under pp, with ZeRO-3's layers gathered once for the rank's prompts of the step; each
-    completion keeps the eos that ended it."""
+    rl.top_p's nucleus (transformers' order), seeded by train.seed and each prompt's draw_seed; the rank's
+    prompts of the step decode as one left-padded batch (megaft.inference.generate), through the
+    pipeline's stages under pp, with ZeRO-3's layers gathered once for them; each completion keeps the
+    eos that ended it."""
     cfg, grid = parts.cfg, parts.grid
     sampling = Sampling(temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.train.seed)
     eos = parts.data.eos_id
     listed = cfg.model.extra.get("eos_token_id")  # a checkpoint may list several (an end of turn)
     eos = sorted({eos, *(listed if isinstance(listed, list) else [listed])} - {None})
 
-    def group(prompt: list[int], max_new_tokens: int, seed_step: int) -> list[list[int]]:
-        prompts = [prompt] * cfg.rl.num_generations
-        kw = dict(max_new_tokens=max_new_tokens, eos_id=eos, sampling=sampling, step=seed_step, keep_eos=True)
-        if isinstance(step.generator, Decoder):
-            with step.autocast():
-                return generate(step.generator, prompts, device=grid.device, **kw)
-        return pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
-
     def run(asked: dict[int, tuple[list[int], int]], seed_step: int) -> dict[int, list[list[int]]]:
+        order, g = sorted(asked), cfg.rl.num_generations
+        # every prompt's G rows in one left-padded batch, each prompt's rows drawing from its own generator
+        kw = dict(max_new_tokens=[asked[j][1] for j in order for _ in range(g)], eos_id=eos, sampling=sampling,
+                  step=[draw_seed(seed_step, j) for j in order for _ in range(g)], keep_eos=True)
+        prompts = [asked[j][0] for j in order for _ in range(g)]
         with parts.optim.whole_params():  # once for the rollout phase, not once a prompt
-            return {j: group(prompt, room, draw_seed(seed_step, j)) for j, (prompt, room) in asked.items()}
+            if isinstance(step.generator, Decoder):
+                with step.autocast():
+                    out = generate(step.generator, prompts, device=grid.device, **kw)
+            else:
+                out = pipeline_generate(step.generator, prompts, autocast=step.autocast, **kw)
+        return {j: out[n * g:(n + 1) * g] for n, j in enumerate(order)}
     return run
