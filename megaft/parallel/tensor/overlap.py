@@ -31,8 +31,14 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megaft.kernels.linear.main_grad import compute_dtype
 from megaft.parallel.comm import Group, group_rank, group_size
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """F.linear's compute dtype: the autocast dtype when autocast is on, else x's (the rule of
+    megaft.kernels.linear.main_grad, which sits above this folder)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def _post(send: torch.Tensor, recv: torch.Tensor, group: Group) -> list:
