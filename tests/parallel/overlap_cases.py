@@ -75,9 +75,9 @@ def compare(group) -> list[str]:
     return failures
 
 
-def _lora_decoder_grads(group, ring: bool) -> tuple[torch.Tensor, dict]:
-    """A tiny sequence-parallel Decoder with LoRA on every linear (B made nonzero, so every adapter
-    weight gets a gradient): its loss and the adapters' grads."""
+def _decoder_grads(group, ring: bool, lora: bool, kv_heads: int = 4) -> tuple[torch.Tensor, dict]:
+    """A tiny sequence-parallel Decoder, with LoRA on every linear (B made nonzero, so every adapter
+    weight gets a gradient) or without: its loss and its trainable parameters' grads."""
     from megaft.config.lora import LoraConfig
     from megaft.config.model import ModelConfig
     from megaft.models.decoder import Decoder
@@ -85,11 +85,13 @@ def _lora_decoder_grads(group, ring: bool) -> tuple[torch.Tensor, dict]:
     from megaft.peft.lora import apply_lora
 
     tp, rank = group_size(group), group_rank(group)
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=48, vocab_size=37, max_seq_len=32,
-                      attention_bias=True, mlp_bias=True)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=kv_heads, ffn_dim=48, vocab_size=37,
+                      max_seq_len=32, attention_bias=True, mlp_bias=True)
     model = Decoder(cfg, group=group, sequence_parallel=True, tp_overlap=ring)
+    assert model.layers[0].self_attn.replicas == max(1, tp // kv_heads)
     init_params(model, cfg, seed=3, tp_rank=rank, tp_size=tp)
-    apply_lora(model, LoraConfig(rank=4), seed=1, tp_rank=rank, tp_size=tp)
+    if lora:
+        apply_lora(model, LoraConfig(rank=4), seed=1, tp_rank=rank, tp_size=tp)
     g = torch.Generator().manual_seed(2 + rank)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -101,16 +103,19 @@ def _lora_decoder_grads(group, ring: bool) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def compare_lora(group) -> list[str]:
-    """The ring vs the plain path on a Decoder with LoRA adapters (column adapters read the ring's
-    gathered input, row adapters' partial outputs join its reduce-scatter): loss and adapter grads."""
-    (want_loss, want), (got_loss, got) = _lora_decoder_grads(group, False), _lora_decoder_grads(group, True)
-    failures = [] if torch.allclose(got_loss, want_loss, rtol=1e-6, atol=0) else [f"lora loss {got_loss} {want_loss}"]
+def compare_decoder(group, lora: bool, kv_heads: int = 4) -> list[str]:
+    """The ring vs the plain path on a Decoder: with LoRA adapters (column adapters read the ring's
+    gathered input, row adapters' partial outputs join its reduce-scatter), or with kv heads replicated
+    over tp (kv_heads < tp: their weights pass through replica_sum); loss and trainable grads."""
+    want_loss, want = _decoder_grads(group, False, lora, kv_heads)
+    got_loss, got = _decoder_grads(group, True, lora, kv_heads)
+    tag = f"tp={group_size(group)} lora={lora} kv_heads={kv_heads}"
+    failures = [] if torch.allclose(got_loss, want_loss, rtol=1e-6, atol=0) else [f"{tag} loss {got_loss} {want_loss}"]
     for name, w in want.items():
         # as in compare, through a whole block: measured <= 5.2e-7 (9.6e-7 under ATEN_CPU_CAPABILITY=default)
         err = (got[name] - w).abs().max().item() / w.abs().max().item()
         if not err <= 4e-6:
-            failures.append(f"tp={group_size(group)} lora grad {name}: rel err {err:.1e}")
+            failures.append(f"{tag} grad {name}: rel err {err:.1e}")
     return failures
 
 
@@ -118,7 +123,9 @@ def run_all(rank: int, world: int) -> None:
     """tp=world over all ranks, then tp=2 groups inside the world (neighbours by group rank)."""
     import torch.distributed as dist
 
-    failures = compare(dist.group.WORLD) + compare_lora(dist.group.WORLD)
+    world_group = dist.group.WORLD
+    failures = compare(world_group) + compare_decoder(world_group, lora=True)
+    failures += compare_decoder(world_group, lora=False, kv_heads=world // 2)  # 2 replicas of each kv head
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    failures += compare(pairs[rank // 2]) + compare_lora(pairs[rank // 2])
+    failures += compare(pairs[rank // 2]) + compare_decoder(pairs[rank // 2], lora=True)
     assert not failures, "\n".join(failures)
