@@ -3,8 +3,9 @@
     python -m benchmarks.plan [--cluster h100] [--matmul-fraction F] [--megatron-attention cudnn|fa2]
 
 Every row is priced twice ("before", "after"), each in its framework's mode: Megatron's rows compiled
-(its fused kernels) with its tp communication overlapped with the GEMMs (cluster.tp_overlap, which megaft's
-runtime lacks); torchtitan's rows eager (no torch.compile) or compiled as published, on their 2.4 TB/s HBM2e.
+(its fused kernels) with its tp communication overlapped with the whole GEMMs (cluster.tp_overlap; megaft's
+own overlap, parallel.tp_overlap=ring, hides each ring step behind one chunk's GEMM only, and is off by default);
+torchtitan's rows eager (no torch.compile) or compiled as published, on their 2.4 TB/s HBM2e.
 Both: the GEMM curve (megaft.perf.gemm) for every linear, the elementwise, norm and loss kernels by bytes
 over HBM plus a launch gap per kernel (megaft.perf.kernels_cost), and the attention core by a flash kernel's
 measured causal curve (megaft.perf.attention): torchtitan's rows FlashAttention-2, which PyTorch's
@@ -30,8 +31,9 @@ conf/cluster/<cluster>.yaml: a Llama-shaped model with the same FLOPs (multi-hea
 attention, SwiGLU width 8/3 x hidden = GPT's 4 x hidden MLP), bf16, micro-batch 1,
 sequence parallelism with tp, ZeRO-1 (Megatron's distributed optimizer) with bf16
 params and fp32 gradient reduction. The model predicts megaft's step, so it differs from
-Megatron where megaft differs: megaft overlaps no tp collective (both columns turn on
-cluster.tp_overlap, the like-for-like setting, for these rows), overlaps no parameter
+Megatron where megaft differs: megaft overlaps no tp collective by default, and its opt-in ring
+(parallel.tp_overlap=ring) less than Megatron's userbuffers (both columns turn on cluster.tp_overlap,
+the like-for-like setting, for these rows), overlaps no parameter
 all-gather with the next forward, and reduces pp > 1 gradients after the schedule ("after" turns on
 cluster.dp_overlap, the like-for-like setting for those two); the
 interleaving and micro-batch size of the published runs are not in the table (1 and 1 assumed here).

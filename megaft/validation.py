@@ -193,6 +193,26 @@ def _chat_template(cfg: Config):
     return load_chat_template(cfg.data.chat_template, tokenizer_dir_of(cfg.data.tokenizer, cfg.model.init_from))
 
 
+def _overlap_problems(cfg: Config) -> list[str]:
+    """parallel.tp_overlap=ring against the model and kernels: its rings run the dense GQA/MLP
+    blocks' GEMMs with torch (megaft.parallel.tensor.overlap)."""
+    if cfg.parallel.tp_overlap != "ring" or cfg.parallel.tp == 1:
+        return []
+    m, problems = cfg.model, []
+    linear = cfg.kernels.for_op("linear")
+    if linear in ("triton", "cuda"):
+        problems.append(f"parallel.tp_overlap=ring runs the parallel linears' GEMMs chunk by chunk with torch, not "
+                        f"the fused kernels.linear={linear} (bias/residual epilogues, wgrad into the main grad); fix: "
+                        "kernels.linear=torch (or auto), or parallel.tp_overlap=none")
+    for on, what in ((m.mla, "multi-head latent attention (model.mla)"),
+                     (m.n_experts > 0, "mixture-of-experts layers (model.n_experts)"),
+                     (trains_images(cfg), "vision-language models")):
+        if on:
+            problems.append(f"parallel.tp_overlap=ring covers grouped-query attention and the dense MLP, not {what}; "
+                            "fix: parallel.tp_overlap=none")
+    return problems
+
+
 def _softcap_problems(cfg: Config) -> list[str]:
     """Soft-capping (Gemma 2) runs in the explicit attention and on whole logits only."""
     m, problems = cfg.model, []
@@ -243,6 +263,7 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     problems += check_lora_moe(cfg.lora, n_experts=cfg.model.n_experts,
                                shared_expert=bool(cfg.model.shared_expert_ffn_dim))
     problems += _pipeline_problems(cfg, world_size) + _softcap_problems(cfg) + _expert_problems(cfg)
+    problems += _overlap_problems(cfg)
     problems += check_pref_run(cfg.train.objective, has_file=cfg.data.path is not None or bool(cfg.data.sources),
                                packing=cfg.data.packing,
                                n_experts=cfg.model.n_experts, share_prompt=cfg.pref.share_prompt,

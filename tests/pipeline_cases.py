@@ -35,10 +35,13 @@ PP2_RUNS = {
     "uneven": dict(pp=2, schedule="1f1b", pp_layers=[3, 1]),
     "tied": dict(pp=2, schedule="1f1b", tied=True, export=True),
     "tp2_pp1": dict(tp=2, export=True),  # reference for the tp=2 runs (same tp rounding, no pipeline)
+    "tp2_sp_ring_pp1": dict(tp=2, sequence_parallel=True, tp_overlap="ring"),  # ... for the ring's (its rounding)
 }
 RANK4_RUNS = {
     "pp2_tp2": dict(pp=2, tp=2, schedule="1f1b", export=True),
     "pp2_tp2_sp_interleaved": dict(pp=2, tp=2, vpp=2, schedule="interleaved", sequence_parallel=True),
+    # parallel.tp_overlap=ring inside the pipeline stages (megaft.parallel.tensor.overlap)
+    "pp2_tp2_sp_ring": dict(pp=2, tp=2, schedule="1f1b", sequence_parallel=True, tp_overlap="ring"),
     "pp2_dp2_tied": dict(pp=2, dp=2, schedule="1f1b", tied=True),
     "pp4_1f1b": dict(pp=4, schedule="1f1b"),
     "pp4_gpipe_tied": dict(pp=4, schedule="gpipe", tied=True),

@@ -40,7 +40,7 @@ def test_presets_price_kernels_and_bad_values_are_refused():
     assert kc.op_host == 0.0  # compiled: no eager dispatch
     assert KernelCosts.of(dataclasses.replace(h100, compiled=False), 3.35).op_host == pytest.approx(10e-6)
     assert KernelCosts.of(dataclasses.replace(h100, hbm_fraction=0.0), 3.35) is None  # not priced
-    assert not h100.tp_overlap  # megaft's runtime does not overlap tp collectives
+    assert not h100.tp_overlap  # Megatron's overlap (megaft's own is parallel.tp_overlap=ring)
     bad = dataclasses.replace(h100, hbm_fraction=1.5, kernel_gap_us=-1.0)
     assert any("cluster.hbm_fraction=1.5" in p for p in check_cluster(bad, "bf16"))
 
@@ -117,6 +117,28 @@ def test_tp_overlap_hides_the_blocks_collectives_behind_their_gemms():
     assert 0 < on_stage["f_tp"] < off_stage["f_tp"] and 0 < on_stage["b_tp"] < off_stage["b_tp"]
     # at tp = 1 there is nothing to hide: the same step
     assert step_cost(run_config(), on, 1).terms == step_cost(run_config(), h100, 1).terms
+
+
+def test_ring_overlap_hides_less_than_megatrons_and_all_on_a_fast_link():
+    # parallel.tp_overlap=ring (megaft's runtime): each ring step hides behind one chunk's GEMM, so it shows
+    # between none and Megatron's (whole GEMMs: cluster.tp_overlap) and, when every chunk's GEMM outlasts
+    # its transfer, hides as much as Megatron's; the compute is untouched and without sp there is no ring
+    h100 = preset("h100")
+    fast = dataclasses.replace(h100, nvlink_gbps=1e6, nvlink_latency_us=0.0)
+    for tp in (2, 8):
+        cfg = run_config(seq=4096, micro=2, tp=tp, sp=True, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+        off = _stage_costs(cfg, h100, 1)[0]
+        cfg.parallel.tp_overlap = "ring"
+        ring = _stage_costs(cfg, h100, 1)[0]
+        megatron = _stage_costs(cfg, dataclasses.replace(h100, tp_overlap=True), 1)[0]
+        assert ring["f_compute"] == off["f_compute"] and ring["b_compute"] == off["b_compute"]
+        for key in ("f_tp", "b_tp"):
+            assert megatron[key] < ring[key] < off[key], (tp, key)
+        ring_fast = _stage_costs(cfg, fast, 1)[0]
+        megatron_fast = _stage_costs(cfg, dataclasses.replace(fast, tp_overlap=True), 1)[0]
+        assert (ring_fast["f_tp"], ring_fast["b_tp"]) == (megatron_fast["f_tp"], megatron_fast["b_tp"])
+        cfg.parallel.sequence_parallel = False
+        assert _stage_costs(cfg, h100, 1)[0]["f_tp"] > ring["f_tp"]
 
 
 def test_dp_overlap_hides_the_reduction_and_the_gather_as_megatron_does():

@@ -9,8 +9,10 @@ from megaft.parallel.grid import ParallelGrid
 from megaft.training.loop import Trainer
 from megaft.validation import resolve
 
-# (name, tp, dp, sequence_parallel, micro_batch_size) run on 2 ranks in one spawn.
-PARALLEL_RUNS = [("tp2", 2, 1, False, 8), ("tp2_sp", 2, 1, True, 8), ("dp2", 1, 2, False, 4)]
+# (name, tp, dp, sequence_parallel, micro_batch_size) run on 2 ranks in one spawn; "_ring": with
+# parallel.tp_overlap=ring and model.recompute=full (the rings run again inside the recomputed blocks).
+PARALLEL_RUNS = [("tp2", 2, 1, False, 8), ("tp2_sp", 2, 1, True, 8), ("dp2", 1, 2, False, 4),
+                 ("tp2_sp_ring", 2, 1, True, 8)]
 
 
 def small_config(steps: int = 20, micro: int = 8) -> Config:
@@ -56,10 +58,15 @@ def train_parallel_runs(rank: int, world: int, root: str) -> None:
     for name, tp, dp, sp, micro in PARALLEL_RUNS:
         cfg = small_config(micro=micro)
         cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sequence_parallel = tp, dp, sp
+        if name.endswith("_ring"):
+            cfg.parallel.tp_overlap, cfg.model.recompute = "ring", "full"
         run_dir = os.path.join(root, name)
         os.makedirs(run_dir, exist_ok=True)
         grid = ParallelGrid.build(tp=tp, dp=dp, pp=1, device="cpu")
-        Trainer(cfg, grid, run_dir).fit()
+        trainer = Trainer(cfg, grid, run_dir)
+        for block in trainer.parts.model.layers:  # parallel.tp_overlap reached the layers (or stayed off)
+            assert block.self_attn.q_proj.ring == block.mlp.down_proj.ring == name.endswith("_ring"), name
+        trainer.fit()
 
 
 def train_single_bf16(run_dir: str) -> None:

@@ -49,8 +49,9 @@ class ClusterConfig:
     # rotary and activations, and the host's per-op dispatch (eager_op_us) the GPU may wait on
     compiled: bool = True
     eager_op_us: float = 0.0  # host time to dispatch one eager op (compiled: false only)
-    # tp collectives overlapped with the adjacent GEMMs (Megatron/TransformerEngine's tp_comm_overlap);
-    # megaft's runtime does not overlap them, so its own plans keep this false
+    # tp collectives hidden behind the whole adjacent GEMMs (Megatron/TransformerEngine's tp_comm_overlap, for
+    # the published rows); megaft's own overlap is parallel.tp_overlap=ring, priced by its ring steps whatever
+    # this says, so megaft's plans keep this false
     tp_overlap: bool = False
     # model.recompute=selective priced as torchtitan's op-level policy (every second matmul and the elementwise
     # ops run again, the attention core saved; megaft.perf.op_recompute); megaft's runtime lacks it: keep false

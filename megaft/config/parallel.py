@@ -25,6 +25,11 @@ class Backend(StrEnum):
     gloo = "gloo"
 
 
+class TPOverlap(StrEnum):
+    none = "none"
+    ring = "ring"
+
+
 # megaft.pipeline.schedules builds them ("1f1b" is not an identifier: the functional form)
 Schedule = StrEnum("Schedule", [(name, name) for name in ("gpipe", "1f1b", "interleaved")])
 
@@ -45,6 +50,11 @@ class ParallelConfig:
     schedule: Schedule = Schedule["1f1b"]  # pipeline schedule: gpipe | 1f1b | interleaved
     pp_layers: Optional[List[int]] = None  # layers per virtual stage (pp*vpp entries); None = even split
     sequence_parallel: bool = False  # split norms/dropout regions along the sequence over tp
+    # none | ring: with sequence_parallel at tp > 1, the all-gather before the column-parallel linears and
+    # the reduce-scatter after the row-parallel ones (and their backward pairs) run as tp p2p ring steps,
+    # each chunk's GEMM beside the next chunk's transfer (megaft.parallel.tensor.overlap); equal to none to
+    # fp32 rounding. Dense GQA/MLP blocks on torch's GEMMs (kernels.linear=triton|cuda, MLA, MoE, cp refused)
+    tp_overlap: TPOverlap = TPOverlap.none
     backend: Backend = Backend.auto  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
     # ZeRO stage over dp: 0 plain dp | 1 Adam state sharded | 2 grads too | 3 params too.
     # With dp=1 any stage is a no-op (every shard is the whole model).
@@ -98,9 +108,26 @@ def check_parallel(cfg: ParallelConfig, world_size: int) -> list[str]:
         errors.append(f"parallel.bucket_mb={cfg.bucket_mb} must be > 0; fix: e.g. parallel.bucket_mb=25")
     if cfg.offload not in set(Offload):  # a config built in Python
         errors.append(f"parallel.offload={cfg.offload!r} is unknown; fix: none or cpu")
-    errors += _check_compression(cfg)
+    errors += _check_compression(cfg) + _check_tp_overlap(cfg)
     if cfg.backend not in set(Backend):
         errors.append(f"parallel.backend={cfg.backend!r} is unknown; fix: use auto, nccl or gloo")
+    return errors
+
+
+def _check_tp_overlap(cfg: ParallelConfig) -> list[str]:
+    """parallel.tp_overlap against the layout (the model and kernels: megaft.validation)."""
+    if cfg.tp_overlap not in set(TPOverlap):  # a config built in Python
+        return [f"parallel.tp_overlap={cfg.tp_overlap!r} is unknown; fix: none or ring"]
+    if cfg.tp_overlap == "none" or cfg.tp == 1:  # tp=1: nothing to overlap, as in a sweep over tp
+        return []
+    errors = []
+    if not cfg.sequence_parallel:
+        errors.append(f"parallel.tp_overlap=ring overlaps the sequence-parallel all-gather/reduce-scatter, and "
+                      f"parallel.sequence_parallel=false at tp={cfg.tp} all-reduces instead; fix: "
+                      "parallel.sequence_parallel=true, or parallel.tp_overlap=none")
+    if cfg.cp > 1:
+        errors.append(f"parallel.tp_overlap=ring with parallel.cp={cfg.cp} is not supported (the ring is tested "
+                      "with the tp group alone); fix: parallel.cp=1, or parallel.tp_overlap=none")
     return errors
 
 

@@ -12,10 +12,15 @@ gradient straight into the fp32 `weight.grad`.
 `adapter` (None, or a module set by megaft.peft.apply_lora): called on the layer's local
 input, its output is added to the local GEMM's before any reduction (a row-parallel
 adapter's partial product is summed by the layer's own all-reduce / reduce-scatter).
+
+`overlap` (`parallel.tp_overlap=ring`, with sequence parallel at tp > 1): the sequence
+all-gather and reduce-scatter run as rings of p2p steps beside chunked GEMMs
+(megaft.parallel.tensor.overlap), on torch's GEMMs whatever `backend` says.
+`column_outputs` runs the ring once for the layers sharing one input (q/k/v, gate/up).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +30,7 @@ from megaft.kernels.linear import EPILOGUE_BACKENDS, layer_linear, resolve_backe
 from megaft.kernels.linear.main_grad import compute_dtype
 from megaft.parallel.comm import Group, group_size
 from megaft.parallel.tensor.comm import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+from megaft.parallel.tensor.overlap import ring_column, ring_row
 from megaft.parallel.tensor.shard import mark_sequence_parallel, mark_sharded
 
 
@@ -33,6 +39,24 @@ def column_input(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torc
     sequence all-gather. Layers that share one input (q/k/v, gate/up) call it once
     and are built with `shared_input=True`, saving a collective per extra layer."""
     return gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
+def column_outputs(x: torch.Tensor, layers: Sequence["ColumnParallelLinear"],
+                   weights: Optional[Sequence[Optional[tuple]]] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the column-parallel input, each layer's output) for `layers` sharing the input `x`
+    (built with `shared_input=True`). `weights`: per layer None (its own weight, bias and
+    adapter) or a (weight, bias) pair used in their place, with no adapter (the attention's
+    replicated kv heads). With the ring overlap on, one ring gathers x and runs every GEMM
+    chunk by chunk; else `column_input`, then each GEMM on the gathered input."""
+    first = layers[0]
+    own = weights or [None] * len(layers)
+    pairs = [(layer.weight, layer.bias) if w is None else w for layer, w in zip(layers, own)]
+    if first.ring:
+        x, ys = ring_column(x, [w for w, _ in pairs], [b for _, b in pairs], first.group)
+    else:
+        x = column_input(x, first.group, first.sequence_parallel)
+        ys = [layer_linear(x, w, b, backend=layer.backend) for layer, (w, b) in zip(layers, pairs)]
+    return x, [layer.finish(x, y) if w is None else y for layer, w, y in zip(layers, own, ys)]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -48,10 +72,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False, pad_to: Optional[int] = None,
-                 shared_input: bool = False, backend: str = "torch"):
+                 shared_input: bool = False, backend: str = "torch", overlap: bool = False):
         super().__init__()
         tp = group_size(group)
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.ring = overlap and sequence_parallel and tp > 1  # parallel.tp_overlap=ring (column_outputs)
         self.shared_input, self.backend = shared_input, backend
         self.in_features, self.out_features = in_features, out_features
         padded = padded_size(out_features, (pad_to or 1) * tp)
@@ -65,8 +90,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.shared_input:
-            x = column_input(x, self.group, self.sequence_parallel)
-        y = layer_linear(x, self.weight, self.bias, backend=self.backend)
+            return column_outputs(x, [self])[1][0]
+        return self.finish(x, layer_linear(x, self.weight, self.bias, backend=self.backend))
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The rest of forward once the GEMM gave y: the adapter on the input x, the gather."""
         if self.adapter is not None:
             y = y + self.adapter(x)
         return gather_from_tp(y, self.group) if self.gather_output else y
@@ -83,9 +111,10 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = False,
-                 sequence_parallel: bool = False, backend: str = "torch"):
+                 sequence_parallel: bool = False, backend: str = "torch", overlap: bool = False):
         super().__init__()
         tp = group_size(group)
+        self.ring = overlap and sequence_parallel and tp > 1  # parallel.tp_overlap=ring: ring_row
         if in_features % tp:
             raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={tp}")
         self.group, self.sequence_parallel, self.backend = group, sequence_parallel, backend
@@ -100,6 +129,10 @@ class RowParallelLinear(nn.Module):
         self.adapter: Optional[nn.Module] = None  # LoRA (megaft.peft): partial output added before the sum
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.ring:  # the partial product reduce-scattered chunk by chunk (the adapter's joins it)
+            y = ring_row(x, self.weight, self.group, extra=None if self.adapter is None else self.adapter(x))
+            y = y if self.bias is None else y + self.bias
+            return y if residual is None else residual + y
         choice = resolve_backend(self.backend, x.device)
         if group_size(self.group) == 1 and choice in EPILOGUE_BACKENDS and self.adapter is None and (
                 self.bias is None or self.bias.dtype == compute_dtype(x)):

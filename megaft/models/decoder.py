@@ -52,7 +52,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
                  kernels: Optional[KernelsConfig] = None, layer: int = 0, recompute: str = "none",
-                 log: Optional[RouterLog] = None, ep_group: Group = None, routing: Optional[MoEConfig] = None):
+                 log: Optional[RouterLog] = None, ep_group: Group = None, routing: Optional[MoEConfig] = None,
+                 tp_overlap: bool = False):
         super().__init__()
         self.dropout, self.full_recompute = cfg.dropout, recompute == "full"
         selective = recompute == "selective"  # the attention core and the MLP activation
@@ -60,8 +61,12 @@ class Block(nn.Module):
         self.seq_split = (group_rank(group), group_size(group)) if sequence_parallel else (0, 1)
         self.input_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
         attention = MLAttention if cfg.mla else Attention  # multi-head latent attention (DeepSeek-V3)
+        # tp_overlap (parallel.tp_overlap=ring): GQA and the dense MLP (megaft.validation refuses the rest)
+        if tp_overlap and (cfg.mla or cfg.is_moe(layer)):
+            raise ValueError("tp_overlap covers grouped-query attention and the dense MLP, not MLA or MoE layers")
+        ring = dict(overlap=True) if tp_overlap else {}
         self.self_attn = attention(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
-                                   layer=layer, selective=selective)
+                                   layer=layer, selective=selective, **ring)
         # post_attention_layernorm: the MLP's input norm, or with sandwich norms (Gemma 2/3, HF's names) the
         # attention output's, pre_feedforward_layernorm then being the MLP's input norm
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel=sequence_parallel, kernels=kernels)
@@ -74,7 +79,7 @@ class Block(nn.Module):
                            kernels=kernels, selective=selective, layer=layer, ep_group=ep_group, routing=routing)
         else:
             self.mlp = MLP(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
-                           selective=selective)
+                           selective=selective, **ring)
 
     def forward(self, x, cos, sin, docs=None):
         return recompute.run(self._forward, x, cos, sin, docs, enabled=self.full_recompute)
@@ -210,12 +215,14 @@ class Decoder(nn.Module):
     By default it holds them all: `forward` returns this rank's vocabulary slice of the
     logits, [batch, seq, padded_vocab / tp], and `loss_sum` the summed token loss. A
     pipeline rank (megaft.pipeline.stage.StageModel) holds its stages' slice, with the
-    blocks keyed by global index (`keyed`), and runs it stage by stage."""
+    blocks keyed by global index (`keyed`), and runs it stage by stage. `tp_overlap`
+    (parallel.tp_overlap=ring, under sequence parallel): the blocks' sequence all-gathers and
+    reduce-scatters run as rings beside their GEMMs (megaft.parallel.tensor.overlap)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group = None, sequence_parallel: bool = False,
                  kernels: Optional[KernelsConfig] = None, layer_ids=None, embedding: bool = True,
                  head: bool = True, keyed: bool = False, stage_ranges=None, ep_group: Group = None,
-                 routing: Optional[MoEConfig] = None):
+                 routing: Optional[MoEConfig] = None, tp_overlap: bool = False):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building")
@@ -233,7 +240,7 @@ class Decoder(nn.Module):
         self.token_groups: list = []  # the groups a micro-batch's tokens are split over (router statistics)
         blocks = {str(i): Block(cfg, group=group, sequence_parallel=self.sp, kernels=kernels, layer=i,
                                 recompute=cfg.recompute if i in again else "none", log=self.router_log,
-                                ep_group=ep_group, routing=routing)
+                                ep_group=ep_group, routing=routing, tp_overlap=tp_overlap and self.sp)
                   for i in layer_ids}
         self.layers = nn.ModuleDict(blocks) if keyed else nn.ModuleList(blocks.values())
         if head:

@@ -20,8 +20,12 @@ to the step (`StepCost.step_s`):
 * **tp_comm**: per block two collectives in forward and two in backward (all-reduces, or
   with sequence parallelism reduce-scatter + all-gather: the same bytes), three with a
   shared expert (its MLP reduces on its own), plus the vocab-parallel embedding and head;
-  megaft does not overlap them with compute. `cluster.tp_overlap` (what Megatron's published runs
-  do, not megaft's runtime) hides each block collective's halves behind the GEMMs next to them.
+  megaft overlaps them only under `parallel.tp_overlap=ring` (sequence parallel, dense GQA/MLP
+  blocks: megaft.parallel.tensor.overlap), priced step by step: each of a half's tp - 1 ring
+  transfers shows what one chunk's GEMM (1/tp of the linear's) does not cover, the first
+  input-gradient step also hidden by the weight gradients (`_ring_tp_s`). `cluster.tp_overlap`
+  (what Megatron's published runs do: TransformerEngine's userbuffers) hides each block
+  collective's halves behind the whole GEMMs next to them.
 * **cp_comm**: the context-parallel ring (megaft.parallel.context.ring): per block, cp-1 K/V
   blocks in forward, and in backward cp-1 K/V blocks plus cp fp32 dK/dV accumulators, each
   a p2p over the cp group's link, hidden behind the attention core's compute of the block
@@ -231,6 +235,29 @@ def _overlapped_tp_s(m, layer: int, tokens: int, tp: int, ep: int, curve, rate: 
             rest + sum(max(0.0, one / 2 - b) for _, b in times))
 
 
+def _ring_tp_s(m, layer: int, tokens: int, tp: int, curve, rate: float, one: float,
+               wgrad: bool = True) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of dense block `layer`'s tp collectives under
+    parallel.tp_overlap=ring (megaft.parallel.tensor.overlap): each half (`one` / 2: the all-gather
+    before q/k/v and gate/up, the reduce-scatter after o and down) is tp - 1 ring steps of one
+    chunk's transfer, each beside one chunk's GEMM (1/tp of the linear's), so a step shows only
+    what its chunk's GEMM does not cover; the last chunk's GEMM hides nothing. Backward: the
+    column linears' input-gradient reduce-scatter steps beside the dgrad chunks, the first one
+    beside the weight gradients too (`wgrad`: False under LoRA); the row linears' output-gradient
+    all-gather beside the dgrad chunks (their weight gradient waits for the whole gradient)."""
+    steps, times = tp - 1, []
+    for lin in block_linears(m, layer, tokens, tp)[:4]:  # q/k/v, o, gate/up, down (MoE and MLA refused)
+        f, d, w = (lin.flops / rate,) * 3 if curve is None else linear_s(lin, curve)
+        times.append((f / tp, d / tp, w if wgrad else 0.0))
+    step = one / 2 / steps  # one chunk's transfer
+    fwd = sum(steps * max(0.0, step - f) for f, _, _ in times)
+    bwd = 0.0
+    for i, (_, d, w) in enumerate(times):
+        column = i % 2 == 0
+        bwd += max(0.0, step - d - (w if column else 0.0)) + (steps - 1) * max(0.0, step - d)
+    return fwd, bwd
+
+
 def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     """Per virtual stage, one micro-batch's seconds: f/b compute, tp, the cp ring, the ep
     all-to-alls and ZeRO (exposed)."""
@@ -299,8 +326,11 @@ def _stage_costs(cfg, cluster, dp: int) -> list[dict]:
     loss_f, loss_b = loss_s(m, tokens, tp, act, kc)  # the cross-entropy over this rank's logits
     head_f, head_b = head_f + loss_f, head_b + loss_b
     head_tp_f, head_tp_b = head_tp_s(m, tokens, tp, par.sequence_parallel, tp_one, tp_link)
-    if cluster.tp_overlap and tp > 1:  # megaft's runtime does not overlap: its plans keep this off
+    if cluster.tp_overlap and tp > 1:  # Megatron's (published rows); megaft's runtime: parallel.tp_overlap
         hidden = per_block(m, lambda i: _overlapped_tp_s(m, i, tokens, tp, ep, curve, rate, tp_one, not lora))
+        tp_f, tp_b = [x for x, _ in hidden], [y for _, y in hidden]
+    elif par.tp_overlap == "ring" and par.sequence_parallel and tp > 1:  # megaft's ring (validation: dense GQA)
+        hidden = per_block(m, lambda i: _ring_tp_s(m, i, tokens, tp, curve, rate, tp_one, not lora))
         tp_f, tp_b = [x for x, _ in hidden], [y for _, y in hidden]
     else:
         tp_f = tp_b = [tp_one * n for n in per_block(m, lambda i: _block_collectives(m, i))]

@@ -28,7 +28,7 @@ class StageModel(Decoder):
 
     def __init__(self, cfg: ModelConfig, *, pp: int, pp_rank: int, vpp: int = 1,
                  pp_layers: Optional[Sequence[int]] = None, group: Group = None, sequence_parallel: bool = False,
-                 kernels=None, ep_group: Group = None, routing=None):
+                 kernels=None, ep_group: Group = None, routing=None, tp_overlap: bool = False):
         n_stages = pp * vpp
         stages = list(range(pp_rank, n_stages, pp))
         ranges = stage_layers(cfg.n_layers, n_stages, pp_layers)
@@ -37,7 +37,7 @@ class StageModel(Decoder):
         super().__init__(cfg, group=group, sequence_parallel=sequence_parallel, kernels=kernels,
                          layer_ids=[i for s in stages for i in ranges[s]], embedding=is_first or tied_copy,
                          head=is_last, keyed=True, stage_ranges=[ranges[s] for s in stages], ep_group=ep_group,
-                         routing=routing)
+                         routing=routing, tp_overlap=tp_overlap)
         self.pp, self.pp_rank, self.n_stages = pp, pp_rank, n_stages
         self.last_stage, self.stages, self.stage_ranges = n_stages - 1, stages, ranges
         self.is_first, self.is_last, self.tied_copy = is_first, is_last, tied_copy

@@ -42,10 +42,10 @@ def build_model(parts: RunParts) -> Decoder | StageModel:
     if grid.pp_size > 1:
         model = StageModel(cfg.model, pp=grid.pp_size, pp_rank=grid.pp_rank, vpp=par.vpp, pp_layers=par.pp_layers,
                            group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
-                           ep_group=grid.ep_group, routing=cfg.moe)
+                           ep_group=grid.ep_group, routing=cfg.moe, tp_overlap=par.tp_overlap == "ring")
     else:
         model = Decoder(cfg.model, group=grid.tp_group, sequence_parallel=par.sequence_parallel, kernels=kernels,
-                        ep_group=grid.ep_group, routing=cfg.moe)
+                        ep_group=grid.ep_group, routing=cfg.moe, tp_overlap=par.tp_overlap == "ring")
     if cfg.model.init_from:
         from megaft.models.hf.load import load_hf_weights
 

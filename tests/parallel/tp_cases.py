@@ -44,17 +44,20 @@ def _model_grads(model, ids, labels, n_targets):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def compare_model(grid: ParallelGrid, case: dict, sequence_parallel: bool, seq: int) -> list[str]:
-    """Logits and every parameter grad of the tp model vs the reference; returns failures."""
+def compare_model(grid: ParallelGrid, case: dict, sequence_parallel: bool, seq: int,
+                  tp_overlap: bool = False) -> list[str]:
+    """Logits and every parameter grad of the tp model vs the reference; returns failures.
+    `tp_overlap`: parallel.tp_overlap=ring (megaft.parallel.tensor.overlap)."""
     cfg = ModelConfig(**case)
     ids, labels = _inputs(cfg.vocab_size, seq)
     n = int((labels != -100).sum())
     ref = Decoder(cfg)
     init_params(ref, cfg, seed=3, tp_rank=0, tp_size=1)
-    model = Decoder(cfg, group=grid.tp_group, sequence_parallel=sequence_parallel)
+    model = Decoder(cfg, group=grid.tp_group, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
+    assert model.layers[0].mlp.down_proj.ring == tp_overlap  # the ring really runs
     init_params(model, cfg, seed=3, tp_rank=grid.tp_rank, tp_size=grid.tp_size)
     failures = []
-    tag = f"tp={grid.tp_size} sp={sequence_parallel} case={case} seq={seq}"
+    tag = f"tp={grid.tp_size} sp={sequence_parallel} ring={tp_overlap} case={case} seq={seq}"
     try:
         torch.testing.assert_close(full_logits(model, ids), full_logits(ref, ids), rtol=RTOL, atol=ATOL)
     except AssertionError as e:
@@ -101,13 +104,14 @@ def compare_cross_entropy(grid: ParallelGrid) -> list[str]:
 
 def run_all(rank: int, world: int) -> None:
     """On 4 ranks: tp=4 and tp=2 (x dp=2) grids; every case, with and without sequence
-    parallel, a sequence length tp divides and one it does not (padded internally)."""
+    parallel (and with it, the ring overlap), a sequence length tp divides and one it does not
+    (padded internally)."""
     failures = []
     for tp in (world, world // 2):
         grid = ParallelGrid.build(tp=tp, dp=world // tp, pp=1, device="cpu")
         failures += compare_cross_entropy(grid)
         for case in CASES:
-            for sp in (False, True):
+            for sp, ring in ((False, False), (True, False), (True, True)):
                 for seq in (12, 9):
-                    failures += compare_model(grid, case, sp, seq)
+                    failures += compare_model(grid, case, sp, seq, tp_overlap=ring)
     assert not failures, "\n".join(failures)

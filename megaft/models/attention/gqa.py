@@ -25,10 +25,9 @@ from torch import nn
 
 from megaft.config.kernels import KernelsConfig
 from megaft.config.model import ModelConfig, kv_replicas
-from megaft.kernels.linear import layer_linear
 from megaft.kernels.rope import rope
 from megaft.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
-from megaft.layers.linear import column_input
+from megaft.layers.linear import column_outputs
 from megaft.layers.norm import WidthRMSNorm
 from megaft.models import recompute
 from megaft.models.attention.documents import Docs, attend, kernel_name, rope_at
@@ -83,10 +82,12 @@ def attention_record(cfg: ModelConfig, *, packing: str, cp: int, seq_len: int, d
 class Attention(nn.Module):
     """Each tp rank owns n_heads/tp query heads and the kv heads they read: n_kv_heads/tp,
     or one replicated kv head when tp > n_kv_heads. `layer` picks the block's window;
-    `selective`: the attention core runs again in backward (recompute=selective)."""
+    `selective`: the attention core runs again in backward (recompute=selective); `overlap`:
+    parallel.tp_overlap=ring (one ring for q/k/v, one for o: megaft.layers.linear)."""
 
     def __init__(self, cfg: ModelConfig, *, group: Group, sequence_parallel: bool,
-                 kernels: Optional[KernelsConfig] = None, layer: int = 0, selective: bool = False):
+                 kernels: Optional[KernelsConfig] = None, layer: int = 0, selective: bool = False,
+                 overlap: bool = False):
         super().__init__()
         tp, hd = group_size(group), cfg.hd
         self.group, self.sp, self.rope_backend = group, sequence_parallel, op_backend(kernels, "rope")
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         self.cache = None  # a LayerCache while generating (megaft.inference.kv_cache.kv_cache)
         lin = op_backend(kernels, "linear")
         col = dict(group=group, bias=cfg.attention_bias or cfg.qkv_bias, sequence_parallel=sequence_parallel,
-                   shared_input=True, backend=lin)
+                   shared_input=True, backend=lin, overlap=overlap)
         self.q_proj = ColumnParallelLinear(cfg.dim, cfg.n_heads * hd, **col)
         # With replicas, k/v are built tp * hd wide (one head per rank) and re-marked as
         # replicated copies of the n_kv_heads * hd rows of the real tensor.
@@ -108,7 +109,7 @@ class Attention(nn.Module):
                 if p is not None:
                     mark_replicated(p, cfg.kv_heads * hd, self.replicas)
         self.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.dim, group=group, bias=cfg.attention_bias,
-                                        sequence_parallel=sequence_parallel, backend=lin)
+                                        sequence_parallel=sequence_parallel, backend=lin, overlap=overlap)
         # query_pre_attn_scalar (Gemma 2/3): scores scaled by it ** -0.5, not head_dim ** -0.5; q is
         # multiplied by sqrt(head_dim / it) so every attention path (SDPA, documents, ring) keeps its scale
         qpas = cfg.query_pre_attn_scalar
@@ -124,20 +125,21 @@ class Attention(nn.Module):
                         group=group if tp > 1 else None)
             self.q_norm, self.k_norm = RMSNorm(hd, **norm), RMSNorm(hd, **norm)
 
-    def _kv(self, proj: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    def _kv(self, proj: ColumnParallelLinear) -> Optional[tuple]:
+        """None (the layer's own weights) or, with kv replicas, the (weight, bias) whose gradient
+        is summed over the ranks sharing the head (megaft.models.attention.kv_heads)."""
         if self.replicas == 1:
-            return proj(x)
-        return layer_linear(x, replica_sum(proj.weight, self.group, self.replicas),
-                            replica_sum(proj.bias, self.group, self.replicas), backend=proj.backend)
+            return None
+        return replica_sum(proj.weight, self.group, self.replicas), replica_sum(proj.bias, self.group, self.replicas)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: Optional[Docs] = None) -> torch.Tensor:
         """`docs`: packed documents kept apart (megaft.models.attention.documents), positions restarting
         in each; None = one causal sequence per row."""
-        x = column_input(x, self.group, self.sp)
+        kv = [self._kv(self.k_proj), self._kv(self.v_proj)]
+        x, (q, k, v) = column_outputs(x, [self.q_proj, self.k_proj, self.v_proj], [None, *kv])
         b, s, _ = x.shape
-        q, k = self.q_proj(x), self._kv(self.k_proj, x)
-        v = self._kv(self.v_proj, x).view(b, s, self.n_kv, self.hd).transpose(1, 2)
+        v = v.view(b, s, self.n_kv, self.hd).transpose(1, 2)
         if self.full_qk_norm:
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         q, k = q.view(b, s, self.n_heads, self.hd), k.view(b, s, self.n_kv, self.hd)
