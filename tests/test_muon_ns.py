@@ -166,3 +166,22 @@ def test_a_training_run_follows_the_torch_iterations_curve(monkeypatch):
     control = train("torch")
     assert 0 < drift(triton_run, ref) <= 2 * drift(control, ref)
     assert drift(control, ref) < 0.2  # the control's flips stay small next to training's own moves
+
+
+def test_the_benchmark_times_equal_computations_and_names_the_gpu_command(capsys):
+    """benchmarks.newton_schulz: its `unfolded` path (each axpy its own op: the same GEMMs, so the ratio
+    compares equal work) is the reference iteration up to its 4 extra bf16 roundings a step (A A, b A,
+    c A A and their sum; a X and B X likewise), each 2^-9 relative: within 2 x 4 x steps x 2^-9 in
+    Frobenius norm (measured 3.9%: the folding torch.optim.Muon does is also the more accurate form);
+    on CPU the torch ratio is 1 and triton is not timed (interpreted only), with the command a GPU user
+    runs."""
+    from benchmarks import newton_schulz as bench
+
+    g = torch.randn(40, 100, generator=torch.Generator().manual_seed(3))
+    got, want = bench.unfolded(g, *COEFFS, 5, 1e-7).float(), reference(g, 5).float()
+    assert 0 < (got - want).norm() <= 2 * 4 * 5 * 2.0 ** -9 * want.norm()
+    assert bench.flops_ratio((64, 64)) == 4 / 6  # square: half of X X^T and of A A, the B X product whole
+    rows = bench.main(["--device", "cpu", "--scale", "64", "--reps", "1", "--steps", "1"])
+    assert [r["shape"] for r in rows] == [[32, 32], [8, 32], [128, 32], [32, 128], [8, 32, 32]]
+    assert all(r["ratio"]["torch"] == 1 and r["ratio"]["triton"] is None for r in rows)
+    assert "python -m benchmarks.newton_schulz --device cuda" in capsys.readouterr().out
