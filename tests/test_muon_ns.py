@@ -185,3 +185,59 @@ def test_the_benchmark_times_equal_computations_and_names_the_gpu_command(capsys
     assert [r["shape"] for r in rows] == [[32, 32], [8, 32], [128, 32], [32, 128], [8, 32, 32]]
     assert all(r["ratio"]["torch"] == 1 and r["ratio"]["triton"] is None for r in rows)
     assert "python -m benchmarks.newton_schulz --device cuda" in capsys.readouterr().out
+
+
+LAYOUTS = {"tp2": dict(tp=2), "dp2_zero3": dict(dp=2, zero=3, bucket_mb=0.01)}
+
+
+def _triton_config(**par):
+    from test_muon import _muon_config
+
+    cfg = _muon_config(**par)
+    cfg.optim.muon.ns_backend = "triton"
+    cfg.train.max_steps = 3
+    return cfg
+
+
+def _train_layouts(rank: int, world: int, root: str) -> None:
+    from test_muon import _fit_and_save
+    from train_cases import layout_grid
+
+    for name, par in LAYOUTS.items():
+        _fit_and_save(_triton_config(**par), layout_grid(par), os.path.join(root, name))
+
+
+@pytest.mark.exact  # make test runs it on a pinned CPU code path (docs/contributing.md)
+def test_layouts_on_the_triton_path_equal_the_single_process(tmp_path):
+    """ns_backend=triton at tp=2 (each shard's update gathered whole, orthogonalised by the kernel on
+    every tp rank) and dp=2 ZeRO-3 (the owners' all-gathered updates) against one process on the same
+    path, with tests/test_muon.py::test_layout_equals_single_process's bounds: losses within 1e-5
+    relative, each Muon matrix within a quarter of its summed step sizes, each AdamW tensor 1% of the
+    summed lr (the kernel sees the same whole matrix at every layout; what differs is the fp32
+    rounding of its input, carried by bf16 Newton-Schulz as on the torch path)."""
+    from multirank import spawn
+    from test_muon import _fit_and_save, _whole_weights
+    from train_cases import read_metrics
+
+    from megaft.optim.muon import update_scale
+    from megaft.optim.schedule import lr_at
+    from megaft.parallel.grid import ParallelGrid
+
+    for name in ("single", *LAYOUTS):
+        os.makedirs(tmp_path / name)
+    _fit_and_save(_triton_config(), ParallelGrid.single(), str(tmp_path / "single"))
+    spawn(2, _train_layouts, str(tmp_path))
+    cfg = _triton_config()
+    lr_sum = sum(lr_at(s, cfg.optim, cfg.train.max_steps) for s in range(cfg.train.max_steps))
+    single, _ = read_metrics(str(tmp_path / "single"))
+    want = _whole_weights(str(tmp_path / "single"))
+    muon = {n for n, w in want.items() if w.dim() == 2 and not n.startswith(("embed_tokens.", "lm_head."))}
+    assert len(muon) == 14
+    for layout in LAYOUTS:
+        got_loss, _ = read_metrics(str(tmp_path / layout))
+        assert len(got_loss) == 3 and got_loss == pytest.approx(single, rel=1e-5), layout
+        got = _whole_weights(str(tmp_path / layout))
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            bound = 0.25 * lr_sum * update_scale(w.shape, "original") if name in muon else 0.01 * lr_sum
+            assert (got[name] - w).abs().max() <= bound, (layout, name)
