@@ -18,24 +18,28 @@ stacks at most one ulp, 2.4e-4 relative).
 import math
 import os
 
-if "TRITON_INTERPRET" not in os.environ:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-
 import pytest
 import torch
-from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from megaft.config import Config
-from megaft.config.model import ModelConfig
-from megaft.config.optim import OptimConfig, check_optim
-from megaft.kernels.newton_schulz import newton_schulz, resolve_backend
-from megaft.models.decoder import Decoder
-from megaft.models.init import init_params
-from megaft.optim.checks import check_fused
-from megaft.optim.muon import MuonAdamW, flat_split, muon_split
-from megaft.parallel.data import FlatParams
+if not torch.cuda.is_available():  # before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns  # noqa: E402
+
+from megaft.config import Config  # noqa: E402
+from megaft.config.model import ModelConfig  # noqa: E402
+from megaft.config.optim import OptimConfig, check_optim  # noqa: E402
+from megaft.kernels import _triton  # noqa: E402
+from megaft.kernels.newton_schulz import newton_schulz, resolve_backend  # noqa: E402
+from megaft.models.decoder import Decoder  # noqa: E402
+from megaft.models.init import init_params  # noqa: E402
+from megaft.optim.checks import check_fused  # noqa: E402
+from megaft.optim.muon import MuonAdamW, flat_split, muon_split  # noqa: E402
+from megaft.parallel.data import FlatParams  # noqa: E402
 
 COEFFS = (3.4445, -4.7750, 2.0315)
+# the Triton kernel on CPU tensors: interpreted (a machine with a GPU runs the compiled one, test_..._on_a_gpu)
+interpreted = pytest.mark.skipif(not _triton.interpreting(), reason="Triton on CPU runs only under TRITON_INTERPRET=1")
 SHAPES = {"square": (48, 48), "tall": (100, 40), "wide": (40, 100), "two_tiles": (130, 70),
           "experts_wide": (3, 40, 72), "experts_tall": (3, 72, 40)}
 
@@ -60,6 +64,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).norm() <= 2.0 ** -9 * want.norm()
 
 
+@interpreted
 @pytest.mark.parametrize("steps", [1, 5])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_triton_equals_torch_muon(shape, steps):
@@ -71,6 +76,21 @@ def test_triton_equals_torch_muon(shape, steps):
     assert torch.equal(newton_schulz(g, *COEFFS, steps, 1e-7, backend="torch").float(), want.float())
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or _triton.interpreting(),
+                    reason="needs a CUDA GPU, Triton compiled (make gpu-check runs it)")
+@pytest.mark.parametrize("shape", [*sorted(SHAPES), "down_proj_1b", "experts_1b"])
+def test_triton_equals_torch_muon_on_a_gpu(shape, monkeypatch):
+    """The compiled kernel (no interpreter: bf16 tl.dot, the GPU's round-to-nearest cast) against
+    torch.optim.Muon's iteration on the GPU, with the CPU test's tolerance; cuBLAS's reduced-precision
+    bf16 reductions are switched off so that the reference sums in fp32, as the derivation assumes."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    dims = {"down_proj_1b": (2048, 8192), "experts_1b": (8, 1024, 2048)}.get(shape) or SHAPES[shape]
+    g = torch.randn(*dims, generator=torch.Generator().manual_seed(1)).cuda()
+    assert_close(newton_schulz(g, *COEFFS, 5, 1e-7, backend="triton"), reference(g, 5))
+
+@interpreted
 def test_the_symmetric_product_mirrors_its_upper_tiles():
     """alpha Y Y^T + beta Z over three 32-row tiles: the result is symmetric bit for bit (the tiles
     below the diagonal are the stored transposes) and each entry is the fp32 value rounded once."""
@@ -142,6 +162,7 @@ def drift(run, ref) -> float:
     return max(((got[n] - want[n]).norm() / (want[n] - start[n]).norm()).item() for n in want)
 
 
+@interpreted
 def test_a_training_run_follows_the_torch_iterations_curve(monkeypatch):
     """The loss curve within 1e-3 relative (measured 3.5e-5) and every weight no further from the torch
     run than a control run is: the torch iteration with one ulp added to 1% of its results' entries
@@ -207,6 +228,7 @@ def _train_layouts(rank: int, world: int, root: str) -> None:
         _fit_and_save(_triton_config(**par), layout_grid(par), os.path.join(root, name))
 
 
+@interpreted
 @pytest.mark.exact  # make test runs it on a pinned CPU code path (docs/contributing.md)
 def test_layouts_on_the_triton_path_equal_the_single_process(tmp_path):
     """ns_backend=triton at tp=2 (each shard's update gathered whole, orthogonalised by the kernel on
