@@ -129,6 +129,11 @@ def test_bad_config_is_refused_with_the_fix(monkeypatch):
     optim.name = "adamw"  # the Newton-Schulz backend of an AdamW run is never used
     assert check_fused(optim, device="cpu") == []
     assert Config().optim.muon.ns_backend == "torch"  # the default: torch.optim.Muon's ops, bitwise
+    from megaft.validation import validate
+
+    cfg = Config()  # the whole validation, before any rank starts, reports it (device auto: this CPU here)
+    cfg.optim.name, cfg.optim.muon.ns_backend = "muon", "triton"
+    assert [p for p in validate(cfg, 1) if "ns_backend" in p] == ([] if torch.cuda.is_available() else [err])
 
 
 def train(backend: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
