@@ -7,9 +7,10 @@ On a machine with a CUDA GPU it runs, each under its own time budget and all wit
 `--budget` seconds: the carried wheels' install (megaft's pure-Python dependencies that a
 GPU image may lack, from .gpu-wheels/: `make gpu-wheels` fills it), the CUDA extension's
 build for this GPU, `pytest -m gpu tests`, the kernel benchmarks (every kernel against
-torch), fused AdamW against its byte floor, a 1B-model train step (tokens/s and MFU) and
-the memory estimate against torch.cuda.max_memory_allocated. A step that runs out of time
-is stopped and recorded as a timeout; the rest still run. The results go to
+torch), fused AdamW against its byte floor, Muon's Newton-Schulz paths against torch's
+(benchmarks.newton_schulz), a 1B-model train step (tokens/s and MFU) and the memory
+estimate against torch.cuda.max_memory_allocated. A step that runs out of time is stopped
+and recorded as a timeout; the rest still run. The results go to
 `<out>/<date>-<gpu>.json` (every step's command, status, seconds and output tail, and the
 benchmarks' own JSON rows) and a summary table is printed. Without a GPU it says so in
 one line and exits 0. Exit status 1 when a step failed or timed out.
@@ -63,11 +64,13 @@ def steps(arch: str) -> list[Step]:
         Step("build", [py, "setup.py", "build_ext", "--inplace"], 100,
              env={"MEGAFT_BUILD_CUDA": "1", "TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(os.cpu_count() or 4)}),
         Step("pytest_gpu", [py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-                            "--junitxml", "{out}/pytest_gpu.xml"], 150),
+                            "--junitxml", "{out}/pytest_gpu.xml"], 130),
         Step("kernels", [py, "-m", "benchmarks.kernels", "--device", "cuda", "--reps", "20",
                          "--json", "{out}/kernels.json"], 60, json_out="kernels.json"),
         Step("adamw", [py, "-m", "benchmarks.kernels.adamw", "--device", "cuda", "--json", "{out}/adamw.json"], 30,
              json_out="adamw.json"),
+        Step("newton_schulz", [py, "-m", "benchmarks.newton_schulz", "--device", "cuda", "--json",
+                               "{out}/newton_schulz.json"], 20, json_out="newton_schulz.json"),
         Step("train_step_1b", [py, "-m", "benchmarks.train_step", "--model", "1b", "--precision", "bf16",
                                "--steps", "6"], 70),
         Step("memory", [py, "-m", "benchmarks.memory", "--device", "cuda", "--precision", "bf16", "--skip-ranks",

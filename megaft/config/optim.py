@@ -12,6 +12,8 @@ FUSED_BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 Fused = StrEnum("Fused", [(b, b) for b in FUSED_BACKENDS])  # optim.fused's choices, checked by Hydra
 
 Optimizer = StrEnum("Optimizer", [(n, n) for n in ("adamw", "muon")])  # optim.name's choices
+NS_BACKENDS = ("torch", "triton", "auto")  # Muon's Newton-Schulz kernels (megaft.kernels.newton_schulz reads this)
+NSBackend = StrEnum("NSBackend", [(n, n) for n in NS_BACKENDS])  # optim.muon.ns_backend's choices
 # Muon's update scale (torch.optim.Muon's adjust_lr_fn): original sqrt(max(1, rows/cols)) (Keller
 # Jordan's), match_rms_adamw 0.2*sqrt(max(rows, cols)) (Moonlight's: reuses AdamW's lr and decay)
 MuonScale = StrEnum("MuonScale", [(n, n) for n in ("original", "match_rms_adamw")])
@@ -30,6 +32,9 @@ class MuonConfig:
     eps: float = 1e-7  # the update is divided by max(its Frobenius norm, eps) before Newton-Schulz
     scale: MuonScale = MuonScale.original  # the update's factor on lr: original | match_rms_adamw (Moonlight)
     weight_decay: Optional[float] = None  # decoupled; None: optim.weight_decay
+    # the Newton-Schulz kernel (megaft.kernels.newton_schulz): torch (torch.optim.Muon's ops: bitwise equal to it),
+    # triton (X X^T and b A + c A A^T as symmetric GEMMs, half the tiles; CUDA), auto (triton on CUDA, else torch)
+    ns_backend: NSBackend = NSBackend.torch
 
 
 @dataclass
@@ -144,6 +149,8 @@ def check_muon(cfg: OptimConfig) -> list[str]:
                       "0 <= momentum < 1, 1 <= ns_steps < 100 and eps > 0; fix: e.g. 0.95, 5 and 1e-7")
     if mu.scale not in set(MuonScale):
         errors.append(f"optim.muon.scale={mu.scale!r} is unknown; fix: original or match_rms_adamw")
+    if mu.ns_backend not in NS_BACKENDS:
+        errors.append(f"optim.muon.ns_backend={mu.ns_backend!r} is unknown; fix: one of {', '.join(NS_BACKENDS)}")
     if mu.weight_decay is not None and mu.weight_decay < 0:
         errors.append(f"optim.muon.weight_decay={mu.weight_decay} must be >= 0 (or null: optim.weight_decay)")
     return errors

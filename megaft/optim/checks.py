@@ -9,17 +9,36 @@ from megaft.device import resolve_device
 
 def check_fused(cfg: OptimConfig, device: str | None = None) -> list[str]:
     """Problems of optim.fused on ``device`` (the run's auto|cpu|cuda): the extension of an
-    explicit cpu/cuda kernel must be built, and Triton must be able to run there."""
+    explicit cpu/cuda kernel must be built, and Triton must be able to run there; the same for
+    optim.muon.ns_backend=triton under optim.name=muon."""
+    errors = check_ns_backend(cfg, device)
     if cfg.fused == "triton":
-        return _check_fused_triton(device)
+        return errors + _check_fused_triton(device)
     if cfg.fused in ("cpu", "cuda"):
         from megaft.kernels import _ext
 
         ext = _ext.C if cfg.fused == "cpu" else _ext.CUDA
         if not ext.available:
-            return [f"optim.fused={cfg.fused}: {ext.name} is not available ({ext.error}); fix: rebuild "
-                    "with `pip install --no-build-isolation -e .` (MEGAFT_CUDA=1 for CUDA) or optim.fused=auto"]
-    return []
+            errors.append(f"optim.fused={cfg.fused}: {ext.name} is not available ({ext.error}); fix: rebuild "
+                          "with `pip install --no-build-isolation -e .` (MEGAFT_CUDA=1 for CUDA) or optim.fused=auto")
+    return errors
+
+
+def check_ns_backend(cfg: OptimConfig, device: str | None = None) -> list[str]:
+    """optim.muon.ns_backend=triton (optim.name=muon) needs triton, and CUDA tensors unless Triton's CPU
+    interpreter is on (tests): never a silent fallback to the torch iteration."""
+    if cfg.name != "muon" or cfg.muon.ns_backend != "triton":
+        return []
+    import torch
+
+    from megaft.kernels import _triton
+
+    on_cuda = resolve_device(device) == "cuda"
+    why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
+    if why is None:
+        return []
+    return [f"optim.muon.ns_backend=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
+            f"{why}. fix: optim.muon.ns_backend=torch or auto (or run on GPUs)"]
 
 
 def _check_fused_triton(device: str | None) -> list[str]:

@@ -22,7 +22,8 @@ The update is torch.optim.Muon's, op for op (so fp32 runs equal it bitwise): the
 buffer B <- lerp(B, g, 1 - mu), nesterov U = lerp(g, B, mu) (else B), U orthogonalised by
 `ns_steps` quintic Newton-Schulz iterations in bf16, then p <- p (1 - lr wd) - lr' U with
 lr' = lr * sqrt(max(1, rows/cols)) (scale=original) or lr * 0.2 sqrt(max(rows, cols))
-(scale=match_rms_adamw).
+(scale=match_rms_adamw). optim.muon.ns_backend picks the Newton-Schulz kernel (megaft.kernels.newton_schulz):
+torch (the default: torch.optim.Muon's ops, bitwise), triton (the symmetric products as half GEMMs), auto.
 
 State layout: the Muon matrices lie in flat buffers of their own (FlatParams' `momentum_only`:
 `flat_split`), whose optimizer state is one buffer, the momentum, in AdamW's exp_avg slot of the
@@ -39,6 +40,8 @@ import sys
 import torch
 
 from megaft.config.optim import OptimConfig
+from megaft.kernels.newton_schulz import newton_schulz
+from megaft.kernels.newton_schulz.reference import zeropower_via_newtonschulz  # noqa: F401 (re-exported)
 from megaft.optim.adamw import AdamW, adamw_update_
 from megaft.optim.offload import HostAdamW
 from megaft.parallel.comm import Group, all_gather, group_rank, group_size
@@ -90,28 +93,6 @@ def split_record(sizes: dict[str, dict[str, int]], pp_group: Group = None, *, lo
     return rec
 
 
-def zeropower_via_newtonschulz(g: torch.Tensor, a: float, b: float, c: float, steps: int,
-                               eps: float) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation of the matrix `g`, the same ops in the same order:
-    bf16, the wide orientation, normalised to spectral norm <= 1, then `steps` quintic steps. A
-    stack [E, rows, cols] (routed experts) is orthogonalised matrix by matrix in one batched pass."""
-    x = g.bfloat16()
-    tall = g.size(-2) > g.size(-1)
-    if tall:
-        x = x.mT
-    if x.dim() == 2:
-        x.div_(x.norm().clamp(min=eps))
-        for _ in range(steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    else:
-        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-        for _ in range(steps):
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
-
-
 def update_scale(shape: torch.Size, rule: str) -> float:
     """The factor on lr of a Muon update of a `shape` matrix (module docstring); a stack's: of its matrices."""
     rows, cols = shape[-2:]
@@ -131,7 +112,7 @@ def orthogonalise(update: torch.Tensor, spec, tp_group: Group, mu) -> tuple[torc
         # copied kv heads (tp > n_kv_heads): the gather repeats each head's rows; the matrix one process
         # holds (and torch.optim.Muon orthogonalises) has each head once, and the rank keeps its head's rows
         whole = dedupe_gathered(whole, spec, tp)
-    out = zeropower_via_newtonschulz(whole, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps)
+    out = newton_schulz(whole, mu.ns_a, mu.ns_b, mu.ns_c, mu.ns_steps, mu.eps, backend=mu.ns_backend)
     if whole is not update:
         lo, hi = spec.bounds(group_rank(tp_group), tp)
         out = out.narrow(spec.dim, lo, hi - lo)
