@@ -29,21 +29,17 @@ def check_ns_backend(cfg: OptimConfig, device: str | None = None) -> list[str]:
     interpreter is on (tests): never a silent fallback to the torch iteration."""
     if cfg.name != "muon" or cfg.muon.ns_backend != "triton":
         return []
-    import torch
-
-    from megaft.kernels import _triton
-
-    on_cuda = resolve_device(device) == "cuda"
-    why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
-    if why is None:
-        return []
-    return [f"optim.muon.ns_backend=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
-            f"{why}. fix: optim.muon.ns_backend=torch or auto (or run on GPUs)"]
+    return _triton_problems("optim.muon.ns_backend=triton", "optim.muon.ns_backend=torch or auto", device)
 
 
 def _check_fused_triton(device: str | None) -> list[str]:
     """optim.fused=triton needs triton, and CUDA tensors unless Triton's CPU
     interpreter is on (tests): never a silent fallback to another kernel."""
+    return _triton_problems("optim.fused=triton", "optim.fused=auto", device)
+
+
+def _triton_problems(setting: str, fix: str, device: str | None) -> list[str]:
+    """`setting` needs Triton on this run's device: why it cannot run there, with the fix."""
     import torch
 
     from megaft.kernels import _triton
@@ -52,8 +48,8 @@ def _check_fused_triton(device: str | None) -> list[str]:
     why = _triton.unavailable_reason(torch.device("cuda" if on_cuda else "cpu"))
     if why is None:
         return []
-    return [f"optim.fused=triton cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: "
-            f"{why}. fix: optim.fused=auto (or run on GPUs)"]
+    return [f"{setting} cannot run on this run's {'cuda' if on_cuda else 'cpu'} device: {why}. fix: {fix} "
+            "(or run on GPUs)"]
 
 
 def check_muon_layout(cfg) -> list[str]:
