@@ -116,23 +116,28 @@ def draw_generator(sampling: Sampling, step: int, device: Optional[torch.device]
 class Draws:
     """The generators of a generation call whose prompts draw apart: prompt i's rows draw from the
     generator of steps[i] (draw_generator), the rows sharing a step as one multinomial in prompt
-    order; `rows`: the prompts of the batch being decoded (set by the decoding loop)."""
+    order; `set_rows` names the prompts of the batch being decoded (the decoding loop's on_batch)."""
 
     def __init__(self, sampling: Sampling, steps: list[int], device: Optional[torch.device]):
-        self.steps = steps
+        self.steps, self.device = steps, device
         self.generators = {s: draw_generator(sampling, s, device) for s in dict.fromkeys(steps)}
-        self.rows: list[int] = list(range(len(steps)))
+        self.set_rows(list(range(len(steps))))
+
+    def set_rows(self, rows: list[int]) -> None:
+        """The batch's prompts: each step's rows in it, found once a batch rather than once a token."""
+        by_step: dict[int, list[int]] = defaultdict(list)
+        for r, i in enumerate(rows):
+            by_step[self.steps[i]].append(r)
+        self.rows = rows
+        self.groups = [(step, torch.tensor(at, device=self.device)) for step, at in by_step.items()]
 
     def draw(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         """One token per row of the whole logits [batch, vocab], as `draw` with each group's generator."""
         if logits.shape[0] != len(self.rows):  # an expert-parallel idle forward's row: discarded
             return draw(logits, sampling, next(iter(self.generators.values())))
-        groups: dict[int, list[int]] = defaultdict(list)
-        for r, i in enumerate(self.rows):
-            groups[self.steps[i]].append(r)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        for step, rows in groups.items():
-            at = torch.tensor(rows, device=logits.device)
+        for step, at in self.groups:
+            at = at.to(logits.device)  # no copy where the call's device is the logits'
             out[at] = draw(logits.index_select(0, at), sampling, self.generators[step])
         return out
 
@@ -276,7 +281,7 @@ def _rows_of(generator) -> Optional[Callable[[list[int]], None]]:
     """The decoding loop's `on_batch` for per-prompt draws (it names each batch's prompts), or None."""
     if not isinstance(generator, Draws):
         return None
-    return lambda idxs: setattr(generator, "rows", idxs)
+    return generator.set_rows
 
 
 @torch.no_grad()

@@ -12,15 +12,17 @@ from data.image_fixture import write_images
 from data.qwen_image_fixture import MERGE, PATCH, TEMPORAL, make_qwen_processor
 
 from megaft.config import Config
-from megaft.parallel.grid import ParallelGrid
-from megaft.training.loop import Trainer
 from megaft.validation import validate
-from models.vlm_train_cases import QUESTIONS, train, vlm_config, with_lora, write_mixed
+from models.vlm_train_cases import (  # noqa: F401  (LAYOUTS: the tests name the same runs)
+    LAYOUTS,
+    QUESTIONS,
+    train_family_layouts,
+    vlm_config,
+    write_mixed,
+)
 
 SEQ_LEN = 128  # the character tokenizer spells Qwen's default system prompt: ~100 tokens with an image
 TOO_LONG = 2  # conversations whose answer pushes them past SEQ_LEN
-LAYOUTS = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2_zero1": dict(dp=2, zero=1),
-           "dp2_zero2": dict(dp=2, zero=2), "dp2_zero3": dict(dp=2, zero=3)}
 
 
 @torch.no_grad()
@@ -81,21 +83,5 @@ def qwen_config(ckpt: str, data: str, world: int = 1, **parallel) -> Config:
 
 
 def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> None:
-    """Every LAYOUTS run on this rank, into root/<name>, then LoRA at tp2 (root/lora_tp2) and dp2 on
-    a file where one rank's row has no image (root/mixed_dp2)."""
-    for name, par in LAYOUTS.items():
-        grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, device="cpu")
-        train(qwen_config(ckpt, data, world, **par), grid, os.path.join(root, name))
-    train(with_lora(qwen_config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
-          os.path.join(root, "lora_tp2"))
-    # a step where one dp rank's micro-batch has no image: its tower gets no gradient from it
-    for zero, name in [(1, "mixed_dp2"), (3, "mixed_dp2_zero3")]:  # ZeRO-3: that rank runs a blank image
-        cfg = qwen_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=zero)
-        train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, name))
-    # the same ZeRO-3 run stopped after 2 steps with a checkpoint, then resumed from it
-    for stop_after in (2, None):
-        cfg = qwen_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=3)
-        cfg.train.save_every = 1
-        run = os.path.join(root, "resumed_dp2_zero3")
-        os.makedirs(run, exist_ok=True)
-        Trainer(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), run).fit(stop_after=stop_after)
+    """Qwen2.5-VL's runs of models.vlm_train_cases.train_family_layouts on this rank."""
+    train_family_layouts(qwen_config, world, root, ckpt, data)

@@ -92,20 +92,26 @@ def train(cfg: Config, grid: ParallelGrid, run_dir: str) -> dict:
 
 
 def train_layouts(rank: int, world: int, root: str, ckpt: str, data: str) -> None:
-    """Every LAYOUTS run on this rank, into root/<name>."""
+    """Gemma 3's runs of `train_family_layouts` on this rank."""
+    train_family_layouts(vlm_config, world, root, ckpt, data)
+
+
+def train_family_layouts(config, world: int, root: str, ckpt: str, data: str) -> None:
+    """Every LAYOUTS run of a family (`config`: its vlm_config), into root/<name>, then LoRA at tp2
+    (root/lora_tp2), dp2 on a file where one rank's row has no image (root/mixed_dp2, ZeRO-1 and 3)
+    and that ZeRO-3 run stopped after 2 steps and resumed (root/resumed_dp2_zero3)."""
     for name, par in LAYOUTS.items():
-        cfg = vlm_config(ckpt, data, world, **par)
         grid = ParallelGrid.build(tp=par.get("tp", 1), dp=par.get("dp", 1), pp=1, device="cpu")
-        train(cfg, grid, os.path.join(root, name))
-    train(with_lora(vlm_config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
+        train(config(ckpt, data, world, **par), grid, os.path.join(root, name))
+    train(with_lora(config(ckpt, data, world, tp=2), world), ParallelGrid.build(tp=2, dp=1, pp=1, device="cpu"),
           os.path.join(root, "lora_tp2"))
     # a step where one dp rank's micro-batch has no image: its tower gets no gradient from it
     for zero, name in [(1, "mixed_dp2"), (3, "mixed_dp2_zero3")]:  # ZeRO-3: that rank runs a blank image
-        cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=zero)
+        cfg = config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=zero)
         train(cfg, ParallelGrid.build(tp=1, dp=2, pp=1, device="cpu"), os.path.join(root, name))
     # the same ZeRO-3 run stopped after 2 steps with a checkpoint, then resumed from it
     for stop_after in (2, None):
-        cfg = vlm_config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=3)
+        cfg = config(ckpt, os.path.join(root, "mixed.jsonl"), world, micro=1, batch=2, dp=2, zero=3)
         cfg.train.save_every = 1
         run = os.path.join(root, "resumed_dp2_zero3")
         os.makedirs(run, exist_ok=True)
